@@ -1,0 +1,70 @@
+"""prefect-nemo: run NeMo-style ML jobs on GPU clusters from Prefect 3.
+
+Three lines to run a job::
+
+    from prefect_nemo import JobSpec, run_job
+    result = run_job(JobSpec(entrypoint="python train.py", working_dir="."))   # inside a flow
+
+With no cluster given, jobs run on the embedded default (a local Ray cluster).
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+from prefect_nemo.errors import (
+    AuthenticationFailed,
+    BackendUnavailable,
+    DependencyFailed,
+    DependencyNotFound,
+    InvalidJobSpec,
+    JobAlreadyExists,
+    JobFailed,
+    JobStopped,
+    JobTimedOut,
+    PrefectNemoError,
+    StopNotConfirmed,
+)
+from prefect_nemo.jobs import JobHandle, JobResult, JobSpec, JobState, JobStatus, Resources
+
+# The Prefect-facing parts load on first use, so `prefect_nemo.jobs`, `.packaging` and the
+# backends stay importable (and fast to import) without pulling in Prefect.
+_LAZY = {
+    "run_job": "prefect_nemo.tasks",
+    "submit_job": "prefect_nemo.tasks",
+    "wait_for_job": "prefect_nemo.tasks",
+    "stop_job": "prefect_nemo.tasks",
+    "start_experiment": "prefect_nemo.experiments",
+    "wait_for_experiments": "prefect_nemo.experiments",
+    "RayJobsCluster": "prefect_nemo.blocks",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'prefect_nemo' has no attribute {name!r}")
+
+
+__all__ = [
+    "AuthenticationFailed",
+    "BackendUnavailable",
+    "DependencyFailed",
+    "DependencyNotFound",
+    "InvalidJobSpec",
+    "JobAlreadyExists",
+    "JobFailed",
+    "JobHandle",
+    "JobResult",
+    "JobSpec",
+    "JobState",
+    "JobStatus",
+    "JobStopped",
+    "JobTimedOut",
+    "PrefectNemoError",
+    "RayJobsCluster",
+    "Resources",
+    "StopNotConfirmed",
+    *_LAZY,
+]

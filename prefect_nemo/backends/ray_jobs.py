@@ -1,0 +1,259 @@
+"""The Ray Jobs API backend, written on Ray's own JobSubmissionClient (no Prefect import)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import threading
+from collections.abc import AsyncGenerator, Callable, Collection
+from datetime import UTC, datetime
+from typing import Any, ClassVar, TypeVar
+
+import requests
+from ray.exceptions import AuthenticationError
+from ray.job_submission import JobDetails, JobSubmissionClient
+
+from prefect_nemo.errors import (
+    AuthenticationFailed,
+    BackendUnavailable,
+    InvalidJobSpec,
+    JobAlreadyExists,
+)
+from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus
+from prefect_nemo.packaging import collect_source, stage_source
+
+T = TypeVar("T")
+
+# Lets a driver's own ray.init(runtime_env=...) win over the job's runtime_env instead of failing.
+OVERRIDE_RUNTIME_ENV = {"RAY_OVERRIDE_JOB_RUNTIME_ENV": "1"}
+
+
+class _TimedClient(JobSubmissionClient):
+    """JobSubmissionClient whose every HTTP request carries a timeout (Ray sets none)."""
+
+    def __init__(self, address: str, *, timeout_s: float, **kwargs: Any) -> None:
+        self._timeout_s = timeout_s  # set first: the base __init__ already sends a request
+        super().__init__(address, **kwargs)
+
+    def _do_request(self, method: str, endpoint: str, **kwargs: Any) -> requests.Response:
+        kwargs.setdefault("timeout", self._timeout_s)
+        return super()._do_request(method, endpoint, **kwargs)
+
+
+def _ms_to_datetime(ms: int | None) -> datetime | None:
+    return datetime.fromtimestamp(ms / 1000, tz=UTC) if ms else None
+
+
+def _status_from_details(details: JobDetails) -> JobStatus:
+    return JobStatus(
+        job_id=details.submission_id or details.job_id or "",
+        state=JobState(str(details.status.value)),
+        message=details.message or "",
+        start_time=_ms_to_datetime(details.start_time),
+        end_time=_ms_to_datetime(details.end_time),
+        exit_code=details.driver_exit_code,
+        metadata=details.metadata or {},
+    )
+
+
+class RayJobsBackend:
+    """Submit, watch, stop and read logs of jobs on a running Ray cluster's Jobs API."""
+
+    kind: ClassVar[str] = "ray-jobs"
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        token_header: str = "Authorization",
+        headers: dict[str, str] | None = None,
+        verify: bool | str = True,
+        request_timeout_s: float = 30.0,
+        runtime_env: dict[str, Any] | None = None,
+    ) -> None:
+        self.address = address.rstrip("/")
+        self._token = token
+        self._headers = dict(headers or {})
+        if token:
+            self._headers[token_header] = f"Bearer {token}"
+        self._verify = verify
+        self._timeout_s = request_timeout_s
+        self._runtime_env = dict(runtime_env or {})
+        self._client: _TimedClient | None = None
+        self._client_lock = threading.Lock()
+
+    # -- identity ------------------------------------------------------------------------------
+
+    @property
+    def cluster(self) -> str:
+        """The dashboard address: one watcher per address."""
+        return self.address
+
+    @property
+    def secrets(self) -> list[str]:
+        """The token and every extra header value, for redaction."""
+        return [v for v in [self._token, *self._headers.values()] if v]
+
+    def handle(self, job_id: str) -> JobHandle:
+        """The job's handle with a link to its page in the Ray dashboard."""
+        return JobHandle(
+            backend=self.kind,
+            cluster=self.address,
+            job_id=job_id,
+            links={"dashboard": f"{self.address}/#/jobs/{job_id}"},
+        )
+
+    # -- client and error mapping ---------------------------------------------------------------
+
+    @property
+    def client(self) -> _TimedClient:
+        """The Ray client, created on first use (creating it checks version and auth)."""
+        with self._client_lock:
+            if self._client is None:
+                self._client = self._call(
+                    lambda: _TimedClient(
+                        self.address,
+                        timeout_s=self._timeout_s,
+                        headers=self._headers,
+                        verify=self._verify,
+                    )
+                )
+            return self._client
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        """Run one client call, turning transport and auth failures into our errors."""
+        try:
+            return fn()
+        except AuthenticationError as exc:
+            hint = (
+                "the token was rejected: set auth_token on the cluster block to the cluster's "
+                "token (`ray get-auth-token` on the head node prints it)"
+                if "403" in str(exc) or "Invalid" in str(exc)
+                else "the cluster requires a token (Ray >= 2.59 enables token auth by default): "
+                "set auth_token on the cluster block"
+            )
+            raise AuthenticationFailed(f"Ray cluster at {self.address}: {hint}") from None
+        except (requests.ConnectionError, requests.Timeout) as exc:
+            raise BackendUnavailable(
+                f"Ray dashboard at {self.address} is unreachable ({type(exc).__name__}): check "
+                "the address and that the cluster is up"
+            ) from None
+        except (ConnectionError, TimeoutError, OSError) as exc:
+            raise BackendUnavailable(
+                f"Ray dashboard at {self.address} is unreachable ({type(exc).__name__})"
+            ) from None
+        except RuntimeError as exc:
+            text = str(exc)
+            if "status code 5" in text and "already exists" not in text:
+                raise BackendUnavailable(
+                    f"Ray dashboard at {self.address} answered a server error: "
+                    f"{text.splitlines()[0][:200]}"
+                ) from None
+            raise
+
+    # -- Backend protocol -----------------------------------------------------------------------
+
+    def validate(self, spec: JobSpec) -> None:
+        """Reject what the Ray Jobs API would refuse, before anything is sent."""
+        if spec.label_selector and "entrypoint_label_selector" not in _submit_params():
+            raise InvalidJobSpec(
+                "JobSpec.label_selector: this Ray client does not support entrypoint label "
+                "selectors (needs ray >= 2.54): upgrade ray or drop label_selector"
+            )
+        try:
+            json.dumps({**self._runtime_env, **spec.runtime_env})
+        except TypeError as exc:
+            raise InvalidJobSpec(
+                f"JobSpec.runtime_env: must be JSON-serializable for the Ray Jobs API ({exc})"
+            ) from None
+
+    def check_access(self) -> None:
+        """Reach the dashboard and prove the token works (Ray checks it on every endpoint)."""
+        self._call(lambda: self.client.list_jobs() and None)
+
+    def find(self, job_id: str) -> JobStatus | None:
+        """The job's status, or None when the cluster has no such job."""
+        try:
+            info = self._call(lambda: self.client.get_job_info(job_id))
+        except RuntimeError as exc:
+            if "404" in str(exc) or "does not exist" in str(exc):
+                return None
+            raise
+        return _status_from_details(info)  # type: ignore[arg-type]
+
+    def submit(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> JobHandle:
+        """Submit the spec under job_id; JobAlreadyExists if someone took the id first."""
+        runtime_env = {**self._runtime_env, **spec.runtime_env}
+        runtime_env["env_vars"] = {
+            **self._runtime_env.get("env_vars", {}),
+            **spec.plain_env(),
+            **OVERRIDE_RUNTIME_ENV,
+        }
+        if spec.working_dir is not None:
+            tree = collect_source(spec.working_dir, exclude=spec.exclude)
+            # Content-addressed staging: an unchanged tree maps to the same directory, whose
+            # package Ray finds already uploaded (its client checks before uploading).
+            runtime_env["working_dir"] = str(stage_source(tree))
+        kwargs: dict[str, Any] = {}
+        res = spec.resources
+        if res.cpus is not None:
+            kwargs["entrypoint_num_cpus"] = res.cpus
+        if res.gpus is not None:
+            kwargs["entrypoint_num_gpus"] = res.gpus
+        if res.memory_bytes is not None:
+            kwargs["entrypoint_memory"] = res.memory_bytes
+        if res.custom:
+            kwargs["entrypoint_resources"] = dict(res.custom)
+        if spec.label_selector:  # older clients raise TypeError even for None: send only when set
+            kwargs["entrypoint_label_selector"] = dict(spec.label_selector)
+        try:
+            self._call(
+                lambda: self.client.submit_job(
+                    entrypoint=spec.entrypoint,
+                    submission_id=job_id,
+                    runtime_env=runtime_env,
+                    metadata={**spec.metadata, **metadata},
+                    **kwargs,
+                )
+            )
+        except RuntimeError as exc:
+            if "already exists" in str(exc):
+                raise JobAlreadyExists(f"Ray job '{job_id}' already exists") from None
+            raise
+        return self.handle(job_id)
+
+    def statuses(self, job_ids: Collection[str]) -> dict[str, JobStatus]:
+        """One list_jobs call answers for every job we watch on this cluster."""
+        wanted = set(job_ids)
+        details = self._call(self.client.list_jobs)
+        return {
+            d.submission_id: _status_from_details(d)
+            for d in details
+            if d.submission_id in wanted
+        }
+
+    def request_stop(self, job_id: str) -> None:
+        """Ask Ray to stop the job (SIGTERM, then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S)."""
+        try:
+            self._call(lambda: self.client.stop_job(job_id))
+        except RuntimeError as exc:
+            if "404" not in str(exc) and "does not exist" not in str(exc):
+                raise
+
+    def logs(self, job_id: str) -> str:
+        """The job's whole log."""
+        return self._call(lambda: self.client.get_job_logs(job_id))
+
+    async def tail_logs(self, job_id: str) -> AsyncGenerator[str, None]:
+        """Chunks of the job's log as Ray writes them (websocket); ends when the job ends."""
+        stream = self.client.tail_job_logs(job_id)
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:  # closes Ray's aiohttp session when we are cancelled mid-stream
+            await stream.aclose()
+
+
+def _submit_params() -> set[str]:
+    return set(inspect.signature(JobSubmissionClient.submit_job).parameters)

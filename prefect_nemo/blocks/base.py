@@ -1,0 +1,51 @@
+"""What every cluster block shares: how to build its backend and how to watch and stop jobs."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+from prefect.blocks.core import Block
+from pydantic import Field
+
+from prefect_nemo.jobs import Backend
+from prefect_nemo.names import dns_label
+
+DOCS_URL = "https://github.com/prefect-nemo/prefect-nemo#readme"
+
+
+class ClusterBlock(Block):
+    """Base of every block that says where jobs run; subclasses add credentials and config."""
+
+    _documentation_url = DOCS_URL
+
+    max_concurrent_jobs: int | None = Field(
+        default=None,
+        ge=1,
+        description="Cap on jobs running at once on this cluster across all flows, enforced "
+        "with a Prefect global concurrency limit; empty for no cap.",
+    )
+    unreachable_budget_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="Seconds the cluster may stay unreachable while jobs are watched before "
+        "the jobs are stopped and the task fails.",
+    )
+    stop_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Seconds to wait for the cluster to confirm that a stopped job has ended.",
+    )
+    max_poll_interval_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="Longest pause between two status polls of the cluster (polls are faster "
+        "while jobs are young).",
+    )
+
+    @abstractmethod
+    def backend(self) -> Backend:
+        """Build the backend that talks to this cluster."""
+
+    def concurrency_limit_name(self, backend: Backend) -> str:
+        """The Prefect global concurrency limit that caps this cluster's running jobs."""
+        return f"prefect-nemo-{dns_label(backend.cluster, 50)}"

@@ -1,0 +1,54 @@
+"""One exception hierarchy for every backend: catch `PrefectNemoError` to catch them all."""
+
+from __future__ import annotations
+
+
+class PrefectNemoError(Exception):
+    """Base class of every error raised by prefect-nemo."""
+
+
+class InvalidJobSpec(PrefectNemoError, ValueError):
+    """The job or cluster configuration is wrong; nothing was submitted.
+
+    Messages name the field and the fix.
+    """
+
+
+class BackendUnavailable(PrefectNemoError):
+    """The cluster could not be reached (or kept answering errors) within the retry budget."""
+
+
+class AuthenticationFailed(BackendUnavailable):
+    """The cluster rejected our credentials (missing or wrong token)."""
+
+
+class JobFailed(PrefectNemoError):
+    """The job ran and ended in failure."""
+
+    def __init__(self, message: str, result: object | None = None) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class JobStopped(JobFailed):
+    """The job was stopped (by us on timeout or cancellation, or by someone else)."""
+
+
+class JobTimedOut(JobStopped):
+    """The job exceeded its timeout and was stopped."""
+
+
+class JobAlreadyExists(PrefectNemoError):
+    """Submit found the job id taken (a concurrent submitter won the race): attach instead."""
+
+
+class StopNotConfirmed(PrefectNemoError):
+    """A stop was requested but the job did not reach a terminal state in time."""
+
+
+class DependencyFailed(PrefectNemoError):
+    """An upstream experiment this flow depends on failed, crashed or was cancelled."""
+
+
+class DependencyNotFound(PrefectNemoError):
+    """An upstream experiment this flow depends on does not exist."""

@@ -1,0 +1,339 @@
+"""The job model every backend shares: what to run (JobSpec), where it runs (JobHandle), how it is
+doing (JobStatus / JobState) and how it ended (JobResult), plus the Backend protocol."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import AsyncGenerator, Collection
+from contextvars import ContextVar
+from datetime import datetime
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    StrictStr,
+    ValidationError,
+    field_validator,
+)
+
+from prefect_nemo.errors import InvalidJobSpec
+
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Metadata keys we write on every job; users may not set them.
+RESERVED_PREFIX = "prefect_nemo."
+# A Linux argv string is capped at 128 KiB (MAX_ARG_STRLEN); stay well under it.
+MAX_ENTRYPOINT_CHARS = 100_000
+
+
+class JobState(StrEnum):
+    """Where a job is in its life; the last three are terminal (as Ray's JobStatus)."""
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    STOPPED = "STOPPED"
+
+    def is_terminal(self) -> bool:
+        """True once the job can no longer change state."""
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED)
+
+
+_validating: ContextVar[bool] = ContextVar("prefect_nemo_validating", default=False)
+
+
+class _Model(BaseModel):
+    """Pydantic base that turns validation errors into `InvalidJobSpec` naming each field."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def __init__(self, **data: Any) -> None:
+        if _validating.get():  # nested model: let the outer model report the whole path
+            super().__init__(**data)
+            return
+        token = _validating.set(True)
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise InvalidJobSpec(explain(exc, type(self).__name__)) from None
+        finally:
+            _validating.reset(token)
+
+
+def explain(exc: ValidationError, model: str) -> str:
+    """A readable multi-line message: one line per bad field with pydantic's reason."""
+    lines = []
+    for err in exc.errors(include_url=False, include_input=False):
+        where = ".".join(str(p) for p in err["loc"]) or "(root)"
+        reason = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            reason = "unknown field: check the spelling (see the class docstring for the fields)"
+        lines.append(f"{model}.{where}: {reason}")
+    return "invalid job configuration:\n  " + "\n  ".join(lines)
+
+
+class Resources(_Model):
+    """Resources the job's entrypoint reserves on the cluster (its driver, not its workers)."""
+
+    cpus: float | None = Field(None, ge=0, description="CPU cores for the entrypoint.")
+    gpus: float | None = Field(None, ge=0, description="GPUs for the entrypoint.")
+    memory_bytes: int | None = Field(None, ge=0, description="Memory for the entrypoint, bytes.")
+    custom: dict[StrictStr, float] = Field(
+        default_factory=dict, description="Custom resources by name, e.g. {'TPU': 1}."
+    )
+
+    @field_validator("custom")
+    @classmethod
+    def _custom_non_negative(cls, value: dict[str, float]) -> dict[str, float]:
+        for key, amount in value.items():
+            if not key.strip():
+                raise ValueError("custom resource names must be non-empty")
+            if amount < 0:
+                raise ValueError(f"custom resource '{key}' is {amount}: use a number >= 0")
+        return value
+
+    def is_empty(self) -> bool:
+        """True when nothing is reserved (the backend's default placement applies)."""
+        return (
+            self.cpus is None
+            and self.gpus is None
+            and self.memory_bytes is None
+            and not self.custom
+        )
+
+
+class JobSpec(_Model):
+    """What to run: a shell entrypoint with its environment, code, resources and limits.
+
+    Fields: entrypoint, name, env, working_dir, exclude, resources, label_selector,
+    runtime_env, labels, metadata, timeout_s.
+    """
+
+    entrypoint: StrictStr = Field(description="Shell command the job runs, e.g. 'python train.py'.")
+    name: StrictStr | None = Field(
+        None,
+        description="Stable name of this job within its experiment; part of the job id, so a "
+        "re-run with the same name attaches instead of submitting again.",
+    )
+    env: dict[StrictStr, StrictStr | SecretStr] = Field(
+        default_factory=dict,
+        description="Environment variables; SecretStr values are redacted from everything we "
+        "log or report.",
+    )
+    working_dir: Path | None = Field(
+        None, description="Local directory whose files are shipped to the job (see packaging)."
+    )
+    exclude: tuple[StrictStr, ...] = Field(
+        (), description="Extra gitignore-style patterns left out of working_dir."
+    )
+    resources: Resources = Field(default_factory=Resources, description="Entrypoint resources.")
+    label_selector: dict[StrictStr, StrictStr] = Field(
+        default_factory=dict,
+        description="Node labels the entrypoint must land on (Ray >= 2.54 label selectors).",
+    )
+    runtime_env: dict[StrictStr, Any] = Field(
+        default_factory=dict,
+        description="Extra backend runtime environment (Ray runtime_env keys except "
+        "working_dir and env_vars, which come from the fields above).",
+    )
+    labels: dict[StrictStr, StrictStr] = Field(
+        default_factory=dict, description="Labels for the job (Kubernetes-style key/value)."
+    )
+    metadata: dict[StrictStr, StrictStr] = Field(
+        default_factory=dict, description="Free-form string metadata stored with the job."
+    )
+    timeout_s: float | None = Field(
+        None, gt=0, description="Seconds the job may run before it is stopped; None = no limit."
+    )
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint_ok(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must be a non-empty shell command, e.g. 'python train.py'")
+        if "\x00" in value:
+            raise ValueError("contains a NUL byte, which no shell accepts: remove it")
+        if len(value) > MAX_ENTRYPOINT_CHARS:
+            raise ValueError(
+                f"is {len(value)} characters; the limit is {MAX_ENTRYPOINT_CHARS} (Linux caps one "
+                "argument at 128 KiB): ship large inputs through working_dir instead"
+            )
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", value):
+            raise ValueError(
+                f"'{value}' is not a valid job name: use 1-63 letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit"
+            )
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_names_ok(cls, value: dict[str, str | SecretStr]) -> dict[str, str | SecretStr]:
+        for key in value:
+            if not ENV_NAME.match(key):
+                raise ValueError(
+                    f"'{key}' is not a valid environment variable name: use letters, digits and "
+                    "'_', not starting with a digit"
+                )
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_not_reserved(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            if key.startswith(RESERVED_PREFIX):
+                raise ValueError(f"key '{key}' is reserved for prefect-nemo: pick another key")
+        return value
+
+    @field_validator("runtime_env")
+    @classmethod
+    def _runtime_env_no_overlap(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if "working_dir" in value:
+            raise ValueError("set JobSpec.working_dir instead of runtime_env['working_dir']")
+        if "env_vars" in value:
+            raise ValueError("set JobSpec.env instead of runtime_env['env_vars']")
+        return value
+
+    def plain_env(self) -> dict[str, str]:
+        """The environment with secret values revealed, for handing to the backend only."""
+        return {
+            k: v.get_secret_value() if isinstance(v, SecretStr) else v for k, v in self.env.items()
+        }
+
+    def secret_values(self) -> list[str]:
+        """Every secret value in this spec, so reporters can redact them."""
+        return [v.get_secret_value() for v in self.env.values() if isinstance(v, SecretStr)]
+
+    def fingerprint(self) -> str:
+        """A short hash of what the job does, to spot drift when attaching to an existing job.
+
+        Secret values are left out (a hash of a short secret could be brute-forced).
+        """
+        data = self.model_dump(mode="json", exclude={"timeout_s"})
+        data["env"] = {
+            k: "<secret>" if isinstance(v, SecretStr) else v for k, v in self.env.items()
+        }
+        blob = json.dumps(data, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+class JobHandle(BaseModel):
+    """Where a submitted job lives: enough to find, watch and stop it again."""
+
+    model_config = ConfigDict(frozen=True)
+
+    backend: str = Field(description="Backend kind, e.g. 'ray-jobs'.")
+    cluster: str = Field(description="Which cluster (its address), for humans and resource ids.")
+    job_id: str = Field(description="The job's id on the cluster (deterministic).")
+    links: dict[str, str] = Field(default_factory=dict, description="URLs to look at the job.")
+
+    @property
+    def resource_id(self) -> str:
+        """The Prefect event resource id of this job."""
+        return f"prefect-nemo.job.{self.backend}.{self.job_id}"
+
+
+class JobStatus(BaseModel):
+    """One observation of a job as the cluster reports it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    job_id: str
+    state: JobState
+    message: str = ""
+    start_time: datetime | None = None
+    end_time: datetime | None = None
+    exit_code: int | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class JobResult(BaseModel):
+    """How a job ended: returned by run_job / wait_for_job, attached to JobFailed errors."""
+
+    model_config = ConfigDict(frozen=True)
+
+    handle: JobHandle
+    state: JobState
+    message: str = ""
+    start_time: datetime | None = None
+    end_time: datetime | None = None
+    exit_code: int | None = None
+    log_tail: str = ""
+    attached: bool = Field(False, description="True when this run re-attached to an existing job.")
+
+    @property
+    def duration_s(self) -> float | None:
+        """Seconds from start to end as the cluster recorded them."""
+        if self.start_time and self.end_time:
+            return (self.end_time - self.start_time).total_seconds()
+        return None
+
+    @property
+    def succeeded(self) -> bool:
+        """True when the job ended in SUCCEEDED."""
+        return self.state is JobState.SUCCEEDED
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What every engine implements; written on the engine's own client, with no Prefect import.
+
+    Every call carries a request timeout and raises BackendUnavailable when the cluster cannot
+    be reached and AuthenticationFailed when it rejects our credentials.
+    """
+
+    kind: ClassVar[str]
+
+    @property
+    def cluster(self) -> str:
+        """A stable identity of the cluster (e.g. its address); one watcher serves each."""
+        ...
+
+    @property
+    def secrets(self) -> list[str]:
+        """Secret values of this backend's credentials, for redaction."""
+        ...
+
+    def validate(self, spec: JobSpec) -> None:
+        """Raise InvalidJobSpec if the spec breaks this backend's limits; submits nothing."""
+
+    def check_access(self) -> None:
+        """Raise AuthenticationFailed / BackendUnavailable unless we may submit jobs."""
+
+    def handle(self, job_id: str) -> JobHandle:
+        """The handle (with links) of a job id on this cluster."""
+        ...
+
+    def find(self, job_id: str) -> JobStatus | None:
+        """The job's status, or None if no job has that id."""
+
+    def submit(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> JobHandle:
+        """Submit a new job under job_id; raise JobAlreadyExists if the id is taken."""
+        ...
+
+    def statuses(self, job_ids: Collection[str]) -> dict[str, JobStatus]:
+        """Statuses of many jobs in one round trip; ids the cluster does not know are absent."""
+        ...
+
+    def request_stop(self, job_id: str) -> None:
+        """Ask the cluster to stop the job (no waiting; see lifecycle.stop_and_confirm)."""
+
+    def logs(self, job_id: str) -> str:
+        """The job's whole log so far."""
+        ...
+
+    def tail_logs(self, job_id: str) -> AsyncGenerator[str, None]:
+        """Stream the job's log as it is written, until the job ends."""
+        ...
+

@@ -1,0 +1,219 @@
+"""The embedded default: a local Ray head for when no cluster is configured.
+
+We start `ray start --head --block` on free ports with token auth on (a fresh random token that
+lives only in the head's environment and in our block, never on disk) and stop it by process
+group when done. A cluster the user already runs on this machine is reused and left running.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+from prefect_nemo.blocks.ray_jobs import RayJobsCluster
+from prefect_nemo.errors import BackendUnavailable
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class LocalRayCluster:
+    """A Ray head on this machine: its addresses, its token, and (if we started it) its process."""
+
+    dashboard_url: str
+    gcs_address: str | None = None
+    token: str | None = field(default=None, repr=False)
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    log_path: Path | None = None
+
+    @property
+    def owned(self) -> bool:
+        """True when we started it (and so must stop it)."""
+        return self.process is not None
+
+    def block(self, **overrides: object) -> RayJobsCluster:
+        """A RayJobsCluster block pointing at this cluster."""
+        return RayJobsCluster(
+            dashboard_url=self.dashboard_url, auth_token=self.token, **overrides  # type: ignore[arg-type]
+        )
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop the head we started (SIGTERM to its process group, SIGKILL if it lingers)."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        pgid = os.getpgid(self.process.pid)
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            self.process.wait(10)
+        try:  # helpers of the head (raylet, gcs, dashboard) share its group: sweep them too
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> LocalRayCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_local_ray(
+    *,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    resources: dict[str, float] | None = None,
+    labels: dict[str, str] | None = None,
+    token_auth: bool = True,
+    object_store_bytes: int = 256 * 1024**2,
+    timeout_s: float = 90.0,
+) -> LocalRayCluster:
+    """Start a Ray head (dashboard on) on free ports and wait until its Jobs API answers."""
+    ports = {name: free_port() for name in (
+        "port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+        "ray-client-server-port", "node-manager-port", "object-manager-port",
+        "metrics-export-port", "runtime-env-agent-port",
+    )}
+    bin_dir = Path(sys.executable).parent
+    cmd = [str(bin_dir / "ray"), "start", "--head", "--block", "--disable-usage-stats",
+           "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+           f"--object-store-memory={object_store_bytes}"]
+    cmd += [f"--{name}={port}" for name, port in ports.items()]
+    if num_cpus is not None:
+        cmd.append(f"--num-cpus={num_cpus}")
+    if num_gpus is not None:
+        cmd.append(f"--num-gpus={num_gpus}")
+    if resources:
+        import json
+
+        cmd.append(f"--resources={json.dumps(resources)}")
+    if labels:
+        cmd.append("--labels=" + ",".join(f"{k}={v}" for k, v in labels.items()))
+
+    token = secrets.token_hex(32) if token_auth else None
+    env = dict(os.environ)
+    for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN_PATH"):
+        env.pop(var, None)
+    # Jobs' entrypoint shells inherit this PATH: our interpreter must come first.
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    env["RAY_AUTH_MODE"] = "token" if token else "disabled"
+    if token:
+        env["RAY_AUTH_TOKEN"] = token
+    if env.get("CUDA_VISIBLE_DEVICES") == "":
+        del env["CUDA_VISIBLE_DEVICES"]  # an empty value hides logical GPUs from Ray
+
+    log_file = tempfile.NamedTemporaryFile(prefix="prefect-nemo-ray-", suffix=".log", delete=False)
+    process = subprocess.Popen(
+        cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    cluster = LocalRayCluster(
+        dashboard_url=f"http://127.0.0.1:{ports['dashboard-port']}",
+        gcs_address=f"127.0.0.1:{ports['port']}",
+        token=token,
+        process=process,
+        log_path=Path(log_file.name),
+    )
+    try:
+        _wait_until_serving(cluster, timeout_s)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def _wait_until_serving(cluster: LocalRayCluster, timeout_s: float) -> None:
+    headers = {"Authorization": f"Bearer {cluster.token}"} if cluster.token else {}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cluster.process is not None and cluster.process.poll() is not None:
+            tail = cluster.log_path.read_text()[-2000:] if cluster.log_path else ""
+            raise BackendUnavailable(f"local Ray head exited during start-up:\n{tail}")
+        try:
+            # /api/jobs/ answers only once the job manager is up, not just the HTTP server.
+            if requests.get(f"{cluster.dashboard_url}/api/jobs/", headers=headers,
+                            timeout=2).ok:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.3)
+    raise BackendUnavailable(
+        f"local Ray head did not serve its Jobs API within {timeout_s:g}s (log: {cluster.log_path})"
+    )
+
+
+def find_local_ray(dashboard_url: str | None = None) -> LocalRayCluster | None:
+    """A Ray cluster the user already runs on this machine, if its Jobs API lets us in.
+
+    Looks at `dashboard_url`, then $RAY_API_SERVER_ADDRESS / $RAY_ADDRESS when they are http
+    URLs, then the default dashboard port; the token comes from Ray's own places
+    ($RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token).
+    """
+    candidates = [dashboard_url] + [
+        os.environ.get(v) for v in ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
+    ] + [DEFAULT_DASHBOARD]
+    token = _ray_token()
+    for url in candidates:
+        if not url or not url.startswith(("http://", "https://")):
+            continue
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        try:
+            if requests.get(f"{url.rstrip('/')}/api/jobs/", headers=headers, timeout=2).ok:
+                return LocalRayCluster(dashboard_url=url.rstrip("/"), token=token)
+        except requests.RequestException:
+            continue
+    return None
+
+
+def _ray_token() -> str | None:
+    if token := os.environ.get("RAY_AUTH_TOKEN"):
+        return token.strip()
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+_default: LocalRayCluster | None = None
+_default_lock = threading.Lock()
+
+
+def default_cluster() -> RayJobsCluster:
+    """The cluster used when none is configured: a running local one, else one we start.
+
+    One per process; a cluster we start is stopped when the process exits.
+    """
+    global _default
+    with _default_lock:
+        if _default is None or (_default.owned and _default.process.poll() is not None):  # type: ignore[union-attr]
+            _default = find_local_ray()
+            if _default is None:
+                log.info("no Ray cluster configured or running: starting a local one")
+                _default = start_local_ray()
+                atexit.register(_default.stop)
+        return _default.block()

@@ -1,0 +1,38 @@
+"""The one naming scheme: deterministic job ids and the name sanitizer every backend uses."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+_NOT_LABEL = re.compile(r"[^a-z0-9-]+")
+MAX_LABEL = 63  # RFC 1123 / 1035 label length; Kubernetes names reuse it
+_HASH_LEN = 8
+_ATTEMPT_ROOM = 4  # "-r99"
+
+
+def dns_label(text: str, max_len: int = MAX_LABEL) -> str:
+    """Lowercase `text` into an RFC 1035 label: [a-z0-9-], starts with a letter, <= max_len."""
+    label = _NOT_LABEL.sub("-", text.lower()).strip("-")
+    label = re.sub(r"-{2,}", "-", label)
+    if not label or not label[0].isalpha():
+        label = f"j-{label}".rstrip("-")
+    return label[:max_len].rstrip("-")
+
+
+def stable_hash(*parts: str, length: int = _HASH_LEN) -> str:
+    """A short hex digest of the parts (NUL-separated so ('ab','c') != ('a','bc'))."""
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:length]
+
+
+def job_id(scope: str, key: str, *, readable: str = "", attempt: int = 0) -> str:
+    """Deterministic job id of `key` within `scope` (an experiment or a flow run).
+
+    Identity is the hash of (scope, key); `readable` (e.g. the experiment name) only makes the
+    id easier to read. Attempt n > 0 (a resubmission after a failed attempt) appends '-r<n>'.
+    """
+    digest = stable_hash(scope, key)
+    room = MAX_LABEL - _HASH_LEN - 1 - _ATTEMPT_ROOM
+    head = dns_label(f"{readable}-{key}" if readable else key, room)
+    base = f"{head}-{digest}"
+    return base if attempt == 0 else f"{base}-r{attempt}"

@@ -1,0 +1,25 @@
+"""Keep secret values out of everything we print, log, report or raise."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+MASK = "**********"
+_MIN_SECRET = 4  # shorter values would mask ordinary text; blocks reject them anyway
+
+
+class Redactor:
+    """Replaces every known secret value in a text with a mask."""
+
+    def __init__(self, secrets: Iterable[str | None] = ()) -> None:
+        self._secrets = sorted({s for s in secrets if s and len(s) >= _MIN_SECRET}, key=len,
+                               reverse=True)
+
+    def __call__(self, text: str) -> str:
+        for secret in self._secrets:
+            if secret in text:
+                text = text.replace(secret, MASK)
+        return text
+
+    def __bool__(self) -> bool:
+        return bool(self._secrets)

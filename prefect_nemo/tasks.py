@@ -1,0 +1,418 @@
+"""The Prefect side of every backend: submit_job, wait_for_job, stop_job and run_job.
+
+Where Prefect meets the backends: job ids from the run context, logs/events/artifacts, the
+per-cluster concurrency cap, and the guarantee that a job we started is stopped whenever we
+leave without it having ended (failure, timeout, cancellation, crash). Three mechanisms give
+that guarantee: `finally` in the wait loop (the waiting thread got the exception), flow hooks
+(on_cancellation / on_crashed / on_failure, run in the flow's process by Prefect on SIGTERM)
+that stop every job this process started for the run, and deterministic ids so a run killed
+with SIGKILL re-attaches when it runs again.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import (
+    GlobalConcurrencyLimitCreate,
+    GlobalConcurrencyLimitUpdate,
+)
+from prefect.concurrency.sync import concurrency
+from prefect.context import FlowRunContext, TaskRunContext
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+from prefect.logging import get_logger
+
+from prefect_nemo import experiments, lifecycle
+from prefect_nemo.blocks.base import ClusterBlock
+from prefect_nemo.errors import (
+    InvalidJobSpec,
+    JobFailed,
+    JobStopped,
+    JobTimedOut,
+)
+from prefect_nemo.jobs import Backend, JobHandle, JobResult, JobSpec, JobState, JobStatus
+from prefect_nemo.redaction import Redactor
+from prefect_nemo.reporting import JobReporter
+from prefect_nemo.watcher import LogFollower, log_pump, watcher_for
+
+ClusterLike = ClusterBlock | str | None
+LOG_TAIL_LINES = 40
+
+# ---------------------------------------------------------------------------------------------
+# Cluster resolution
+
+
+def resolve_cluster(cluster: ClusterLike) -> ClusterBlock:
+    """A cluster block from a block, a saved block's name ('ray-jobs-cluster/prod'), or None.
+
+    None means the embedded default: a local Ray cluster (see local_ray.default_cluster).
+    """
+    if isinstance(cluster, ClusterBlock):
+        return cluster
+    if cluster is None:
+        from prefect_nemo.local_ray import default_cluster
+
+        return default_cluster()
+    if isinstance(cluster, str):
+        if "/" not in cluster:
+            raise InvalidJobSpec(
+                f"cluster={cluster!r}: name a saved block as '<block-type-slug>/<name>', e.g. "
+                "'ray-jobs-cluster/prod'"
+            )
+        from prefect.blocks.core import Block
+
+        try:
+            block = Block.load(cluster)
+        except (ValueError, ObjectNotFound) as exc:
+            raise InvalidJobSpec(
+                f"cluster={cluster!r}: no such block document ({exc}). Create it in the UI or "
+                "with `prefect-nemo blocks apply`, or pass a block object"
+            ) from None
+        if not isinstance(block, ClusterBlock):
+            raise InvalidJobSpec(f"cluster={cluster!r} is a {type(block).__name__}, not a cluster")
+        return block
+    raise InvalidJobSpec(
+        f"cluster: expected a cluster block (e.g. RayJobsCluster), a saved block name or None, "
+        f"got {type(cluster).__name__}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Where we are: the run context that job ids and reports hang off
+
+
+@dataclass(frozen=True)
+class _RunContext:
+    flow_run_id: str | None
+    scope: str
+    readable: str
+    default_key: str
+    logger: Any
+
+
+def _run_context() -> _RunContext:
+    task_ctx = TaskRunContext.get()
+    flow_ctx = FlowRunContext.get()
+    flow_run = flow_ctx.flow_run if flow_ctx else None
+    task_run = task_ctx.task_run if task_ctx else None
+    flow_run_id = str(flow_run.id) if flow_run else (
+        str(task_run.flow_run_id) if task_run and task_run.flow_run_id else None
+    )
+    experiment = experiments.current_experiment(flow_run_id)
+    if experiment:
+        scope, readable = f"experiment:{experiment}", experiment
+    elif flow_run_id:
+        scope, readable = f"flow-run:{flow_run_id}", flow_run.name if flow_run else ""
+    else:
+        scope, readable = f"task-run:{task_run.id if task_run else 'none'}", ""
+    default_key = f"{task_ctx.task.name}-{task_run.dynamic_key}" if task_ctx and task_run else "job"
+    if flow_ctx is not None and flow_ctx.flow is not None:
+        _install_stop_hooks(flow_ctx.flow)
+    try:
+        logger = get_run_logger()
+    except Exception:
+        logger = get_logger("prefect_nemo")
+    return _RunContext(flow_run_id, scope, readable, default_key, logger)
+
+
+# ---------------------------------------------------------------------------------------------
+# Jobs this process is responsible for, so flow hooks can stop them
+
+
+@dataclass(frozen=True)
+class _LiveJob:
+    backend: Backend
+    handle: JobHandle
+    stop_timeout_s: float
+
+
+class _LiveJobs:
+    """Jobs started or attached by this process that have not ended, per flow run."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_run: dict[str | None, dict[str, _LiveJob]] = {}
+
+    def add(self, flow_run_id: str | None, job: _LiveJob) -> None:
+        with self._lock:
+            self._by_run.setdefault(flow_run_id, {})[job.handle.job_id] = job
+
+    def discard(self, flow_run_id: str | None, job_id: str) -> None:
+        with self._lock:
+            self._by_run.get(flow_run_id, {}).pop(job_id, None)
+
+    def take(self, flow_run_id: str | None) -> list[_LiveJob]:
+        with self._lock:
+            return list(self._by_run.pop(flow_run_id, {}).values())
+
+
+live_jobs = _LiveJobs()
+
+
+def stop_flow_run_jobs(flow: Any, flow_run: Any, state: Any) -> None:
+    """Flow hook: stop (and confirm) every job this process still runs for the flow run.
+
+    Installed automatically on any flow that uses our tasks, for cancellation, crash and failure.
+    """
+    jobs = live_jobs.take(str(flow_run.id))
+    if not jobs:
+        return
+    logger = get_logger("prefect_nemo")
+    logger.warning(
+        f"flow run {flow_run.name} ended {state.type.value}: stopping {len(jobs)} job(s)"
+    )
+    with ThreadPoolExecutor(max_workers=min(16, len(jobs))) as pool:
+        for job, outcome in zip(jobs, pool.map(_stop_quietly, jobs), strict=True):
+            logger.warning(f"job {job.handle.job_id}: {outcome}")
+
+
+def _stop_quietly(job: _LiveJob) -> str:
+    redact = Redactor(job.backend.secrets)
+    try:
+        status = lifecycle.stop_and_confirm(
+            job.backend, job.handle.job_id, timeout_s=job.stop_timeout_s
+        )
+        return status.state.value if status else "gone"
+    except Exception as exc:
+        return redact(f"stop not confirmed: {exc}")
+
+
+def _install_stop_hooks(flow: Any) -> None:
+    # Users should not have to remember this: any flow that runs our tasks gets the hook once.
+    for hooks in (flow.on_cancellation_hooks, flow.on_crashed_hooks, flow.on_failure_hooks):
+        if stop_flow_run_jobs not in hooks:
+            hooks.append(stop_flow_run_jobs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The concurrency cap
+
+
+@contextmanager
+def _cluster_slot(block: ClusterBlock, backend: Backend) -> Iterator[None]:
+    """Hold one slot of the cluster's global concurrency limit while the job runs."""
+    if not block.max_concurrent_jobs:
+        yield
+        return
+    name = block.concurrency_limit_name(backend)
+    _ensure_limit(name, block.max_concurrent_jobs)
+    with concurrency(name, occupy=1, strict=True):
+        yield
+
+
+def _ensure_limit(name: str, limit: int) -> None:
+    with get_client(sync_client=True) as client:
+        try:
+            current = client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            try:
+                client.create_global_concurrency_limit(
+                    GlobalConcurrencyLimitCreate(name=name, limit=limit)
+                )
+            except ObjectAlreadyExists:
+                pass
+            return
+        if current.limit != limit:
+            client.update_global_concurrency_limit(
+                name, GlobalConcurrencyLimitUpdate(limit=limit)
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# The shared steps
+
+
+def _submit(block: ClusterBlock, backend: Backend, spec: JobSpec, ctx: _RunContext,
+            redact: Redactor) -> tuple[lifecycle.Submission, JobReporter]:
+    backend.validate(spec)
+    backend.check_access()  # auth and reachability fail here, before anything is submitted
+    owner = {lifecycle.META_FLOW_RUN: ctx.flow_run_id or ""}
+    submission = lifecycle.submit_or_attach(
+        backend, spec, scope=ctx.scope, key=spec.name or ctx.default_key, readable=ctx.readable,
+        metadata=owner,
+    )
+    reporter = JobReporter(
+        submission.handle, logger=ctx.logger, redact=redact, flow_run_id=ctx.flow_run_id
+    )
+    reporter.submitted(attached=submission.attached, drift=submission.drift)
+    return submission, reporter
+
+
+def _watch(
+    block: ClusterBlock,
+    backend: Backend,
+    handle: JobHandle,
+    *,
+    timeout_s: float | None,
+    stream_logs: bool,
+    ctx: _RunContext,
+    reporter: JobReporter,
+    attached: bool,
+) -> JobResult:
+    """Wait for the job to end; stop it if we leave any other way. Raise unless it succeeded."""
+    watcher = watcher_for(
+        backend,
+        max_interval_s=block.max_poll_interval_s,
+        unreachable_budget_s=block.unreachable_budget_s,
+    )
+    redact = reporter.redact
+    follower: LogFollower | None = None
+    final: JobStatus | None = None
+    stopped = False  # set once we have stopped the job ourselves
+    live_jobs.add(ctx.flow_run_id, _LiveJob(backend, handle, block.stop_timeout_s))
+
+    def sink(line: str) -> None:
+        ctx.logger.info(redact(f"[{handle.job_id}] {line}"))
+
+    def on_change(status: JobStatus) -> None:
+        nonlocal follower
+        if status.state.is_terminal() and stream_logs:
+            # The job's log lines come before the line that says how it ended.
+            (follower or LogFollower(backend, handle.job_id, sink)).finish()
+            follower = None
+        elif stream_logs and follower is None and status.state is JobState.RUNNING:
+            follower = log_pump.follow(
+                backend,
+                handle.job_id,
+                sink,
+                is_done=lambda: (s := watcher.latest(handle.job_id)) is None
+                or s.state.is_terminal(),
+            )
+        reporter.changed(status)
+
+    try:
+        final = lifecycle.wait_until_terminal(
+            watcher, handle, timeout_s=timeout_s, on_change=on_change
+        )
+    except JobTimedOut as exc:
+        final, stopped = _stop(backend, handle, block, reporter), True
+        raise JobTimedOut(redact(str(exc)), _result(handle, final, attached)) from None
+    finally:
+        if follower is not None:
+            follower.finish()
+        # Cancelled, crashed or lost the cluster: the job must not outlive us.
+        if final is None and not stopped:
+            _stop(backend, handle, block, reporter)
+        live_jobs.discard(ctx.flow_run_id, handle.job_id)
+
+    if final.state is JobState.SUCCEEDED:
+        return _result(handle, final, attached)
+    tail = _log_tail(backend, handle) if final.state is JobState.FAILED else ""
+    result = _result(handle, final, attached, log_tail=redact(tail))
+    exit_code = f" (exit code {final.exit_code})" if final.exit_code is not None else ""
+    message = redact(
+        f"job {handle.job_id} {final.state.value}{exit_code}: {final.message}".rstrip(": ")
+    )
+    if tail and tail.strip() not in final.message:
+        message += "\n--- last log lines ---\n" + redact(tail)
+    if final.state is JobState.STOPPED:
+        raise JobStopped(message, result)
+    raise JobFailed(message, result)
+
+
+def _stop(backend: Backend, handle: JobHandle, block: ClusterBlock,
+          reporter: JobReporter) -> JobStatus | None:
+    try:
+        status = lifecycle.stop_and_confirm(backend, handle.job_id, timeout_s=block.stop_timeout_s)
+    except Exception as exc:
+        reporter.logger.error(reporter.redact(f"could not stop job {handle.job_id}: {exc}"))
+        return None
+    if status is not None:
+        reporter.changed(status)
+    return status
+
+
+def _log_tail(backend: Backend, handle: JobHandle) -> str:
+    try:
+        return "\n".join(backend.logs(handle.job_id).rstrip().splitlines()[-LOG_TAIL_LINES:])
+    except Exception:
+        return ""
+
+
+def _result(handle: JobHandle, status: JobStatus | None, attached: bool,
+            log_tail: str = "") -> JobResult:
+    if status is None:
+        return JobResult(handle=handle, state=JobState.STOPPED, message="stop not confirmed",
+                         attached=attached)
+    return JobResult(
+        handle=handle, state=status.state, message=status.message,
+        start_time=status.start_time, end_time=status.end_time, exit_code=status.exit_code,
+        log_tail=log_tail, attached=attached,
+    )
+
+
+def _setup(spec: JobSpec | None, cluster: ClusterLike) -> tuple[ClusterBlock, Backend, Redactor]:
+    if spec is not None and not isinstance(spec, JobSpec):
+        raise InvalidJobSpec(f"spec: expected a JobSpec, got {type(spec).__name__}")
+    block = resolve_cluster(cluster)
+    backend = block.backend()
+    redact = Redactor([*backend.secrets, *(spec.secret_values() if spec else [])])
+    return block, backend, redact
+
+
+# ---------------------------------------------------------------------------------------------
+# The tasks
+
+
+@task(name="run_job", cache_policy=NO_CACHE)
+def run_job(spec: JobSpec, cluster: ClusterLike = None, *, stream_logs: bool = True) -> JobResult:
+    """Run a job to the end: submit (or re-attach), stream its logs, return its JobResult.
+
+    Raises JobFailed / JobStopped / JobTimedOut (with `.result`) unless it succeeded; stops the
+    job if the task is cancelled or crashes. Holds a slot of the cluster's concurrency cap.
+    """
+    block, backend, redact = _setup(spec, cluster)
+    ctx = _run_context()
+    with _cluster_slot(block, backend):
+        submission, reporter = _submit(block, backend, spec, ctx, redact)
+        return _watch(
+            block, backend, submission.handle, timeout_s=spec.timeout_s,
+            stream_logs=stream_logs, ctx=ctx, reporter=reporter, attached=submission.attached,
+        )
+
+
+@task(name="submit_job", cache_policy=NO_CACHE)
+def submit_job(spec: JobSpec, cluster: ClusterLike = None) -> JobHandle:
+    """Submit a job (or re-attach to the one this run already submitted) and return its handle.
+
+    The concurrency cap is not held across tasks: use run_job where the cap matters.
+    """
+    block, backend, redact = _setup(spec, cluster)
+    submission, _ = _submit(block, backend, spec, _run_context(), redact)
+    return submission.handle
+
+
+@task(name="wait_for_job", cache_policy=NO_CACHE)
+def wait_for_job(
+    handle: JobHandle,
+    cluster: ClusterLike = None,
+    *,
+    timeout_s: float | None = None,
+    stream_logs: bool = True,
+) -> JobResult:
+    """Wait for a submitted job to end; stop it on timeout, cancellation or crash."""
+    block, backend, redact = _setup(None, cluster)
+    ctx = _run_context()
+    reporter = JobReporter(handle, logger=ctx.logger, redact=redact, flow_run_id=ctx.flow_run_id)
+    return _watch(block, backend, handle, timeout_s=timeout_s, stream_logs=stream_logs, ctx=ctx,
+                  reporter=reporter, attached=False)
+
+
+@task(name="stop_job", cache_policy=NO_CACHE)
+def stop_job(handle: JobHandle, cluster: ClusterLike = None) -> JobResult:
+    """Stop a job and return its state once the cluster confirms it ended."""
+    block, backend, redact = _setup(None, cluster)
+    ctx = _run_context()
+    reporter = JobReporter(handle, logger=ctx.logger, redact=redact, flow_run_id=ctx.flow_run_id)
+    status = lifecycle.stop_and_confirm(backend, handle.job_id, timeout_s=block.stop_timeout_s)
+    if status is not None:
+        reporter.changed(status)
+    return _result(handle, status, attached=False)

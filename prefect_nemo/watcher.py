@@ -1,0 +1,292 @@
+"""One poller per cluster serves every job waited on in this process, plus one log pump.
+
+A waiting task registers its job with the cluster's watcher and blocks on a condition; the
+watcher's thread asks the backend for all watched jobs in one call per tick (Ray: one
+`list_jobs`), so the request rate does not grow with the number of jobs. The tick interval
+adapts to the youngest live job: fast while jobs are young (short jobs finish soon), slower
+for long-running ones. No Prefect import here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+
+from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable
+from prefect_nemo.jobs import Backend, JobState, JobStatus
+
+log = logging.getLogger(__name__)
+
+MIN_INTERVAL_S = 0.1
+AGE_FACTOR = 0.05  # poll every 5% of the youngest live job's age...
+MISSING_TICKS = 3  # ...and call a job gone after it is missing from this many lists in a row
+
+
+class ClusterWatcher:
+    """Polls one cluster for all watched jobs and wakes the waiters whose job changed."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        max_interval_s: float = 2.0,
+        unreachable_budget_s: float = 120.0,
+    ) -> None:
+        self.backend = backend
+        self.max_interval_s = max_interval_s
+        self.unreachable_budget_s = unreachable_budget_s
+        self._cond = threading.Condition()
+        self._refs: Counter[str] = Counter()
+        self._latest: dict[str, JobStatus] = {}
+        self._missing: Counter[str] = Counter()
+        self._error: BackendUnavailable | None = None
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.ticks = 0  # polls made; read by tests and benchmarks
+
+    @contextmanager
+    def watching(self, job_id: str) -> Iterator[None]:
+        """Keep job_id in the poll set while the block runs."""
+        with self._cond:
+            self._refs[job_id] += 1
+            if self._thread is None:
+                self._error = None
+                self._thread = threading.Thread(
+                    target=self._run, name=f"prefect-nemo-watch {self.backend.cluster}", daemon=True
+                )
+                self._thread.start()
+        self._wake.set()  # a new job: poll now rather than at the end of a long interval
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._refs[job_id] -= 1
+                if self._refs[job_id] <= 0:
+                    del self._refs[job_id]
+                    self._latest.pop(job_id, None)
+                    self._missing.pop(job_id, None)
+
+    def latest(self, job_id: str) -> JobStatus | None:
+        """The last status seen for job_id (None before the first poll)."""
+        with self._cond:
+            return self._latest.get(job_id)
+
+    def next_status(
+        self, job_id: str, seen: JobStatus | None, timeout_s: float
+    ) -> JobStatus | None:
+        """Block until job_id's status differs from `seen` or timeout; return the latest.
+
+        Raises BackendUnavailable once the cluster has been unreachable past the budget.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                if self._error is not None:
+                    raise type(self._error)(str(self._error))
+                current = self._latest.get(job_id)
+                if current is not None and _changed(current, seen):
+                    return current
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return current
+                self._cond.wait(remaining)
+
+    # -- the polling thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        failing_since: float | None = None
+        failures = 0
+        while True:
+            with self._cond:
+                job_ids = list(self._refs)
+                if not job_ids:
+                    self._thread = None
+                    return
+            try:
+                statuses = self.backend.statuses(job_ids)
+            except AuthenticationFailed as exc:
+                self._fail(exc)
+                return
+            except Exception as exc:  # transport trouble: retry with backoff within the budget
+                failures += 1
+                failing_since = failing_since or time.monotonic()
+                down_for = time.monotonic() - failing_since
+                log.warning(
+                    "polling %s failed (%s); retrying, down for %.0fs of a %.0fs budget",
+                    self.backend.cluster, exc, down_for, self.unreachable_budget_s,
+                )
+                if down_for > self.unreachable_budget_s:
+                    self._fail(
+                        BackendUnavailable(
+                            f"cluster {self.backend.cluster} was unreachable for {down_for:.0f}s "
+                            f"(budget {self.unreachable_budget_s:.0f}s, raise unreachable_budget_s "
+                            f"on the cluster block to wait longer); last error: {exc}"
+                        )
+                    )
+                    return
+                interval = min(0.25 * 2**failures, 5.0)
+            else:
+                failing_since, failures = None, 0
+                self._publish(job_ids, statuses)
+                interval = self._interval(statuses.values())
+            self.ticks += 1
+            self._wake.wait(interval)
+            self._wake.clear()
+
+    def _publish(self, job_ids: list[str], statuses: dict[str, JobStatus]) -> None:
+        with self._cond:
+            for job_id in job_ids:
+                status = statuses.get(job_id)
+                if status is None:
+                    self._missing[job_id] += 1
+                    if self._missing[job_id] >= MISSING_TICKS:
+                        status = JobStatus(
+                            job_id=job_id,
+                            state=JobState.FAILED,
+                            message="the job is no longer on the cluster (deleted by someone?)",
+                        )
+                else:
+                    self._missing.pop(job_id, None)
+                if status is not None and job_id in self._refs:
+                    self._latest[job_id] = status
+            self._cond.notify_all()
+
+    def _fail(self, error: BackendUnavailable) -> None:
+        with self._cond:
+            self._error = error
+            self._thread = None
+            self._cond.notify_all()
+
+    def _interval(self, statuses: Iterable[JobStatus]) -> float:
+        now = datetime.now(UTC)
+        ages = [
+            (now - s.start_time).total_seconds()
+            for s in statuses
+            if not s.state.is_terminal() and s.start_time is not None
+        ]
+        youngest = min(ages, default=0.0)
+        return min(self.max_interval_s, max(MIN_INTERVAL_S, youngest * AGE_FACTOR))
+
+
+def _changed(current: JobStatus, seen: JobStatus | None) -> bool:
+    return seen is None or (current.state, current.message) != (seen.state, seen.message)
+
+
+_watchers: dict[str, ClusterWatcher] = {}
+_watchers_lock = threading.Lock()
+
+
+def watcher_for(
+    backend: Backend, *, max_interval_s: float = 2.0, unreachable_budget_s: float = 120.0
+) -> ClusterWatcher:
+    """The process-wide watcher of backend's cluster (created on first use)."""
+    with _watchers_lock:
+        watcher = _watchers.get(backend.cluster)
+        if watcher is None:
+            watcher = ClusterWatcher(
+                backend, max_interval_s=max_interval_s, unreachable_budget_s=unreachable_budget_s
+            )
+            _watchers[backend.cluster] = watcher
+        return watcher
+
+
+class LogFollower:
+    """Sends a job's log lines to a sink as they stream; `finish` completes it exactly once."""
+
+    def __init__(self, backend: Backend, job_id: str, sink: Callable[[str], None]) -> None:
+        self.backend = backend
+        self.job_id = job_id
+        self._sink = sink
+        self._lock = threading.Lock()
+        self._emitted = 0  # characters of the log whose lines reached the sink
+        self._closed = False
+        self._future: concurrent.futures.Future[None] | None = None
+
+    def deliver(self, line: str, upto: int) -> None:
+        """Pass one streamed line on (ignored once finished); `upto` = log offset after it."""
+        with self._lock:
+            if not self._closed:
+                self._sink(line)
+                self._emitted = upto
+
+    def finish(self) -> None:
+        """Stop streaming and send the rest of the log from one full read (nothing lost)."""
+        with self._lock:
+            self._closed = True
+            emitted = self._emitted
+        if self._future is not None:
+            self._future.cancel()
+        try:
+            rest = self.backend.logs(self.job_id)[emitted:]
+        except Exception as exc:
+            log.debug("could not read the rest of the log of %s: %s", self.job_id, exc)
+            return
+        for line in rest.splitlines():
+            self._sink(line)
+
+
+class LogPump:
+    """Streams the logs of every followed job on one asyncio loop thread."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+
+    def _ensure_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(
+                    target=loop.run_forever, name="prefect-nemo-logs", daemon=True
+                ).start()
+                self._loop = loop
+            return self._loop
+
+    def follow(
+        self, backend: Backend, job_id: str, sink: Callable[[str], None],
+        is_done: Callable[[], bool],
+    ) -> LogFollower:
+        """Start streaming job_id's log lines into sink; call `finish()` when the job ended."""
+        follower = LogFollower(backend, job_id, sink)
+        follower._future = asyncio.run_coroutine_threadsafe(
+            _pump(follower, is_done), self._ensure_loop()
+        )
+        return follower
+
+
+async def _pump(follower: LogFollower, is_done: Callable[[], bool]) -> None:
+    delivered = 0  # characters received: a re-tail starts from the top of the log
+    line_start = 0  # log offset where `pending` begins
+    pending = ""
+    while True:
+        offset = 0
+        try:
+            async with contextlib.aclosing(follower.backend.tail_logs(follower.job_id)) as stream:
+                async for chunk in stream:
+                    end = offset + len(chunk)
+                    if end > delivered:
+                        pending += chunk[max(0, delivered - offset):]
+                        delivered = end
+                        *lines, pending = pending.split("\n")
+                        for line in lines:
+                            line_start += len(line) + 1
+                            follower.deliver(line, line_start)
+                    offset = end
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the stream broke; the watcher decides whether the job is over
+            log.debug("log stream of %s broke: %s", follower.job_id, exc)
+        if is_done():
+            return  # the partial last line is sent by finish() from a full read
+        await asyncio.sleep(1.0)  # Ray may close the stream while the job still runs: re-tail
+
+
+log_pump = LogPump()

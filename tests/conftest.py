@@ -1,0 +1,48 @@
+"""Shared fixtures: one real Prefect API and one real local Ray cluster per test session."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from prefect_nemo.local_ray import LocalRayCluster, start_local_ray
+
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+@pytest.fixture(scope="session")
+def prefect_api() -> Iterator[str]:
+    """A real Prefect server (temporary database) for the whole session; yields its API URL."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield str(PREFECT_API_URL.value())
+
+
+@pytest.fixture(scope="session")
+def ray_head() -> Iterator[LocalRayCluster]:
+    """A real Ray head with its dashboard and token auth on, on free ports."""
+    with start_local_ray(num_cpus=8, resources={"slot": 4}) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def cluster(ray_head: LocalRayCluster, prefect_api: str):
+    """A RayJobsCluster block for the session's Ray head."""
+    return ray_head.block()
+
+
+@pytest.fixture
+def ray_client(ray_head: LocalRayCluster):
+    """Ray's own client, to look at the cluster behind our back."""
+    return ray_head.block().backend().client
+
+
+def subprocess_env(prefect_api: str, **extra: str) -> dict[str, str]:
+    """Environment for a child process that talks to the session's Prefect API."""
+    env = dict(os.environ, PREFECT_API_URL=prefect_api, PYTHONUNBUFFERED="1", **extra)
+    env.pop("PREFECT_PROFILE", None)
+    return env

@@ -1,0 +1,246 @@
+"""run_job and friends against a real Prefect API and a real local Ray cluster."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+from prefect import flow, task
+from prefect.client.orchestration import get_client
+
+from prefect_nemo import (
+    JobFailed,
+    JobSpec,
+    JobState,
+    JobTimedOut,
+    StopNotConfirmed,
+    run_job,
+    stop_job,
+    submit_job,
+    wait_for_job,
+)
+from prefect_nemo import lifecycle
+from prefect_nemo.reporting import job_rows
+
+pytestmark = pytest.mark.slow
+
+
+def jobs_with_key_prefix(ray_client, prefix: str) -> list:
+    return [
+        j for j in ray_client.list_jobs()
+        if (j.metadata or {}).get(lifecycle.META_KEY, "").startswith(prefix)
+    ]
+
+
+def test_run_job_success_streams_logs_and_reports(cluster, prefect_api, caplog):
+    @flow
+    def ok_flow():
+        return run_job(JobSpec(entrypoint="echo hello-from-ray", name="hello"), cluster=cluster)
+
+    state = ok_flow(return_state=True)
+    result = state.result()
+    assert result.state is JobState.SUCCEEDED
+    assert result.duration_s is not None and result.duration_s > 0
+    assert "hello-from-ray" in caplog.text  # the job's log reached the run logger
+    assert f"job {result.handle.job_id} is SUCCEEDED" in caplog.text
+    assert result.handle.links["dashboard"].endswith(result.handle.job_id)
+
+    rows = job_rows(str(state.state_details.flow_run_id))
+    assert [(r["job_id"], r["state"]) for r in rows] == [(result.handle.job_id, "SUCCEEDED")]
+    with get_client(sync_client=True) as client:
+        from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter, FlowRunFilterId
+
+        artifacts = client.read_artifacts(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+        )
+    tables = [a for a in artifacts if a.type == "table"]
+    assert len(tables) == 1, "one job table per flow run, updated in place"
+    assert result.handle.job_id in str(tables[0].data) and "SUCCEEDED" in str(tables[0].data)
+    del ArtifactFilter
+
+
+def test_run_job_failure_raises_with_exit_code_and_log_tail(cluster, prefect_api):
+    @flow
+    def failing_flow():
+        run_job(JobSpec(entrypoint="echo about-to-fail; exit 7", name="boom"), cluster=cluster)
+
+    with pytest.raises(JobFailed) as info:
+        failing_flow()
+    message = str(info.value)
+    assert "exit code 7" in message
+    assert "about-to-fail" in message
+    assert info.value.result.state is JobState.FAILED
+    assert info.value.result.exit_code == 7
+
+
+def test_timeout_stops_the_job(cluster, prefect_api, ray_client):
+    @flow
+    def slow_flow():
+        run_job(JobSpec(entrypoint="sleep 60", name="sleepy", timeout_s=3), cluster=cluster)
+
+    with pytest.raises(JobTimedOut) as info:
+        slow_flow()
+    assert "timeout of 3s" in str(info.value)
+    job_id = info.value.result.handle.job_id
+    assert ray_client.get_job_status(job_id).value == "STOPPED"
+
+
+def test_submit_wait_stop_split(cluster, prefect_api, ray_client):
+    @flow
+    def split_flow():
+        handle = submit_job(JobSpec(entrypoint="sleep 60", name="split"), cluster=cluster)
+        again = submit_job(JobSpec(entrypoint="sleep 60", name="split"), cluster=cluster)
+        assert again == handle, "a second submit of the same job in the same run attaches"
+        stopped = stop_job(handle, cluster=cluster)
+        return handle, stopped
+
+    handle, stopped = split_flow()
+    assert stopped.state is JobState.STOPPED
+    assert ray_client.get_job_status(handle.job_id).value == "STOPPED"
+
+    @flow
+    def wait_flow():
+        handle = submit_job(JobSpec(entrypoint="echo waited", name="w"), cluster=cluster)
+        return wait_for_job(handle, cluster=cluster)
+
+    assert wait_flow().state is JobState.SUCCEEDED
+
+
+def test_task_retry_attaches_instead_of_resubmitting(cluster, prefect_api, ray_client):
+    marker = uuid.uuid4().hex[:8]
+    attempts: list[str] = []
+
+    @task(retries=1, retry_delay_seconds=0)
+    def submit_then_crash():
+        handle = submit_job.fn(JobSpec(entrypoint="sleep 5", name=f"retry-{marker}"), cluster)
+        attempts.append(handle.job_id)
+        if len(attempts) == 1:
+            raise RuntimeError("simulated crash right after submit")
+        return handle
+
+    @flow
+    def retry_flow():
+        handle = submit_then_crash()
+        return wait_for_job(handle, cluster=cluster)
+
+    result = retry_flow()
+    assert result.state is JobState.SUCCEEDED
+    assert attempts[0] == attempts[1], "the retry derived the same job id"
+    assert len([j for j in ray_client.list_jobs() if j.submission_id == attempts[0]]) == 1
+
+
+def test_rerun_of_failed_job_submits_a_new_attempt(cluster, prefect_api):
+    """A FAILED attempt is over: re-running the experiment retries under '-r1'."""
+    from prefect_nemo import start_experiment
+
+    name = f"attempts-{uuid.uuid4().hex[:6]}"
+
+    @flow
+    def exp_flow(fail: bool):
+        start_experiment(name)
+        return run_job(JobSpec(entrypoint="exit 1" if fail else "true", name="step"),
+                       cluster=cluster)
+
+    with pytest.raises(JobFailed) as info:
+        exp_flow(True)
+    first = info.value.result.handle.job_id
+    second = exp_flow(False)
+    assert second.handle.job_id == f"{first}-r1"
+    again = exp_flow(False)  # succeeded already: attach, do not run it again
+    assert again.handle.job_id == second.handle.job_id and again.attached
+
+
+def test_parallel_jobs_share_one_poller(cluster, prefect_api, ray_head):
+    from prefect_nemo.watcher import watcher_for
+
+    backend = cluster.backend()
+    calls = {"statuses": 0, "find": 0}
+    real_statuses, real_find = type(backend).statuses, type(backend).find
+
+    def counting_statuses(self, ids):
+        calls["statuses"] += 1
+        return real_statuses(self, ids)
+
+    watcher = watcher_for(backend)
+    # Count the real backend calls made by the shared watcher while 6 jobs are waited on.
+    watcher.backend.statuses = counting_statuses.__get__(watcher.backend)
+    try:
+        @flow
+        def fan_out():
+            futures = [
+                run_job.submit(JobSpec(entrypoint="sleep 2", name=f"fan-{i}"), cluster=cluster)
+                for i in range(6)
+            ]
+            return [f.result() for f in futures]
+
+        ticks_before = watcher.ticks
+        results = fan_out()
+        ticks = watcher.ticks - ticks_before
+    finally:
+        del watcher.backend.statuses
+    assert all(r.state is JobState.SUCCEEDED for r in results)
+    # One statuses() call per tick serves all six jobs (not one loop per job).
+    assert calls["statuses"] <= ticks + 1
+    del real_find
+
+
+def test_concurrency_cap_serialises_jobs(ray_head, prefect_api):
+    capped = ray_head.block(max_concurrent_jobs=1)
+
+    @flow
+    def capped_flow():
+        futures = [
+            run_job.submit(JobSpec(entrypoint="sleep 1", name=f"cap-{i}"), cluster=capped)
+            for i in range(2)
+        ]
+        return [f.result() for f in futures]
+
+    first, second = sorted(capped_flow(), key=lambda r: r.start_time)
+    assert first.end_time <= second.start_time, "the cap of 1 let two jobs overlap"
+
+
+def test_stop_of_pending_job_is_confirmed_or_reported(cluster, prefect_api, ray_client):
+    """Ray accepts a stop on a PENDING job but only acts once it is scheduled."""
+    backend = cluster.backend()
+    job_id = f"pending-{uuid.uuid4().hex[:8]}"
+    spec = JobSpec(entrypoint="sleep 30", resources={"custom": {"slot": 4}})
+    blocker = f"blocker-{uuid.uuid4().hex[:8]}"
+    backend.submit(JobSpec(entrypoint="sleep 4", resources={"custom": {"slot": 4}}), blocker, {})
+    time.sleep(1)
+    backend.submit(spec, job_id, {})
+    assert backend.find(job_id).state is JobState.PENDING
+    with pytest.raises(StopNotConfirmed, match="PENDING"):
+        lifecycle.stop_and_confirm(backend, job_id, timeout_s=1)
+    # Once the blocker ends the queued stop takes effect, and stop_and_confirm sees it.
+    status = lifecycle.stop_and_confirm(backend, job_id, timeout_s=60)
+    assert status.state is JobState.STOPPED
+
+
+def test_events_are_emitted_on_state_changes(cluster, prefect_api):
+    from prefect.events.clients import get_events_subscriber  # noqa: F401  (3.x API exists)
+
+    seen: list[str] = []
+    done = threading.Event()
+
+    @flow
+    def evented():
+        return run_job(JobSpec(entrypoint="true", name="evented"), cluster=cluster)
+
+    result = evented()
+    job_resource = result.handle.resource_id
+    deadline = time.monotonic() + 30
+    import httpx
+
+    while time.monotonic() < deadline:
+        response = httpx.post(
+            f"{prefect_api}/events/filter",
+            json={"filter": {"resource": {"id": [job_resource]}}, "limit": 50},
+        )
+        seen = sorted(e["event"] for e in response.json()["events"])
+        if "prefect-nemo.job.succeeded" in seen:
+            break
+        time.sleep(0.5)
+    assert {"prefect-nemo.job.submitted", "prefect-nemo.job.succeeded"} <= set(seen), seen
+    done.set()
