@@ -47,6 +47,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'prefect_nemo' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    # Prefect finds blocks with inspect.getmembers(module), which lists dir(): show lazy names.
+    return sorted({*globals(), *_LAZY})
+
+
 __all__ = [
     "AuthenticationFailed",
     "BackendUnavailable",

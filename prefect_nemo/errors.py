@@ -42,6 +42,10 @@ class JobAlreadyExists(PrefectNemoError):
     """Submit found the job id taken (a concurrent submitter won the race): attach instead."""
 
 
+class JobInterrupted(JobStopped):
+    """Waiting was interrupted because the flow run is being cancelled or terminated."""
+
+
 class StopNotConfirmed(PrefectNemoError):
     """A stop was requested but the job did not reach a terminal state in time."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from collections.abc import AsyncGenerator, Collection
 from contextvars import ContextVar
@@ -82,8 +83,12 @@ def explain(exc: ValidationError, model: str) -> str:
 class Resources(_Model):
     """Resources the job's entrypoint reserves on the cluster (its driver, not its workers)."""
 
-    cpus: float | None = Field(None, ge=0, description="CPU cores for the entrypoint.")
-    gpus: float | None = Field(None, ge=0, description="GPUs for the entrypoint.")
+    cpus: float | None = Field(
+        None, ge=0, allow_inf_nan=False, description="CPU cores for the entrypoint."
+    )
+    gpus: float | None = Field(
+        None, ge=0, allow_inf_nan=False, description="GPUs for the entrypoint."
+    )
     memory_bytes: int | None = Field(None, ge=0, description="Memory for the entrypoint, bytes.")
     custom: dict[StrictStr, float] = Field(
         default_factory=dict, description="Custom resources by name, e.g. {'TPU': 1}."
@@ -95,8 +100,8 @@ class Resources(_Model):
         for key, amount in value.items():
             if not key.strip():
                 raise ValueError("custom resource names must be non-empty")
-            if amount < 0:
-                raise ValueError(f"custom resource '{key}' is {amount}: use a number >= 0")
+            if not math.isfinite(amount) or amount < 0:
+                raise ValueError(f"custom resource '{key}' is {amount}: use a finite number >= 0")
         return value
 
     def is_empty(self) -> bool:
@@ -175,6 +180,18 @@ class JobSpec(_Model):
                 f"'{value}' is not a valid job name: use 1-63 letters, digits, '.', '_' or '-', "
                 "starting with a letter or digit"
             )
+        return value
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_values_are_strings(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(item, str | SecretStr):
+                    raise ValueError(
+                        f"value of '{key}' is a {type(item).__name__}: use a string "
+                        "(or SecretStr for secrets)"
+                    )
         return value
 
     @field_validator("env")
@@ -336,4 +353,3 @@ class Backend(Protocol):
     def tail_logs(self, job_id: str) -> AsyncGenerator[str, None]:
         """Stream the job's log as it is written, until the job ends."""
         ...
-

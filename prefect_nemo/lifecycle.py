@@ -12,6 +12,7 @@ from prefect_nemo import names
 from prefect_nemo.errors import (
     BackendUnavailable,
     JobAlreadyExists,
+    JobInterrupted,
     JobTimedOut,
     PrefectNemoError,
     StopNotConfirmed,
@@ -87,12 +88,14 @@ def wait_until_terminal(
     *,
     timeout_s: float | None = None,
     on_change: Callable[[JobStatus], None] = lambda status: None,
+    interrupted: Callable[[], bool] = lambda: False,
     tick_s: float = 1.0,
 ) -> JobStatus:
     """Block until the job is terminal, calling on_change once per observed change.
 
     The timeout counts from the job's start on the cluster, so re-attaching after a crash does
-    not extend it. Raises JobTimedOut (the caller stops the job) or BackendUnavailable.
+    not extend it. Raises JobTimedOut (the caller stops the job), JobInterrupted when
+    `interrupted()` turns true (the caller is shutting down), or BackendUnavailable.
     """
     waited_from = datetime.now(UTC)
     seen: JobStatus | None = None
@@ -105,6 +108,8 @@ def wait_until_terminal(
                 on_change(status)
             if seen is not None and seen.state.is_terminal():
                 return seen
+            if interrupted():
+                raise JobInterrupted(f"stopped waiting for job '{handle.job_id}': shutting down")
             started = (seen.start_time if seen else None) or waited_from
             if timeout_s is not None and (datetime.now(UTC) - started).total_seconds() > timeout_s:
                 raise JobTimedOut(

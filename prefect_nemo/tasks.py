@@ -12,7 +12,7 @@ with SIGKILL re-attaches when it runs again.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -96,6 +96,7 @@ class _RunContext:
     readable: str
     default_key: str
     logger: Any
+    interrupted: Callable[[], bool]
 
 
 def _run_context() -> _RunContext:
@@ -120,7 +121,21 @@ def _run_context() -> _RunContext:
         logger = get_run_logger()
     except Exception:
         logger = get_logger("prefect_nemo")
-    return _RunContext(flow_run_id, scope, readable, default_key, logger)
+    return _RunContext(flow_run_id, scope, readable, default_key, logger,
+                       _cancel_signal(flow_ctx, task_run))
+
+
+def _cancel_signal(flow_ctx: FlowRunContext | None, task_run: Any) -> Callable[[], bool]:
+    """True once Prefect's task runner cancels this task (the flow got SIGTERM / was cancelled).
+
+    On SIGTERM the main thread gets the exception, but a task in a worker thread only sees its
+    task runner's cancel event, and the engine then waits for those threads. Prefect keeps the
+    events private (`ThreadPoolTaskRunner._cancel_events`, 3.x): read it defensively.
+    """
+    runner = getattr(flow_ctx, "task_runner", None)
+    events = getattr(runner, "_cancel_events", None)
+    event = events.get(task_run.id) if isinstance(events, dict) and task_run else None
+    return event.is_set if isinstance(event, threading.Event) else (lambda: False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,7 +305,8 @@ def _watch(
 
     try:
         final = lifecycle.wait_until_terminal(
-            watcher, handle, timeout_s=timeout_s, on_change=on_change
+            watcher, handle, timeout_s=timeout_s, on_change=on_change,
+            interrupted=ctx.interrupted,
         )
     except JobTimedOut as exc:
         final, stopped = _stop(backend, handle, block, reporter), True

@@ -16,12 +16,12 @@ from prefect_nemo import (
     JobState,
     JobTimedOut,
     StopNotConfirmed,
+    lifecycle,
     run_job,
     stop_job,
     submit_job,
     wait_for_job,
 )
-from prefect_nemo import lifecycle
 from prefect_nemo.reporting import job_rows
 
 pytestmark = pytest.mark.slow

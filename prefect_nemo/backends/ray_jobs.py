@@ -162,8 +162,8 @@ class RayJobsBackend:
                 "selectors (needs ray >= 2.54): upgrade ray or drop label_selector"
             )
         try:
-            json.dumps({**self._runtime_env, **spec.runtime_env})
-        except TypeError as exc:
+            json.dumps({**self._runtime_env, **spec.runtime_env}, allow_nan=False)
+        except (TypeError, ValueError) as exc:
             raise InvalidJobSpec(
                 f"JobSpec.runtime_env: must be JSON-serializable for the Ray Jobs API ({exc})"
             ) from None

