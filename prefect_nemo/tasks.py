@@ -310,7 +310,7 @@ def _watch(
         )
     except JobTimedOut as exc:
         final, stopped = _stop(backend, handle, block, reporter), True
-        raise JobTimedOut(redact(str(exc)), _result(handle, final, attached)) from None
+        raise JobTimedOut(redact(str(exc)), _result(handle, final, attached, redact)) from None
     finally:
         if follower is not None:
             follower.finish()
@@ -320,9 +320,9 @@ def _watch(
         live_jobs.discard(ctx.flow_run_id, handle.job_id)
 
     if final.state is JobState.SUCCEEDED:
-        return _result(handle, final, attached)
+        return _result(handle, final, attached, redact)
     tail = _log_tail(backend, handle) if final.state is JobState.FAILED else ""
-    result = _result(handle, final, attached, log_tail=redact(tail))
+    result = _result(handle, final, attached, redact, log_tail=redact(tail))
     exit_code = f" (exit code {final.exit_code})" if final.exit_code is not None else ""
     message = redact(
         f"job {handle.job_id} {final.state.value}{exit_code}: {final.message}".rstrip(": ")
@@ -353,13 +353,13 @@ def _log_tail(backend: Backend, handle: JobHandle) -> str:
         return ""
 
 
-def _result(handle: JobHandle, status: JobStatus | None, attached: bool,
+def _result(handle: JobHandle, status: JobStatus | None, attached: bool, redact: Redactor,
             log_tail: str = "") -> JobResult:
     if status is None:
         return JobResult(handle=handle, state=JobState.STOPPED, message="stop not confirmed",
                          attached=attached)
     return JobResult(
-        handle=handle, state=status.state, message=status.message,
+        handle=handle, state=status.state, message=redact(status.message),
         start_time=status.start_time, end_time=status.end_time, exit_code=status.exit_code,
         log_tail=log_tail, attached=attached,
     )
@@ -431,4 +431,4 @@ def stop_job(handle: JobHandle, cluster: ClusterLike = None) -> JobResult:
     status = lifecycle.stop_and_confirm(backend, handle.job_id, timeout_s=block.stop_timeout_s)
     if status is not None:
         reporter.changed(status)
-    return _result(handle, status, attached=False)
+    return _result(handle, status, attached=False, redact=redact)
