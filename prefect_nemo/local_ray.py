@@ -217,3 +217,12 @@ def default_cluster() -> RayJobsCluster:
                 _default = start_local_ray()
                 atexit.register(_default.stop)
         return _default.block()
+
+
+def stop_default() -> None:
+    """Stop the default cluster if this process started it (a reused one is left running)."""
+    global _default
+    with _default_lock:
+        if _default is not None and _default.owned:
+            _default.stop()
+        _default = None

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import inspect
 import json
+import ssl
 import threading
 from collections.abc import AsyncGenerator, Callable, Collection
 from datetime import UTC, datetime
 from typing import Any, ClassVar, TypeVar
 
+import aiohttp
 import requests
 from ray.exceptions import AuthenticationError
 from ray.job_submission import JobDetails, JobSubmissionClient
@@ -246,13 +248,28 @@ class RayJobsBackend:
         return self._call(lambda: self.client.get_job_logs(job_id))
 
     async def tail_logs(self, job_id: str) -> AsyncGenerator[str, None]:
-        """Chunks of the job's log as Ray writes them (websocket); ends when the job ends."""
-        stream = self.client.tail_job_logs(job_id)
-        try:
-            async for chunk in stream:
-                yield chunk
-        finally:  # closes Ray's aiohttp session when we are cancelled mid-stream
-            await stream.aclose()
+        """Chunks of the job's log as Ray writes them; ends when the job ends.
+
+        Reads Ray's websocket endpoint `/api/jobs/{id}/logs/tail` itself: Ray's own
+        `tail_job_logs` leaves the websocket open when the consumer stops early.
+        """
+        url = f"{self.address}/api/jobs/{job_id}/logs/tail"
+        async with (
+            aiohttp.ClientSession(headers=self._headers) as session,
+            session.ws_connect(url, ssl=self._ssl_context(), heartbeat=30) as ws,
+        ):
+            async for message in ws:
+                if message.type is aiohttp.WSMsgType.TEXT:
+                    yield message.data
+                elif message.type is aiohttp.WSMsgType.ERROR:
+                    raise BackendUnavailable(f"log stream of {job_id} broke: {ws.exception()}")
+
+    def _ssl_context(self) -> ssl.SSLContext | bool:
+        if self._verify is False:
+            return False
+        if isinstance(self._verify, str):
+            return ssl.create_default_context(cafile=self._verify)
+        return True
 
 
 def _submit_params() -> set[str]:

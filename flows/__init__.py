@@ -1,0 +1,1 @@
+"""Ready-to-deploy flows built on prefect-nemo."""

@@ -1,0 +1,149 @@
+"""The `prefect-nemo` command: run the demo on the embedded default, manage the local server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+
+STATE_DIR = Path(".prefect-nemo")
+SERVER_FILE = STATE_DIR / "server.json"
+
+
+# -- a local Prefect server that outlives the demo, so its runs can be looked at in the UI ------
+
+
+def _healthy(api_url: str) -> bool:
+    try:
+        return requests.get(f"{api_url}/health", timeout=2).ok
+    except requests.RequestException:
+        return False
+
+
+def ensure_prefect_server(timeout_s: float = 120.0) -> tuple[str, str]:
+    """(API URL, UI URL) of a Prefect server: the configured one, ours if running, or a new one."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
+
+    configured = PREFECT_API_URL.value()
+    if configured:
+        return str(configured), str(PREFECT_UI_URL.value() or configured.removesuffix("/api"))
+    if SERVER_FILE.exists():
+        known = json.loads(SERVER_FILE.read_text())
+        if _healthy(known["api_url"]):
+            return known["api_url"], known["ui_url"]
+    from prefect_nemo.local_ray import free_port
+
+    port = 4200 if _port_free(4200) else free_port()
+    STATE_DIR.mkdir(exist_ok=True)
+    log = open(STATE_DIR / "server.log", "ab")
+    process = subprocess.Popen(
+        [str(Path(sys.executable).parent / "prefect"), "server", "start",
+         "--host", "127.0.0.1", "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+    )
+    ui_url = f"http://127.0.0.1:{port}"
+    api_url = f"{ui_url}/api"
+    print(f"starting a local Prefect server on {ui_url} (log: {STATE_DIR / 'server.log'})",
+          flush=True)
+    deadline = time.monotonic() + timeout_s
+    while not _healthy(api_url):
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the Prefect server did not start; see {STATE_DIR / 'server.log'}")
+        time.sleep(0.5)
+    SERVER_FILE.write_text(json.dumps({"pid": process.pid, "api_url": api_url, "ui_url": ui_url}))
+    return api_url, ui_url
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def stop_prefect_server() -> None:
+    """Stop the Prefect server `demo` started (by its process group)."""
+    if not SERVER_FILE.exists():
+        print("no Prefect server started by prefect-nemo here")
+        return
+    pid = json.loads(SERVER_FILE.read_text())["pid"]
+    try:
+        os.killpg(os.getpgid(pid), signal.SIGTERM)
+        print(f"stopped the Prefect server (pid {pid})")
+    except ProcessLookupError:
+        print("the Prefect server had already stopped")
+    SERVER_FILE.unlink()
+
+
+# -- the demo -----------------------------------------------------------------------------------
+
+
+def run_demo(run_dir: Path | None) -> int:
+    """Run the demo pipeline on the embedded local Ray cluster and print what happened."""
+    api_url, ui_url = ensure_prefect_server()
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from prefect_nemo import local_ray
+
+    run_dir = run_dir or Path(tempfile.mkdtemp(prefix="prefect-nemo-demo-"))
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        sys.path.insert(0, str(Path.cwd()))
+        from flows.demo import demo_pipeline
+
+        local_ray.default_cluster()  # start (or find) the cluster before the clock starts
+        started = time.monotonic()
+        try:
+            state = demo_pipeline(run_dir=str(run_dir), return_state=True)
+        finally:
+            local_ray.stop_default()
+        elapsed = time.monotonic() - started
+    flow_run_id = state.state_details.flow_run_id
+    if not state.is_completed():
+        print(f"\nthe demo pipeline ended {state.type.value}: {state.message}")
+        print(f"see {ui_url}/runs/flow-run/{flow_run_id}")
+        return 1
+    _print_summary(state.result(), elapsed)
+    print(f"\nPrefect UI: {ui_url}/runs/flow-run/{flow_run_id}")
+    print("(the local Prefect server keeps running; `prefect-nemo server stop` stops it)")
+    return 0
+
+
+def _print_summary(outputs: dict[str, dict[str, Any]], elapsed: float) -> None:
+    print(f"\ndemo pipeline finished in {elapsed:.1f}s\n")
+    print(f"{'experiment':<28} {'job':<44} {'state':<10} {'seconds':>8}")
+    for experiment, out in outputs.items():
+        for job in out["jobs"]:
+            seconds = f"{job['duration_s']:.1f}" if job["duration_s"] is not None else "-"
+            print(f"{experiment:<28} {job['job_id']:<44} {job['state']:<10} {seconds:>8}")
+    metrics = {k: v for out in outputs.values() for k, v in out.items() if k != "jobs"}
+    print("\nmetrics: " + ", ".join(
+        f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
+    ))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `prefect-nemo` command."""
+    parser = argparse.ArgumentParser(prog="prefect-nemo", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="run the demo pipeline on a local Ray cluster")
+    demo.add_argument("--run-dir", type=Path, help="where the demo's jobs write (default: temp)")
+    server = commands.add_parser("server", help="the local Prefect server the demo starts")
+    server.add_argument("action", choices=["stop"])
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        return run_demo(args.run_dir)
+    stop_prefect_server()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
