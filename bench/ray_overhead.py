@@ -29,16 +29,16 @@ from urllib.parse import urlparse
 import prefect
 import ray
 from prefect import flow
-from prefect.futures import as_completed
+from prefect.futures import as_completed, wait
 from prefect.testing.utilities import prefect_test_harness
-from ray.job_submission import JobStatus, JobSubmissionClient
+from ray.job_submission import JobDetails, JobStatus, JobSubmissionClient
 
 from prefect_nemo import JobResult, JobSpec, run_job
 from prefect_nemo.blocks import RayJobsCluster
 from prefect_nemo.lifecycle import META_KEY
 from prefect_nemo.local_ray import LocalRayCluster, start_local_ray
 from prefect_nemo.testing.proxy import TcpProxy
-from prefect_nemo.watcher import watcher_for
+from prefect_nemo.watcher import AGE_FACTOR, ClusterWatcher, watcher_for
 
 Report = Callable[[str, object], None]
 
@@ -49,13 +49,21 @@ REPS = 3
 WARMUPS = 1
 
 LOAD_SIZES = (10, 40)
-LOAD_ENTRYPOINT = "sleep 25"
+# Long enough to outlive the measurement however slowly the cluster starts jobs (a 2-core machine
+# takes ~35 s to get 40 jobs RUNNING: Ray starts at most one worker per physical core at a time);
+# the jobs are stopped as soon as the window closes.
+LOAD_ENTRYPOINT = "sleep 300"
 LOAD_WINDOW_S = 8.0
-# The watcher polls faster while jobs are young (every 5% of the youngest job's age), so both
-# load sizes are measured at the same age of their youngest job, whatever the time they took
-# to all reach RUNNING: otherwise the slower start of 40 jobs would look like a lower cost.
-LOAD_ALIGN_AGE_S = 12.0
-LOAD_RUNNING_TIMEOUT_S = 120.0
+# The watcher polls faster while jobs are young (every AGE_FACTOR of the youngest job's age, up
+# to the block's max_poll_interval_s), so every load size is measured at the same poll interval:
+# at the youngest-job age the largest size needed to get all its jobs RUNNING (at least
+# LOAD_MIN_AGE_S; no older than the age where the interval reaches its cap), just after a
+# watcher tick. Otherwise the slower start of 40 jobs would pass for a lower cost per second.
+# The window also opens only LOAD_SETTLE_TICKS ticks after all jobs are RUNNING: the watcher
+# sees RUNNING (and its task opens the log stream) up to one tick after our raw client does.
+LOAD_MIN_AGE_S = 10.0
+LOAD_SETTLE_TICKS = 2
+LOAD_RUNNING_TIMEOUT_S = 180.0
 
 TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
 
@@ -251,7 +259,7 @@ class LoadRun:
     requests: int
     watcher_ticks: int
     running_after_s: float  # from the last submission to all jobs RUNNING
-    youngest_age_s: float  # age of the youngest job when the window opened
+    age_s: float  # age of the youngest job when the window opened
 
     @property
     def requests_per_s(self) -> float:
@@ -260,40 +268,53 @@ class LoadRun:
 
 
 def make_load_flow(block: RayJobsCluster) -> Callable[..., Any]:
-    """A flow that runs `count` long jobs at once and waits for all of them."""
+    """A flow that runs `count` long jobs at once and waits until all of them have ended."""
 
     @flow(name="bench-ray-load", persist_result=False)
-    def bench_ray_load(tag: str, count: int) -> None:
+    def bench_ray_load(tag: str, count: int) -> int:
         futures = [
             run_job.submit(JobSpec(entrypoint=LOAD_ENTRYPOINT, name=f"{tag}-{i}"), cluster=block)
             for i in range(count)
         ]
-        for future in futures:
-            future.result()
+        done = wait(futures).done  # the benchmark stops the jobs: each task raises JobStopped
+        return sum(1 for future in done if future.state.is_failed())
 
     return bench_ray_load
 
 
-def _flow_jobs(client: JobSubmissionClient, tag: str) -> list[Any]:
+def _flow_jobs(client: JobSubmissionClient, tag: str) -> list[JobDetails]:
     return [j for j in client.list_jobs() if tag in (j.metadata or {}).get(META_KEY, "")]
 
 
-def _wait_all_running(client: JobSubmissionClient, tag: str, count: int) -> list[Any]:
+def _wait_all_running(client: JobSubmissionClient, tag: str, count: int) -> list[JobDetails]:
     deadline = time.monotonic() + LOAD_RUNNING_TIMEOUT_S
     while time.monotonic() < deadline:
         jobs = _flow_jobs(client, tag)
         if len(jobs) == count and all(j.status == JobStatus.RUNNING for j in jobs):
             return jobs
-        if any(j.status in TERMINAL for j in jobs):
-            raise RuntimeError(f"a load job ended early: {[(j.job_id, j.status) for j in jobs]}")
+        if ended := [j.submission_id for j in jobs if j.status in TERMINAL]:
+            raise RuntimeError(f"load jobs ended before the measurement: {ended}")
         time.sleep(0.25)
     raise TimeoutError(f"{count} load jobs not all RUNNING after {LOAD_RUNNING_TIMEOUT_S:g}s")
 
 
+def _after_next_tick(watcher: ClusterWatcher, timeout_s: float = 10.0) -> None:
+    """Return just after the watcher's tick counter moves (its request has been answered)."""
+    start, deadline = watcher.ticks, time.monotonic() + timeout_s
+    while watcher.ticks == start and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
 def measure_load(
-    client: JobSubmissionClient, block: RayJobsCluster, proxy: TcpProxy, count: int
+    client: JobSubmissionClient,
+    block: RayJobsCluster,
+    proxy: TcpProxy,
+    count: int,
+    *,
+    age_s: float,
 ) -> LoadRun:
-    """Run `count` long jobs in one flow (in a thread) and count requests while it waits."""
+    """Run `count` long jobs in one flow (in a thread) and count the Ray API requests made in
+    LOAD_WINDOW_S while it waits on all of them RUNNING, from youngest job age `age_s` on."""
     tag = f"bench-load{count}-{uuid.uuid4().hex[:8]}"
     load_flow = make_load_flow(block)
     states: list[Any] = []
@@ -309,31 +330,34 @@ def measure_load(
     try:
         jobs = _wait_all_running(client, tag, count)
         ready = time.time()
-        youngest_start = max(j.start_time for j in jobs) / 1000
-        opens = max(ready, youngest_start + LOAD_ALIGN_AGE_S)
-        time.sleep(max(0.0, opens - time.time()))
+        youngest_start = max(j.start_time or 0 for j in jobs) / 1000
         watcher = watcher_for(block.backend())
+        for _ in range(LOAD_SETTLE_TICKS):
+            _after_next_tick(watcher)
+        time.sleep(max(0.0, youngest_start + age_s - time.time()))
+        _after_next_tick(watcher)
+        opened = time.time()
         t0, c0, ticks0 = time.monotonic(), proxy.connections, watcher.ticks
         time.sleep(LOAD_WINDOW_S)
         t1, c1, ticks1 = time.monotonic(), proxy.connections, watcher.ticks
-        still = [j for j in _flow_jobs(client, tag) if j.status == JobStatus.RUNNING]
-        if len(still) != count:
-            log(f"warning: only {len(still)}/{count} jobs still RUNNING at the window's end")
+        running = [j for j in _flow_jobs(client, tag) if j.status == JobStatus.RUNNING]
+        if len(running) != count:
+            log(f"warning: only {len(running)}/{count} jobs still RUNNING when the window closed")
         return LoadRun(
             jobs=count,
             window_s=t1 - t0,
             requests=c1 - c0,
             watcher_ticks=ticks1 - ticks0,
             running_after_s=ready - youngest_start,
-            youngest_age_s=opens - youngest_start,
+            age_s=opened - youngest_start,
         )
     finally:
         for job in _flow_jobs(client, tag):
-            if job.status not in TERMINAL:
+            if job.status not in TERMINAL and job.submission_id:
                 client.stop_job(job.submission_id)
         thread.join(120)
         if thread.is_alive():
-            log(f"warning: the {count}-job flow did not finish within 120s of stopping its jobs")
+            log(f"warning: the {count}-job flow did not end within 120s of stopping its jobs")
         elif states:
             log(f"{count}-job flow ended {states[0].type.value} (its jobs were stopped)")
 
@@ -360,9 +384,7 @@ def run(report: Report) -> None:
     report("ray_version", ray.__version__)
     report("prefect_version", prefect.__version__)
     log("starting a local Ray cluster and the Prefect test API")
-    with start_local_ray(num_cpus=16) as cluster, prefect_test_harness(
-        server_startup_timeout=180
-    ):
+    with start_local_ray(num_cpus=16) as cluster, prefect_test_harness(server_startup_timeout=180):
         client = raw_client(cluster)
         block = cluster.block()
         run_dag = make_dag_flow(block)
@@ -375,8 +397,10 @@ def run(report: Report) -> None:
             raw = run_raw_dag(client)
             log(f"{label}: raw makespan {raw.makespan_s:.3f}s")
             dag = run_dag(f"bench-dag-{uuid.uuid4().hex[:8]}")
-            log(f"{label}: prefect-nemo makespan {dag.makespan_s:.3f}s "
-                f"(flow total {dag.total_s:.3f}s)")
+            log(
+                f"{label}: prefect-nemo makespan {dag.makespan_s:.3f}s "
+                f"(flow total {dag.total_s:.3f}s)"
+            )
             if counted:
                 raw_runs.append(raw)
                 flow_runs.append(dag)
@@ -387,8 +411,10 @@ def run(report: Report) -> None:
         flow_span = statistics.median(r.makespan_s for r in flow_runs)
         detections = [j.detect_s for r in flow_runs for j in r.jobs]
         raw_detections = [j.detect_s for r in raw_runs for j in r.jobs]
-        log(f"raw loop detection p50 {percentile(raw_detections, 50):.3f}s "
-            f"p95 {percentile(raw_detections, 95):.3f}s (for comparison)")
+        log(
+            f"raw loop detection p50 {percentile(raw_detections, 50):.3f}s "
+            f"p95 {percentile(raw_detections, 95):.3f}s (for comparison)"
+        )
         report("ray_makespan_raw_s", raw_span)
         report("ray_makespan_prefect_s", flow_span)
         report("ray_overhead_ratio", flow_span / raw_span)
@@ -402,14 +428,21 @@ def run(report: Report) -> None:
         with TcpProxy("127.0.0.1", port) as proxy:
             proxied = block.model_copy(update={"dashboard_url": proxy.url})
             rates: dict[int, float] = {}
-            for count in LOAD_SIZES:
-                load = measure_load(client, proxied, proxy, count)
-                log(f"{count} jobs: {load.requests} requests in {load.window_s:.2f}s, "
-                    f"{load.watcher_ticks} watcher ticks; all RUNNING "
-                    f"{load.running_after_s:.1f}s after the last submission; window opened at "
-                    f"youngest job age {load.youngest_age_s:.1f}s")
+            # Past this age the watcher polls at its cap, whatever the age.
+            capped_age_s = proxied.max_poll_interval_s / AGE_FACTOR
+            age_s = LOAD_MIN_AGE_S
+            for count in sorted(LOAD_SIZES, reverse=True):  # the largest sets the age
+                load = measure_load(client, proxied, proxy, count, age_s=age_s)
+                age_s = max(age_s, min(load.age_s, capped_age_s))
+                log(
+                    f"{count} jobs: {load.requests} requests and {load.watcher_ticks} watcher "
+                    f"ticks in {load.window_s:.2f}s; all RUNNING {load.running_after_s:.1f}s "
+                    f"after the last submission; window opened at youngest job age "
+                    f"{load.age_s:.1f}s"
+                )
                 rates[count] = load.requests_per_s
-                report(f"ray_requests_per_s_{count}jobs", load.requests_per_s)
+            for count in LOAD_SIZES:
+                report(f"ray_requests_per_s_{count}jobs", rates[count])
             report("ray_requests_ratio_40_vs_10", rates[40] / rates[10])
 
 

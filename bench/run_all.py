@@ -59,8 +59,12 @@ def main() -> int:
             traceback.print_exc()
             failed.append(name)
         print(f"[bench] {name}: {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
-    print(f"[bench] all done in {time.monotonic() - started:.1f}s"
-          + (f"; FAILED: {', '.join(failed)}" if failed else ""), file=sys.stderr, flush=True)
+    print(
+        f"[bench] all done in {time.monotonic() - started:.1f}s"
+        + (f"; FAILED: {', '.join(failed)}" if failed else ""),
+        file=sys.stderr,
+        flush=True,
+    )
     return 1 if failed else 0
 
 

@@ -104,7 +104,8 @@ def run_demo(run_dir: Path | None) -> int:
         try:
             state = demo_pipeline(run_dir=str(run_dir), return_state=True)
         finally:
-            local_ray.stop_default()
+            if (pid := local_ray.stop_default()) is not None:
+                print(f"stopped the local Ray cluster (pid {pid})", flush=True)
         elapsed = time.monotonic() - started
     flow_run_id = state.state_details.flow_run_id
     if not state.is_completed():

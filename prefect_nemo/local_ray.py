@@ -8,6 +8,7 @@ group when done. A cluster the user already runs on this machine is reused and l
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import secrets
@@ -60,26 +61,42 @@ class LocalRayCluster:
         )
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop the head we started (SIGTERM to its process group, SIGKILL if it lingers)."""
-        if self.process is None or self.process.poll() is not None:
+        """Stop the head we started: SIGTERM to `ray start --block` (it shuts Ray down), then
+        SIGKILL to whatever is left of its session (Ray workers lead their own process groups,
+        so killing the head's group alone would miss them)."""
+        if self.process is None:
             return
-        pgid = os.getpgid(self.process.pid)
-        os.killpg(pgid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            self.process.wait(10)
-        try:  # helpers of the head (raylet, gcs, dashboard) share its group: sweep them too
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        sid = self.process.pid  # start_new_session made the head a session leader
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        for pid in _session_members(sid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while _session_members(sid) and time.monotonic() < deadline:
+            time.sleep(0.1)  # SIGKILL is not instant: return once they are really gone
 
     def __enter__(self) -> LocalRayCluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _session_members(sid: int) -> list[int]:
+    """Live (non-zombie) process ids in session sid (Linux /proc; empty without /proc)."""
+    members = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, IndexError):
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state != "Z" and os.getsid(int(entry.name)) == sid:
+                members.append(int(entry.name))
+    return members
 
 
 def start_local_ray(
@@ -100,7 +117,7 @@ def start_local_ray(
     )}
     bin_dir = Path(sys.executable).parent
     cmd = [str(bin_dir / "ray"), "start", "--head", "--block", "--disable-usage-stats",
-           "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+           "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--node-ip-address=127.0.0.1",
            f"--object-store-memory={object_store_bytes}"]
     cmd += [f"--{name}={port}" for name, port in ports.items()]
     if num_cpus is not None:
@@ -219,10 +236,16 @@ def default_cluster() -> RayJobsCluster:
         return _default.block()
 
 
-def stop_default() -> None:
-    """Stop the default cluster if this process started it (a reused one is left running)."""
+def stop_default() -> int | None:
+    """Stop the default cluster if this process started it (a reused one is left running).
+
+    Returns the process id of the head it stopped, if any.
+    """
     global _default
     with _default_lock:
-        if _default is not None and _default.owned:
+        stopped = None
+        if _default is not None and _default.process is not None:
+            stopped = _default.process.pid
             _default.stop()
         _default = None
+        return stopped

@@ -244,3 +244,27 @@ def test_events_are_emitted_on_state_changes(cluster, prefect_api):
         time.sleep(0.5)
     assert {"prefect-nemo.job.submitted", "prefect-nemo.job.succeeded"} <= set(seen), seen
     done.set()
+
+
+@pytest.mark.parametrize(
+    ("token", "expected"),
+    [("not-the-token", "token was rejected"), (None, "requires a token")],
+    ids=["wrong-token", "missing-token"],
+)
+def test_bad_auth_fails_clearly_before_submitting(ray_head, prefect_api, ray_client, token,
+                                                  expected, monkeypatch):
+    from prefect_nemo import AuthenticationFailed, RayJobsCluster
+
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "/nonexistent")  # no token from Ray's own places
+    block = RayJobsCluster(dashboard_url=ray_head.dashboard_url, auth_token=token)
+    before = {j.submission_id for j in ray_client.list_jobs()}
+
+    @flow
+    def unauthorised():
+        run_job(JobSpec(entrypoint="true", name="auth"), cluster=block)
+
+    with pytest.raises(AuthenticationFailed, match=expected) as info:
+        unauthorised()
+    assert "auth_token" in str(info.value), "the message names the field to fix"
+    assert {j.submission_id for j in ray_client.list_jobs()} == before

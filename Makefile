@@ -1,0 +1,39 @@
+# Two commands do everything on a fresh machine (Python 3.11): `make demo` and `make test`.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-core
+
+.PHONY: demo test test-fast bench lint install clean
+
+# The virtualenv, installed with the pinned versions of constraints/core.txt.
+$(STAMP): pyproject.toml constraints/core.txt
+	@test -n "$(PYTHON)" || { echo "need Python 3.11 (python3.11 or python3 on PATH)"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints/core.txt -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## Run the demo pipeline on an embedded local Ray cluster; the runs stay visible in the Prefect UI.
+demo: $(STAMP)
+	$(BIN)/prefect-nemo demo
+
+## Lint and run every test (slow real-cluster tests included).
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -q
+
+## The quick subset: no cluster, no server.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check prefect_nemo flows tests bench
+
+## Every benchmark; prints one key=value line per figure.
+bench: $(STAMP)
+	$(BIN)/python -m bench.run_all
+
+clean:
+	rm -rf $(VENV) .prefect-nemo .pytest_cache
