@@ -24,14 +24,6 @@ from pathspec import GitIgnoreSpec
 
 from prefect_nemo.errors import InvalidJobSpec
 
-__all__ = [
-    "ALWAYS_EXCLUDED",
-    "CACHE_DIR_ENV",
-    "SourceTree",
-    "collect_source",
-    "default_cache_dir",
-    "stage_source",
-]
 
 #: Patterns (gitignore syntax) that are dropped everywhere and cannot be re-included.
 ALWAYS_EXCLUDED: tuple[str, ...] = (
