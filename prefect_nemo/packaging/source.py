@@ -24,7 +24,6 @@ from pathspec import GitIgnoreSpec
 
 from prefect_nemo.errors import InvalidJobSpec
 
-
 #: Patterns (gitignore syntax) that are dropped everywhere and cannot be re-included.
 ALWAYS_EXCLUDED: tuple[str, ...] = (
     ".git",
