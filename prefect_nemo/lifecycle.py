@@ -50,22 +50,18 @@ def submit_or_attach(
 
     A job that ended FAILED or STOPPED is an attempt that is over: the next attempt gets the
     next id (`-r1`, `-r2`, ...), so a retry really retries. A live or SUCCEEDED job is attached
-    to, never submitted twice. Ray answers a duplicate id with an error, so we look first.
+    to, never submitted twice: the cluster refuses a taken id (JobAlreadyExists), then we look.
     """
     fingerprint = spec.fingerprint()
+    meta = {**(metadata or {}), META_KEY: f"{scope}/{key}", META_SPEC: fingerprint}
     for attempt in range(MAX_ATTEMPTS):
         job_id = names.job_id(scope, key, readable=readable, attempt=attempt)
-        status = backend.find(job_id)
+        try:  # the common case is a new id: submit first, look up only when it is taken
+            return Submission(backend.submit(spec, job_id, meta), attached=False)
+        except JobAlreadyExists:
+            status = backend.find(job_id)
         if status is None:
-            meta = {**(metadata or {}), META_KEY: f"{scope}/{key}", META_SPEC: fingerprint}
-            try:
-                return Submission(backend.submit(spec, job_id, meta), attached=False)
-            except JobAlreadyExists:  # a concurrent submitter won the race: attach to theirs
-                status = backend.find(job_id)
-                if status is None:
-                    raise BackendUnavailable(
-                        f"job '{job_id}' was reported as existing but cannot be found"
-                    ) from None
+            raise BackendUnavailable(f"job '{job_id}' is reported as existing but cannot be found")
         if status.state in (JobState.FAILED, JobState.STOPPED):
             continue
         seen = status.metadata.get(META_SPEC)

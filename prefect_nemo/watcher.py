@@ -18,7 +18,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
 
 from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable
 from prefect_nemo.jobs import Backend, JobState, JobStatus
@@ -47,6 +46,7 @@ class ClusterWatcher:
         self._refs: Counter[str] = Counter()
         self._latest: dict[str, JobStatus] = {}
         self._missing: Counter[str] = Counter()
+        self._phase_since: dict[str, tuple[JobState, float]] = {}  # live state, first seen at
         self._error: BackendUnavailable | None = None
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -73,6 +73,7 @@ class ClusterWatcher:
                     del self._refs[job_id]
                     self._latest.pop(job_id, None)
                     self._missing.pop(job_id, None)
+                    self._phase_since.pop(job_id, None)
 
     def latest(self, job_id: str) -> JobStatus | None:
         """The last status seen for job_id (None before the first poll)."""
@@ -166,12 +167,20 @@ class ClusterWatcher:
             self._cond.notify_all()
 
     def _interval(self, statuses: Iterable[JobStatus]) -> float:
-        now = datetime.now(UTC)
-        ages = [
-            (now - s.start_time).total_seconds()
-            for s in statuses
-            if not s.state.is_terminal() and s.start_time is not None
-        ]
+        """Poll every AGE_FACTOR of the youngest live phase: a job that just started RUNNING
+        (or was just submitted) is polled fast, since short jobs end soon; a job that has run
+        for an hour is polled at max_interval_s. Ray's own start_time is the submission time,
+        so the phase age is kept here, from when we first saw the job in its current state."""
+        now = time.monotonic()
+        ages = []
+        with self._cond:
+            for status in statuses:
+                if status.state.is_terminal() or status.job_id not in self._refs:
+                    continue
+                phase = self._phase_since.get(status.job_id)
+                if phase is None or phase[0] is not status.state:
+                    phase = self._phase_since[status.job_id] = (status.state, now)
+                ages.append(now - phase[1])
         youngest = min(ages, default=0.0)
         return min(self.max_interval_s, max(MIN_INTERVAL_S, youngest * AGE_FACTOR))
 

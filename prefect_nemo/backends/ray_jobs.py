@@ -58,6 +58,10 @@ def _status_from_details(details: JobDetails) -> JobStatus:
     )
 
 
+_clients: dict[tuple[object, ...], _TimedClient] = {}
+_clients_lock = threading.Lock()
+
+
 class RayJobsBackend:
     """Submit, watch, stop and read logs of jobs on a running Ray cluster's Jobs API."""
 
@@ -82,8 +86,6 @@ class RayJobsBackend:
         self._verify = verify
         self._timeout_s = request_timeout_s
         self._runtime_env = dict(runtime_env or {})
-        self._client: _TimedClient | None = None
-        self._client_lock = threading.Lock()
 
     # -- identity ------------------------------------------------------------------------------
 
@@ -110,10 +112,14 @@ class RayJobsBackend:
 
     @property
     def client(self) -> _TimedClient:
-        """The Ray client, created on first use (creating it checks version and auth)."""
-        with self._client_lock:
-            if self._client is None:
-                self._client = self._call(
+        """The Ray client of this cluster, shared in the process (creating one checks version
+        and auth with one request, so it is done once per cluster and credentials)."""
+        key = (self.address, tuple(sorted(self._headers.items())), str(self._verify),
+               self._timeout_s)
+        with _clients_lock:
+            client = _clients.get(key)
+            if client is None:
+                client = self._call(
                     lambda: _TimedClient(
                         self.address,
                         timeout_s=self._timeout_s,
@@ -121,7 +127,8 @@ class RayJobsBackend:
                         verify=self._verify,
                     )
                 )
-            return self._client
+                _clients[key] = client
+            return client
 
     def _call(self, fn: Callable[[], T]) -> T:
         """Run one client call, turning transport and auth failures into our errors."""
@@ -171,8 +178,9 @@ class RayJobsBackend:
             ) from None
 
     def check_access(self) -> None:
-        """Reach the dashboard and prove the token works (Ray checks it on every endpoint)."""
-        self._call(lambda: self.client.list_jobs() and None)
+        """Reach the dashboard and prove the token works: creating the client asks Ray's
+        version endpoint, which checks the token like every other endpoint."""
+        _ = self.client
 
     def find(self, job_id: str) -> JobStatus | None:
         """The job's status, or None when the cluster has no such job."""
@@ -256,7 +264,9 @@ class RayJobsBackend:
         url = f"{self.address}/api/jobs/{job_id}/logs/tail"
         async with (
             aiohttp.ClientSession(headers=self._headers) as session,
-            session.ws_connect(url, ssl=self._ssl_context(), heartbeat=30) as ws,
+            # No heartbeat: Ray's dashboard proxy never answers pings, so aiohttp would cut the
+            # stream every ~45 s; the watcher, not the socket, decides when a job has ended.
+            session.ws_connect(url, ssl=self._ssl_context()) as ws,
         ):
             async for message in ws:
                 if message.type is aiohttp.WSMsgType.TEXT:
