@@ -38,7 +38,7 @@ from prefect_nemo.blocks import RayJobsCluster
 from prefect_nemo.lifecycle import META_KEY
 from prefect_nemo.local_ray import LocalRayCluster, start_local_ray
 from prefect_nemo.testing.proxy import TcpProxy
-from prefect_nemo.watcher import AGE_FACTOR, ClusterWatcher, watcher_for
+from prefect_nemo.watcher import ClusterWatcher, watcher_for
 
 Report = Callable[[str, object], None]
 
@@ -54,14 +54,14 @@ LOAD_SIZES = (10, 40)
 # time), so not the issue's `sleep 25`; the jobs are stopped as soon as the window closes.
 LOAD_ENTRYPOINT = "sleep 300"
 LOAD_WINDOW_S = 8.0
-# The watcher polls faster while jobs are young (every AGE_FACTOR of the youngest job's age, up
-# to the block's max_poll_interval_s), so every load size is measured at the same poll interval:
-# at the youngest-job age the largest size needed to get all its jobs RUNNING (at least
-# LOAD_MIN_AGE_S; no older than the age where the interval reaches its cap), just after a
-# watcher tick. Otherwise the slower start of 40 jobs would pass for a lower cost per second.
+# The watcher polls faster while jobs are young (every AGE_FACTOR of the time since the youngest
+# job entered its current state, up to the block's max_poll_interval_s), so every load size is
+# measured at the same poll interval: LOAD_RUNNING_AGE_S after the last of its jobs turned
+# RUNNING, just after a watcher tick. Otherwise the slower start of 40 jobs would make the two
+# windows sit at different points of the same curve.
 # The window also opens only LOAD_SETTLE_TICKS ticks after all jobs are RUNNING: the watcher
 # sees RUNNING (and its task opens the log stream) up to one tick after our raw client does.
-LOAD_MIN_AGE_S = 10.0
+LOAD_RUNNING_AGE_S = 20.0
 LOAD_SETTLE_TICKS = 2
 LOAD_RUNNING_TIMEOUT_S = 180.0
 
@@ -259,7 +259,7 @@ class LoadRun:
     requests: int
     watcher_ticks: int
     running_after_s: float  # from the last submission to all jobs RUNNING
-    age_s: float  # age of the youngest job when the window opened
+    age_s: float  # seconds since the last job turned RUNNING when the window opened
 
     @property
     def requests_per_s(self) -> float:
@@ -314,7 +314,7 @@ def measure_load(
     age_s: float,
 ) -> LoadRun:
     """Run `count` long jobs in one flow (in a thread) and count the Ray API requests made in
-    LOAD_WINDOW_S while it waits on all of them RUNNING, from youngest job age `age_s` on."""
+    LOAD_WINDOW_S while it waits on all of them RUNNING, `age_s` after the last turned RUNNING."""
     tag = f"bench-load{count}-{uuid.uuid4().hex[:8]}"
     load_flow = make_load_flow(block)
     states: list[Any] = []
@@ -334,7 +334,7 @@ def measure_load(
         watcher = watcher_for(block.backend())
         for _ in range(LOAD_SETTLE_TICKS):
             _after_next_tick(watcher)
-        time.sleep(max(0.0, youngest_start + age_s - time.time()))
+        time.sleep(max(0.0, ready + age_s - time.time()))
         _after_next_tick(watcher)
         opened = time.time()
         t0, c0, ticks0 = time.monotonic(), proxy.connections, watcher.ticks
@@ -349,7 +349,7 @@ def measure_load(
             requests=c1 - c0,
             watcher_ticks=ticks1 - ticks0,
             running_after_s=ready - youngest_start,
-            age_s=opened - youngest_start,
+            age_s=opened - ready,
         )
     finally:
         for job in _flow_jobs(client, tag):
@@ -428,17 +428,13 @@ def run(report: Report) -> None:
         with TcpProxy("127.0.0.1", port) as proxy:
             proxied = block.model_copy(update={"dashboard_url": proxy.url})
             rates: dict[int, float] = {}
-            # Past this age the watcher polls at its cap, whatever the age.
-            capped_age_s = proxied.max_poll_interval_s / AGE_FACTOR
-            age_s = LOAD_MIN_AGE_S
-            for count in sorted(LOAD_SIZES, reverse=True):  # the largest sets the age
-                load = measure_load(client, proxied, proxy, count, age_s=age_s)
-                age_s = max(age_s, min(load.age_s, capped_age_s))
+            for count in LOAD_SIZES:
+                load = measure_load(client, proxied, proxy, count, age_s=LOAD_RUNNING_AGE_S)
                 log(
                     f"{count} jobs: {load.requests} requests in {load.window_s:.2f}s, of which "
                     f"{load.watcher_ticks} watcher polls and {load.requests - load.watcher_ticks} "
                     f"others (log streams); all RUNNING {load.running_after_s:.1f}s after the "
-                    f"last submission; window opened at youngest job age {load.age_s:.1f}s"
+                    f"last submission; window opened {load.age_s:.1f}s after all were RUNNING"
                 )
                 rates[count] = load.requests_per_s
             for count in LOAD_SIZES:
