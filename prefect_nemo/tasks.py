@@ -11,7 +11,10 @@ with SIGKILL re-attaches when it runs again.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -25,8 +28,15 @@ from prefect.client.schemas.actions import (
     GlobalConcurrencyLimitCreate,
     GlobalConcurrencyLimitUpdate,
 )
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterId,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+)
+from prefect.client.schemas.objects import StateType
 from prefect.concurrency.sync import concurrency
-from prefect.context import FlowRunContext, TaskRunContext
+from prefect.context import FlowRunContext, SettingsContext, TaskRunContext
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from prefect.logging import get_logger
 
@@ -168,8 +178,76 @@ class _LiveJobs:
         with self._lock:
             return list(self._by_run.pop(flow_run_id, {}).values())
 
+    def flow_run_ids(self) -> list[str]:
+        with self._lock:
+            return [run_id for run_id, jobs in self._by_run.items() if run_id and jobs]
+
 
 live_jobs = _LiveJobs()
+
+
+class _CancelWatch:
+    """Stops the jobs of flow runs that were cancelled through the API.
+
+    A run that no runner supervises (started from a script or a notebook) gets no signal when
+    someone presses Cancel in the UI: the server only marks it CANCELLING. One thread per
+    process asks the API, every few seconds and in one request, whether any run with live jobs
+    here was cancelled, and stops those jobs; their waiting tasks then end with JobStopped.
+    """
+
+    interval_s = 2.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = False
+
+    def ensure_running(self) -> None:
+        """Start the thread if it is not running (it ends when no jobs are live)."""
+        with self._lock:
+            if self._running:
+                return
+            self._running = True
+        # Carry Prefect's settings (API URL, ...) over, but not the run context of whichever task
+        # started us: its client closes when that run ends.
+        settings = SettingsContext.get()
+        threading.Thread(target=self._run, args=(settings.model_copy() if settings else None,),
+                         daemon=True, name="prefect-nemo-cancel-watch").start()
+
+    def _run(self, settings: SettingsContext | None) -> None:
+        try:
+            with settings or contextlib.nullcontext():
+                self._loop()
+        finally:
+            with self._lock:
+                self._running = False
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.interval_s)
+            with self._lock:
+                run_ids = live_jobs.flow_run_ids()
+                if not run_ids:
+                    self._running = False
+                    return
+            try:
+                for run_id in self._cancelled(run_ids):
+                    _stop_run_jobs(run_id, f"flow run {run_id} was cancelled")
+            except Exception as exc:  # the API may be briefly away: try again next round
+                get_logger("prefect_nemo").debug(f"cancel watch: {exc}")
+
+    @staticmethod
+    def _cancelled(run_ids: list[str]) -> list[str]:
+        cancelled = FlowRunFilter(
+            id=FlowRunFilterId(any_=[uuid.UUID(r) for r in run_ids]),
+            state=FlowRunFilterState(
+                type=FlowRunFilterStateType(any_=[StateType.CANCELLING, StateType.CANCELLED])
+            ),
+        )
+        with get_client(sync_client=True) as client:
+            return [str(run.id) for run in client.read_flow_runs(flow_run_filter=cancelled)]
+
+
+cancel_watch = _CancelWatch()
 
 
 def stop_flow_run_jobs(flow: Any, flow_run: Any, state: Any) -> None:
@@ -177,13 +255,15 @@ def stop_flow_run_jobs(flow: Any, flow_run: Any, state: Any) -> None:
 
     Installed automatically on any flow that uses our tasks, for cancellation, crash and failure.
     """
-    jobs = live_jobs.take(str(flow_run.id))
+    _stop_run_jobs(str(flow_run.id), f"flow run {flow_run.name} ended {state.type.value}")
+
+
+def _stop_run_jobs(flow_run_id: str, why: str) -> None:
+    jobs = live_jobs.take(flow_run_id)
     if not jobs:
         return
     logger = get_logger("prefect_nemo")
-    logger.warning(
-        f"flow run {flow_run.name} ended {state.type.value}: stopping {len(jobs)} job(s)"
-    )
+    logger.warning(f"{why}: stopping {len(jobs)} job(s)")
     with ThreadPoolExecutor(max_workers=min(16, len(jobs))) as pool:
         for job, outcome in zip(jobs, pool.map(_stop_quietly, jobs), strict=True):
             logger.warning(f"job {job.handle.job_id}: {outcome}")
@@ -283,6 +363,7 @@ def _watch(
     final: JobStatus | None = None
     stopped = False  # set once we have stopped the job ourselves
     live_jobs.add(ctx.flow_run_id, _LiveJob(backend, handle, block.stop_timeout_s))
+    cancel_watch.ensure_running()
 
     def sink(line: str) -> None:
         ctx.logger.info(redact(f"[{handle.job_id}] {line}"))

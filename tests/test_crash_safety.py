@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.states import Cancelling
 
 from prefect_nemo import BackendUnavailable, JobSpec, JobState, run_job
@@ -174,3 +175,46 @@ def test_dashboard_outage_past_budget_stops_the_job(ray_head, prefect_api, ray_c
     jobs = [j for j in ray_client.list_jobs()
             if (j.metadata or {}).get(META_KEY, "").endswith(f"/{name}")]
     assert [j.status.value for j in jobs] == ["STOPPED"]
+
+
+def test_cancelling_an_unsupervised_run_through_the_api_stops_its_jobs(
+    ray_head, prefect_api, ray_client
+):
+    """A run started from a script (no runner to signal it) is cancelled from the UI/API."""
+    import contextvars
+
+    block = ray_head.block()
+    name = f"unsupervised-{uuid.uuid4().hex[:6]}"
+    outcome: dict[str, object] = {}
+
+    @flow
+    def unsupervised():
+        run_job(JobSpec(entrypoint="sleep 120", name=name), block)
+
+    def run():
+        outcome["state"] = unsupervised(return_state=True)
+
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(run,), daemon=True)
+    thread.start()
+    job = wait_until(
+        lambda: next((j for j in ray_client.list_jobs()
+                      if (j.metadata or {}).get(META_KEY, "").endswith(f"/{name}")
+                      and j.status.value == "RUNNING"), None),
+        90, "the job RUNNING",
+    )
+    run_id = job.metadata[META_FLOW_RUN]
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(uuid.UUID(run_id), Cancelling(), force=True)
+    wait_until(lambda: ray_client.get_job_status(job.submission_id).value == "STOPPED", 30,
+               "the job of the cancelled run to be STOPPED")
+    thread.join(60)
+    assert not thread.is_alive(), "the flow must end once its job is stopped"
+    state = outcome["state"]
+    # Prefect keeps an unsupervised run CANCELLING (the server forces CANCELLED later).
+    assert state.is_cancelling() or state.is_cancelled() or state.is_failed(), state
+    with get_client(sync_client=True) as client:
+        task_runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(run_id)]))
+        )
+    assert [t.state.type.value for t in task_runs] == ["FAILED"]
+    assert "JobStopped" in task_runs[0].state.message
