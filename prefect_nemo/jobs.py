@@ -104,15 +104,6 @@ class Resources(_Model):
                 raise ValueError(f"custom resource '{key}' is {amount}: use a finite number >= 0")
         return value
 
-    def is_empty(self) -> bool:
-        """True when nothing is reserved (the backend's default placement applies)."""
-        return (
-            self.cpus is None
-            and self.gpus is None
-            and self.memory_bytes is None
-            and not self.custom
-        )
-
 
 class JobSpec(_Model):
     """What to run: a shell entrypoint with its environment, code, resources and limits.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -125,8 +126,6 @@ def start_local_ray(
     if num_gpus is not None:
         cmd.append(f"--num-gpus={num_gpus}")
     if resources:
-        import json
-
         cmd.append(f"--resources={json.dumps(resources)}")
     if labels:
         cmd.append("--labels=" + ",".join(f"{k}={v}" for k, v in labels.items()))

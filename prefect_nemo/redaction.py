@@ -20,6 +20,3 @@ class Redactor:
             if secret in text:
                 text = text.replace(secret, MASK)
         return text
-
-    def __bool__(self) -> bool:
-        return bool(self._secrets)

@@ -93,7 +93,7 @@ class JobReporter:
         message = self.redact(status.message)[:MESSAGE_CHARS]
         line = f"job {self.handle.job_id} is {status.state.value}"
         if status.state.is_terminal() and message:
-            line += f": {message.splitlines()[0] if message else ''}"
+            line += f": {message.splitlines()[0]}"
         level = logging.ERROR if status.state is JobState.FAILED else logging.INFO
         self.logger.log(level, line)
         self._emit(

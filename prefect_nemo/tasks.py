@@ -360,6 +360,7 @@ def _watch(
     )
     redact = reporter.redact
     follower: LogFollower | None = None
+    whole_log: str | None = None  # read once when the job ends (streaming) for the log tail
     final: JobStatus | None = None
     stopped = False  # set once we have stopped the job ourselves
     live_jobs.add(ctx.flow_run_id, _LiveJob(backend, handle, block.stop_timeout_s))
@@ -369,10 +370,10 @@ def _watch(
         ctx.logger.info(redact(f"[{handle.job_id}] {line}"))
 
     def on_change(status: JobStatus) -> None:
-        nonlocal follower
+        nonlocal follower, whole_log
         if status.state.is_terminal() and stream_logs:
             # The job's log lines come before the line that says how it ended.
-            (follower or LogFollower(backend, handle.job_id, sink)).finish()
+            whole_log = (follower or LogFollower(backend, handle.job_id, sink)).finish()
             follower = None
         elif stream_logs and follower is None and status.state is JobState.RUNNING:
             follower = log_pump.follow(
@@ -402,7 +403,7 @@ def _watch(
 
     if final.state is JobState.SUCCEEDED:
         return _result(handle, final, attached, redact)
-    tail = _log_tail(backend, handle) if final.state is JobState.FAILED else ""
+    tail = _log_tail(backend, handle, whole_log) if final.state is JobState.FAILED else ""
     result = _result(handle, final, attached, redact, log_tail=redact(tail))
     exit_code = f" (exit code {final.exit_code})" if final.exit_code is not None else ""
     message = redact(
@@ -427,11 +428,13 @@ def _stop(backend: Backend, handle: JobHandle, block: ClusterBlock,
     return status
 
 
-def _log_tail(backend: Backend, handle: JobHandle) -> str:
+def _log_tail(backend: Backend, handle: JobHandle, whole_log: str | None) -> str:
+    """The last lines of the job's log, from the read already made if there was one."""
     try:
-        return "\n".join(backend.logs(handle.job_id).rstrip().splitlines()[-LOG_TAIL_LINES:])
+        whole = whole_log if whole_log is not None else backend.logs(handle.job_id)
     except Exception:
         return ""
+    return "\n".join(whole.rstrip().splitlines()[-LOG_TAIL_LINES:])
 
 
 def _result(handle: JobHandle, status: JobStatus | None, attached: bool, redact: Redactor,

@@ -226,20 +226,24 @@ class LogFollower:
                 self._sink(line)
                 self._emitted = upto
 
-    def finish(self) -> None:
-        """Stop streaming and send the rest of the log from one full read (nothing lost)."""
+    def finish(self) -> str | None:
+        """Stop streaming and send the rest of the log from one full read (nothing lost).
+
+        Returns that whole log (None if it could not be read), so callers need not read it again.
+        """
         with self._lock:
             self._closed = True
             emitted = self._emitted
         if self._future is not None:
             self._future.cancel()
         try:
-            rest = self.backend.logs(self.job_id)[emitted:]
+            whole = self.backend.logs(self.job_id)
         except Exception as exc:
             log.debug("could not read the rest of the log of %s: %s", self.job_id, exc)
-            return
-        for line in rest.splitlines():
+            return None
+        for line in whole[emitted:].splitlines():
             self._sink(line)
+        return whole
 
 
 class LogPump:

@@ -65,8 +65,8 @@ def test_canaries_never_leak(ray_head, prefect_api, ray_client, caplog, capfd, t
         "block repr": repr(block) + str(block) + block.model_dump_json(),
     }
     with get_client(sync_client=True) as client:
-        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-        haystacks["prefect logs"] = "\n".join(log.message for log in logs)
+        job_id = error.result.handle.job_id
+        haystacks["prefect logs"] = _logs_of_flow_run(client, flow_run_id, until=job_id)
         artifacts = client.read_artifacts(
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
         )
@@ -74,7 +74,6 @@ def test_canaries_never_leak(ray_head, prefect_api, ray_client, caplog, capfd, t
         flow_run = client.read_flow_run(flow_run_id)
         haystacks["flow run state"] = flow_run.model_dump_json()
     haystacks["events"] = _events_of_flow_run(prefect_api, since, flow_run_id)
-    job_id = error.result.handle.job_id
     haystacks["ray job metadata"] = json.dumps(ray_client.get_job_info(job_id).metadata)
     cache = default_cache_dir()
     haystacks["staged files"] = "".join(
@@ -106,3 +105,15 @@ def _events_of_flow_run(prefect_api: str, since: str, flow_run_id: object) -> st
             break
         time.sleep(0.5)
     return "".join(texts)
+
+
+def _logs_of_flow_run(client, flow_run_id: object, until: str) -> str:
+    """The run's logs from the API; Prefect ships them in the background, so wait for `until`."""
+    text = ""
+    for _ in range(60):
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        text = "\n".join(log.message for log in logs)
+        if until in text:
+            break
+        time.sleep(0.5)
+    return text
