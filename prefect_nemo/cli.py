@@ -46,14 +46,25 @@ def ensure_prefect_server(timeout_s: float = 120.0) -> tuple[str, str]:
     STATE_DIR.mkdir(exist_ok=True)
     log = open(STATE_DIR / "server.log", "ab")
     process = subprocess.Popen(
-        [str(Path(sys.executable).parent / "prefect"), "server", "start",
-         "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        [
+            str(Path(sys.executable).parent / "prefect"),
+            "server",
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
     )
     ui_url = f"http://127.0.0.1:{port}"
     api_url = f"{ui_url}/api"
-    print(f"starting a local Prefect server on {ui_url} (log: {STATE_DIR / 'server.log'})",
-          flush=True)
+    print(
+        f"starting a local Prefect server on {ui_url} (log: {STATE_DIR / 'server.log'})", flush=True
+    )
     deadline = time.monotonic() + timeout_s
     while not _healthy(api_url):
         if process.poll() is not None or time.monotonic() > deadline:
@@ -126,9 +137,12 @@ def _print_summary(outputs: dict[str, dict[str, Any]], elapsed: float) -> None:
             seconds = f"{job['duration_s']:.1f}" if job["duration_s"] is not None else "-"
             print(f"{experiment:<28} {job['job_id']:<44} {job['state']:<10} {seconds:>8}")
     metrics = {k: v for out in outputs.values() for k, v in out.items() if k != "jobs"}
-    print("\nmetrics: " + ", ".join(
-        f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
-    ))
+    print(
+        "\nmetrics: "
+        + ", ".join(
+            f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -92,7 +92,10 @@ def start_experiment(
     if refs:
         get_run_logger().info(f"experiment {name} waits for: {', '.join(map(str, refs))}")
         upstream = wait_for_experiments(
-            refs, timeout_s=timeout_s, not_found_timeout_s=not_found_timeout_s, poll_s=poll_s,
+            refs,
+            timeout_s=timeout_s,
+            not_found_timeout_s=not_found_timeout_s,
+            poll_s=poll_s,
             exclude=flow_run.id,
         )
         experiment = Experiment(name=name, flow_run_id=flow_run_id, upstream=tuple(upstream))

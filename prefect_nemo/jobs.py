@@ -7,7 +7,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import AsyncGenerator, Collection
+from collections.abc import AsyncGenerator, Callable, Collection
 from contextvars import ContextVar
 from datetime import datetime
 from enum import StrEnum
@@ -302,6 +302,7 @@ class Backend(Protocol):
     """
 
     kind: ClassVar[str]
+    max_job_id_len: ClassVar[int]  # the longest job id (object name) the engine accepts
 
     @property
     def cluster(self) -> str:
@@ -343,4 +344,15 @@ class Backend(Protocol):
 
     def tail_logs(self, job_id: str) -> AsyncGenerator[str, None]:
         """Stream the job's log as it is written, until the job ends."""
+        ...
+
+
+@runtime_checkable
+class PushesChanges(Protocol):
+    """A backend that learns of status changes as they happen (a Kubernetes watch) rather than
+    by polling: the watcher then wakes on each change instead of at its next tick, and
+    `statuses()` is served from the backend's cache."""
+
+    def subscribe(self, wake: Callable[[], None]) -> Callable[[], None]:
+        """Call `wake` on every change of any job on the cluster; returns the unsubscribe."""
         ...

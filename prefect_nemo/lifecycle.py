@@ -55,7 +55,9 @@ def submit_or_attach(
     fingerprint = spec.fingerprint()
     meta = {**(metadata or {}), META_KEY: f"{scope}/{key}", META_SPEC: fingerprint}
     for attempt in range(MAX_ATTEMPTS):
-        job_id = names.job_id(scope, key, readable=readable, attempt=attempt)
+        job_id = names.job_id(
+            scope, key, readable=readable, attempt=attempt, max_len=backend.max_job_id_len
+        )
         try:  # the common case is a new id: submit first, look up only when it is taken
             return Submission(backend.submit(spec, job_id, meta), attached=False)
         except JobAlreadyExists:

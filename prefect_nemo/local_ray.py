@@ -58,7 +58,9 @@ class LocalRayCluster:
     def block(self, **overrides: object) -> RayJobsCluster:
         """A RayJobsCluster block pointing at this cluster."""
         return RayJobsCluster(
-            dashboard_url=self.dashboard_url, auth_token=self.token, **overrides  # type: ignore[arg-type]
+            dashboard_url=self.dashboard_url,
+            auth_token=self.token,
+            **overrides,  # type: ignore[arg-type]
         )
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -111,15 +113,32 @@ def start_local_ray(
     timeout_s: float = 90.0,
 ) -> LocalRayCluster:
     """Start a Ray head (dashboard on) on free ports and wait until its Jobs API answers."""
-    ports = {name: free_port() for name in (
-        "port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-        "ray-client-server-port", "node-manager-port", "object-manager-port",
-        "metrics-export-port", "runtime-env-agent-port",
-    )}
+    ports = {
+        name: free_port()
+        for name in (
+            "port",
+            "dashboard-port",
+            "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port",
+            "ray-client-server-port",
+            "node-manager-port",
+            "object-manager-port",
+            "metrics-export-port",
+            "runtime-env-agent-port",
+        )
+    }
     bin_dir = Path(sys.executable).parent
-    cmd = [str(bin_dir / "ray"), "start", "--head", "--block", "--disable-usage-stats",
-           "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--node-ip-address=127.0.0.1",
-           f"--object-store-memory={object_store_bytes}"]
+    cmd = [
+        str(bin_dir / "ray"),
+        "start",
+        "--head",
+        "--block",
+        "--disable-usage-stats",
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        "--node-ip-address=127.0.0.1",
+        f"--object-store-memory={object_store_bytes}",
+    ]
     cmd += [f"--{name}={port}" for name, port in ports.items()]
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
@@ -144,7 +163,11 @@ def start_local_ray(
 
     log_file = tempfile.NamedTemporaryFile(prefix="prefect-nemo-ray-", suffix=".log", delete=False)
     process = subprocess.Popen(
-        cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        cmd,
+        env=env,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
         start_new_session=True,
     )
     cluster = LocalRayCluster(
@@ -171,8 +194,7 @@ def _wait_until_serving(cluster: LocalRayCluster, timeout_s: float) -> None:
             raise BackendUnavailable(f"local Ray head exited during start-up:\n{tail}")
         try:
             # /api/jobs/ answers only once the job manager is up, not just the HTTP server.
-            if requests.get(f"{cluster.dashboard_url}/api/jobs/", headers=headers,
-                            timeout=2).ok:
+            if requests.get(f"{cluster.dashboard_url}/api/jobs/", headers=headers, timeout=2).ok:
                 return
         except requests.RequestException:
             pass
@@ -189,9 +211,11 @@ def find_local_ray(dashboard_url: str | None = None) -> LocalRayCluster | None:
     URLs, then the default dashboard port; the token comes from Ray's own places
     ($RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token).
     """
-    candidates = [dashboard_url] + [
-        os.environ.get(v) for v in ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
-    ] + [DEFAULT_DASHBOARD]
+    candidates = (
+        [dashboard_url]
+        + [os.environ.get(v) for v in ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")]
+        + [DEFAULT_DASHBOARD]
+    )
     token = _ray_token()
     for url in candidates:
         if not url or not url.startswith(("http://", "https://")):

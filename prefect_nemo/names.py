@@ -20,19 +20,35 @@ def dns_label(text: str, max_len: int = MAX_LABEL) -> str:
     return label[:max_len].rstrip("-")
 
 
+def resource_name(text: str, max_len: int = MAX_LABEL) -> str:
+    """A valid Kubernetes object name (RFC 1035 label, also a valid RFC 1123 name) for `text`.
+
+    A name that is already valid is kept; any other gets a stable hash of the original appended,
+    so two different inputs never sanitise to the same name.
+    """
+    label = dns_label(text, max_len)
+    if label == text:
+        return label
+    digest = stable_hash(text)
+    return f"{dns_label(text, max_len - _HASH_LEN - 1)}-{digest}"
+
+
 def stable_hash(*parts: str, length: int = _HASH_LEN) -> str:
     """A short hex digest of the parts (NUL-separated so ('ab','c') != ('a','bc'))."""
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:length]
 
 
-def job_id(scope: str, key: str, *, readable: str = "", attempt: int = 0) -> str:
+def job_id(
+    scope: str, key: str, *, readable: str = "", attempt: int = 0, max_len: int = MAX_LABEL
+) -> str:
     """Deterministic job id of `key` within `scope` (an experiment or a flow run).
 
     Identity is the hash of (scope, key); `readable` (e.g. the experiment name) only makes the
-    id easier to read. Attempt n > 0 (a resubmission after a failed attempt) appends '-r<n>'.
+    id easier to read; the id fits max_len (a backend's name limit). Attempt n > 0 (a
+    resubmission after a failed attempt) appends '-r<n>'.
     """
     digest = stable_hash(scope, key)
-    room = MAX_LABEL - _HASH_LEN - 1 - _ATTEMPT_ROOM
+    room = max_len - _HASH_LEN - 1 - _ATTEMPT_ROOM
     head = dns_label(f"{readable}-{key}" if readable else key, room)
     base = f"{head}-{digest}"
     return base if attempt == 0 else f"{base}-r{attempt}"

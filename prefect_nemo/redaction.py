@@ -12,8 +12,9 @@ class Redactor:
     """Replaces every known secret value in a text with a mask."""
 
     def __init__(self, secrets: Iterable[str | None] = ()) -> None:
-        self._secrets = sorted({s for s in secrets if s and len(s) >= _MIN_SECRET}, key=len,
-                               reverse=True)
+        self._secrets = sorted(
+            {s for s in secrets if s and len(s) >= _MIN_SECRET}, key=len, reverse=True
+        )
 
     def __call__(self, text: str) -> str:
         for secret in self._secrets:

@@ -124,9 +124,15 @@ class JobReporter:
         with table.lock:
             row = table.rows.setdefault(
                 self.handle.job_id,
-                {"job_id": self.handle.job_id, "backend": self.handle.backend, "state": "",
-                 "duration_s": None, "dashboard": self.handle.links.get("dashboard", ""),
-                 "attached": False, "message": ""},
+                {
+                    "job_id": self.handle.job_id,
+                    "backend": self.handle.backend,
+                    "state": "",
+                    "duration_s": None,
+                    "dashboard": self.handle.links.get("dashboard", ""),
+                    "attached": False,
+                    "message": "",
+                },
             )
             started, ended = fields.pop("started", None), fields.pop("ended", None)
             row.update(fields)

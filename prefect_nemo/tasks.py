@@ -114,8 +114,10 @@ def _run_context() -> _RunContext:
     flow_ctx = FlowRunContext.get()
     flow_run = flow_ctx.flow_run if flow_ctx else None
     task_run = task_ctx.task_run if task_ctx else None
-    flow_run_id = str(flow_run.id) if flow_run else (
-        str(task_run.flow_run_id) if task_run and task_run.flow_run_id else None
+    flow_run_id = (
+        str(flow_run.id)
+        if flow_run
+        else (str(task_run.flow_run_id) if task_run and task_run.flow_run_id else None)
     )
     experiment = experiments.current_experiment(flow_run_id)
     if experiment:
@@ -131,8 +133,9 @@ def _run_context() -> _RunContext:
         logger = get_run_logger()
     except Exception:
         logger = get_logger("prefect_nemo")
-    return _RunContext(flow_run_id, scope, readable, default_key, logger,
-                       _cancel_signal(flow_ctx, task_run))
+    return _RunContext(
+        flow_run_id, scope, readable, default_key, logger, _cancel_signal(flow_ctx, task_run)
+    )
 
 
 def _cancel_signal(flow_ctx: FlowRunContext | None, task_run: Any) -> Callable[[], bool]:
@@ -210,8 +213,12 @@ class _CancelWatch:
         # Carry Prefect's settings (API URL, ...) over, but not the run context of whichever task
         # started us: its client closes when that run ends.
         settings = SettingsContext.get()
-        threading.Thread(target=self._run, args=(settings.model_copy() if settings else None,),
-                         daemon=True, name="prefect-nemo-cancel-watch").start()
+        threading.Thread(
+            target=self._run,
+            args=(settings.model_copy() if settings else None,),
+            daemon=True,
+            name="prefect-nemo-cancel-watch",
+        ).start()
 
     def _run(self, settings: SettingsContext | None) -> None:
         try:
@@ -316,22 +323,25 @@ def _ensure_limit(name: str, limit: int) -> None:
                 pass
             return
         if current.limit != limit:
-            client.update_global_concurrency_limit(
-                name, GlobalConcurrencyLimitUpdate(limit=limit)
-            )
+            client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(limit=limit))
 
 
 # ---------------------------------------------------------------------------------------------
 # The shared steps
 
 
-def _submit(block: ClusterBlock, backend: Backend, spec: JobSpec, ctx: _RunContext,
-            redact: Redactor) -> tuple[lifecycle.Submission, JobReporter]:
+def _submit(
+    block: ClusterBlock, backend: Backend, spec: JobSpec, ctx: _RunContext, redact: Redactor
+) -> tuple[lifecycle.Submission, JobReporter]:
     backend.validate(spec)
     backend.check_access()  # auth and reachability fail here, before anything is submitted
     owner = {lifecycle.META_FLOW_RUN: ctx.flow_run_id or ""}
     submission = lifecycle.submit_or_attach(
-        backend, spec, scope=ctx.scope, key=spec.name or ctx.default_key, readable=ctx.readable,
+        backend,
+        spec,
+        scope=ctx.scope,
+        key=spec.name or ctx.default_key,
+        readable=ctx.readable,
         metadata=owner,
     )
     reporter = JobReporter(
@@ -380,14 +390,18 @@ def _watch(
                 backend,
                 handle.job_id,
                 sink,
-                is_done=lambda: (s := watcher.latest(handle.job_id)) is None
-                or s.state.is_terminal(),
+                is_done=lambda: (
+                    (s := watcher.latest(handle.job_id)) is None or s.state.is_terminal()
+                ),
             )
         reporter.changed(status)
 
     try:
         final = lifecycle.wait_until_terminal(
-            watcher, handle, timeout_s=timeout_s, on_change=on_change,
+            watcher,
+            handle,
+            timeout_s=timeout_s,
+            on_change=on_change,
             interrupted=ctx.interrupted,
         )
     except JobTimedOut as exc:
@@ -416,8 +430,9 @@ def _watch(
     raise JobFailed(message, result)
 
 
-def _stop(backend: Backend, handle: JobHandle, block: ClusterBlock,
-          reporter: JobReporter) -> JobStatus | None:
+def _stop(
+    backend: Backend, handle: JobHandle, block: ClusterBlock, reporter: JobReporter
+) -> JobStatus | None:
     try:
         status = lifecycle.stop_and_confirm(backend, handle.job_id, timeout_s=block.stop_timeout_s)
     except Exception as exc:
@@ -437,15 +452,26 @@ def _log_tail(backend: Backend, handle: JobHandle, whole_log: str | None) -> str
     return "\n".join(whole.rstrip().splitlines()[-LOG_TAIL_LINES:])
 
 
-def _result(handle: JobHandle, status: JobStatus | None, attached: bool, redact: Redactor,
-            log_tail: str = "") -> JobResult:
+def _result(
+    handle: JobHandle,
+    status: JobStatus | None,
+    attached: bool,
+    redact: Redactor,
+    log_tail: str = "",
+) -> JobResult:
     if status is None:
-        return JobResult(handle=handle, state=JobState.STOPPED, message="stop not confirmed",
-                         attached=attached)
+        return JobResult(
+            handle=handle, state=JobState.STOPPED, message="stop not confirmed", attached=attached
+        )
     return JobResult(
-        handle=handle, state=status.state, message=redact(status.message),
-        start_time=status.start_time, end_time=status.end_time, exit_code=status.exit_code,
-        log_tail=log_tail, attached=attached,
+        handle=handle,
+        state=status.state,
+        message=redact(status.message),
+        start_time=status.start_time,
+        end_time=status.end_time,
+        exit_code=status.exit_code,
+        log_tail=log_tail,
+        attached=attached,
     )
 
 
@@ -474,8 +500,14 @@ def run_job(spec: JobSpec, cluster: ClusterLike = None, *, stream_logs: bool = T
     with _cluster_slot(block, backend):
         submission, reporter = _submit(block, backend, spec, ctx, redact)
         return _watch(
-            block, backend, submission.handle, timeout_s=spec.timeout_s,
-            stream_logs=stream_logs, ctx=ctx, reporter=reporter, attached=submission.attached,
+            block,
+            backend,
+            submission.handle,
+            timeout_s=spec.timeout_s,
+            stream_logs=stream_logs,
+            ctx=ctx,
+            reporter=reporter,
+            attached=submission.attached,
         )
 
 
@@ -502,8 +534,16 @@ def wait_for_job(
     block, backend, redact = _setup(None, cluster)
     ctx = _run_context()
     reporter = JobReporter(handle, logger=ctx.logger, redact=redact, flow_run_id=ctx.flow_run_id)
-    return _watch(block, backend, handle, timeout_s=timeout_s, stream_logs=stream_logs, ctx=ctx,
-                  reporter=reporter, attached=False)
+    return _watch(
+        block,
+        backend,
+        handle,
+        timeout_s=timeout_s,
+        stream_logs=stream_logs,
+        ctx=ctx,
+        reporter=reporter,
+        attached=False,
+    )
 
 
 @task(name="stop_job", cache_policy=NO_CACHE)

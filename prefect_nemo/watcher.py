@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable
-from prefect_nemo.jobs import Backend, JobState, JobStatus
+from prefect_nemo.jobs import Backend, JobState, JobStatus, PushesChanges
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,20 @@ class ClusterWatcher:
     # -- the polling thread -----------------------------------------------------------------
 
     def _run(self) -> None:
+        # a backend that pushes changes (a Kubernetes watch) wakes us at once; statuses() then
+        # reads its cache, so the ticks below cost no requests
+        unsubscribe = (
+            self.backend.subscribe(self._wake.set)
+            if isinstance(self.backend, PushesChanges)
+            else None
+        )
+        try:
+            self._poll()
+        finally:
+            if unsubscribe is not None:
+                unsubscribe()
+
+    def _poll(self) -> None:
         failing_since: float | None = None
         failures = 0
         while True:
@@ -122,7 +136,10 @@ class ClusterWatcher:
                 down_for = time.monotonic() - failing_since
                 log.warning(
                     "polling %s failed (%s); retrying, down for %.0fs of a %.0fs budget",
-                    self.backend.cluster, exc, down_for, self.unreachable_budget_s,
+                    self.backend.cluster,
+                    exc,
+                    down_for,
+                    self.unreachable_budget_s,
                 )
                 if down_for > self.unreachable_budget_s:
                     self._fail(
@@ -264,7 +281,10 @@ class LogPump:
             return self._loop
 
     def follow(
-        self, backend: Backend, job_id: str, sink: Callable[[str], None],
+        self,
+        backend: Backend,
+        job_id: str,
+        sink: Callable[[str], None],
         is_done: Callable[[], bool],
     ) -> LogFollower:
         """Start streaming job_id's log lines into sink; call `finish()` when the job ended."""
@@ -286,7 +306,7 @@ async def _pump(follower: LogFollower, is_done: Callable[[], bool]) -> None:
                 async for chunk in stream:
                     end = offset + len(chunk)
                     if end > delivered:
-                        pending += chunk[max(0, delivered - offset):]
+                        pending += chunk[max(0, delivered - offset) :]
                         delivered = end
                         *lines, pending = pending.split("\n")
                         for line in lines:

@@ -15,6 +15,7 @@ import requests
 from ray.exceptions import AuthenticationError
 from ray.job_submission import JobDetails, JobSubmissionClient
 
+from prefect_nemo import names
 from prefect_nemo.errors import (
     AuthenticationFailed,
     BackendUnavailable,
@@ -66,6 +67,7 @@ class RayJobsBackend:
     """Submit, watch, stop and read logs of jobs on a running Ray cluster's Jobs API."""
 
     kind: ClassVar[str] = "ray-jobs"
+    max_job_id_len: ClassVar[int] = names.MAX_LABEL
 
     def __init__(
         self,
@@ -114,8 +116,12 @@ class RayJobsBackend:
     def client(self) -> _TimedClient:
         """The Ray client of this cluster, shared in the process (creating one checks version
         and auth with one request, so it is done once per cluster and credentials)."""
-        key = (self.address, tuple(sorted(self._headers.items())), str(self._verify),
-               self._timeout_s)
+        key = (
+            self.address,
+            tuple(sorted(self._headers.items())),
+            str(self._verify),
+            self._timeout_s,
+        )
         with _clients_lock:
             client = _clients.get(key)
             if client is None:
@@ -238,9 +244,7 @@ class RayJobsBackend:
         wanted = set(job_ids)
         details = self._call(self.client.list_jobs)
         return {
-            d.submission_id: _status_from_details(d)
-            for d in details
-            if d.submission_id in wanted
+            d.submission_id: _status_from_details(d) for d in details if d.submission_id in wanted
         }
 
     def request_stop(self, job_id: str) -> None:

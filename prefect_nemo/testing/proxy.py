@@ -19,8 +19,9 @@ class TcpProxy:
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.base_events.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
-                                        name="prefect-nemo-proxy")
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, daemon=True, name="prefect-nemo-proxy"
+        )
 
     @property
     def url(self) -> str:

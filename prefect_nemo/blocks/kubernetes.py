@@ -1,0 +1,132 @@
+"""Block for a Kubernetes cluster's API: kubeconfig (kept secret, never written to disk) or
+in-cluster credentials, plus the namespace to work in."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes import config as k8s_config
+from kubernetes.client import ApiClient, Configuration
+from prefect.blocks.core import Block
+from prefect.types import SecretDict
+from pydantic import Field
+
+from prefect_nemo.blocks.base import DOCS_URL
+from prefect_nemo.errors import InvalidJobSpec
+from prefect_nemo.kube.api import KubeApi
+from prefect_nemo.names import stable_hash
+
+# kubeconfig fields whose base64 data the client would write to temp files
+_DATA_FIELDS = {
+    "clusters": ("cluster", ("certificate-authority",)),
+    "users": ("user", ("client-certificate", "client-key")),
+}
+
+
+class KubernetesCluster(Block):
+    """Credentials and namespace for a Kubernetes API server."""
+
+    _block_type_name = "Kubernetes Cluster"
+    _block_type_slug = "kubernetes-cluster"
+    _logo_url = "https://kubernetes.io/images/favicon.png"  # type: ignore[assignment]
+    _documentation_url = DOCS_URL
+    _description = (
+        "A Kubernetes API server for prefect-nemo: a kubeconfig kept as a secret (never written "
+        "to disk) or the pod's in-cluster service account, and the namespace to use."
+    )
+    _code_example = """
+```python
+from prefect_nemo.blocks import KubernetesCluster
+
+k8s = KubernetesCluster.load("BLOCK_NAME")
+api = k8s.api()  # prefect_nemo.kube.KubeApi
+```
+"""
+
+    kubeconfig: SecretDict | None = Field(
+        default=None,
+        description="The kubeconfig document (as a mapping); empty to read $KUBECONFIG or "
+        "~/.kube/config at run time, or when in_cluster is set.",
+    )
+    context: str | None = Field(
+        default=None, description="kubeconfig context to use; empty for its current-context."
+    )
+    namespace: str = Field(
+        default="default", description="Namespace where prefect-nemo creates its objects."
+    )
+    in_cluster: bool = Field(
+        default=False,
+        description="Use the pod's service account (for flows that run inside the cluster).",
+    )
+    request_timeout_s: float = Field(
+        default=30.0, gt=0, description="Timeout of each request to the API server, seconds."
+    )
+
+    def api(self) -> KubeApi:
+        """A KubeApi on these credentials (one client per process and credentials)."""
+        document = self._kubeconfig_document()
+        key = stable_hash(repr(document), str(self.context), str(self.in_cluster))
+        with _clients_lock:
+            client = _clients.get(key)
+            if client is None:
+                client = _clients[key] = _api_client(document, self.context)
+        return KubeApi(client, namespace=self.namespace, request_timeout_s=self.request_timeout_s)
+
+    def _kubeconfig_document(self) -> dict | None:
+        if self.in_cluster:
+            return None
+        if self.kubeconfig is not None:
+            return self.kubeconfig.get_secret_value()
+        path = Path(os.environ.get("KUBECONFIG", "~/.kube/config").split(os.pathsep)[0])
+        try:
+            return yaml.safe_load(path.expanduser().read_text())
+        except OSError as exc:
+            raise InvalidJobSpec(
+                f"KubernetesCluster.kubeconfig: empty and {path} cannot be read ({exc}); paste "
+                "the kubeconfig into the block or set in_cluster=true inside a pod"
+            ) from None
+
+
+_clients: dict[str, ApiClient] = {}
+_clients_lock = threading.Lock()
+
+
+def _api_client(document: dict | None, context: str | None) -> ApiClient:
+    if document is None:
+        config = Configuration()
+        k8s_config.load_incluster_config(client_configuration=config)
+        return ApiClient(config)
+    document, keep_open = _certificates_in_memory(document)
+    try:
+        client = k8s_config.new_client_from_config_dict(
+            document, context=context, persist_config=False
+        )
+    except k8s_config.ConfigException as exc:
+        raise InvalidJobSpec(f"KubernetesCluster.kubeconfig: {exc}") from None
+    client._prefect_nemo_memfds = keep_open  # type: ignore[attr-defined]  # live as long as it
+    return client
+
+
+def _certificates_in_memory(document: dict) -> tuple[dict, list[Any]]:
+    """Move base64 certificate data into anonymous in-memory files (memfd) and point the
+    kubeconfig at them: the client reads them by path, and nothing lands on disk (the client
+    itself would write them to temp files)."""
+    document = copy.deepcopy(document)
+    keep_open = []
+    for section, (inner, fields) in _DATA_FIELDS.items():
+        for entry in document.get(section) or []:
+            body = entry.get(inner) or {}
+            for field in fields:
+                data = body.pop(f"{field}-data", None)
+                if data:
+                    fd = os.memfd_create(f"kube-{field}", 0)
+                    os.write(fd, base64.standard_b64decode(data))
+                    keep_open.append(os.fdopen(fd, "rb"))
+                    body[field] = f"/proc/self/fd/{fd}"
+    return document, keep_open

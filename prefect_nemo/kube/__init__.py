@@ -1,0 +1,54 @@
+"""Shared Kubernetes helpers for every Kubernetes backend (KubeRay, Dynamo, Kubeflow Trainer).
+
+`KubeApi` is the one way we talk to the API server (plain dicts, typed errors); `apply_or_attach`
+the one way we create objects; `wait_for` and `Informer` the one way we wait (watches, not
+sleep loops). No Prefect import here.
+"""
+
+from prefect_nemo.kube.api import (
+    AlreadyExists,
+    Conflict,
+    Expired,
+    Invalid,
+    KubeApi,
+    KubeError,
+    NotFound,
+)
+from prefect_nemo.kube.apply import (
+    FLOW_RUN_LABEL,
+    MANAGED_BY,
+    SPEC_HASH,
+    Applied,
+    add_owner_reference,
+    apply_or_attach,
+    managed_labels,
+    owner_reference,
+    spec_hash,
+)
+from prefect_nemo.kube.kinds import (
+    CLUSTER_TRAINING_RUNTIME,
+    CONFIGMAP,
+    EVENT,
+    NAMESPACE,
+    POD,
+    PVC,
+    RAY_CLUSTER,
+    RAY_JOB,
+    SECRET,
+    SERVICE,
+    TRAIN_JOB,
+    TRAINING_RUNTIME,
+    Kind,
+    dgd_kind,
+    kind_for,
+)
+from prefect_nemo.kube.watch import Informer, KubeTimeout, wait_for
+
+__all__ = [
+    "CLUSTER_TRAINING_RUNTIME", "CONFIGMAP", "EVENT", "FLOW_RUN_LABEL", "MANAGED_BY", "NAMESPACE",
+    "POD", "PVC", "RAY_CLUSTER", "RAY_JOB", "SECRET", "SERVICE", "SPEC_HASH", "TRAINING_RUNTIME",
+    "TRAIN_JOB", "AlreadyExists", "Applied", "Conflict", "Expired", "Informer", "Invalid",
+    "Kind", "KubeApi", "KubeError", "KubeTimeout", "NotFound", "add_owner_reference",
+    "apply_or_attach", "dgd_kind", "kind_for", "managed_labels", "owner_reference", "spec_hash",
+    "wait_for",
+]  # fmt: skip

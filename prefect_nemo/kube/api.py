@@ -1,0 +1,390 @@
+"""KubeApi: one small, dict-in/dict-out layer over the official client for every kind we manage.
+
+Built on `kubernetes.dynamic.DynamicClient` (the client's own generic layer, kept working across
+client versions) with a static resource table instead of discovery: no discovery requests and no
+discovery cache file on disk. Errors become prefect-nemo errors that say what failed and why.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import urllib3
+from kubernetes import watch as k8s_watch
+from kubernetes.client import ApiClient
+from kubernetes.client.exceptions import ApiException
+from kubernetes.dynamic import DynamicClient
+from kubernetes.dynamic.exceptions import DynamicApiError
+from kubernetes.dynamic.resource import Resource
+
+from prefect_nemo.errors import (
+    AuthenticationFailed,
+    BackendUnavailable,
+    InvalidJobSpec,
+    PrefectNemoError,
+)
+from prefect_nemo.kube.kinds import Kind
+
+_TRANSPORT_ERRORS = (urllib3.exceptions.HTTPError, OSError)
+
+
+class KubeError(PrefectNemoError):
+    """The API server answered with an error Status."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+
+
+class NotFound(KubeError):
+    """404: the object (or its kind, when the CRD is not installed) does not exist."""
+
+
+class AlreadyExists(KubeError):
+    """409 AlreadyExists: an object with that name exists."""
+
+
+class Conflict(KubeError):
+    """409 Conflict: the object changed since we read it (stale resourceVersion)."""
+
+
+class Invalid(KubeError, InvalidJobSpec):
+    """422 Invalid or 400 BadRequest: the manifest was rejected; the message names the field."""
+
+
+class Expired(KubeError):
+    """410 Gone: a watch asked for a resourceVersion the server no longer has; list again."""
+
+
+class _StaticResources:
+    """Stands in for DynamicClient's discoverer: our Kind table is the whole truth."""
+
+    def __init__(self, client: DynamicClient, cache_file: str | None) -> None:
+        self.client = client
+
+    @property
+    def version(self) -> dict:
+        return {}
+
+    def get(self, **kwargs: Any) -> Resource:
+        raise NotImplementedError("KubeApi builds resources from prefect_nemo.kube.kinds")
+
+
+def _status_of(exc: ApiException | DynamicApiError) -> tuple[int, str, str]:
+    """(code, reason, message) of an error response, from its Status body when there is one."""
+    code = int(getattr(exc, "status", 0) or 0)
+    body = getattr(exc, "body", None)
+    reason, message = str(getattr(exc, "reason", "") or ""), ""
+    try:
+        status = json.loads(body) if body else {}
+        if isinstance(status, dict):
+            reason = status.get("reason") or reason
+            message = status.get("message") or ""
+    except ValueError:
+        message = body.decode(errors="replace") if isinstance(body, bytes) else str(body)
+    return code, reason, message or reason or f"HTTP {code}"
+
+
+class KubeApi:
+    """Get, list, create, replace, patch, delete and watch any known Kind, as plain dicts."""
+
+    def __init__(
+        self, api_client: ApiClient, *, namespace: str = "default", request_timeout_s: float = 30.0
+    ) -> None:
+        self.api_client = api_client
+        self.namespace = namespace
+        self.request_timeout_s = request_timeout_s
+        self._dyn = DynamicClient(api_client, discoverer=_StaticResources)
+        self._resources: dict[tuple[Kind, str | None], Resource] = {}
+
+    # -- identity and credentials ------------------------------------------------------------
+
+    @property
+    def host(self) -> str:
+        """The API server's base URL."""
+        return self.api_client.configuration.host.rstrip("/")
+
+    def auth_headers(self) -> dict[str, str]:
+        """The Authorization header this client sends (a secret: for clients that go through
+        the API server's service proxy, e.g. Ray's job client)."""
+        config = self.api_client.configuration
+        token = config.get_api_key_with_prefix("BearerToken") or config.get_api_key_with_prefix(
+            "authorization"
+        )
+        return {"Authorization": token} if token else {}
+
+    @property
+    def secrets(self) -> list[str]:
+        """Secret values of these credentials, for redaction."""
+        values = [v for v in self.auth_headers().values() if v]
+        return values + [v.split(" ", 1)[1] for v in values if " " in v]
+
+    # -- CRUD -----------------------------------------------------------------------------------
+
+    def get(self, kind: Kind, name: str, namespace: str | None = None) -> dict | None:
+        """The object, or None if it does not exist."""
+        try:
+            return self._json(
+                self._call(
+                    kind,
+                    name,
+                    "get",
+                    self._resource(kind).get,
+                    name=name,
+                    namespace=self._ns(kind, namespace),
+                )
+            )
+        except NotFound:
+            return None
+
+    def list(
+        self,
+        kind: Kind,
+        namespace: str | None = None,
+        *,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+        limit: int | None = None,
+    ) -> tuple[list[dict], str]:
+        """The matching objects and the list's resourceVersion (to watch from)."""
+        body = self._json(
+            self._call(
+                kind,
+                "",
+                "list",
+                self._resource(kind).get,
+                namespace=self._ns(kind, namespace),
+                label_selector=label_selector,
+                field_selector=field_selector,
+                limit=limit,
+            )
+        )
+        items = body.get("items") or []
+        for item in items:  # lists leave out kind/apiVersion on items; put them back
+            item.setdefault("apiVersion", kind.api_version)
+            item.setdefault("kind", kind.kind)
+        return items, str(body.get("metadata", {}).get("resourceVersion", ""))
+
+    def create(self, kind: Kind, obj: dict, namespace: str | None = None) -> dict:
+        """Create the object; AlreadyExists if the name is taken, Invalid if it is rejected."""
+        name = obj.get("metadata", {}).get("name", "")
+        return self._json(
+            self._call(
+                kind,
+                name,
+                "create",
+                self._resource(kind).create,
+                body=obj,
+                namespace=self._ns(kind, namespace, obj),
+            )
+        )
+
+    def replace(self, kind: Kind, obj: dict, namespace: str | None = None) -> dict:
+        """Replace the object; Conflict if its resourceVersion is stale."""
+        name = obj["metadata"]["name"]
+        return self._json(
+            self._call(
+                kind,
+                name,
+                "replace",
+                self._resource(kind).replace,
+                body=obj,
+                name=name,
+                namespace=self._ns(kind, namespace, obj),
+            )
+        )
+
+    def patch(
+        self,
+        kind: Kind,
+        name: str,
+        patch: dict | list,
+        namespace: str | None = None,
+        *,
+        subresource: str | None = None,
+    ) -> dict:
+        """A merge patch (dict) or JSON patch (list) of the object or of its subresource."""
+        content_type = (
+            "application/json-patch+json" if isinstance(patch, list)
+            else "application/merge-patch+json"
+        )  # fmt: skip
+        resource = self._resource(kind, subresource)
+        return self._json(
+            self._call(
+                kind,
+                name,
+                "patch",
+                resource.patch,
+                body=patch,
+                name=name,
+                namespace=self._ns(kind, namespace),
+                content_type=content_type,
+            )
+        )
+
+    def delete(
+        self,
+        kind: Kind,
+        name: str,
+        namespace: str | None = None,
+        *,
+        propagation: str = "Background",
+    ) -> bool:
+        """Ask for deletion with the given propagation policy; False if it was already gone."""
+        try:
+            self._call(
+                kind,
+                name,
+                "delete",
+                self._resource(kind).delete,
+                name=name,
+                namespace=self._ns(kind, namespace),
+                propagation_policy=propagation,
+            )
+        except NotFound:
+            return False
+        return True
+
+    def watch(
+        self,
+        kind: Kind,
+        namespace: str | None = None,
+        *,
+        resource_version: str | None = None,
+        timeout_s: int = 60,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+    ) -> Iterator[tuple[str, dict]]:
+        """Stream (type, object) events until the server ends the stream (after timeout_s).
+
+        Raises Expired (410) when resource_version is too old: list again and watch from there.
+        """
+        stream = k8s_watch.Watch().stream(
+            self._resource(kind).get,
+            namespace=self._ns(kind, namespace),
+            label_selector=label_selector,
+            field_selector=field_selector,
+            resource_version=resource_version,
+            timeout_seconds=timeout_s,
+            allow_watch_bookmarks=True,
+            serialize=False,
+            # a silent, half-dead connection must not block forever: read timeout past the
+            # server's own end of stream
+            _request_timeout=(self.request_timeout_s, timeout_s + self.request_timeout_s),
+        )
+        try:
+            for event in stream:
+                if event["type"] != "BOOKMARK":
+                    yield event["type"], event["raw_object"]
+        except (ApiException, DynamicApiError) as exc:
+            raise self._error(exc, kind, "", "watch") from None
+        except _TRANSPORT_ERRORS as exc:
+            raise BackendUnavailable(f"watching {kind.describe()} at {self.host}: {exc}") from None
+
+    # -- service proxy ---------------------------------------------------------------------------
+
+    def proxy_url(self, namespace: str, service: str, port: int | str) -> str:
+        """Base URL of a Service port through the API server's service proxy."""
+        return f"{self.host}/api/v1/namespaces/{namespace}/services/{service}:{port}/proxy"
+
+    def proxy(
+        self,
+        namespace: str,
+        service: str,
+        port: int | str,
+        path: str = "/",
+        *,
+        method: str = "GET",
+        timeout_s: float = 5.0,
+    ) -> tuple[int, bytes]:
+        """One HTTP request through the service proxy: (status, body); (0, b"") when the API
+        server itself cannot be reached. Error statuses are returned, not raised."""
+        url = f"/api/v1/namespaces/{namespace}/services/{service}:{port}/proxy/{path.lstrip('/')}"
+        try:
+            resp = self._dyn.request(
+                method,
+                url,
+                serialize=False,
+                _request_timeout=timeout_s,
+                header_params={"Accept": "*/*"},
+            )
+        except (ApiException, DynamicApiError) as exc:
+            body = getattr(exc, "body", b"") or b""
+            return int(getattr(exc, "status", 0) or 0), body if isinstance(body, bytes) else str(
+                body
+            ).encode()
+        except _TRANSPORT_ERRORS:
+            return 0, b""
+        return resp.status, resp.data
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _ns(self, kind: Kind, namespace: str | None, obj: dict | None = None) -> str | None:
+        if not kind.namespaced:
+            return None
+        return namespace or (obj or {}).get("metadata", {}).get("namespace") or self.namespace
+
+    def _resource(self, kind: Kind, subresource: str | None = None) -> Resource:
+        key = (kind, subresource)
+        if key not in self._resources:
+            base = Resource(
+                prefix="api" if not kind.group else "apis",
+                group=kind.group or None,
+                api_version=kind.version,
+                kind=kind.kind,
+                namespaced=kind.namespaced,
+                name=kind.plural,
+                client=self._dyn,
+                subresources={"status": {"kind": kind.kind, "name": f"{kind.plural}/status"}}
+                if kind.status_subresource
+                else None,
+            )
+            self._resources[key] = base.subresources[subresource] if subresource else base
+        return self._resources[key]
+
+    def _call(self, kind: Kind, name: str, verb: str, fn: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("_request_timeout", self.request_timeout_s)
+        try:
+            return fn(serialize=False, **kwargs)
+        except (ApiException, DynamicApiError) as exc:
+            raise self._error(exc, kind, name, verb) from None
+        except _TRANSPORT_ERRORS as exc:
+            raise BackendUnavailable(
+                f"cannot reach the Kubernetes API at {self.host} ({verb} "
+                f"{kind.describe(name)}): {exc}"
+            ) from None
+
+    def _error(
+        self, exc: ApiException | DynamicApiError, kind: Kind, name: str, verb: str
+    ) -> Exception:
+        code, reason, message = _status_of(exc)
+        what = kind.describe(name)
+        if code == 401:
+            return AuthenticationFailed(
+                f"the Kubernetes API at {self.host} rejected our credentials ({verb} {what}): "
+                f"{message}; check the kubeconfig's token or client certificate"
+            )
+        if code == 403:
+            return AuthenticationFailed(
+                f"not allowed to {verb} {what}: {message}; grant the service account this verb "
+                "on this resource (RBAC)"
+            )
+        if code == 404:
+            return NotFound(code, reason, message)
+        if code == 409:
+            cls = AlreadyExists if reason == "AlreadyExists" else Conflict
+            return cls(code, reason, message)
+        if code == 410:
+            return Expired(code, reason, message)
+        if code in (400, 422):
+            return Invalid(code, reason, f"the API server rejected {what}: {message}")
+        if code >= 500 or code == 429:
+            return BackendUnavailable(f"the Kubernetes API failed to {verb} {what}: {message}")
+        return KubeError(code, reason, f"{verb} {what}: {message}")
+
+    @staticmethod
+    def _json(resp: Any) -> dict:
+        return json.loads(resp.data) if resp is not None else {}

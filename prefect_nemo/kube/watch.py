@@ -1,0 +1,206 @@
+"""Waiting on Kubernetes objects by watching them: one list, then a watch resumed from the last
+resourceVersion seen (listing again only on 410 Gone), never a sleep-and-get loop."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable, PrefectNemoError
+from prefect_nemo.kube.api import Expired, KubeApi
+from prefect_nemo.kube.kinds import Kind
+
+log = logging.getLogger(__name__)
+
+WATCH_TIMEOUT_S = 30  # the server ends each watch after this; we resume at once
+_BACKOFF_MAX_S = 5.0
+
+
+class KubeTimeout(PrefectNemoError, TimeoutError):
+    """An object did not reach the awaited condition in time."""
+
+
+def _list_watch(
+    api: KubeApi,
+    kind: Kind,
+    namespace: str | None,
+    *,
+    label_selector: str | None = None,
+    field_selector: str | None = None,
+    until: Callable[[], bool],
+    deadline: float | None = None,
+    on_error: Callable[[Exception | None], None] = lambda exc: None,
+) -> Iterator[tuple[str, dict | list[dict]]]:
+    """Yield ("LIST", items) and then watch events ("ADDED"/"MODIFIED"/"DELETED", obj) until
+    `until()` or the deadline. Dropped streams resume from the last resourceVersion seen; 410
+    lists again; transport errors are retried with backoff (reported through on_error)."""
+    version: str | None = None
+    failures = 0
+    while not until():
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            return
+        try:
+            if version is None:
+                items, version = api.list(
+                    kind, namespace, label_selector=label_selector, field_selector=field_selector
+                )
+                yield "LIST", items
+            timeout = WATCH_TIMEOUT_S if remaining is None else min(WATCH_TIMEOUT_S, remaining)
+            for event, obj in api.watch(
+                kind,
+                namespace,
+                resource_version=version,
+                timeout_s=max(1, round(timeout)),
+                label_selector=label_selector,
+                field_selector=field_selector,
+            ):
+                version = obj.get("metadata", {}).get("resourceVersion") or version
+                failures = 0
+                on_error(None)
+                yield event, obj
+                if until():
+                    return
+            failures = 0
+            on_error(None)
+        except Expired:
+            version = None  # too old to resume: list again
+        except AuthenticationFailed:
+            raise
+        except BackendUnavailable as exc:
+            failures += 1
+            on_error(exc)
+            log.debug("watch of %s failed (%s); retrying", kind.describe(), exc)
+            pause = min(0.2 * 2**failures, _BACKOFF_MAX_S)
+            if deadline is not None:
+                pause = min(pause, max(0.0, deadline - time.monotonic()))
+            time.sleep(pause)
+
+
+def wait_for(
+    api: KubeApi,
+    kind: Kind,
+    name: str,
+    predicate: Callable[[dict | None], bool],
+    *,
+    namespace: str | None = None,
+    timeout_s: float,
+    what: str = "",
+) -> dict | None:
+    """Wait until predicate(object) is true, the object being None while it does not exist.
+
+    Driven by a watch on that one object. The predicate may raise to stop waiting at once
+    (e.g. when the object reports a failure). Raises KubeTimeout naming `what` and the last
+    state seen.
+    """
+    deadline = time.monotonic() + timeout_s
+    last: dict | None = None
+    for event, payload in _list_watch(
+        api, kind, namespace, field_selector=f"metadata.name={name}",
+        until=lambda: False, deadline=deadline,
+    ):  # fmt: skip
+        if event == "LIST":
+            last = next(iter(payload), None)  # type: ignore[arg-type]
+        else:
+            last = None if event == "DELETED" else payload  # type: ignore[assignment]
+        if predicate(last):
+            return last
+    raise KubeTimeout(
+        f"timed out after {timeout_s:.0f}s waiting for {what or kind.describe(name, namespace)}; "
+        f"last seen: {_summary(last)}"
+    )
+
+
+def _summary(obj: dict | None) -> str:
+    if obj is None:
+        return "absent"
+    status = obj.get("status")
+    return json.dumps(status, sort_keys=True)[:400] if status else "no status yet"
+
+
+class Informer:
+    """A live cache of the objects of one kind (in one namespace, matching a selector), kept by
+    one list+watch in a daemon thread, with a callback on every change. Reading it makes no
+    request, so many waiters cost one watch."""
+
+    def __init__(
+        self,
+        api: KubeApi,
+        kind: Kind,
+        namespace: str | None = None,
+        *,
+        label_selector: str | None = None,
+        on_change: Callable[[str, dict], None] | None = None,
+    ) -> None:
+        self.api = api
+        self.kind = kind
+        self.namespace = namespace
+        self.label_selector = label_selector
+        self.on_change = on_change or (lambda event, obj: None)
+        self.synced = threading.Event()
+        self.error: Exception | None = None
+        self._objects: dict[str, dict] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Informer:
+        """Start listing and watching (idempotent)."""
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(
+                target=self._run, name=f"prefect-nemo-informer {self.kind.plural}", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop after the current watch request ends (the thread is a daemon)."""
+        self._stop.set()
+
+    def get(self, name: str) -> dict | None:
+        """The cached object, or None if the cache does not have it."""
+        with self._lock:
+            return self._objects.get(name)
+
+    def names(self) -> list[str]:
+        """Names of the cached objects."""
+        with self._lock:
+            return list(self._objects)
+
+    def _set_error(self, exc: Exception | None) -> None:
+        self.error = exc
+
+    def _run(self) -> None:
+        try:
+            for event, payload in _list_watch(
+                self.api, self.kind, self.namespace, label_selector=self.label_selector,
+                until=self._stop.is_set, on_error=self._set_error,
+            ):  # fmt: skip
+                self._apply(event, payload)
+        except Exception as exc:  # credentials rejected: readers see it through .error
+            self.error = exc
+            log.warning("informer for %s stopped: %s", self.kind.describe(), exc)
+
+    def _apply(self, event: str, payload: dict | list[dict]) -> None:
+        changes: list[tuple[str, dict]] = []
+        with self._lock:
+            if event == "LIST":
+                fresh = {o["metadata"]["name"]: o for o in payload}  # type: ignore[union-attr]
+                changes += [("DELETED", o) for n, o in self._objects.items() if n not in fresh]
+                changes += [("ADDED", o) for o in fresh.values()]
+                self._objects = fresh
+            else:
+                obj: dict = payload  # type: ignore[assignment]
+                name = obj["metadata"]["name"]
+                if event == "DELETED":
+                    self._objects.pop(name, None)
+                else:
+                    self._objects[name] = obj
+                changes.append((event, obj))
+        self.synced.set()
+        for change in changes:
+            self.on_change(*change)
