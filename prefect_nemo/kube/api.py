@@ -338,14 +338,20 @@ class KubeApi:
                 namespaced=kind.namespaced,
                 name=kind.plural,
                 client=self._dyn,
-                subresources={"status": {"kind": kind.kind, "name": f"{kind.plural}/status"}}
+                subresources={
+                    "status": {
+                        "kind": kind.kind,
+                        "name": f"{kind.plural}/status",
+                        "namespaced": kind.namespaced,
+                    }
+                }
                 if kind.status_subresource
                 else None,
             )
             self._resources[key] = base.subresources[subresource] if subresource else base
         return self._resources[key]
 
-    def _call(self, kind: Kind, name: str, verb: str, fn: Any, **kwargs: Any) -> Any:
+    def _call(self, kind: Kind, name: str, verb: str, fn: Any, /, **kwargs: Any) -> Any:
         kwargs.setdefault("_request_timeout", self.request_timeout_s)
         try:
             return fn(serialize=False, **kwargs)
