@@ -1,0 +1,118 @@
+"""Status bodies with the apiserver's reasons and message texts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect_nemo.testing.kube_api.schema import Cause, ResourceType
+
+
+class ApiError(Exception):
+    """An error the server answers with a `kind: Status` body."""
+
+    def __init__(self, code: int, reason: str, message: str, details: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+        self.message = message
+        self.details = details
+
+    def status(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": self.message,
+            "reason": self.reason,
+            "code": self.code,
+        }
+        if self.details is not None:
+            body["details"] = self.details
+        return body
+
+
+def _details(rt: ResourceType, name: str) -> dict[str, Any]:
+    details: dict[str, Any] = {"name": name, "kind": rt.plural}
+    if rt.group:
+        details["group"] = rt.group
+    return details
+
+
+def not_found(rt: ResourceType, name: str) -> ApiError:
+    return ApiError(404, "NotFound", f'{rt.group_resource} "{name}" not found', _details(rt, name))
+
+
+def already_exists(rt: ResourceType, name: str) -> ApiError:
+    return ApiError(
+        409, "AlreadyExists", f'{rt.group_resource} "{name}" already exists', _details(rt, name)
+    )
+
+
+def conflict(rt: ResourceType, name: str) -> ApiError:
+    return ApiError(
+        409,
+        "Conflict",
+        f'Operation cannot be fulfilled on {rt.group_resource} "{name}": the object has been '
+        "modified; "
+        "please apply your changes to the latest version and try again",
+        _details(rt, name),
+    )
+
+
+def invalid(rt: ResourceType, name: str, causes: list[Cause]) -> ApiError:
+    texts = [c.text() for c in causes]
+    joined = texts[0] if len(texts) == 1 else "[" + ", ".join(texts) + "]"
+    details: dict[str, Any] = {"name": name, "kind": rt.kind}
+    if rt.group:
+        details["group"] = rt.group
+    details["causes"] = [
+        {"reason": c.reason, "message": c.message, "field": c.field} for c in causes
+    ]
+    return ApiError(422, "Invalid", f'{rt.qualified_kind} "{name}" is invalid: {joined}', details)
+
+
+def bad_request(message: str) -> ApiError:
+    return ApiError(400, "BadRequest", message)
+
+
+def forbidden(
+    rt: ResourceType, verb: str, name: str, namespace: str | None, sub: str = ""
+) -> ApiError:
+    resource = f"{rt.plural}/{sub}" if sub else rt.plural
+    who = f'{rt.group_resource} "{name}"' if name else rt.group_resource
+    scope = f'in the namespace "{namespace}"' if namespace else "at the cluster scope"
+    return ApiError(
+        403,
+        "Forbidden",
+        f'{who} is forbidden: User "loopback" cannot {verb} resource "{resource}" '
+        f'in API group "{rt.group}" {scope}',
+        _details(rt, name),
+    )
+
+
+def unsupported_patch() -> ApiError:
+    return ApiError(
+        415,
+        "UnsupportedMediaType",
+        "the body of the request was in an unknown format - accepted media types include: "
+        "application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml",
+    )
+
+
+def method_not_allowed() -> ApiError:
+    return ApiError(
+        405, "MethodNotAllowed", "the server does not allow this method on the requested resource"
+    )
+
+
+def service_unavailable(message: str) -> ApiError:
+    return ApiError(503, "ServiceUnavailable", message)
+
+
+def unauthorized() -> ApiError:
+    return ApiError(401, "Unauthorized", "Unauthorized")
+
+
+def gone(requested: int, oldest: int) -> ApiError:
+    return ApiError(410, "Expired", f"too old resource version: {requested} ({oldest})")

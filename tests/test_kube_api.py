@@ -1,0 +1,1151 @@
+"""The loopback Kubernetes API server, driven only through the real `kubernetes` client."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import http.server
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+import urllib3
+from aiohttp import web
+from kubernetes import client, config, watch
+from kubernetes.client.rest import ApiException
+
+from prefect_nemo.testing import LoopbackKubeServer
+from prefect_nemo.testing.kube_api import crd_dir
+
+NS = "default"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LoopbackKubeServer]:
+    with LoopbackKubeServer([crd_dir()], namespaces=("default", "other")) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def core(server: LoopbackKubeServer) -> client.CoreV1Api:
+    return client.CoreV1Api(server.api_client())
+
+
+@pytest.fixture(scope="module")
+def custom(server: LoopbackKubeServer) -> client.CustomObjectsApi:
+    return client.CustomObjectsApi(server.api_client())
+
+
+def uniq(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+def rayjob(name: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayJob",
+        "metadata": {"name": name},
+        "spec": {"entrypoint": "python -c 'print(1)'", **spec},
+    }
+
+
+def pod(
+    name: str, labels: dict[str, str] | None = None, owner: dict[str, Any] | None = None
+) -> client.V1Pod:
+    meta = client.V1ObjectMeta(name=name, labels=labels)
+    if owner:
+        meta.owner_references = [client.V1OwnerReference(**owner)]
+    return client.V1Pod(
+        metadata=meta,
+        spec=client.V1PodSpec(containers=[client.V1Container(name="main", image="busybox")]),
+    )
+
+
+def error_of(call: Any, *args: Any, **kwargs: Any) -> tuple[ApiException, dict[str, Any]]:
+    with pytest.raises(ApiException) as info:
+        call(*args, **kwargs)
+    return info.value, json.loads(info.value.body)
+
+
+def create_rayjob(custom: client.CustomObjectsApi, name: str, **spec: Any) -> dict[str, Any]:
+    return custom.create_namespaced_custom_object(
+        "ray.io", "v1", NS, "rayjobs", rayjob(name, **spec)
+    )
+
+
+def owner_ref(obj: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    md = obj["metadata"] if isinstance(obj, dict) else obj.metadata.to_dict()
+    return {
+        "api_version": "ray.io/v1",
+        "kind": "RayJob",
+        "name": md["name"],
+        "uid": md["uid"],
+        **extra,
+    }
+
+
+def wait_until(predicate: Any, timeout: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+# ---------------------------------------------------------------- auth, discovery, RBAC
+
+
+def test_requires_bearer_token(server: LoopbackKubeServer) -> None:
+    api = client.ApiClient(client.Configuration(host=server.url))
+    exc, body = error_of(client.CoreV1Api(api).list_namespace)
+    assert exc.status == 401 and body["reason"] == "Unauthorized"
+
+
+def test_discovery(server: LoopbackKubeServer, core: client.CoreV1Api) -> None:
+    api = server.api_client()
+    groups = {g.name for g in client.ApisApi(api).get_api_versions().groups}
+    assert {"ray.io", "nvidia.com", "trainer.kubeflow.org", "apiextensions.k8s.io"} <= groups
+    names = {r.name for r in core.get_api_resources().resources}
+    assert {"pods", "pods/log", "pods/status", "services/proxy", "secrets", "configmaps"} <= names
+    ray = client.CustomObjectsApi(api).get_api_resources("ray.io", "v1")
+    assert {"rayjobs", "rayjobs/status", "rayclusters"} <= {r.name for r in ray.resources}
+    assert client.VersionApi(api).get_code().major == "1"
+    crds = client.ApiextensionsV1Api(api)
+    assert crds.read_custom_resource_definition("rayjobs.ray.io").spec.names.kind == "RayJob"
+    exc, _ = error_of(crds.read_custom_resource_definition, "nothing.example.com")
+    assert exc.status == 404
+
+
+def test_forbid_answers_403_like_rbac(
+    server: LoopbackKubeServer, custom: client.CustomObjectsApi
+) -> None:
+    server.forbid("list", "dynamographdeployments", "nvidia.com")
+    try:
+        exc, body = error_of(
+            custom.list_namespaced_custom_object,
+            "nvidia.com",
+            "v1alpha1",
+            NS,
+            "dynamographdeployments",
+        )
+        assert exc.status == 403 and body["reason"] == "Forbidden"
+        assert body["message"] == (
+            'dynamographdeployments.nvidia.com is forbidden: User "loopback" cannot list resource '
+            '"dynamographdeployments" in API group "nvidia.com" in the namespace "default"'
+        )
+    finally:
+        server.allow("list", "dynamographdeployments", "nvidia.com")
+    custom.list_namespaced_custom_object("nvidia.com", "v1alpha1", NS, "dynamographdeployments")
+
+
+# ---------------------------------------------------------------- core CRUD
+
+
+def test_core_crud_each_type(server: LoopbackKubeServer, core: client.CoreV1Api) -> None:
+    name = uniq("obj")
+    p = core.create_namespaced_pod(NS, pod(name, {"app": "x"}))
+    assert p.metadata.uid and p.metadata.resource_version and p.metadata.namespace == NS
+    assert p.status.phase == "Pending"
+    assert core.read_namespaced_pod(name, NS).metadata.uid == p.metadata.uid
+    svc = core.create_namespaced_service(
+        NS,
+        client.V1Service(
+            metadata=client.V1ObjectMeta(name=name),
+            spec=client.V1ServiceSpec(ports=[client.V1ServicePort(port=80, name="http")]),
+        ),
+    )
+    assert svc.spec.cluster_ip and svc.spec.ports[0].target_port == 80
+    cm = core.create_namespaced_config_map(
+        NS, client.V1ConfigMap(metadata=client.V1ObjectMeta(name=name), data={"a_b.py": "x"})
+    )
+    assert cm.data == {"a_b.py": "x"}
+    pvc = core.create_namespaced_persistent_volume_claim(
+        NS,
+        client.V1PersistentVolumeClaim(
+            metadata=client.V1ObjectMeta(name=name),
+            spec=client.V1PersistentVolumeClaimSpec(
+                access_modes=["ReadWriteOnce"],
+                resources=client.V1VolumeResourceRequirements(requests={"storage": "1Gi"}),
+            ),
+        ),
+    )
+    assert pvc.status.phase == "Pending"
+    ev = core.create_namespaced_event(
+        NS,
+        client.CoreV1Event(
+            metadata=client.V1ObjectMeta(name=name),
+            involved_object=client.V1ObjectReference(name=name),
+            reason="Test",
+            message="hi",
+        ),
+    )
+    assert ev.reason == "Test"
+    cm.data["b"] = "y"
+    assert core.replace_namespaced_config_map(name, NS, cm).data["b"] == "y"
+    core.delete_namespaced_config_map(name, NS)
+    core.delete_namespaced_service(name, NS)
+    core.delete_namespaced_persistent_volume_claim(name, NS)
+    core.delete_namespaced_event(name, NS)
+    deleted = core.delete_namespaced_pod(name, NS)
+    assert deleted is not None
+    assert server.get("pods", NS, name) is None
+    exc, body = error_of(core.read_namespaced_pod, name, NS)
+    assert exc.status == 404 and body["message"] == f'pods "{name}" not found'
+    assert body["details"] == {"name": name, "kind": "pods"}
+
+
+def test_namespaces_are_cluster_scoped_and_required(core: client.CoreV1Api) -> None:
+    ns = uniq("ns")
+    exc, body = error_of(
+        core.create_namespaced_config_map,
+        ns,
+        client.V1ConfigMap(metadata=client.V1ObjectMeta(name="c")),
+    )
+    assert exc.status == 404 and body["message"] == f'namespaces "{ns}" not found'
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
+    core.create_namespaced_config_map(
+        ns, client.V1ConfigMap(metadata=client.V1ObjectMeta(name="c"))
+    )
+    assert [c.metadata.name for c in core.list_namespaced_config_map(ns).items] == ["c"]
+    core.delete_namespace(ns)
+    wait_until(lambda: ns not in [n.metadata.name for n in core.list_namespace().items])
+    exc, _ = error_of(core.read_namespaced_config_map, "c", ns)
+    assert exc.status == 404
+
+
+def test_errors_409_and_422(core: client.CoreV1Api) -> None:
+    name = uniq("dup")
+    core.create_namespaced_config_map(
+        NS, client.V1ConfigMap(metadata=client.V1ObjectMeta(name=name))
+    )
+    exc, body = error_of(
+        core.create_namespaced_config_map,
+        NS,
+        client.V1ConfigMap(metadata=client.V1ObjectMeta(name=name)),
+    )
+    assert exc.status == 409 and body["reason"] == "AlreadyExists"
+    assert body["message"] == f'configmaps "{name}" already exists'
+    exc, body = error_of(
+        core.create_namespaced_config_map,
+        NS,
+        client.V1ConfigMap(metadata=client.V1ObjectMeta(name="Foo_1")),
+    )
+    assert exc.status == 422 and body["reason"] == "Invalid"
+    assert body["message"].startswith(
+        'ConfigMap "Foo_1" is invalid: metadata.name: Invalid value: "Foo_1": a lowercase '
+        "RFC 1123 subdomain must consist of"
+    )
+    assert body["details"]["causes"][0]["field"] == "metadata.name"
+    exc, body = error_of(
+        core.create_namespaced_service,
+        NS,
+        client.V1Service(
+            metadata=client.V1ObjectMeta(name="1svc"),
+            spec=client.V1ServiceSpec(ports=[client.V1ServicePort(port=1)]),
+        ),
+    )
+    assert exc.status == 422 and "DNS-1035 label" in body["message"]
+
+
+def test_generate_name(core: client.CoreV1Api) -> None:
+    cm = core.create_namespaced_config_map(
+        NS, client.V1ConfigMap(metadata=client.V1ObjectMeta(generate_name="gen-"))
+    )
+    assert cm.metadata.name.startswith("gen-") and len(cm.metadata.name) == len("gen-") + 5
+
+
+def test_stale_resource_version_conflicts(core: client.CoreV1Api) -> None:
+    name = uniq("rv")
+    cm = core.create_namespaced_config_map(
+        NS, client.V1ConfigMap(metadata=client.V1ObjectMeta(name=name), data={"a": "1"})
+    )
+    cm.data["a"] = "2"
+    core.replace_namespaced_config_map(name, NS, cm)
+    exc, body = error_of(
+        core.replace_namespaced_config_map, name, NS, cm
+    )  # cm still has the old rv
+    assert exc.status == 409 and body["reason"] == "Conflict"
+    assert (
+        "the object has been modified; please apply your changes to the latest version and "
+        "try again" in body["message"]
+    )
+    exc, _ = error_of(
+        core.patch_namespaced_config_map,
+        name,
+        NS,
+        {"metadata": {"resourceVersion": "1"}, "data": {"a": "3"}},
+    )
+    assert exc.status == 409
+
+
+def test_secret_string_data(core: client.CoreV1Api) -> None:
+    name = uniq("sec")
+    s = core.create_namespaced_secret(
+        NS,
+        client.V1Secret(
+            metadata=client.V1ObjectMeta(name=name),
+            string_data={"TOKEN": "hunter2"},
+            data={"B": base64.b64encode(b"b").decode()},
+        ),
+    )
+    assert s.type == "Opaque" and s.string_data is None
+    assert base64.b64decode(s.data["TOKEN"]) == b"hunter2" and "B" in s.data
+    assert core.read_namespaced_secret(name, NS).string_data is None
+
+
+def test_configmap_and_secret_size_limit(core: client.CoreV1Api) -> None:
+    big = "x" * (1024 * 1024)
+    exc, body = error_of(
+        core.create_namespaced_config_map,
+        NS,
+        client.V1ConfigMap(metadata=client.V1ObjectMeta(name=uniq("big")), data={"f": big}),
+    )
+    assert exc.status == 422 and "must have at most 1048576 bytes" in body["message"]
+    exc, body = error_of(
+        core.create_namespaced_secret,
+        NS,
+        client.V1Secret(
+            metadata=client.V1ObjectMeta(name=uniq("big")), string_data={"f": big + "x"}
+        ),
+    )
+    assert exc.status == 422 and "must have at most 1048576 bytes" in body["message"]
+    exc, body = error_of(
+        core.create_namespaced_config_map,
+        NS,
+        client.V1ConfigMap(metadata=client.V1ObjectMeta(name=uniq("key")), data={"a/b": "1"}),
+    )
+    assert exc.status == 422 and "a valid config key" in body["message"]
+
+
+# ---------------------------------------------------------------- custom resources
+
+
+def test_custom_resource_crud_and_defaults(
+    server: LoopbackKubeServer, custom: client.CustomObjectsApi
+) -> None:
+    name = uniq("rj")
+    created = create_rayjob(custom, name)
+    assert created["metadata"]["generation"] == 1
+    assert created["spec"]["submissionMode"] == "K8sJobMode"  # CRD default applied
+    got = custom.get_namespaced_custom_object("ray.io", "v1", NS, "rayjobs", name)
+    assert got["metadata"]["uid"] == created["metadata"]["uid"]
+    got["spec"]["suspend"] = True
+    replaced = custom.replace_namespaced_custom_object("ray.io", "v1", NS, "rayjobs", name, got)
+    assert replaced["spec"]["suspend"] is True and replaced["metadata"]["generation"] == 2
+    listed = custom.list_namespaced_custom_object("ray.io", "v1", NS, "rayjobs")
+    assert (
+        name in [i["metadata"]["name"] for i in listed["items"]]
+        and listed["metadata"]["resourceVersion"]
+    )
+    assert server.get("rayjobs", NS, name, group="ray.io")["spec"]["suspend"] is True
+    custom.delete_namespaced_custom_object("ray.io", "v1", NS, "rayjobs", name)
+    exc, body = error_of(custom.get_namespaced_custom_object, "ray.io", "v1", NS, "rayjobs", name)
+    assert exc.status == 404 and body["message"] == f'rayjobs.ray.io "{name}" not found'
+    assert body["details"] == {"name": name, "group": "ray.io", "kind": "rayjobs"}
+
+
+def test_custom_resource_schema_errors(custom: client.CustomObjectsApi) -> None:
+    body = rayjob("bad", suspend="yes", backoffLimit="three", rayClusterSpec={"headGroupSpec": {}})
+    exc, status = error_of(
+        custom.create_namespaced_custom_object, "ray.io", "v1", NS, "rayjobs", body
+    )
+    assert exc.status == 422 and status["reason"] == "Invalid"
+    fields = {c["field"]: c for c in status["details"]["causes"]}
+    assert fields["spec.suspend"]["message"] == (
+        'Invalid value: "string": spec.suspend in body must be of type boolean: "string"'
+    )
+    assert fields["spec.backoffLimit"]["reason"] == "FieldValueTypeInvalid"
+    assert fields["spec.rayClusterSpec.headGroupSpec.template"] == {
+        "reason": "FieldValueRequired",
+        "message": "Required value",
+        "field": "spec.rayClusterSpec.headGroupSpec.template",
+    }
+    assert status["message"].startswith(
+        'RayJob.ray.io "bad" is invalid: [spec.backoffLimit: Invalid value'
+    )
+    assert status["details"]["kind"] == "RayJob" and status["details"]["group"] == "ray.io"
+    long_name = {
+        "kind": "TrainJob",
+        "apiVersion": "trainer.kubeflow.org/v1alpha1",
+        "metadata": {"name": uniq("tj")},
+        "spec": {"runtimeRef": {"name": "x" * 300}},
+    }
+    exc, status = error_of(
+        custom.create_namespaced_custom_object,
+        "trainer.kubeflow.org",
+        "v1alpha1",
+        NS,
+        "trainjobs",
+        long_name,
+    )
+    assert status["details"]["causes"] == [
+        {
+            "reason": "FieldValueTooLong",
+            "field": "spec.runtimeRef.name",
+            "message": "Too long: may not be more than 253 bytes",
+        }
+    ]
+
+
+def test_custom_resource_required_field_and_nested_defaults(
+    custom: client.CustomObjectsApi,
+) -> None:
+    body = {
+        "apiVersion": "trainer.kubeflow.org/v1alpha1",
+        "kind": "TrainJob",
+        "metadata": {"name": uniq("tj")},
+        "spec": {},
+    }
+    exc, status = error_of(
+        custom.create_namespaced_custom_object,
+        "trainer.kubeflow.org",
+        "v1alpha1",
+        NS,
+        "trainjobs",
+        body,
+    )
+    assert exc.status == 422
+    assert {
+        "field": "spec.runtimeRef",
+        "message": "Required value",
+        "reason": "FieldValueRequired",
+    } in status["details"]["causes"]
+    body["spec"] = {"runtimeRef": {"name": "torch-distributed"}}
+    created = custom.create_namespaced_custom_object(
+        "trainer.kubeflow.org", "v1alpha1", NS, "trainjobs", body
+    )
+    assert created["spec"]["runtimeRef"] == {
+        "name": "torch-distributed",
+        "apiGroup": "trainer.kubeflow.org",
+        "kind": "ClusterTrainingRuntime",
+    }
+
+
+def test_unknown_fields_strict_by_default_and_pruned_with_warning(
+    server: LoopbackKubeServer, custom: client.CustomObjectsApi
+) -> None:
+    exc, status = error_of(create_rayjob, custom, uniq("rj"), entrypoin="typo")
+    assert exc.status == 422 and status["details"]["causes"][0]["field"] == "spec.entrypoin"
+    exc, status = error_of(
+        custom.create_namespaced_custom_object,
+        "ray.io",
+        "v1",
+        NS,
+        "rayjobs",
+        rayjob(uniq("rj"), foo=1),
+        field_validation="Strict",
+    )
+    assert (
+        exc.status == 400 and status["message"] == 'strict decoding error: unknown field "spec.foo"'
+    )
+    with LoopbackKubeServer([crd_dir() / "ray.io_rayjobs.yaml"], strict_fields=False) as lax:
+        api = lax.api_client()
+        name = uniq("rj")
+        data, _, headers = client.CustomObjectsApi(
+            api
+        ).create_namespaced_custom_object_with_http_info(
+            "ray.io", "v1", NS, "rayjobs", rayjob(name, foo=1)
+        )
+        assert "foo" not in data["spec"]
+        assert 'unknown field \\"spec.foo\\"' in headers["Warning"]
+
+
+def test_generation_and_status_subresource(custom: client.CustomObjectsApi) -> None:
+    name = uniq("rj")
+    body = rayjob(name)
+    body["status"] = {"jobStatus": "RUNNING"}
+    created = custom.create_namespaced_custom_object("ray.io", "v1", NS, "rayjobs", body)
+    assert "status" not in created  # create ignores status with a status subresource
+    # metadata change: no generation bump
+    labelled = custom.patch_namespaced_custom_object(
+        "ray.io", "v1", NS, "rayjobs", name, {"metadata": {"labels": {"a": "b"}}}
+    )
+    assert labelled["metadata"]["generation"] == 1
+    # status through the main resource is ignored
+    ignored = custom.patch_namespaced_custom_object(
+        "ray.io", "v1", NS, "rayjobs", name, {"status": {"jobStatus": "RUNNING"}}
+    )
+    assert "status" not in ignored
+    # status subresource changes only status
+    st = custom.patch_namespaced_custom_object_status(
+        "ray.io",
+        "v1",
+        NS,
+        "rayjobs",
+        name,
+        {"status": {"jobStatus": "RUNNING"}, "spec": {"suspend": True}},
+    )
+    assert (
+        st["status"]["jobStatus"] == "RUNNING"
+        and "suspend" not in st["spec"]
+        and st["metadata"]["generation"] == 1
+    )
+    assert (
+        custom.get_namespaced_custom_object_status("ray.io", "v1", NS, "rayjobs", name)["status"][
+            "jobStatus"
+        ]
+        == "RUNNING"
+    )
+    st["status"]["jobDeploymentStatus"] = "Running"
+    replaced = custom.replace_namespaced_custom_object_status(
+        "ray.io", "v1", NS, "rayjobs", name, st
+    )
+    assert replaced["status"]["jobDeploymentStatus"] == "Running"
+    exc, status = error_of(
+        custom.patch_namespaced_custom_object_status,
+        "ray.io",
+        "v1",
+        NS,
+        "rayjobs",
+        name,
+        {"status": {"jobStatus": 5}},
+    )
+    assert exc.status == 422 and status["details"]["causes"][0]["field"] == "status.jobStatus"
+    # spec change bumps generation, status kept
+    bumped = custom.patch_namespaced_custom_object(
+        "ray.io", "v1", NS, "rayjobs", name, {"spec": {"suspend": True}}
+    )
+    assert bumped["metadata"]["generation"] == 2 and bumped["status"]["jobStatus"] == "RUNNING"
+
+
+def test_replace_custom_object_needs_resource_version(custom: client.CustomObjectsApi) -> None:
+    name = uniq("rj")
+    obj = create_rayjob(custom, name)
+    del obj["metadata"]["resourceVersion"]
+    exc, status = error_of(
+        custom.replace_namespaced_custom_object, "ray.io", "v1", NS, "rayjobs", name, obj
+    )
+    assert exc.status == 422 and "must be specified for an update" in status["message"]
+
+
+# ---------------------------------------------------------------- patches
+
+
+def test_patch_flavours(
+    core: client.CoreV1Api, custom: client.CustomObjectsApi, server: LoopbackKubeServer
+) -> None:
+    name = uniq("pp")
+    core.create_namespaced_pod(NS, pod(name))
+    # strategic merge (default for dict bodies on core types): containers merge by name
+    patched = core.patch_namespaced_pod(
+        name,
+        NS,
+        {
+            "metadata": {"labels": {"x": "1"}},
+            "spec": {"containers": [{"name": "side", "image": "alpine"}]},
+        },
+    )
+    assert [c.name for c in patched.spec.containers] == ["main", "side"]
+    patched = core.patch_namespaced_pod(
+        name, NS, {"spec": {"containers": [{"name": "main", "image": "busybox:2"}]}}
+    )
+    assert [(c.name, c.image) for c in patched.spec.containers] == [
+        ("main", "busybox:2"),
+        ("side", "alpine"),
+    ]
+    # json patch (list bodies)
+    patched = core.patch_namespaced_pod(
+        name, NS, [{"op": "add", "path": "/metadata/labels/y", "value": "2"}]
+    )
+    assert patched.metadata.labels == {"x": "1", "y": "2"}
+    # merge patch on a custom resource (the client's default): null deletes
+    rj = uniq("rj")
+    create_rayjob(custom, rj, suspend=True)
+    merged = custom.patch_namespaced_custom_object(
+        "ray.io", "v1", NS, "rayjobs", rj, {"spec": {"suspend": None, "entrypoint": "x"}}
+    )
+    assert "suspend" not in merged["spec"] and merged["spec"]["entrypoint"] == "x"
+    # strategic merge on a custom resource: 415
+    api = server.api_client()
+    exc = None
+    with pytest.raises(ApiException) as info:
+        api.call_api(
+            *api.param_serialize(
+                "PATCH",
+                f"/apis/ray.io/v1/namespaces/{NS}/rayjobs/{rj}",
+                header_params={
+                    "Content-Type": "application/strategic-merge-patch+json",
+                    "Accept": "application/json",
+                },
+                body={"spec": {"suspend": True}},
+                auth_settings=["BearerToken"],
+            )
+        ).read()
+        raise ApiException(status=200)
+    exc = info.value
+    del exc
+    resp = api.call_api(
+        *api.param_serialize(
+            "PATCH",
+            f"/apis/ray.io/v1/namespaces/{NS}/rayjobs/{rj}",
+            header_params={
+                "Content-Type": "application/strategic-merge-patch+json",
+                "Accept": "application/json",
+            },
+            body={"spec": {"suspend": True}},
+            auth_settings=["BearerToken"],
+        )
+    )
+    resp.read()
+    assert resp.status == 415 and json.loads(resp.data)["reason"] == "UnsupportedMediaType"
+
+
+def test_finalizer_list_strategic_merge(core: client.CoreV1Api) -> None:
+    name = uniq("fin")
+    core.create_namespaced_config_map(
+        NS, client.V1ConfigMap(metadata=client.V1ObjectMeta(name=name, finalizers=["a/x"]))
+    )
+    cm = core.patch_namespaced_config_map(name, NS, {"metadata": {"finalizers": ["b/y"]}})
+    assert cm.metadata.finalizers == ["a/x", "b/y"]  # patchStrategy merge on finalizers
+    cm = core.patch_namespaced_config_map(
+        name, NS, [{"op": "replace", "path": "/metadata/finalizers", "value": []}]
+    )
+    assert not cm.metadata.finalizers
+
+
+# ---------------------------------------------------------------- list and selectors
+
+
+def test_label_and_field_selectors(core: client.CoreV1Api, custom: client.CustomObjectsApi) -> None:
+    tag = uniq("sel")
+    for i, tier in enumerate(["a", "b", "c"]):
+        labels = {"tag": tag, "tier": tier}
+        if i == 0:
+            labels["special"] = "yes"
+        core.create_namespaced_pod(NS, pod(f"{tag}-{i}", labels))
+
+    def names(**kw: Any) -> list[str]:
+        return sorted(p.metadata.name for p in core.list_namespaced_pod(NS, **kw).items)
+
+    assert names(label_selector=f"tag={tag}") == [f"{tag}-0", f"{tag}-1", f"{tag}-2"]
+    assert names(label_selector=f"tag=={tag},tier!=a") == [f"{tag}-1", f"{tag}-2"]
+    assert names(label_selector=f"tag={tag},tier in (a, c)") == [f"{tag}-0", f"{tag}-2"]
+    assert names(label_selector=f"tag={tag},tier notin (a,c)") == [f"{tag}-1"]
+    assert names(label_selector=f"tag={tag},special") == [f"{tag}-0"]
+    assert names(label_selector=f"tag={tag},!special") == [f"{tag}-1", f"{tag}-2"]
+    assert names(field_selector=f"metadata.name={tag}-1") == [f"{tag}-1"]
+    assert names(label_selector=f"tag={tag}", field_selector="status.phase=Pending") == [
+        f"{tag}-0",
+        f"{tag}-1",
+        f"{tag}-2",
+    ]
+    cluster_wide = [
+        p.metadata.name for p in core.list_pod_for_all_namespaces(label_selector=f"tag={tag}").items
+    ]
+    assert len(cluster_wide) == 3
+    page = core.list_namespaced_pod(NS, label_selector=f"tag={tag}", limit=2)
+    assert len(page.items) == 2 and page.metadata._continue
+    rest = core.list_namespaced_pod(
+        NS, label_selector=f"tag={tag}", limit=2, _continue=page.metadata._continue
+    )
+    assert len(rest.items) == 1
+    exc, _ = error_of(core.list_namespaced_pod, NS, field_selector="spec.bogus=1")
+    assert exc.status == 400
+    rj = uniq("rj")
+    create_rayjob(custom, rj)
+    found = custom.list_cluster_custom_object(
+        "ray.io", "v1", "rayjobs", field_selector=f"metadata.name={rj}"
+    )
+    assert [i["metadata"]["name"] for i in found["items"]] == [rj]
+
+
+# ---------------------------------------------------------------- watch
+
+
+def test_watch_resume_and_timeout(custom: client.CustomObjectsApi) -> None:
+    tag = uniq("w")
+    listed = custom.list_namespaced_custom_object(
+        "ray.io", "v1", NS, "rayjobs", label_selector=f"tag={tag}"
+    )
+    rv = listed["metadata"]["resourceVersion"]
+    a = rayjob(f"{tag}-a")
+    a["metadata"]["labels"] = {"tag": tag}
+    custom.create_namespaced_custom_object("ray.io", "v1", NS, "rayjobs", a)
+    custom.patch_namespaced_custom_object(
+        "ray.io", "v1", NS, "rayjobs", f"{tag}-a", {"spec": {"suspend": True}}
+    )
+    create_rayjob(custom, f"{tag}-unlabelled")
+    custom.delete_namespaced_custom_object("ray.io", "v1", NS, "rayjobs", f"{tag}-a")
+    started = time.monotonic()
+    events = [
+        (e["type"], e["object"]["metadata"]["name"])
+        for e in watch.Watch().stream(
+            custom.list_namespaced_custom_object,
+            "ray.io",
+            "v1",
+            NS,
+            "rayjobs",
+            label_selector=f"tag={tag}",
+            resource_version=rv,
+            timeout_seconds=1,
+        )
+    ]
+    assert events == [("ADDED", f"{tag}-a"), ("MODIFIED", f"{tag}-a"), ("DELETED", f"{tag}-a")]
+    assert 0.9 < time.monotonic() - started < 3
+
+
+def test_watch_without_version_lists_then_follows(core: client.CoreV1Api) -> None:
+    tag = uniq("w")
+    core.create_namespaced_config_map(
+        NS, client.V1ConfigMap(metadata=client.V1ObjectMeta(name=f"{tag}-0", labels={"tag": tag}))
+    )
+    seen: list[tuple[str, str]] = []
+    w = watch.Watch()
+
+    def later() -> None:
+        time.sleep(0.3)
+        core.create_namespaced_config_map(
+            NS,
+            client.V1ConfigMap(metadata=client.V1ObjectMeta(name=f"{tag}-1", labels={"tag": tag})),
+        )
+        # label removed: a selector watch sees it leave as DELETED
+        core.patch_namespaced_config_map(f"{tag}-0", NS, {"metadata": {"labels": {"tag": None}}})
+
+    threading.Thread(target=later).start()
+    for e in w.stream(
+        core.list_namespaced_config_map, NS, label_selector=f"tag={tag}", timeout_seconds=5
+    ):
+        seen.append((e["type"], e["object"].metadata.name))
+        if len(seen) == 3:
+            w.stop()
+    assert seen == [("ADDED", f"{tag}-0"), ("ADDED", f"{tag}-1"), ("DELETED", f"{tag}-0")]
+
+
+def test_drop_watches_then_reconnect(server: LoopbackKubeServer, core: client.CoreV1Api) -> None:
+    tag = uniq("drop")
+    rv = core.list_namespaced_config_map(NS).metadata.resource_version
+    errors: list[BaseException] = []
+    events: list[str] = []
+
+    def consume() -> None:
+        try:
+            for e in watch.Watch().stream(
+                core.list_namespaced_config_map,
+                NS,
+                resource_version=rv,
+                label_selector=f"tag={tag}",
+            ):
+                events.append(e["object"].metadata.name)
+        except Exception as exc:  # the cut connection surfaces as a urllib3 protocol error
+            errors.append(exc)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    wait_until(
+        lambda: (
+            server.requests.count(watch=True, path_contains="/configmaps") > 0
+            and len(server._store.watchers) > 0
+        )
+    )
+    core.create_namespaced_config_map(
+        NS, client.V1ConfigMap(metadata=client.V1ObjectMeta(name=f"{tag}-0", labels={"tag": tag}))
+    )
+    wait_until(lambda: events == [f"{tag}-0"])
+    server.drop_watches()
+    t.join(5)
+    assert (
+        not t.is_alive()
+        and errors
+        and isinstance(errors[0], urllib3.exceptions.HTTPError | ValueError | OSError)
+    )
+    core.create_namespaced_config_map(
+        NS, client.V1ConfigMap(metadata=client.V1ObjectMeta(name=f"{tag}-1", labels={"tag": tag}))
+    )
+    resumed = [
+        e["object"].metadata.name
+        for e in watch.Watch().stream(
+            core.list_namespaced_config_map,
+            NS,
+            resource_version=rv,
+            label_selector=f"tag={tag}",
+            timeout_seconds=1,
+        )
+    ]
+    assert resumed == [f"{tag}-0", f"{tag}-1"]
+
+
+def test_compact_gives_410(server: LoopbackKubeServer, custom: client.CustomObjectsApi) -> None:
+    rv = custom.list_namespaced_custom_object("ray.io", "v1", NS, "rayjobs")["metadata"][
+        "resourceVersion"
+    ]
+    create_rayjob(custom, uniq("rj"))
+    server.compact()
+    with pytest.raises(ApiException) as info:
+        for _ in watch.Watch().stream(
+            custom.list_namespaced_custom_object,
+            "ray.io",
+            "v1",
+            NS,
+            "rayjobs",
+            resource_version=rv,
+            timeout_seconds=2,
+        ):
+            pass
+    assert info.value.status == 410 and "Expired: too old resource version" in info.value.reason
+    # the raw stream carries one ERROR event with a 410 Status
+    resp = custom.list_namespaced_custom_object(
+        "ray.io", "v1", NS, "rayjobs", watch=True, resource_version=rv, _preload_content=False
+    )
+    lines = [json.loads(line) for line in resp.data.decode().splitlines()]
+    assert (
+        lines[0]["type"] == "ERROR"
+        and lines[0]["object"]["code"] == 410
+        and lines[0]["object"]["reason"] == "Expired"
+    )
+    # without timeout the client retries once from its last version, then raises 410
+    with pytest.raises(ApiException) as info:
+        for _ in watch.Watch().stream(
+            custom.list_namespaced_custom_object, "ray.io", "v1", NS, "rayjobs", resource_version=rv
+        ):
+            pass
+    assert info.value.status == 410
+
+
+# ---------------------------------------------------------------- deletion
+
+
+def test_finalizers_hold_deletion(
+    server: LoopbackKubeServer, custom: client.CustomObjectsApi
+) -> None:
+    name = uniq("rj")
+    body = rayjob(name)
+    body["metadata"]["finalizers"] = ["ray.io/test"]
+    custom.create_namespaced_custom_object("ray.io", "v1", NS, "rayjobs", body)
+    rv = custom.list_namespaced_custom_object("ray.io", "v1", NS, "rayjobs")["metadata"][
+        "resourceVersion"
+    ]
+    deleted = custom.delete_namespaced_custom_object("ray.io", "v1", NS, "rayjobs", name)
+    assert deleted["metadata"]["deletionTimestamp"]
+    held = custom.get_namespaced_custom_object("ray.io", "v1", NS, "rayjobs", name)
+    assert held["metadata"]["deletionTimestamp"] and held["metadata"]["finalizers"] == [
+        "ray.io/test"
+    ]
+    custom.patch_namespaced_custom_object(
+        "ray.io", "v1", NS, "rayjobs", name, {"metadata": {"finalizers": None}}
+    )
+    assert server.get("rayjobs", NS, name, group="ray.io") is None
+    types = [
+        e["type"]
+        for e in watch.Watch().stream(
+            custom.list_namespaced_custom_object,
+            "ray.io",
+            "v1",
+            NS,
+            "rayjobs",
+            field_selector=f"metadata.name={name}",
+            resource_version=rv,
+            timeout_seconds=1,
+        )
+    ]
+    assert types == ["MODIFIED", "DELETED"]
+
+
+def _family(
+    core: client.CoreV1Api, custom: client.CustomObjectsApi, block: bool = False
+) -> tuple[str, list[str]]:
+    owner = create_rayjob(custom, uniq("own"))
+    kids = []
+    for i in range(2):
+        name = f"{owner['metadata']['name']}-kid{i}"
+        core.create_namespaced_pod(
+            NS, pod(name, owner=owner_ref(owner, block_owner_deletion=block))
+        )
+        kids.append(name)
+    return owner["metadata"]["name"], kids
+
+
+def test_gc_background(
+    server: LoopbackKubeServer, core: client.CoreV1Api, custom: client.CustomObjectsApi
+) -> None:
+    owner, kids = _family(core, custom)
+    custom.delete_namespaced_custom_object("ray.io", "v1", NS, "rayjobs", owner)
+    assert server.get("rayjobs", NS, owner, group="ray.io") is None
+    wait_until(lambda: all(server.get("pods", NS, k) is None for k in kids), 0.1)
+
+
+def test_gc_foreground_waits_for_blocking_dependents(
+    server: LoopbackKubeServer, core: client.CoreV1Api, custom: client.CustomObjectsApi
+) -> None:
+    owner, kids = _family(core, custom, block=True)
+    core.patch_namespaced_pod(kids[0], NS, {"metadata": {"finalizers": ["test/hold"]}})
+    custom.delete_namespaced_custom_object(
+        "ray.io", "v1", NS, "rayjobs", owner, propagation_policy="Foreground"
+    )
+    held = server.get("rayjobs", NS, owner, group="ray.io")
+    assert held is not None and "foregroundDeletion" in held["metadata"]["finalizers"]
+    assert server.get("pods", NS, kids[1]) is None
+    assert server.get("pods", NS, kids[0])["metadata"]["deletionTimestamp"]
+    core.patch_namespaced_pod(kids[0], NS, [{"op": "remove", "path": "/metadata/finalizers"}])
+    assert server.get("pods", NS, kids[0]) is None
+    assert server.get("rayjobs", NS, owner, group="ray.io") is None
+
+
+def test_gc_orphan_and_dangling_owner(
+    server: LoopbackKubeServer, core: client.CoreV1Api, custom: client.CustomObjectsApi
+) -> None:
+    owner, kids = _family(core, custom)
+    core_body = client.V1DeleteOptions(propagation_policy="Orphan")
+    custom.delete_namespaced_custom_object("ray.io", "v1", NS, "rayjobs", owner, body=core_body)
+    assert server.get("rayjobs", NS, owner, group="ray.io") is None
+    for k in kids:
+        assert not core.read_namespaced_pod(k, NS).metadata.owner_references
+    ghost = uniq("ghost")
+    core.create_namespaced_pod(
+        NS,
+        pod(
+            ghost,
+            owner={"api_version": "v1", "kind": "Pod", "name": "gone", "uid": str(uuid.uuid4())},
+        ),
+    )
+    wait_until(lambda: server.get("pods", NS, ghost) is None, 0.1)
+
+
+# ---------------------------------------------------------------- logs
+
+
+def test_pod_logs(server: LoopbackKubeServer, core: client.CoreV1Api) -> None:
+    name = uniq("log")
+    exc, _ = error_of(core.read_namespaced_pod_log, name, NS)
+    assert exc.status == 404
+    core.create_namespaced_pod(NS, pod(name))
+    server.set_pod_log(NS, name, "one\ntwo\nthree\n")
+    assert core.read_namespaced_pod_log(name, NS) == "one\ntwo\nthree\n"
+    assert core.read_namespaced_pod_log(name, NS, tail_lines=2, container="main") == "two\nthree\n"
+    lines = ["a\n"]
+    server.set_pod_log(NS, name, lambda: "".join(lines), container="main")
+    assert core.read_namespaced_pod_log(name, NS) == "a\n"
+    exc, body = error_of(core.read_namespaced_pod_log, name, NS, container="nope")
+    assert exc.status == 400 and body["message"] == f"container nope is not valid for pod {name}"
+    resp = core.read_namespaced_pod_log(name, NS, follow=True, _preload_content=False)
+    lines.append("b\n")
+    core.patch_namespaced_pod_status(name, NS, {"status": {"phase": "Succeeded"}})
+    assert resp.data.decode() == "a\nb\n"
+
+
+# ---------------------------------------------------------------- service proxy
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[str]:
+    """A real local HTTP + websocket server to proxy to."""
+    seen: dict[str, Any] = {}
+
+    async def echo(request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Upgrade", "").lower() == "websocket":
+            ws = web.WebSocketResponse()
+            await ws.prepare(request)
+            await ws.send_str("hello")
+            async for msg in ws:
+                await ws.send_str("echo:" + msg.data)
+            return ws
+        body = await request.read()
+        return web.json_response(
+            {
+                "method": request.method,
+                "path": request.path_qs,
+                "auth": request.headers.get("Authorization"),
+                "x": request.headers.get("X-Test"),
+                "body": body.decode(),
+            },
+            status=404 if request.path == "/missing" else 200,
+        )
+
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", echo)
+    runner = web.AppRunner(app)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.SockSite(runner, sock).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    seen["url"] = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    yield seen["url"]
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(5)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+
+
+def proxied(core: client.CoreV1Api, name: str, path: str) -> Any:
+    resp = core.connect_get_namespaced_service_proxy_with_path(
+        name, NS, path, _preload_content=False
+    )
+    return json.loads(resp.data)
+
+
+def _service(core: client.CoreV1Api, name: str) -> None:
+    core.create_namespaced_service(
+        NS,
+        client.V1Service(
+            metadata=client.V1ObjectMeta(name=name),
+            spec=client.V1ServiceSpec(
+                ports=[
+                    client.V1ServicePort(name="dashboard", port=8265),
+                    client.V1ServicePort(name="gcs", port=6379),
+                ]
+            ),
+        ),
+    )
+
+
+def test_service_proxy_to_url(
+    server: LoopbackKubeServer, core: client.CoreV1Api, upstream: str
+) -> None:
+    name = uniq("svc")
+    _service(core, name)
+    exc, body = error_of(
+        core.connect_get_namespaced_service_proxy_with_path, f"{name}:8265", NS, "api/version"
+    )
+    assert exc.status == 503 and body["message"] == f'no endpoints available for service "{name}"'
+    server.set_service_proxy(NS, name, 8265, upstream)
+    got = proxied(core, f"{name}:8265", "api/jobs/")
+    assert got["path"].startswith("/api/jobs/") and got["auth"] is None and got["method"] == "GET"
+    # port by name, and the bare service name means the first port
+    assert proxied(core, f"{name}:dashboard", "a")["path"] == "/a"
+    assert proxied(core, name, "b")["path"] == "/b"
+    # other verbs, headers and bodies pass through
+    api = server.api_client()
+    resp = api.call_api(
+        *api.param_serialize(
+            "POST",
+            f"/api/v1/namespaces/{NS}/services/{name}:8265/proxy/api/jobs/",
+            header_params={"Content-Type": "application/json", "X-Test": "yes"},
+            body={"entrypoint": "x"},
+            auth_settings=["BearerToken"],
+        )
+    )
+    resp.read()
+    posted = json.loads(resp.data)
+    assert (
+        resp.status == 200
+        and posted["method"] == "POST"
+        and posted["x"] == "yes"
+        and json.loads(posted["body"]) == {"entrypoint": "x"}
+    )
+    exc, _ = error_of(
+        core.connect_get_namespaced_service_proxy_with_path, f"{name}:8265", NS, "missing"
+    )
+    assert exc.status == 404  # the upstream's own 404 comes back as it is
+    # a target that refuses connections
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    port = dead.getsockname()[1]
+    dead.close()
+    server.set_service_proxy(NS, name, "gcs", f"http://127.0.0.1:{port}")
+    exc, body = error_of(
+        core.connect_get_namespaced_service_proxy_with_path, f"{name}:6379", NS, "x"
+    )
+    assert exc.status == 503 and body["message"] == (
+        f"error trying to reach service: dial tcp 127.0.0.1:{port}: connect: connection refused"
+    )
+    server.remove_service_proxy(NS, name, 8265)
+    exc, _ = error_of(core.connect_get_namespaced_service_proxy_with_path, f"{name}:8265", NS, "x")
+    assert exc.status == 503
+    exc, _ = error_of(
+        core.connect_get_namespaced_service_proxy_with_path, "no-such-svc:80", NS, "x"
+    )
+    assert exc.status == 404
+
+
+def test_service_proxy_to_handler(server: LoopbackKubeServer, core: client.CoreV1Api) -> None:
+    name = uniq("svc")
+    _service(core, name)
+    calls: list[tuple[str, str, dict[str, str], bytes]] = []
+
+    def handler(
+        method: str, path: str, headers: dict[str, str], body: bytes
+    ) -> tuple[int, dict[str, str], bytes]:
+        calls.append((method, path, headers, body))
+        return 200, {"Content-Type": "text/plain"}, b"frontend up"
+
+    server.set_service_proxy(NS, name, "dashboard", handler)
+    assert (
+        core.connect_get_namespaced_service_proxy_with_path(f"{name}:dashboard", NS, "v1/models")
+        == "frontend up"
+    )
+    method, path, headers, _ = calls[0]
+    assert method == "GET" and path == "/v1/models" and "Authorization" not in headers
+
+
+def test_websocket_through_proxy(
+    server: LoopbackKubeServer, core: client.CoreV1Api, upstream: str
+) -> None:
+    name = uniq("svc")
+    _service(core, name)
+    server.set_service_proxy(NS, name, 8265, upstream)
+
+    async def talk() -> list[str]:
+        url = (
+            f"{server.url}/api/v1/namespaces/{NS}/services/{name}:8265/proxy/api/jobs/j1/logs/tail"
+        )
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(
+                url, headers={"Authorization": f"Bearer {server.token}"}
+            ) as ws:
+                first = (await ws.receive()).data
+                await ws.send_str("ping")
+                second = (await ws.receive()).data
+                return [first, second]
+
+    assert asyncio.run(talk()) == ["hello", "echo:ping"]
+
+
+# ---------------------------------------------------------------- request log, TLS
+
+
+def test_request_log(server: LoopbackKubeServer, core: client.CoreV1Api) -> None:
+    server.requests.clear()
+    core.list_namespaced_pod(NS)
+    core.list_namespaced_pod(NS)
+    assert server.requests.count("GET", "/api/v1/namespaces/default/pods", watch=False) == 2
+    entry = server.requests.entries[0]
+    assert entry.method == "GET" and entry.is_watch is False and entry.time > 0
+
+
+def test_tls_with_kubeconfig() -> None:
+    with LoopbackKubeServer(tls=True) as srv:
+        assert srv.url.startswith("https://") and srv.ca_pem
+        kc = srv.kubeconfig(namespace="default")
+        assert kc["clusters"][0]["cluster"]["certificate-authority-data"]
+        api = config.new_client_from_config_dict(kc)
+        assert [n.metadata.name for n in client.CoreV1Api(api).list_namespace().items] == [
+            "default"
+        ]
+        assert client.CoreV1Api(srv.api_client()).read_namespace("default").status.phase == "Active"
+
+
+def test_plain_http_upstream_via_http_server(
+    server: LoopbackKubeServer, core: client.CoreV1Api
+) -> None:
+    """A stdlib http.server upstream (blocking, HTTP/1.0) works through the proxy too."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps(
+                {"auth": self.headers.get("Authorization"), "path": self.path}
+            ).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        name = uniq("svc")
+        _service(core, name)
+        server.set_service_proxy(NS, name, 8265, f"http://127.0.0.1:{httpd.server_address[1]}")
+        got = proxied(core, f"{name}:8265", "api/version")
+        assert got == {"auth": None, "path": "/api/version"}
+    finally:
+        httpd.shutdown()
