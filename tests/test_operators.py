@@ -631,3 +631,21 @@ def test_components_reads_both_dgd_shapes() -> None:
     }
     expected = [("Frontend", "frontend", 1), ("W", "worker", 3)]
     assert components(v1alpha1) == components(v1beta1) == expected
+
+
+def test_dynamo_keeps_reconciling_after_dropped_watches_and_410(
+    kube: LoopbackKubeServer,
+    dynamo: DynamoSimulator,
+    custom: client.CustomObjectsApi,
+) -> None:
+    kube.drop_watches()  # the informers resume from their last resourceVersion
+    first = unique("dgdw")
+    create_dgd(custom, dgd(first, 1))
+    wait_for(lambda: dgd_status(custom, first).get("state") == "successful", 10, "after a drop")
+    kube.compact()  # resuming now answers 410 Gone: the informers must relist
+    kube.drop_watches()
+    second = unique("dgdw")
+    create_dgd(custom, dgd(second, 1))
+    wait_for(lambda: dgd_status(custom, second).get("state") == "successful", 10, "after a 410")
+    delete_dgd(custom, first)
+    delete_dgd(custom, second)
