@@ -5,6 +5,7 @@ Backend-agnostic; must not import prefect or ray.
 
 from __future__ import annotations
 
+from prefect_nemo.packaging.shell import tee_command
 from prefect_nemo.packaging.source import (
     ALWAYS_EXCLUDED,
     CACHE_DIR_ENV,
@@ -21,4 +22,5 @@ __all__ = [
     "collect_source",
     "default_cache_dir",
     "stage_source",
+    "tee_command",
 ]

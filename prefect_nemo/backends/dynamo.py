@@ -1,0 +1,661 @@
+"""NVIDIA Dynamo inference graphs (DynamoGraphDeployment, "DGD") on Kubernetes.
+
+Everything the nrl-k8s source PR does for DGDs, on our shared `kube` helpers: load a manifest
+(multi-document files: pick the DGD), render it (name, namespace, labels, deep-merged
+overrides, image as a default only, imagePullSecrets; never `serviceAccountName`, which the
+operator sets per DGD), probe that the CRD is installed, apply-or-attach, wait until it really
+serves (operator state, pod readiness and an HTTP answer from the frontend), tie its lifetime to
+a RayCluster with a non-controller owner reference, and delete it. No Prefect import.
+
+Both stored shapes are handled: v1alpha1 keeps `spec.services` (a map of service name to
+config, the container under `extraPodSpec.mainContainer`); v1beta1 keeps `spec.components`
+(a list of `{name, type, podTemplate}` with the container named `main`).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from prefect_nemo import kube
+from prefect_nemo.errors import AuthenticationFailed, InvalidJobSpec, PrefectNemoError
+from prefect_nemo.names import resource_name
+
+DGD_KIND = "DynamoGraphDeployment"
+DGD_GROUP = "nvidia.com"
+VERSIONS = ("v1alpha1", "v1beta1")
+GRAPH_LABEL = "nvidia.com/dynamo-graph-deployment-name"
+FRONTEND_TYPE = "frontend"
+FRONTEND_PORT = 8000
+FRONTEND_PROBE_PATH = "/v1/models"
+MAIN_CONTAINER = "main"  # v1beta1: the container the operator treats as the workload
+STATE_READY = "successful"
+STATE_FAILED = "failed"
+
+_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # RFC 1123 label
+_DNS1035_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # Service names
+_MAX_NAME = 63
+
+log = logging.getLogger("prefect_nemo.dynamo")
+
+
+class DgdFailed(PrefectNemoError):
+    """The Dynamo operator reported the DGD as failed (its message is in ours)."""
+
+
+class DgdNotReady(PrefectNemoError, TimeoutError):
+    """The DGD did not pass every readiness gate in time; the message names the gates."""
+
+
+class DgdCrdMissing(PrefectNemoError):
+    """The DynamoGraphDeployment CRD is not installed on the cluster."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and rendering (pure: no API call)
+
+
+def dgd_kind(version: str = "v1alpha1") -> kube.Kind:
+    """The Kind of DGDs at `version` (validated)."""
+    _check_version(version)
+    return kube.dgd_kind(version)
+
+
+def load_dgd(path: str | Path, *, name: str | None = None) -> dict[str, Any]:
+    """Read a DGD manifest from a YAML file, picking the DGD out of a multi-document file.
+
+    Dynamo recipes often ship a DGD next to a benchmark Pod or a ConfigMap. With several DGDs
+    in one file, `name` chooses one by `metadata.name`.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise InvalidJobSpec(f"DGD manifest {file}: no such file")
+    try:
+        docs = [d for d in yaml.safe_load_all(file.read_text()) if d is not None]
+    except yaml.YAMLError as exc:
+        raise InvalidJobSpec(f"DGD manifest {file}: not valid YAML: {exc}") from None
+    dgds = [d for d in docs if isinstance(d, dict) and d.get("kind") == DGD_KIND]
+    if not dgds:
+        kinds = [d.get("kind") if isinstance(d, dict) else type(d).__name__ for d in docs]
+        raise InvalidJobSpec(
+            f"DGD manifest {file}: no document of kind {DGD_KIND} (found kinds: {kinds})"
+        )
+    if name is not None:
+        chosen = [d for d in dgds if (d.get("metadata") or {}).get("name") == name]
+        if not chosen:
+            names = [(d.get("metadata") or {}).get("name") for d in dgds]
+            raise InvalidJobSpec(f"DGD manifest {file}: no {DGD_KIND} named {name!r} in {names}")
+        dgds = chosen
+    if len(dgds) > 1:
+        names = [(d.get("metadata") or {}).get("name") for d in dgds]
+        raise InvalidJobSpec(
+            f"DGD manifest {file} holds {len(dgds)} {DGD_KIND}s ({names}): pass the name of "
+            "the one to deploy"
+        )
+    return dgds[0]
+
+
+def deep_merge(base: Any, override: Any) -> Any:
+    """`override` merged into a copy of `base`: dicts merge key by key, lists and scalars
+    replace, a None value deletes the key.
+
+    One extension for v1beta1's `spec.components` (a list of named dicts): a dict override on
+    such a list merges into the entries by `name` (`{"components": {"worker": {...}}}`).
+    """
+    if isinstance(override, Mapping) and isinstance(base, list) and _named_list(base):
+        merged_list = [copy.deepcopy(item) for item in base]
+        index = {item["name"]: i for i, item in enumerate(merged_list)}
+        for key, value in override.items():
+            if value is None:
+                merged_list = [i for i in merged_list if i["name"] != key]
+                index = {item["name"]: i for i, item in enumerate(merged_list)}
+            elif key in index:
+                merged_list[index[key]] = deep_merge(merged_list[index[key]], value)
+            else:
+                merged_list.append({"name": key, **copy.deepcopy(dict(value))})
+                index[key] = len(merged_list) - 1
+        return merged_list
+    if not isinstance(override, Mapping) or not isinstance(base, Mapping):
+        return copy.deepcopy(override)
+    merged = {k: copy.deepcopy(v) for k, v in base.items()}
+    for key, value in override.items():
+        if value is None:
+            merged.pop(key, None)
+        elif key in merged:
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = _drop_nones(copy.deepcopy(value))
+    return merged
+
+
+def _drop_nones(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_nones(v) for k, v in value.items() if v is not None}
+    return value
+
+
+def _named_list(items: list[Any]) -> bool:
+    return bool(items) and all(
+        isinstance(i, dict) and isinstance(i.get("name"), str) for i in items
+    )
+
+
+def render_dgd(
+    manifest: Mapping[str, Any],
+    *,
+    namespace: str,
+    name: str | None = None,
+    labels: Mapping[str, str] | None = None,
+    flow_run_id: str | None = None,
+    image: str | None = None,
+    image_pull_secrets: Iterable[str] = (),
+    overrides: Mapping[str, Any] | None = None,
+    version: str = "v1alpha1",
+) -> dict[str, Any]:
+    """The DGD to apply: a validated copy of `manifest` with our settings on it.
+
+    `overrides` deep-merge into the whole document (`{"spec": {...}}`, see `deep_merge`).
+    `image` is only a default for containers that name none; `image_pull_secrets` are added to
+    every pod. Labels: the manifest's, then `labels`, then ours (managed-by, flow run id).
+    `serviceAccountName` is left exactly as the user wrote it: we never add one.
+    Raises InvalidJobSpec before any API call when something is wrong.
+    """
+    _check_version(version)
+    if not isinstance(manifest, Mapping):
+        raise InvalidJobSpec(f"DGD manifest: expected a mapping, got {type(manifest).__name__}")
+    doc = (
+        deep_merge(dict(manifest), dict(overrides)) if overrides else copy.deepcopy(dict(manifest))
+    )
+    _check_api_version(doc, version)
+    meta = doc.setdefault("metadata", {})
+    if not isinstance(meta, dict):
+        raise InvalidJobSpec("DGD manifest: metadata must be a mapping")
+    if name is not None:
+        meta["name"] = name
+    meta["namespace"] = namespace
+    meta["labels"] = {
+        **(meta.get("labels") or {}),
+        **dict(labels or {}),
+        **kube.managed_labels(flow_run_id),
+    }
+    for key in ("uid", "resourceVersion", "creationTimestamp", "generation", "managedFields"):
+        meta.pop(key, None)
+    doc.pop("status", None)
+    validate_dgd(doc, version)
+    secrets = list(dict.fromkeys(image_pull_secrets))
+    if image is None and not secrets:
+        return doc
+    for pod, container in _pod_specs(doc, version, with_container=image is not None):
+        if image is not None and container is not None and not container.get("image"):
+            container["image"] = image
+        if secrets:
+            present = pod.setdefault("imagePullSecrets", [])
+            known = {s.get("name") for s in present if isinstance(s, dict)}
+            present.extend({"name": s} for s in secrets if s not in known)
+    return doc
+
+
+def _pod_specs(
+    doc: dict[str, Any], version: str, *, with_container: bool
+) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+    """(pod spec, main container) of every service, created where missing.
+
+    The main container is created only when `with_container` (to give it the default image).
+    """
+    found: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
+    for _, svc in _services(doc, version):
+        if version == "v1alpha1":
+            pod = _child(svc, "extraPodSpec")
+            container = pod.get("mainContainer")
+            if container is None and with_container:
+                container = pod["mainContainer"] = {}
+        else:
+            pod = _child(_child(svc, "podTemplate"), "spec")
+            container = next(
+                (c for c in pod.get("containers") or [] if c.get("name") == MAIN_CONTAINER), None
+            )
+            if container is None and with_container:
+                container = {"name": MAIN_CONTAINER}
+                pod.setdefault("containers", []).append(container)
+        found.append((pod, container))
+    return found
+
+
+def _child(parent: dict[str, Any], key: str) -> dict[str, Any]:
+    child = parent.get(key)
+    if child is None:
+        child = parent[key] = {}
+    if not isinstance(child, dict):
+        raise InvalidJobSpec(f"DGD manifest: {key} must be a mapping, got {type(child).__name__}")
+    return child
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+def _check_version(version: str) -> None:
+    if version not in VERSIONS:
+        raise InvalidJobSpec(
+            f"DGD version {version!r} is not known: use one of {list(VERSIONS)} "
+            "(v1alpha1 stores spec.services, v1beta1 spec.components)"
+        )
+
+
+def _check_api_version(doc: Mapping[str, Any], version: str) -> None:
+    if doc.get("kind") != DGD_KIND:
+        raise InvalidJobSpec(f"DGD manifest: kind is {doc.get('kind')!r}, expected {DGD_KIND}")
+    want = f"{DGD_GROUP}/{version}"
+    if doc.get("apiVersion") != want:
+        raise InvalidJobSpec(
+            f"DGD manifest {_name_of(doc)!r}: apiVersion is {doc.get('apiVersion')!r} but "
+            f"version={version!r} asks for {want}: pass the matching version (the two store "
+            "different shapes: v1alpha1 spec.services, v1beta1 spec.components)"
+        )
+
+
+def _name_of(doc: Mapping[str, Any]) -> str:
+    meta = doc.get("metadata")
+    return str(meta.get("name", "")) if isinstance(meta, Mapping) else ""
+
+
+def check_dgd_name(name: Any) -> str:
+    """`name` if it is a valid DGD name as is; InvalidJobSpec naming the rule otherwise.
+
+    The operator names the frontend Service `<dgd>-frontend` (a DNS-1035 label), so a DGD name
+    must be a lowercase RFC 1123 label that starts with a letter, short enough for that suffix.
+    We never rename a name the user chose.
+    """
+    if not isinstance(name, str) or not name:
+        raise InvalidJobSpec("DGD metadata.name is missing: set it in the manifest or pass name=")
+    room = _MAX_NAME - len("-frontend")
+    if resource_name(name, room) != name or not _DNS1035_RE.match(name):
+        raise InvalidJobSpec(
+            f"DGD name {name!r} is not valid: use lowercase letters, digits and '-', starting "
+            f"with a letter and ending with a letter or digit, at most {room} characters (the "
+            f"operator adds '-frontend' for the frontend Service). For example: "
+            f"{resource_name(name, room)!r}"
+        )
+    return name
+
+
+def _services(doc: Mapping[str, Any], version: str) -> list[tuple[str, dict[str, Any]]]:
+    """(service name, service dict) for every service/component, validated for shape."""
+    spec = doc.get("spec")
+    if not isinstance(spec, Mapping):
+        raise InvalidJobSpec(f"DGD {_name_of(doc)!r}: spec is missing")
+    if version == "v1alpha1":
+        services = spec.get("services")
+        if "components" in spec:
+            raise InvalidJobSpec(
+                f"DGD {_name_of(doc)!r}: spec.components is the v1beta1 shape; pass "
+                "version='v1beta1' or use spec.services"
+            )
+        if not isinstance(services, Mapping) or not services:
+            raise InvalidJobSpec(f"DGD {_name_of(doc)!r}: spec.services must be a non-empty map")
+        for key, svc in services.items():
+            if not isinstance(svc, dict):
+                raise InvalidJobSpec(f"DGD {_name_of(doc)!r}: spec.services.{key} must be a map")
+        return list(services.items())
+    components = spec.get("components")
+    if "services" in spec:
+        raise InvalidJobSpec(
+            f"DGD {_name_of(doc)!r}: spec.services is the v1alpha1 shape; pass "
+            "version='v1alpha1' or use spec.components"
+        )
+    if not isinstance(components, list) or not components:
+        raise InvalidJobSpec(f"DGD {_name_of(doc)!r}: spec.components must be a non-empty list")
+    out: list[tuple[str, dict[str, Any]]] = []
+    for i, comp in enumerate(components):
+        if not isinstance(comp, dict) or not isinstance(comp.get("name"), str):
+            raise InvalidJobSpec(
+                f"DGD {_name_of(doc)!r}: spec.components[{i}] must be a map with a name"
+            )
+        out.append((comp["name"], comp))
+    names = [n.lower() for n, _ in out]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise InvalidJobSpec(f"DGD {_name_of(doc)!r}: duplicate component names {dupes}")
+    return out
+
+
+def _component_type(svc: Mapping[str, Any], version: str) -> str | None:
+    value = svc.get("type") if version == "v1beta1" else None
+    return value or svc.get("componentType")
+
+
+def validate_dgd(doc: Mapping[str, Any], version: str = "v1alpha1") -> None:
+    """Raise InvalidJobSpec unless `doc` is a DGD we can deploy and wait on.
+
+    Checks the version and kind, the name, the services' shape, and that exactly one service
+    is the frontend (the readiness probe and the URL we hand to training depend on it).
+    """
+    _check_version(version)
+    _check_api_version(doc, version)
+    name = check_dgd_name(_name_of(doc))
+    frontends = _frontends(doc, version)
+    if len(frontends) != 1:
+        what = "no service" if not frontends else f"{len(frontends)} services {frontends}"
+        raise InvalidJobSpec(
+            f"DGD {name!r}: {what} with componentType 'frontend'; exactly one frontend is "
+            "needed (its Service is what training talks to)"
+        )
+    service = f"{name}-{frontends[0].lower()}"
+    if not _DNS1035_RE.match(service) or len(service) > _MAX_NAME:
+        raise InvalidJobSpec(
+            f"DGD {name!r}: the frontend service key {frontends[0]!r} gives Service name "
+            f"{service!r}, which is not a valid DNS-1035 name of at most {_MAX_NAME} characters"
+        )
+
+
+def _frontends(doc: Mapping[str, Any], version: str) -> list[str]:
+    found = []
+    for key, svc in _services(doc, version):
+        ctype = _component_type(svc, version)
+        if ctype == FRONTEND_TYPE or (ctype is None and key.lower() == FRONTEND_TYPE):
+            found.append(key)
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# The frontend
+
+
+def frontend_service(manifest: Mapping[str, Any], version: str | None = None) -> str:
+    """The Kubernetes Service name of the DGD's frontend: `<dgd>-<frontend key lowercased>`."""
+    version = version or str(manifest.get("apiVersion", "")).rpartition("/")[2] or "v1alpha1"
+    validate_dgd(manifest, version)
+    return f"{_name_of(manifest)}-{_frontends(manifest, version)[0].lower()}"
+
+
+def frontend_url(name: str, namespace: str, *, service: str | None = None) -> str:
+    """The in-cluster URL of a DGD's frontend (OpenAI-compatible HTTP on port 8000)."""
+    return f"http://{service or f'{name}-frontend'}.{namespace}.svc.cluster.local:{FRONTEND_PORT}"
+
+
+def resolve_frontend_url(
+    manifest: Mapping[str, Any], explicit: str | None = None, version: str | None = None
+) -> str:
+    """The URL training should use: the DGD's frontend, or `explicit` when it agrees.
+
+    An explicit in-cluster URL (`<svc>.<ns>.svc[.cluster.local]`) that names another Service,
+    namespace or port than the DGD's frontend is a conflict: InvalidJobSpec. Any other explicit
+    URL (an ingress, a gateway) is the user's choice and is used as is.
+    """
+    meta = manifest.get("metadata") or {}
+    service = frontend_service(manifest, version)
+    derived = frontend_url(meta.get("name", ""), meta.get("namespace", ""), service=service)
+    if not explicit:
+        return derived
+    parts = urlsplit(explicit)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidJobSpec(f"frontend_url {explicit!r} is not an http(s) URL")
+    host = parts.hostname.split(".")
+    if len(host) >= 3 and host[2] == "svc":
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        if (host[0], host[1], port) != (service, meta.get("namespace"), FRONTEND_PORT):
+            raise InvalidJobSpec(
+                f"frontend_url {explicit!r} disagrees with DGD {meta.get('name')!r}, whose "
+                f"frontend is {derived}: drop frontend_url to use the DGD's frontend, or fix it"
+            )
+    return explicit
+
+
+# ---------------------------------------------------------------------------------------------
+# API calls
+
+
+def check_crd_installed(
+    api: kube.KubeApi, version: str = "v1alpha1", namespace: str | None = None
+) -> bool:
+    """Raise DgdCrdMissing unless the DGD CRD serves `version`; False = unknown (no list right).
+
+    Probes with a namespaced list of at most one DGD (cluster-scoped CRD reads need rights
+    most users lack). 403 means the CRD is there but we may not list: go on, and let the apply
+    report any remaining permission problem.
+    """
+    kind = dgd_kind(version)
+    try:
+        api.list(kind, namespace, limit=1)
+    except kube.NotFound:
+        raise DgdCrdMissing(
+            f"{DGD_KIND} CRD ({DGD_GROUP}/{version}) is not installed on {api.host}: install "
+            "the Dynamo platform Helm chart (dynamo-crds and dynamo-platform, see "
+            "https://docs.nvidia.com/dynamo/latest/kubernetes/installation_guide.html), or "
+            "pass the version your operator serves"
+        ) from None
+    except AuthenticationFailed as exc:
+        if not str(exc).startswith("not allowed"):  # 401: our credentials are wrong
+            raise
+        log.info(
+            f"cannot list {kind.plural} in {namespace or api.namespace} ({exc}); assuming the "
+            "CRD is installed and going on"
+        )
+        return False
+    return True
+
+
+def apply_dgd(
+    api: kube.KubeApi, manifest: Mapping[str, Any], *, recreate: bool = False
+) -> kube.Applied:
+    """Create the DGD, or attach to the one already there (drift is reported, not fixed,
+    unless `recreate`)."""
+    return kube.apply_or_attach(
+        api, dict(manifest), namespace=_namespace_of(manifest), recreate=recreate
+    )
+
+
+def delete_dgd(api: kube.KubeApi, name: str, namespace: str, *, version: str = "v1alpha1") -> bool:
+    """Delete a DGD (its pods and Services go with it); False if it was already gone."""
+    return api.delete(dgd_kind(version), name, namespace)
+
+
+def own_by(
+    api: kube.KubeApi,
+    dgd_name: str,
+    namespace: str,
+    owner: Mapping[str, Any],
+    *,
+    version: str = "v1alpha1",
+) -> dict[str, Any]:
+    """Make `owner` (e.g. the training RayCluster) an owner of the DGD, so deleting it cascades.
+
+    `controller: false`: the Dynamo operator is the DGD's controller; we only want GC.
+    """
+    return kube.add_owner_reference(
+        api, dgd_kind(version), dgd_name, dict(owner), namespace, controller=False
+    )
+
+
+def _namespace_of(manifest: Mapping[str, Any]) -> str | None:
+    meta = manifest.get("metadata") or {}
+    return meta.get("namespace")
+
+
+# ---------------------------------------------------------------------------------------------
+# Readiness
+
+
+@dataclass
+class DgdReadiness:
+    """One look at the three readiness gates of a DGD."""
+
+    name: str
+    namespace: str
+    state: str | None = None
+    message: str = ""
+    pods_total: int = 0
+    pods_ready: int = 0
+    frontend_status: int | None = None  # HTTP status through the service proxy; 0 = refused
+    exists: bool = True
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def state_ok(self) -> bool:
+        """The operator reports the graph as deployed."""
+        return self.state == STATE_READY
+
+    @property
+    def pods_ok(self) -> bool:
+        """At least one pod, and every pod Ready."""
+        return self.pods_total > 0 and self.pods_ready == self.pods_total
+
+    @property
+    def frontend_ok(self) -> bool:
+        """The frontend answered HTTP (404 included: the listener is up)."""
+        return self.frontend_status is not None and 0 < self.frontend_status < 500
+
+    @property
+    def ready(self) -> bool:
+        """All three gates are met."""
+        return self.state_ok and self.pods_ok and self.frontend_ok
+
+    def unmet(self) -> list[str]:
+        """Each gate not yet met, described for an error message."""
+        gates = []
+        if not self.exists:
+            return [f"DGD {self.name} does not exist"]
+        if not self.state_ok:
+            gates.append(f"status.state is {self.state or 'unset'!r}, not {STATE_READY!r}")
+        if not self.pods_ok:
+            gates.append(
+                f"{self.pods_ready}/{self.pods_total} pods Ready"
+                if self.pods_total
+                else f"no pods labelled {GRAPH_LABEL}={self.name}"
+            )
+        if not self.frontend_ok:
+            if self.frontend_status is None:
+                gates.append("frontend not probed yet (waits for the gates above)")
+            elif self.frontend_status == 0:
+                gates.append("frontend refused the connection")
+            else:
+                gates.append(f"frontend answered HTTP {self.frontend_status}")
+        return gates + self.errors
+
+
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    """A pod is Ready by its Ready condition (or, without conditions, all containers ready)."""
+    status = pod.get("status") or {}
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "Ready":
+            return cond.get("status") == "True"
+    containers = status.get("containerStatuses") or []
+    return bool(containers) and all(c.get("ready") for c in containers)
+
+
+def _failure_message(dgd: Mapping[str, Any]) -> str:
+    status = dgd.get("status") or {}
+    parts = [str(status["message"])] if status.get("message") else []
+    for cond in status.get("conditions") or []:
+        if cond.get("status") != "True" and (cond.get("message") or cond.get("reason")):
+            parts.append(
+                f"{cond.get('type')}: {cond.get('reason', '')} {cond.get('message', '')}".strip()
+            )
+    return "; ".join(parts) or "no message from the operator"
+
+
+def wait_dgd_ready(
+    api: kube.KubeApi,
+    name: str,
+    namespace: str,
+    timeout_s: float,
+    *,
+    version: str = "v1alpha1",
+    service: str | None = None,
+    probe_interval_s: float = 1.0,
+    on_change: Callable[[DgdReadiness], None] | None = None,
+    interrupted: Callable[[], bool] | None = None,
+) -> DgdReadiness:
+    """Wait until the DGD serves: state successful, every DGD pod Ready, frontend answers.
+
+    The DGD and its pods are followed by watch (one Informer each); only the HTTP probe of the
+    frontend, through the API server's service proxy, is polled, and only once the first two
+    gates hold. State `failed` raises DgdFailed at once; the timeout raises DgdNotReady listing
+    the gates still unmet. `on_change` sees each new combination of gate values.
+    """
+    kind = dgd_kind(version)
+    service = service or f"{name}-frontend"
+    changed = threading.Event()
+    wake: Callable[[str, dict[str, Any]], None] = lambda *_: changed.set()  # noqa: E731
+    dgds = kube.Informer(api, kind, namespace, on_change=wake)
+    pods = kube.Informer(
+        api, kube.POD, namespace, label_selector=f"{GRAPH_LABEL}={name}", on_change=wake
+    )
+    deadline = time.monotonic() + timeout_s
+    last_key: tuple[Any, ...] | None = None
+    seen = DgdReadiness(name, namespace)
+    dgds.start()
+    pods.start()
+    try:
+        for informer in (dgds, pods):
+            informer.synced.wait(max(0.0, deadline - time.monotonic()))
+        while True:
+            changed.clear()
+            seen = _look(dgds, pods, name, namespace)
+            if not seen.exists:
+                raise DgdFailed(f"DGD {name} in {namespace} was deleted while we waited for it")
+            if seen.state == STATE_FAILED:
+                raise DgdFailed(f"DGD {name} in {namespace} failed: {seen.message}")
+            if seen.state_ok and seen.pods_ok:
+                status, _ = api.proxy(namespace, service, FRONTEND_PORT, FRONTEND_PROBE_PATH)
+                seen.frontend_status = status
+            key = (
+                seen.exists,
+                seen.state,
+                seen.pods_total,
+                seen.pods_ready,
+                seen.frontend_ok,
+                seen.frontend_status,
+            )
+            if key != last_key and on_change is not None:
+                on_change(seen)
+            last_key = key
+            if seen.ready:
+                return seen
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DgdNotReady(
+                    f"DGD {name} in {namespace} not ready after {timeout_s:g}s: "
+                    + "; ".join(seen.unmet())
+                )
+            if interrupted is not None and interrupted():
+                raise DgdNotReady(
+                    f"waiting for DGD {name} was interrupted: " + "; ".join(seen.unmet())
+                )
+            # Watch events wake us at once; the frontend probe needs a poll.
+            pause = probe_interval_s if seen.state_ok and seen.pods_ok else 5.0
+            changed.wait(min(pause, remaining))
+    finally:
+        dgds.stop()
+        pods.stop()
+
+
+def _look(dgds: kube.Informer, pods: kube.Informer, name: str, namespace: str) -> DgdReadiness:
+    seen = DgdReadiness(name, namespace)
+    for informer, what in ((dgds, "DGD"), (pods, "pod")):
+        if informer.error is not None:
+            seen.errors.append(f"{what} watch failing: {informer.error}")
+    obj = dgds.get(name)
+    if obj is None:
+        seen.exists = not dgds.synced.is_set()
+        return seen
+    status = obj.get("status") or {}
+    seen.state = status.get("state")
+    if seen.state == STATE_FAILED:
+        seen.message = _failure_message(obj)
+    items = [p for p in map(pods.get, pods.names()) if p is not None]
+    seen.pods_total = len(items)
+    seen.pods_ready = sum(1 for p in items if pod_ready(p))
+    return seen

@@ -1,0 +1,36 @@
+"""Shell wrappers we generate around entrypoints, written for POSIX sh (dash included).
+
+`cmd 2>&1 | tee log` reports tee's exit status, not the command's, and dash has no
+`pipefail`: a failed training run looked successful in the source PR. The wrapper here
+carries the command's status out of the pipeline through a spare file descriptor instead.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+
+def tee_command(command: str, log_path: str) -> str:
+    """A POSIX-sh script that runs `command`, appends its output (stdout and stderr merged)
+    to `log_path` while still printing it, and exits with the command's own exit status.
+
+    The command runs in a subshell on its own lines (so a trailing comment or `exit n` in it
+    behaves) with the helper descriptors closed, so a daemon it leaves behind cannot hold the
+    status pipe open (one that keeps stdout open keeps tee running, as with any pipe). The
+    log's directory is created if missing; the log is appended to, so retries keep history.
+    """
+    if not command.strip():
+        raise ValueError("tee_command: command is empty")
+    if not log_path:
+        raise ValueError("tee_command: log_path is empty")
+    log = shlex.quote(log_path)
+    return (
+        f'mkdir -p "$(dirname {log})"\n'
+        "exec 4>&1\n"
+        "__prefect_nemo_rc=$( { { (\n"
+        f"{command}\n"
+        ") 3>&- 4>&-; printf '%s' \"$?\" >&3; } 2>&1 | tee -a "
+        f"{log} >&4; }} 3>&1 )\n"
+        "exec 4>&-\n"
+        'exit "${__prefect_nemo_rc:-1}"\n'
+    )

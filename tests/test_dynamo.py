@@ -1,0 +1,503 @@
+"""Dynamo backend: rendering and validation (pure), and the API side against the loopback
+Kubernetes API server (strict CRD validation) with the Dynamo operator simulator; plus the
+shell wrapper that tees a command's output without losing its exit status."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from prefect_nemo import InvalidJobSpec
+from prefect_nemo.backends import dynamo
+from prefect_nemo.backends.dynamo import (
+    DgdCrdMissing,
+    DgdFailed,
+    DgdNotReady,
+    apply_dgd,
+    check_crd_installed,
+    deep_merge,
+    delete_dgd,
+    frontend_service,
+    frontend_url,
+    load_dgd,
+    own_by,
+    render_dgd,
+    resolve_frontend_url,
+    wait_dgd_ready,
+)
+from prefect_nemo.packaging import tee_command
+
+MANIFESTS = Path(__file__).parent.parent / "flows" / "manifests"
+AGG = MANIFESTS / "dgd-vllm-agg.yaml"
+JUDGE = MANIFESTS / "dgd-judge-with-bench.yaml"
+SA_FIELD = "serviceAccountName"
+
+
+def agg() -> dict[str, Any]:
+    return load_dgd(AGG)
+
+
+def beta(sa: str | None = None) -> dict[str, Any]:
+    """A v1beta1 DGD (spec.components) with a frontend without container and a worker."""
+    worker_pod: dict[str, Any] = {"containers": [{"name": "main", "image": "worker:1"}]}
+    if sa:
+        worker_pod[SA_FIELD] = sa
+    return {
+        "apiVersion": "nvidia.com/v1beta1",
+        "kind": "DynamoGraphDeployment",
+        "metadata": {"name": "beta"},
+        "spec": {
+            "components": [
+                {"name": "Frontend", "type": "frontend", "replicas": 1},
+                {"name": "worker", "type": "worker", "podTemplate": {"spec": worker_pod}},
+            ]
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def test_load_picks_the_dgd_out_of_a_multi_document_file() -> None:
+    doc = load_dgd(JUDGE)
+    assert doc["kind"] == "DynamoGraphDeployment" and doc["metadata"]["name"] == "rl-judge"
+
+
+def test_load_without_a_dgd_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "pod-only.yaml"
+    path.write_text("apiVersion: v1\nkind: Pod\nmetadata: {name: p}\n---\nkind: ConfigMap\n")
+    with pytest.raises(
+        InvalidJobSpec,
+        match=r"pod-only\.yaml: no document of kind "
+        r"DynamoGraphDeployment.*Pod.*ConfigMap",
+    ):
+        load_dgd(path)
+    with pytest.raises(InvalidJobSpec, match=r"no such file"):
+        load_dgd(tmp_path / "missing.yaml")
+
+
+def test_two_dgds_in_one_file_need_a_name(tmp_path: Path) -> None:
+    first, second = agg(), agg()
+    second["metadata"]["name"] = "other"
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump_all([first, second]))
+    with pytest.raises(InvalidJobSpec, match=r"two\.yaml holds 2 .*rl-rollout.*other.*name"):
+        load_dgd(path)
+    assert load_dgd(path, name="other")["metadata"]["name"] == "other"
+    with pytest.raises(InvalidJobSpec, match=r"no DynamoGraphDeployment named 'nope'"):
+        load_dgd(path, name="nope")
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+
+
+def test_deep_merge_dicts_merge_lists_and_scalars_replace_none_deletes() -> None:
+    base = {"a": {"x": 1, "y": [1, 2], "z": "keep"}, "b": 2, "gone": {"deep": 1}}
+    over = {"a": {"x": 10, "y": [3]}, "b": None, "gone": None, "new": {"k": None, "v": 1}}
+    assert deep_merge(base, over) == {"a": {"x": 10, "y": [3], "z": "keep"}, "new": {"v": 1}}
+    assert base["a"]["x"] == 1, "the base is not mutated"
+
+
+def test_deep_merge_into_v1beta1_components_by_name() -> None:
+    comps = beta()["spec"]["components"]
+    merged = deep_merge(
+        comps, {"worker": {"replicas": 3}, "Frontend": None, "planner": {"type": "planner"}}
+    )
+    assert [c["name"] for c in merged] == ["worker", "planner"]
+    assert merged[0]["replicas"] == 3 and merged[0]["podTemplate"]  # merged, not replaced
+    assert deep_merge(comps, [{"name": "only"}]) == [{"name": "only"}]  # a list replaces
+
+
+def test_render_sets_name_namespace_labels_and_overrides() -> None:
+    doc = render_dgd(
+        agg(),
+        name="rollout-b",
+        namespace="rl",
+        labels={"team": "rl"},
+        flow_run_id="run-1",
+        overrides={
+            "spec": {
+                "services": {"VllmDecodeWorker": {"replicas": 4, "envFromSecret": None}},
+                "envs": [{"name": "X", "value": "1"}],
+            }
+        },
+    )
+    meta = doc["metadata"]
+    assert (meta["name"], meta["namespace"]) == ("rollout-b", "rl")
+    assert meta["labels"] == {
+        "team": "rl",
+        "app.kubernetes.io/managed-by": "prefect-nemo",
+        "prefect.io/flow-run-id": "run-1",
+    }
+    worker = doc["spec"]["services"]["VllmDecodeWorker"]
+    assert worker["replicas"] == 4 and "envFromSecret" not in worker
+    assert worker["resources"]["limits"]["gpu"] == "1"  # untouched siblings stay
+    assert doc["spec"]["envs"] == [{"name": "X", "value": "1"}]
+    assert agg()["metadata"]["name"] == "rl-rollout"
+
+
+def test_image_is_only_a_default_v1alpha1() -> None:
+    doc = render_dgd(
+        load_dgd(JUDGE), namespace="ns", image="default:1", image_pull_secrets=["ngc", "ngc"]
+    )
+    services = doc["spec"]["services"]
+    assert services["Frontend"]["extraPodSpec"]["mainContainer"]["image"].startswith("nvcr.io")
+    assert services["JudgeWorker"]["extraPodSpec"]["mainContainer"]["image"] == "default:1"
+    for svc in services.values():
+        assert svc["extraPodSpec"]["imagePullSecrets"] == [{"name": "ngc"}]
+    bare = render_dgd(load_dgd(JUDGE), namespace="ns")
+    assert "image" not in bare["spec"]["services"]["JudgeWorker"]["extraPodSpec"]["mainContainer"]
+    assert "imagePullSecrets" not in bare["spec"]["services"]["Frontend"]["extraPodSpec"]
+
+
+def test_image_is_only_a_default_v1beta1() -> None:
+    doc = render_dgd(
+        beta(), namespace="ns", version="v1beta1", image="default:1", image_pull_secrets=["ngc"]
+    )
+    front, worker = doc["spec"]["components"]
+    assert front["podTemplate"]["spec"]["containers"] == [{"name": "main", "image": "default:1"}]
+    assert worker["podTemplate"]["spec"]["containers"][0]["image"] == "worker:1"
+    assert worker["podTemplate"]["spec"]["imagePullSecrets"] == [{"name": "ngc"}]
+    assert frontend_service(doc) == "beta-frontend"
+
+
+def test_service_account_is_never_added_or_overwritten() -> None:
+    def accounts(doc: dict[str, Any]) -> list[Any]:
+        return [s.get("extraPodSpec", {}).get(SA_FIELD) for s in doc["spec"]["services"].values()]
+
+    doc = render_dgd(agg(), namespace="ns", image="x", image_pull_secrets=["s"])
+    assert accounts(doc) == [None, None], "the operator's per-DGD service account must win"
+    mine = agg()
+    mine["spec"]["services"]["Frontend"]["extraPodSpec"][SA_FIELD] = "user-sa"
+    doc = render_dgd(mine, namespace="ns", image="x", image_pull_secrets=["s"])
+    assert accounts(doc) == ["user-sa", None]
+    over = {"spec": {"services": {"VllmDecodeWorker": {"extraPodSpec": {SA_FIELD: "from-over"}}}}}
+    assert accounts(render_dgd(agg(), namespace="ns", overrides=over)) == [None, "from-over"]
+    b = render_dgd(beta(sa="beta-sa"), namespace="ns", version="v1beta1", image="x")
+    assert [c["podTemplate"]["spec"].get(SA_FIELD) for c in b["spec"]["components"]] == [
+        None,
+        "beta-sa",
+    ]
+
+
+@pytest.mark.parametrize("bad", ["Rollout", "roll_out", "1rollout", "rollout-", "a" * 55, ""])
+def test_invalid_dgd_names_are_refused_not_renamed(bad: str) -> None:
+    with pytest.raises(InvalidJobSpec, match=r"DGD name|metadata.name is missing"):
+        render_dgd(agg(), name=bad, namespace="ns")
+
+
+def test_version_must_be_known_and_match_the_manifest() -> None:
+    with pytest.raises(InvalidJobSpec, match=r"v2.*not known"):
+        render_dgd(agg(), namespace="ns", version="v2")
+    with pytest.raises(InvalidJobSpec, match=r"apiVersion is 'nvidia.com/v1alpha1'.*v1beta1"):
+        render_dgd(agg(), namespace="ns", version="v1beta1")
+    wrong_shape = beta()
+    wrong_shape["apiVersion"] = "nvidia.com/v1alpha1"
+    with pytest.raises(InvalidJobSpec, match=r"spec.components is the v1beta1 shape"):
+        render_dgd(wrong_shape, namespace="ns")
+
+
+def test_exactly_one_frontend() -> None:
+    none = agg()
+    none["spec"]["services"]["Frontend"]["componentType"] = "worker"
+    with pytest.raises(InvalidJobSpec, match=r"no service with componentType 'frontend'"):
+        render_dgd(none, namespace="ns")
+    two = agg()
+    two["spec"]["services"]["Frontend2"] = {"componentType": "frontend"}
+    with pytest.raises(InvalidJobSpec, match=r"2 services \['Frontend', 'Frontend2'\]"):
+        render_dgd(two, namespace="ns")
+
+
+def test_frontend_url_and_conflicting_settings() -> None:
+    doc = render_dgd(agg(), namespace="rl")
+    assert (
+        frontend_url("rl-rollout", "rl") == "http://rl-rollout-frontend.rl.svc.cluster.local:8000"
+    )
+    assert resolve_frontend_url(doc) == frontend_url("rl-rollout", "rl")
+    same = "http://rl-rollout-frontend.rl.svc:8000"
+    assert resolve_frontend_url(doc, same) == same
+    ingress = "https://rollouts.example.com/v1"
+    assert resolve_frontend_url(doc, ingress) == ingress
+    for other in (
+        "http://other-frontend.rl.svc.cluster.local:8000",
+        "http://rl-rollout-frontend.prod.svc.cluster.local:8000",
+        "http://rl-rollout-frontend.rl.svc.cluster.local:9000",
+    ):
+        with pytest.raises(InvalidJobSpec, match=r"disagrees with DGD 'rl-rollout'"):
+            resolve_frontend_url(doc, other)
+    with pytest.raises(InvalidJobSpec, match=r"not an http"):
+        resolve_frontend_url(doc, "rl-rollout-frontend:8000")
+
+
+# ---------------------------------------------------------------------------------------------
+# Against the loopback API server and the Dynamo operator simulator
+
+
+@pytest.fixture(scope="module")
+def kube_server() -> Iterator[Any]:
+    from prefect_nemo.testing.kube_api import LoopbackKubeServer, crd_dir
+
+    with LoopbackKubeServer(crds=[crd_dir()]) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def dynamo_sim(kube_server: Any) -> Iterator[Any]:
+    from prefect_nemo.testing.operators import DynamoSimulator
+
+    with DynamoSimulator(kube_server, start_delay_s=0.2) as sim:
+        yield sim
+
+
+@pytest.fixture(scope="module")
+def api(kube_server: Any) -> Any:
+    from prefect_nemo.blocks.kubernetes import KubernetesCluster
+
+    return KubernetesCluster(kubeconfig=kube_server.kubeconfig()).api()
+
+
+def deploy(api: Any, name: str, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+    doc = render_dgd(manifest or agg(), name=name, namespace="default", flow_run_id="run-1")
+    assert apply_dgd(api, doc).outcome == "created"
+    return doc
+
+
+def test_example_manifests_are_valid_against_the_crd(api: Any) -> None:
+    for path in sorted(MANIFESTS.glob("dgd-*.yaml")):
+        doc = render_dgd(
+            load_dgd(path),
+            name=f"valid-{path.stem[4:]}"[:40],
+            namespace="default",
+            image="img:1",
+            image_pull_secrets=["ngc"],
+            labels={"a": "b"},
+        )
+        assert apply_dgd(api, doc).outcome == "created", path  # strict server: 422 otherwise
+        delete_dgd(api, doc["metadata"]["name"], "default")
+
+
+def test_crd_probe(kube_server: Any, api: Any) -> None:
+    assert check_crd_installed(api, "v1alpha1", "default") is True
+    with pytest.raises(DgdCrdMissing, match=r"CRD \(nvidia.com/v1beta1\) is not installed.*Helm"):
+        check_crd_installed(api, "v1beta1", "default")
+    kube_server.forbid("list", "dynamographdeployments", "nvidia.com")
+    try:
+        assert check_crd_installed(api, "v1alpha1", "default") is False  # installed, no list
+    finally:
+        kube_server.allow("list", "dynamographdeployments", "nvidia.com")
+
+
+def test_apply_twice_attaches_and_drift_warns(api: Any, dynamo_sim: Any, caplog: Any) -> None:
+    doc = deploy(api, "twice")
+    again = apply_dgd(api, doc)
+    assert again.outcome == "attached" and not again.created
+    changed = deep_merge(doc, {"spec": {"services": {"Frontend": {"replicas": 2}}}})
+    with caplog.at_level(logging.WARNING):
+        drifted = apply_dgd(api, changed)
+    assert drifted.outcome == "drifted" and "different spec" in (drifted.drift or "")
+    assert "different spec" in caplog.text
+    assert drifted.obj["spec"]["services"]["Frontend"]["replicas"] == 1  # reused as is
+    assert delete_dgd(api, "twice", "default") is True
+    assert delete_dgd(api, "twice", "default") is False
+
+
+def test_ready_when_all_three_gates_pass(api: Any, dynamo_sim: Any, kube_server: Any) -> None:
+    deploy(api, "ok-graph")
+    seen: list[dynamo.DgdReadiness] = []
+    start = time.monotonic()
+    ready = wait_dgd_ready(api, "ok-graph", "default", 20, on_change=seen.append)
+    assert ready.ready and ready.state == "successful" and ready.frontend_status == 200
+    assert ready.pods_total >= 2 and ready.pods_ready == ready.pods_total
+    assert time.monotonic() - start < 10
+    assert seen[-1].ready and not seen[0].ready  # progress was reported along the way
+    delete_dgd(api, "ok-graph", "default")
+
+
+def test_failed_state_raises_at_once_with_the_operator_message(api: Any, dynamo_sim: Any) -> None:
+    dynamo_sim.configure("broken", fail=True, fail_message="image pull failed for worker")
+    deploy(api, "broken")
+    start = time.monotonic()
+    with pytest.raises(DgdFailed, match=r"broken.*image pull failed for worker"):
+        wait_dgd_ready(api, "broken", "default", 30)
+    assert time.monotonic() - start < 10
+    delete_dgd(api, "broken", "default")
+
+
+def test_pods_not_ready_alone_keeps_it_not_ready(api: Any, dynamo_sim: Any) -> None:
+    dynamo_sim.configure("slow-pods", pods_ready=False)
+    deploy(api, "slow-pods")
+    with pytest.raises(DgdNotReady, match=r"not ready after 1.5s: .*0/\d+ pods Ready") as info:
+        wait_dgd_ready(api, "slow-pods", "default", 1.5)
+    assert "status.state" not in str(info.value) or "successful" in str(info.value)
+    delete_dgd(api, "slow-pods", "default")
+
+
+@pytest.mark.parametrize(
+    ("mode", "expect"),
+    [
+        ("503", "frontend answered HTTP 503"),
+        ("502", "frontend answered HTTP 502"),
+        ("refused", "frontend"),
+    ],
+)
+def test_frontend_down_alone_keeps_it_not_ready(
+    api: Any, dynamo_sim: Any, mode: str, expect: str
+) -> None:
+    name = f"front-{mode}"
+    dynamo_sim.configure(name, frontend=mode)
+    deploy(api, name)
+    with pytest.raises(DgdNotReady) as info:
+        wait_dgd_ready(api, name, "default", 1.5, probe_interval_s=0.2)
+    message = str(info.value)
+    assert expect in message
+    assert "pods Ready" not in message and "status.state" not in message  # only this gate
+    delete_dgd(api, name, "default")
+
+
+def test_frontend_404_counts_as_up(api: Any, dynamo_sim: Any) -> None:
+    dynamo_sim.configure("front-404", frontend="404")
+    deploy(api, "front-404")
+    ready = wait_dgd_ready(api, "front-404", "default", 20)
+    assert ready.ready and ready.frontend_status == 404
+    delete_dgd(api, "front-404", "default")
+
+
+def test_waiting_is_watch_driven_and_survives_dropped_watches(
+    api: Any, dynamo_sim: Any, kube_server: Any
+) -> None:
+    dynamo_sim.configure("dropped", start_delay_s=2.0)
+    deploy(api, "dropped")
+    kube_server.requests.clear()
+    dropper = threading.Timer(0.7, kube_server.drop_watches)
+    dropper.start()
+    ready = wait_dgd_ready(api, "dropped", "default", 20)
+    dropper.join()
+    assert ready.ready
+    # ~2 s of waiting on a watch (the simulator lists with the same selector, so count the
+    # watches, which only we open): the first one, and one resumed after the drop
+    watches = kube_server.requests.entries
+    mine = [
+        e
+        for e in watches
+        if e.is_watch and e.query.get("labelSelector") == f"{dynamo.GRAPH_LABEL}=dropped"
+    ]
+    assert 2 <= len(mine) <= 3, mine
+    assert mine[1].query.get("resourceVersion"), "resumed where it left off"
+    delete_dgd(api, "dropped", "default")
+
+
+def test_deleted_while_waiting_fails_fast(api: Any, dynamo_sim: Any) -> None:
+    dynamo_sim.configure("vanishing", start_delay_s=30)
+    deploy(api, "vanishing")
+    threading.Timer(0.5, delete_dgd, args=(api, "vanishing", "default")).start()
+    with pytest.raises(DgdFailed, match=r"was deleted"):
+        wait_dgd_ready(api, "vanishing", "default", 20)
+
+
+def test_owner_reference_cascade_deletes_the_dgd_with_the_raycluster(
+    api: Any, kube_server: Any
+) -> None:
+    from prefect_nemo.kube import RAY_CLUSTER
+
+    raycluster = api.create(
+        RAY_CLUSTER,
+        {
+            "apiVersion": "ray.io/v1",
+            "kind": "RayCluster",
+            "metadata": {"name": "trainer-abcde", "namespace": "default"},
+            "spec": {
+                "headGroupSpec": {
+                    "rayStartParams": {},
+                    "template": {
+                        "spec": {
+                            "containers": [{"name": "ray-head", "image": "rayproject/ray:2.60.0"}]
+                        }
+                    },
+                }
+            },
+        },
+    )
+    deploy(api, "owned")
+    patched = own_by(api, "owned", "default", raycluster)
+    refs = patched["metadata"]["ownerReferences"]
+    assert refs == [
+        {
+            "apiVersion": "ray.io/v1",
+            "kind": "RayCluster",
+            "name": "trainer-abcde",
+            "uid": raycluster["metadata"]["uid"],
+            "controller": False,
+            "blockOwnerDeletion": False,
+        }
+    ]
+    assert own_by(api, "owned", "default", raycluster)["metadata"]["ownerReferences"] == refs
+    api.delete(RAY_CLUSTER, "trainer-abcde", "default")
+    deadline = time.monotonic() + 10
+    while api.get(dynamo.dgd_kind(), "owned", "default") is not None:
+        assert time.monotonic() < deadline, "the DGD outlived its RayCluster owner"
+        time.sleep(0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tee wrapper keeps the exit status (dash has no pipefail)
+
+
+def shells() -> list[str]:
+    found = ["/bin/sh"]
+    if shutil.which("dash"):
+        found.append(shutil.which("dash") or "dash")
+    return found
+
+
+@pytest.mark.parametrize("shell", shells())
+@pytest.mark.parametrize(
+    ("command", "code", "output"),
+    [
+        ("echo out; echo err >&2", 0, "out\nerr\n"),
+        ("echo before-fail; exit 1", 1, "before-fail\n"),
+        ("false", 1, ""),
+        ("echo three # trailing comment", 0, "three\n"),
+        ("printf 'x\\n'; exit 3", 3, "x\n"),
+        ("echo dying; sh -c 'kill -9 $$'", 137, "dying\n"),
+    ],
+)
+def test_tee_command_keeps_exit_status_and_output(
+    tmp_path: Path, shell: str, command: str, code: int, output: str
+) -> None:
+    log = tmp_path / "logs dir" / "job's.log"
+    script = tee_command(command, str(log))
+    proc = subprocess.run([shell, "-c", script], capture_output=True, text=True, timeout=20)
+    assert proc.returncode == code
+    assert proc.stdout.startswith(output)  # dash prints "Killed" after a SIGKILL
+    assert log.read_text().startswith(output)
+
+
+def test_plain_pipe_to_tee_loses_the_status_under_dash(tmp_path: Path) -> None:
+    """What the source PR did; kept as the reason for tee_command."""
+    proc = subprocess.run(
+        ["/bin/sh", "-c", f"(exit 3) 2>&1 | tee {tmp_path / 'l'}"], capture_output=True, timeout=10
+    )
+    assert proc.returncode == 0
+
+
+def test_tee_command_does_not_wait_for_detached_children(tmp_path: Path) -> None:
+    script = tee_command("(sleep 30 >/dev/null 2>&1 &); exit 5", str(tmp_path / "l.log"))
+    start = time.monotonic()
+    proc = subprocess.run(["/bin/sh", "-c", script], capture_output=True, timeout=20)
+    assert proc.returncode == 5 and time.monotonic() - start < 5
+
+
+def test_tee_command_refuses_empty_input() -> None:
+    with pytest.raises(ValueError, match=r"command is empty"):
+        tee_command("  ", "/tmp/x.log")
