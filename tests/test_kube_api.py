@@ -561,38 +561,17 @@ def test_patch_flavours(
     )
     assert "suspend" not in merged["spec"] and merged["spec"]["entrypoint"] == "x"
     # strategic merge on a custom resource: 415
-    api = server.api_client()
-    exc = None
-    with pytest.raises(ApiException) as info:
-        api.call_api(
-            *api.param_serialize(
-                "PATCH",
-                f"/apis/ray.io/v1/namespaces/{NS}/rayjobs/{rj}",
-                header_params={
-                    "Content-Type": "application/strategic-merge-patch+json",
-                    "Accept": "application/json",
-                },
-                body={"spec": {"suspend": True}},
-                auth_settings=["BearerToken"],
-            )
-        ).read()
-        raise ApiException(status=200)
-    exc = info.value
-    del exc
-    resp = api.call_api(
-        *api.param_serialize(
-            "PATCH",
-            f"/apis/ray.io/v1/namespaces/{NS}/rayjobs/{rj}",
-            header_params={
-                "Content-Type": "application/strategic-merge-patch+json",
-                "Accept": "application/json",
-            },
-            body={"spec": {"suspend": True}},
-            auth_settings=["BearerToken"],
-        )
+    exc, status = error_of(
+        custom.patch_namespaced_custom_object,
+        "ray.io",
+        "v1",
+        NS,
+        "rayjobs",
+        rj,
+        {"spec": {"suspend": True}},
+        _content_type="application/strategic-merge-patch+json",
     )
-    resp.read()
-    assert resp.status == 415 and json.loads(resp.data)["reason"] == "UnsupportedMediaType"
+    assert exc.status == 415 and status["reason"] == "UnsupportedMediaType"
 
 
 def test_finalizer_list_strategic_merge(core: client.CoreV1Api) -> None:
@@ -1149,3 +1128,18 @@ def test_plain_http_upstream_via_http_server(
         assert got == {"auth": None, "path": "/api/version"}
     finally:
         httpd.shutdown()
+
+
+def test_server_side_apply_and_dry_run(core: client.CoreV1Api) -> None:
+    name = uniq("ssa")
+    body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": {"a": "1"}}
+    apply = {"field_manager": "prefect-nemo", "_content_type": "application/apply-patch+yaml"}
+    assert core.patch_namespaced_config_map(name, NS, body, **apply).data == {"a": "1"}
+    body["data"] = {"b": "2"}
+    assert core.patch_namespaced_config_map(name, NS, body, **apply).data == {"a": "1", "b": "2"}
+    other = uniq("dry")
+    core.create_namespaced_config_map(
+        NS, client.V1ConfigMap(metadata=client.V1ObjectMeta(name=other)), dry_run="All"
+    )
+    exc, _ = error_of(core.read_namespaced_config_map, other, NS)
+    assert exc.status == 404

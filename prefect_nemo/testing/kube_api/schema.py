@@ -10,6 +10,7 @@ the backends do not set (immutability, managedBy values, name format).
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -231,18 +232,40 @@ def _cause(err: jsonschema.ValidationError) -> Cause:
     )
 
 
+@functools.lru_cache(maxsize=64)
+def _parse_file(path: Path, _mtime: float) -> list[dict[str, Any]]:
+    # CRD files are large (up to 1.4 MB): parse each once per process; callers must not mutate
+    with path.open() as fh:
+        return [
+            doc
+            for doc in yaml.load_all(fh, Loader=_LOADER)
+            if isinstance(doc, dict) and doc.get("kind") == "CustomResourceDefinition"
+        ]
+
+
 def read_crd_documents(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
-    """Every CustomResourceDefinition document in the given files (a directory means its *.yaml)."""
+    """Every CustomResourceDefinition document in the given files (a directory means its *.yaml).
+
+    The documents are shared between callers: treat them as read-only.
+    """
     docs: list[dict[str, Any]] = []
     for raw in paths:
         path = Path(raw)
         files = sorted([*path.glob("*.yaml"), *path.glob("*.yml")]) if path.is_dir() else [path]
         for file in files:
-            with file.open() as fh:
-                for doc in yaml.load_all(fh, Loader=_LOADER):
-                    if isinstance(doc, dict) and doc.get("kind") == "CustomResourceDefinition":
-                        docs.append(doc)
+            docs.extend(_parse_file(file.resolve(), file.stat().st_mtime))
     return docs
+
+
+_SCHEMAS: dict[int, tuple[dict[str, Any], Schema]] = {}
+
+
+def _schema_for(openapi: dict[str, Any]) -> Schema:
+    """One compiled Schema per (shared, read-only) schema document."""
+    cached = _SCHEMAS.get(id(openapi))
+    if cached is None or cached[0] is not openapi:
+        cached = _SCHEMAS[id(openapi)] = (openapi, Schema(openapi))
+    return cached[1]
 
 
 def resource_from_crd(crd: dict[str, Any]) -> ResourceType:
@@ -266,7 +289,7 @@ def resource_from_crd(crd: dict[str, Any]) -> ResourceType:
     for v in served:
         openapi = (v.get("schema") or {}).get("openAPIV3Schema")
         if openapi:
-            rtype.schemas[v["name"]] = Schema(openapi)
+            rtype.schemas[v["name"]] = _schema_for(openapi)
     return rtype
 
 

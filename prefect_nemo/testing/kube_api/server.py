@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
 import aiohttp
 import yaml
@@ -288,7 +288,8 @@ class LoopbackKubeServer:
     def _install_crd(self, doc: Obj) -> Obj:
         rt = resource_from_crd(doc)
         self._store.add_type(rt)
-        doc = copy.deepcopy(doc)
+        # the spec is shared with the parsed-file cache; the store copies it on write
+        doc = {**doc, "metadata": copy.deepcopy(doc["metadata"])}
         doc["status"] = {
             "acceptedNames": doc["spec"]["names"],
             "conditions": [
@@ -975,7 +976,10 @@ class LoopbackKubeServer:
                 None, target, request.method, path, headers, body
             )
             return web.Response(status=code, headers=out_headers, body=out_body)
-        url = target.rstrip("/") + path
+        # re-encode what the path decoding turned into reserved characters (a "?" sent as %3F)
+        url = target.rstrip("/") + quote("/" + "/".join(route.sub[1:]), safe="/:@!$&'()*+,;=-._~")
+        if request.query_string:
+            url += "?" + request.query_string
         if request.headers.get("Upgrade", "").lower() == "websocket":
             return await self._proxy_websocket(request, url, headers)
         assert self._session is not None
