@@ -132,7 +132,27 @@ def _inside(path: Path, root: Path) -> bool:
         return False
 
 
-def _walk(root: Path, exclude: GitIgnoreSpec | None) -> Iterator[tuple[str, Path]]:
+def _selected(include: Sequence[str] | None, match_path: str) -> bool:
+    """Whether `match_path` (dirs end in '/') is on the way to, or inside, an `include` entry.
+
+    Entries are root-relative POSIX paths, directories with a trailing '/'. A directory is
+    walked if it holds an entry or lies inside one; a file is kept if it is an entry or lies
+    inside a directory entry.
+    """
+    if include is None:
+        return True
+    is_dir = match_path.endswith("/")
+    for entry in include:
+        if match_path == entry or (entry.endswith("/") and match_path.startswith(entry)):
+            return True
+        if is_dir and entry.startswith(match_path):
+            return True
+    return False
+
+
+def _walk(
+    root: Path, exclude: GitIgnoreSpec | None, include: Sequence[str] | None = None
+) -> Iterator[tuple[str, Path]]:
     """Yield ``(relpath, path)`` for every kept file, pruning ignored directories."""
     stack: list[tuple[Path, str, tuple[_IgnoreLevel, ...]]] = [(root, "", ())]
     while stack:
@@ -162,6 +182,8 @@ def _walk(root: Path, exclude: GitIgnoreSpec | None) -> Iterator[tuple[str, Path
                     continue
             # Git matches directories with a trailing slash so `build/`-style patterns apply.
             match_path = relpath + "/" if is_dir else relpath
+            if not _selected(include, match_path):
+                continue
             if _ALWAYS_SPEC.match_file(match_path):
                 continue
             if exclude is not None and exclude.match_file(match_path):
@@ -201,7 +223,9 @@ def _check_root(root: str | Path) -> Path:
 # --------------------------------------------------------------------------- public API
 
 
-def collect_source(root: str | Path, *, exclude: Sequence[str] = ()) -> SourceTree:
+def collect_source(
+    root: str | Path, *, exclude: Sequence[str] = (), include: Sequence[str] | None = None
+) -> SourceTree:
     """Snapshot the files under `root` that belong in a job and fingerprint them.
 
     Honours ``.gitignore`` files at the root and in subdirectories with git's
@@ -210,7 +234,9 @@ def collect_source(root: str | Path, *, exclude: Sequence[str] = ()) -> SourceTr
     `exclude` adds gitignore-style patterns relative to `root`; like the
     always-dropped set, ``.gitignore`` negations cannot re-include what they
     exclude. Symlinks to files are followed only if they resolve inside `root`;
-    symlinked directories are never descended.
+    symlinked directories are never descended. `include` (root-relative POSIX
+    paths, directories ending in '/') narrows the walk to those entries; None keeps
+    everything.
 
     Raises `InvalidJobSpec` if `root` is missing, not a directory, or holds no
     files after filtering.
@@ -220,7 +246,7 @@ def collect_source(root: str | Path, *, exclude: Sequence[str] = ()) -> SourceTr
     base = _check_root(root)
     exclude_spec = GitIgnoreSpec.from_lines(list(exclude)) if exclude else None
 
-    found = sorted(_walk(base, exclude_spec), key=lambda item: _relpath_key(item[0]))
+    found = sorted(_walk(base, exclude_spec, include), key=lambda item: _relpath_key(item[0]))
     tree_hash = hashlib.sha256()
     files: list[str] = []
     total = 0
@@ -242,7 +268,9 @@ def collect_source(root: str | Path, *, exclude: Sequence[str] = ()) -> SourceTr
     if not files:
         raise InvalidJobSpec(
             f"working_dir '{base}' contains no files once .gitignore, the always-excluded "
-            f"caches and exclude={list(exclude)!r} are applied: pass the directory that holds "
+            f"caches, exclude={list(exclude)!r}"
+            + (f" and include={list(include)!r}" if include is not None else "")
+            + " are applied: pass the directory that holds "
             "your job code, or loosen those patterns"
         )
     return SourceTree(
