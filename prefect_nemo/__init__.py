@@ -38,6 +38,7 @@ _LAZY = {
     "start_experiment": "prefect_nemo.experiments",
     "wait_for_experiments": "prefect_nemo.experiments",
     "RayJobsCluster": "prefect_nemo.blocks",
+    "KubeflowTrainerCluster": "prefect_nemo.blocks",
     "KubeRayCluster": "prefect_nemo.blocks",
 }
 

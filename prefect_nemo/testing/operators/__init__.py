@@ -1,11 +1,19 @@
 """Operator simulators for the loopback Kubernetes API server.
 
 They act like the real controllers, through the same HTTP API: `KubeRaySimulator` (ray.io/v1
-RayCluster and RayJob, running jobs on a real local Ray) and `DynamoSimulator` (nvidia.com
-DynamoGraphDeployment, with a fake frontend behind the service proxy).
+RayCluster and RayJob, running jobs on a real local Ray), `DynamoSimulator` (nvidia.com
+DynamoGraphDeployment, with a fake frontend behind the service proxy) and `TrainJobSimulator`
+(trainer.kubeflow.org TrainJob + JobSet pods, running the trainer command locally).
 """
 
 from prefect_nemo.testing.operators.dynamo import DgdBehavior, DynamoSimulator
 from prefect_nemo.testing.operators.kuberay import KubeRaySimulator, validate_rayjob
+from prefect_nemo.testing.operators.trainer import TrainJobSimulator
 
-__all__ = ["DgdBehavior", "DynamoSimulator", "KubeRaySimulator", "validate_rayjob"]
+__all__ = [
+    "DgdBehavior",
+    "DynamoSimulator",
+    "KubeRaySimulator",
+    "TrainJobSimulator",
+    "validate_rayjob",
+]
