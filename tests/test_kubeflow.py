@@ -1,0 +1,463 @@
+"""Kubeflow Trainer backend (fast): manifests validated by the loopback API server against the
+real v2.3 CRDs, runtime naming by config hash, torchrun/GPU/anti-affinity rendering, secrets
+only by reference, validation before any request, status mapping, and the backend driving the
+TrainJob simulator's real local processes (no Prefect)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import SecretStr
+
+from prefect_nemo import InvalidJobSpec, JobAlreadyExists, JobSpec, JobState, Resources
+from prefect_nemo.backends.kubeflow import (
+    MAX_TRAINJOB_NAME,
+    KubeflowTrainerBackend,
+    PvcMount,
+    TrainerConfig,
+    check_job_id,
+    runtime_manifest,
+    runtime_name,
+    secret_manifest,
+    status_from_trainjob,
+    trainer_command,
+    trainjob_manifest,
+)
+from prefect_nemo.kube import CLUSTER_TRAINING_RUNTIME, CONFIGMAP, PVC, SECRET, TRAIN_JOB, KubeApi
+from prefect_nemo.lifecycle import META_FLOW_RUN, META_KEY, META_SPEC, stop_and_confirm
+
+CPU = TrainerConfig(image="python:3.11-slim")
+META = {META_KEY: "experiment:x/step", META_SPEC: "abc123", META_FLOW_RUN: "run-1"}
+SECRET_VALUE = f"s3cret-{uuid.uuid4().hex}"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Any]:
+    from prefect_nemo.testing.kube_api import LoopbackKubeServer, crd_dir
+
+    with LoopbackKubeServer(crds=[crd_dir()]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def sim(server: Any) -> Iterator[Any]:
+    from prefect_nemo.testing.operators import TrainJobSimulator
+
+    with TrainJobSimulator(server) as simulator:
+        yield simulator
+
+
+@pytest.fixture(scope="module")
+def api(server: Any) -> KubeApi:
+    from prefect_nemo.blocks.kubernetes import KubernetesCluster
+
+    return KubernetesCluster(kubeconfig=server.kubeconfig()).api()
+
+
+@pytest.fixture
+def code_dir(tmp_path: Path) -> Path:
+    """A tiny package + program: prints its ranks and what it imported, exits with $EXIT."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "util.py").write_text("GREETING = 'hello-from-pkg'\n")
+    (tmp_path / "train.py").write_text(
+        "import os, sys\nfrom pkg.util import GREETING\n"
+        "print('node', os.environ['PET_NODE_RANK'], 'rank', os.environ['RANK'], GREETING,"
+        " flush=True)\nsys.exit(int(os.environ.get('EXIT', '0')))\n"
+    )
+    return tmp_path
+
+
+def uid() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def wait_terminal(backend: KubeflowTrainerBackend, job_id: str, timeout_s: float = 30) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = backend.find(job_id)
+        if status is not None and status.state.is_terminal():
+            return status
+        time.sleep(0.1)
+    raise AssertionError(f"{job_id} not terminal: {backend.find(job_id)}")
+
+
+def node_pod(manifest: dict[str, Any]) -> dict[str, Any]:
+    return manifest["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"][
+        "template"]["spec"]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Manifests
+
+
+def test_manifests_validate_against_the_crds(server, api, code_dir):
+    """Runtime, TrainJob (with code ConfigMaps via runtimePatches), Secret and PVC: every
+    object we send is accepted by the strict loopback server (real CRD schemas)."""
+    config = TrainerConfig(
+        image="nvcr.io/nvidia/pytorch:25.01-py3", num_nodes=2, gpus_per_node=8,
+        cpus_per_node="32", memory_per_node="256Gi", extra_packages=("numpy==2.1.0",),
+        pvc_mounts=(PvcMount(name=f"data-{uid()}", mount_path="/data", storage_class="nfs"),),
+        runtime_prefix=f"t-{uid()}",
+    )  # fmt: skip
+    backend = KubeflowTrainerBackend(api, config)
+    spec = JobSpec(
+        entrypoint="python train.py --epochs 1",
+        working_dir=code_dir,
+        env={"TOKEN": SecretStr(SECRET_VALUE), "MODE": "sft"},
+        labels={"team": "llm"},
+        metadata={"owner": "me"},
+    )
+    backend.validate(spec)
+    job_id = f"manifest-{uid()}"
+    backend.submit(spec, job_id, META)  # no simulator in this test: objects only
+    tj = server.get("trainjobs", "default", job_id, group="trainer.kubeflow.org")
+    assert tj is not None and tj["spec"]["runtimeRef"]["name"] == runtime_name(config)
+    assert tj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "prefect-nemo"
+    assert tj["metadata"]["labels"]["prefect.io/flow-run-id"] == "run-1"
+    trainer = tj["spec"]["trainer"]
+    assert trainer["numNodes"] == 2 and trainer["numProcPerNode"] == 8
+    assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == 8
+    script = trainer["command"][2]
+    assert "python -m pip install" in script and "numpy==2.1.0" in script
+    patch = tj["spec"]["runtimePatches"][0]
+    pod = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"][
+        "spec"]["template"]["spec"]  # fmt: skip
+    cms = [s["configMap"]["name"] for s in pod["volumes"][0]["projected"]["sources"]]
+    for name in cms:
+        cm = server.get("configmaps", "default", name)
+        assert cm["metadata"]["ownerReferences"][0]["uid"] == tj["metadata"]["uid"]
+    stored = server.get("secrets", "default", f"{job_id}-env")
+    assert stored["metadata"]["ownerReferences"][0]["uid"] == tj["metadata"]["uid"]
+    assert server.get("persistentvolumeclaims", "default", config.pvc_mounts[0].name)
+    runtime = server.get(
+        "clustertrainingruntimes", None, runtime_name(config), group="trainer.kubeflow.org"
+    )
+    assert runtime["spec"]["mlPolicy"] == {"numNodes": 2, "torch": {}}
+    assert SECRET_VALUE not in json.dumps([tj, runtime, *[server.get("configmaps", "default", n)
+                                                           for n in cms]])  # fmt: skip
+    assert backend.find(job_id).metadata == {"owner": "me", **{
+        k: v for k, v in META.items()}}  # fmt: skip
+
+
+def test_runtime_named_by_config_hash_reused_never_mutated(server, api):
+    prefix = f"r-{uid()}"
+    a = TrainerConfig(image="img:1", runtime_prefix=prefix)
+    same = TrainerConfig(image="img:1", runtime_prefix=prefix, extra_packages=("numpy",))
+    changed = TrainerConfig(image="img:2", runtime_prefix=prefix)
+    assert runtime_name(a) == runtime_name(same), "trainer-side settings do not fork runtimes"
+    assert runtime_name(a) != runtime_name(changed)
+    assert runtime_name(a).startswith(f"{prefix}-torch-") and len(runtime_name(a)) <= 63
+    spec = JobSpec(entrypoint="true")
+    KubeflowTrainerBackend(api, a).submit(spec, f"rt-{uid()}", {})
+    first = api.get(CLUSTER_TRAINING_RUNTIME, runtime_name(a))
+    KubeflowTrainerBackend(api, same).submit(spec, f"rt-{uid()}", {})
+    KubeflowTrainerBackend(api, changed).submit(spec, f"rt-{uid()}", {})
+    again = api.get(CLUSTER_TRAINING_RUNTIME, runtime_name(a))
+    assert again["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
+    assert api.get(CLUSTER_TRAINING_RUNTIME, runtime_name(changed))["spec"]["template"]["spec"][
+        "replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0][
+        "image"] == "img:2"  # fmt: skip
+
+
+def test_cpu_only_has_no_gpu_anywhere():
+    m = runtime_manifest(CPU)
+    tj = trainjob_manifest(JobSpec(entrypoint="python train.py"), "j", {}, CPU, namespace="n")
+    assert "nvidia.com/gpu" not in json.dumps([m, tj])
+    assert tj["spec"]["trainer"]["numProcPerNode"] == 1
+    assert "resourcesPerNode" not in tj["spec"]["trainer"]
+    assert "affinity" not in node_pod(m), "one node needs no anti-affinity"
+    gpu = TrainerConfig(image="x", gpus_per_node=4, cpus_per_node="8")
+    container = node_pod(runtime_manifest(gpu))["containers"][0]
+    assert container["name"] == "node"
+    assert container["resources"] == {
+        "limits": {"nvidia.com/gpu": 4, "cpu": "8"}, "requests": {"cpu": "8"}}  # fmt: skip
+    tj = trainjob_manifest(JobSpec(entrypoint="python t.py"), "j", {}, gpu, namespace="n")
+    assert tj["spec"]["trainer"]["numProcPerNode"] == 4
+
+
+def test_multi_node_torchrun_flags_and_anti_affinity():
+    config = TrainerConfig(image="x", num_nodes=4, gpus_per_node=8)
+    tj = trainjob_manifest(JobSpec(entrypoint="python train.py --lr 1e-4"), "j", {}, config,
+                           namespace="n")  # fmt: skip
+    script = tj["spec"]["trainer"]["command"][2]
+    run = script.splitlines()[-1]
+    assert run.startswith("torchrun ") and run.endswith(" train.py --lr 1e-4")
+    for flag, env in [("--nnodes", "PET_NNODES"), ("--nproc-per-node", "PET_NPROC_PER_NODE"),
+                      ("--node-rank", "PET_NODE_RANK"), ("--master-addr", "PET_MASTER_ADDR"),
+                      ("--master-port", "PET_MASTER_PORT")]:  # fmt: skip
+        assert f'{flag}="${env}"' in run
+    term = node_pod(runtime_manifest(config))["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"][0]  # fmt: skip
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["matchLabelKeys"] == ["jobset.sigs.k8s.io/jobset-name"]
+    module = trainer_command(JobSpec(entrypoint="python -m pkg.train"), config)[2]
+    assert module.splitlines()[-1].endswith(" -m pkg.train")
+    for plain in ["echo hi", "python -c 'print(1)'", "bash run.sh"]:
+        assert trainer_command(JobSpec(entrypoint=plain), config)[2].splitlines()[-1] == plain
+    off = TrainerConfig(image="x", num_nodes=2, torchrun=False)
+    assert trainer_command(JobSpec(entrypoint="python t.py"), off)[2].endswith("\npython t.py")
+
+
+def test_secret_env_only_by_reference():
+    spec = JobSpec(entrypoint="true", env={"TOKEN": SecretStr(SECRET_VALUE), "MODE": "x"})
+    tj = trainjob_manifest(spec, "job-a", META, CPU, namespace="ns")
+    assert SECRET_VALUE not in json.dumps(tj)
+    env = {e["name"]: e for e in tj["spec"]["trainer"]["env"]}
+    assert env["MODE"] == {"name": "MODE", "value": "x"}
+    assert env["TOKEN"] == {"name": "TOKEN", "valueFrom": {
+        "secretKeyRef": {"name": "job-a-env", "key": "TOKEN"}}}  # fmt: skip
+    secret = secret_manifest(spec, "job-a", namespace="ns", flow_run_id="run-1")
+    assert secret is not None and secret["stringData"] == {"TOKEN": SECRET_VALUE}
+    assert secret_manifest(JobSpec(entrypoint="true"), "j", namespace="n", flow_run_id=None) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: before any request
+
+
+class _NoApi:
+    """A KubeApi stand-in that fails on any use: validation must not touch the API."""
+
+    namespace = "default"
+    host = "http://nowhere"
+    secrets: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"validation called the API ({name})")
+
+
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        (JobSpec(entrypoint="x", resources=Resources(gpus=1)), "gpus_per_node"),
+        (JobSpec(entrypoint="x", label_selector={"a": "b"}), "label_selector"),
+        (JobSpec(entrypoint="x", runtime_env={"pip": ["x"]}), "extra_packages"),
+        (JobSpec(entrypoint="x", env={"PET_NNODES": "2"}), "PET_NNODES"),
+        (JobSpec(entrypoint="x", labels={"bad key!": "v"}), "JobSpec.labels"),
+        (JobSpec(entrypoint="x", labels={"prefect.io/flow-run-id": "v"}), "set by"),
+        (JobSpec(entrypoint="x", working_dir=Path("/no/such/dir")), "working_dir"),
+        (JobSpec(entrypoint="x" * 90_000, env={f"E{i}": "y" * 9_000 for i in range(200)}),
+         "under ~1 MB"),
+    ],
+)  # fmt: skip
+def test_bad_specs_name_the_field(spec: JobSpec, needle: str):
+    with pytest.raises(InvalidJobSpec) as info:
+        KubeflowTrainerBackend(_NoApi(), CPU).validate(spec)  # type: ignore[arg-type]
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"image": ""}, "image"),
+        ({"num_nodes": 0}, "num_nodes"),
+        ({"gpus_per_node": -1}, "gpus_per_node"),
+        ({"cpus_per_node": "4 cores"}, "cpus_per_node"),
+        ({"memory_per_node": "lots"}, "memory_per_node"),
+        ({"code_dir": "relative"}, "code_dir"),
+        ({"pvc_mounts": (PvcMount(name="Bad_Name", mount_path="/d"),)}, "pvc_mounts[0].name"),
+        ({"num_nodes": 2, "pvc_mounts": (PvcMount(name="d", mount_path="/d",
+                                                   access_modes=("ReadWriteOnce",)),)},
+         "ReadWriteMany"),
+        ({"extra_packages": ("numpy; rm -rf /",)}, "extra_packages"),
+    ],
+)  # fmt: skip
+def test_bad_configs_name_the_field(kwargs: dict[str, Any], needle: str):
+    with pytest.raises(InvalidJobSpec, match="KubeflowTrainerCluster") as info:
+        TrainerConfig(**{"image": "x", **kwargs})
+    assert needle in str(info.value)
+
+
+def test_bad_input_sends_no_request(server, api, tmp_path):
+    """Invalid job ids, specs and oversize code fail before the backend sends anything."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "blob.bin").write_bytes(os.urandom(100_000))  # incompressible
+    backend = KubeflowTrainerBackend(api, CPU, max_code_bytes=1000)
+    before = server.requests.count()
+    cases = [
+        (JobSpec(entrypoint="x"), "Not_A_Name", "cannot name a TrainJob"),
+        (JobSpec(entrypoint="x"), "j" * (MAX_TRAINJOB_NAME + 1), "at most 50"),
+        (JobSpec(entrypoint="x", env={"PET_NODE_RANK": "0"}), "ok-name", "PET_NODE_RANK"),
+        (JobSpec(entrypoint="x", working_dir=tmp_path), "ok-name", "max_bytes"),
+    ]
+    for spec, job_id, needle in cases:
+        with pytest.raises(InvalidJobSpec, match=needle):
+            backend.submit(spec, job_id, META)
+    with pytest.raises(InvalidJobSpec, match="max_bytes"):
+        backend.validate(JobSpec(entrypoint="x", working_dir=tmp_path))
+    assert server.requests.count() == before
+    check_job_id("a" * MAX_TRAINJOB_NAME)
+    assert KubeflowTrainerBackend.max_job_id_len == MAX_TRAINJOB_NAME
+
+
+def test_block_fields_and_backend(server):
+    from prefect_nemo.blocks import KubeflowTrainerCluster
+    from prefect_nemo.blocks.kubernetes import KubernetesCluster
+
+    kube = KubernetesCluster(kubeconfig=server.kubeconfig())
+    with pytest.raises(ValueError, match="cpus_per_node"):
+        KubeflowTrainerCluster(kubernetes=kube, image="x", cpus_per_node="many")
+    block = KubeflowTrainerCluster(
+        kubernetes=kube, image="x", num_nodes=2, namespace="default",
+        pvc_mounts=[{"name": "data", "mount_path": "/data"}],
+    )  # fmt: skip
+    assert all(f.description for f in type(block).model_fields.values())
+    assert block.get_block_type_slug() == "kubeflow-trainer-cluster"
+    assert block._description and block._code_example
+    backend = block.backend()
+    assert backend.kind == "kubeflow-trainer" and backend.namespace == "default"
+    assert backend.config.pvc_mounts == (PvcMount(name="data", mount_path="/data"),)
+    assert backend.config.code_dir == "/workspace/code"
+
+
+# ---------------------------------------------------------------------------------------------
+# Status mapping
+
+
+def _tj(*conditions: tuple[str, str], **meta: Any) -> dict[str, Any]:
+    conds = [{"type": t, "status": "True", "reason": r, "message": f"{t} message",
+              "lastTransitionTime": "2026-01-01T00:00:05Z"} for t, r in conditions]  # fmt: skip
+    return {"metadata": {"name": "tj", **meta}, "status": {"conditions": conds}}
+
+
+def _pod(phase: str, index: int = 0, exit_code: int | None = None) -> dict[str, Any]:
+    status: dict[str, Any] = {"phase": phase, "startTime": "2026-01-01T00:00:00Z"}
+    if exit_code is not None:
+        status["containerStatuses"] = [
+            {"name": "node", "state": {"terminated": {"exitCode": exit_code}}}
+        ]
+    labels = {"batch.kubernetes.io/job-completion-index": str(index)}
+    return {"metadata": {"name": f"p{index}", "labels": labels}, "status": status}
+
+
+@pytest.mark.parametrize(
+    ("conditions", "pods", "state"),
+    [
+        ((), [], JobState.PENDING),
+        ((), [_pod("Pending")], JobState.PENDING),
+        ((), [_pod("Pending"), _pod("Running", 1)], JobState.RUNNING),
+        ((), [_pod("Succeeded"), _pod("Succeeded", 1)], JobState.RUNNING),
+        ((("Complete", "AllJobsCompleted"),), [_pod("Succeeded")], JobState.SUCCEEDED),
+        ((("Failed", "FailedJobs"),), [_pod("Failed", 0, 3)], JobState.FAILED),
+        ((("Suspended", "Suspended"),), [], JobState.STOPPED),
+    ],
+)
+def test_state_mapping(conditions: tuple, pods: list, state: JobState):
+    assert status_from_trainjob(_tj(*conditions), pods).state is state
+
+
+def test_status_details():
+    failed = status_from_trainjob(
+        _tj(("Failed", "FailedJobs")), [_pod("Succeeded", 0, 0), _pod("Failed", 1, 7)]
+    )
+    assert failed.message == "FailedJobs: Failed message" and failed.exit_code == 7
+    assert failed.start_time is not None and failed.end_time is not None
+    assert (failed.end_time - failed.start_time).total_seconds() == 5
+    deleting = status_from_trainjob(_tj(deletionTimestamp="2026-01-01T00:00:09Z"), [])
+    assert deleting.state is JobState.PENDING and "being deleted" in deleting.message
+    false = _tj()
+    false["status"]["conditions"] = [{"type": "Complete", "status": "False"}]
+    assert status_from_trainjob(false, []).state is JobState.PENDING
+
+
+# ---------------------------------------------------------------------------------------------
+# The backend against the simulator (real local processes; no Prefect)
+
+
+def test_run_to_success_with_code_on_two_nodes(server, sim, api, code_dir):
+    config = TrainerConfig(image="img", num_nodes=2, procs_per_node=2)
+    backend = KubeflowTrainerBackend(api, config)
+    job_id = f"two-{uid()}"
+    backend.submit(JobSpec(entrypoint="python train.py", working_dir=code_dir), job_id, META)
+    status = wait_terminal(backend, job_id)
+    assert status.state is JobState.SUCCEEDED, status
+    log = backend.logs(job_id)  # node-0's log: its two torchrun ranks
+    assert "node 0 rank 0 hello-from-pkg" in log and "node 0 rank 1 hello-from-pkg" in log
+    pods, _ = api.list(
+        __import__("prefect_nemo.kube", fromlist=["POD"]).POD,
+        label_selector=f"jobset.sigs.k8s.io/jobset-name={job_id}",
+    )
+    names = sorted(p["metadata"]["name"] for p in pods)
+    assert [n.rsplit("-", 1)[0] for n in names] == [f"{job_id}-node-0-0", f"{job_id}-node-0-1"]
+    one = {p["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"]: p for p in pods}
+    assert "node 1 rank 3 hello-from-pkg" in server._logs[
+        ("default", one["1"]["metadata"]["name"], "node")]()  # fmt: skip
+    tj = server.get("trainjobs", "default", job_id, group="trainer.kubeflow.org")
+    assert tj["status"]["jobsStatus"][0]["succeeded"] == 1
+
+
+def test_failure_attach_and_stop(server, sim, api):
+    backend = KubeflowTrainerBackend(api, CPU)
+    failing = f"fail-{uid()}"
+    spec = JobSpec(entrypoint="echo about-to-fail; exit 7", env={"TOKEN": SecretStr("x" * 12)})
+    backend.submit(spec, failing, META)
+    with pytest.raises(JobAlreadyExists):
+        backend.submit(spec, failing, META)
+    items, _ = api.list(TRAIN_JOB, label_selector="app.kubernetes.io/managed-by=prefect-nemo")
+    assert [o["metadata"]["name"] for o in items].count(failing) == 1
+    status = wait_terminal(backend, failing)
+    assert status.state is JobState.FAILED and status.exit_code == 7
+    assert "about-to-fail" in backend.logs(failing)
+
+    sleeper = f"stop-{uid()}"
+    backend.submit(JobSpec(entrypoint="sleep 60", env={"K": SecretStr("v" * 9)}), sleeper, META)
+    deadline = time.monotonic() + 10
+    while backend.find(sleeper).state is not JobState.RUNNING and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert backend.find(sleeper).state is JobState.RUNNING
+    assert sim.local_pids(sleeper)
+    status = stop_and_confirm(backend, sleeper, timeout_s=15)
+    assert status is not None and status.state is JobState.STOPPED
+    assert api.get(TRAIN_JOB, sleeper) is None
+    assert api.get(SECRET, f"{sleeper}-env") is None, "the Secret goes with its TrainJob"
+    assert not sim.local_pids(sleeper), "the local processes were killed"
+
+
+def test_suspend_maps_to_stopped_and_pvc_is_kept(server, sim, api):
+    claim = f"keep-{uid()}"
+    config = TrainerConfig(image="img", pvc_mounts=(PvcMount(name=claim, mount_path="/data"),))
+    backend = KubeflowTrainerBackend(api, config)
+    job_id = f"susp-{uid()}"
+    backend.submit(JobSpec(entrypoint="echo hi > /data/out; sleep 60"), job_id, META)
+    deadline = time.monotonic() + 10
+    while backend.find(job_id).state is not JobState.RUNNING and time.monotonic() < deadline:
+        time.sleep(0.1)
+    api.patch(TRAIN_JOB, job_id, {"spec": {"suspend": True}})
+    assert wait_terminal(backend, job_id).state is JobState.STOPPED
+    assert not sim.local_pids(job_id)
+    stop_and_confirm(backend, job_id, timeout_s=15)
+    assert api.get(PVC, claim) is not None, "PVCs are never deleted by us"
+    assert not [c for c in api.list(CONFIGMAP)[0] if c["metadata"]["name"].startswith(job_id)]
+
+
+def test_statuses_from_the_watch(server, sim, api):
+    """statuses() is served by the informers: no GET per job once synced."""
+    backend = KubeflowTrainerBackend(api, CPU)
+    woken: list[int] = []
+    unsubscribe = backend.subscribe(lambda: woken.append(1))
+    try:
+        ids = [f"w-{uid()}" for _ in range(3)]
+        for job_id in ids:
+            backend.submit(JobSpec(entrypoint="sleep 0.3"), job_id, META)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            seen = backend.statuses(ids)
+            if len(seen) == 3 and all(s.state is JobState.SUCCEEDED for s in seen.values()):
+                break
+            time.sleep(0.1)
+        assert all(s.state is JobState.SUCCEEDED for s in backend.statuses(ids).values())
+        before = server.requests.count(method="GET", watch=False)
+        backend.statuses(ids)
+        assert server.requests.count(method="GET", watch=False) == before
+        assert woken
+    finally:
+        unsubscribe()
