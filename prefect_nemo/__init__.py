@@ -40,6 +40,7 @@ _LAZY = {
     "RayJobsCluster": "prefect_nemo.blocks",
     "KubeflowTrainerCluster": "prefect_nemo.blocks",
     "KubeRayCluster": "prefect_nemo.blocks",
+    "KubernetesCluster": "prefect_nemo.blocks",
 }
 
 

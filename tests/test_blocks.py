@@ -1,4 +1,4 @@
-"""The RayJobsCluster block: Prefect's standard block checks, registration, secret round trip."""
+"""Every block: Prefect's standard block checks, registration, secret round trips."""
 
 from __future__ import annotations
 
@@ -11,7 +11,12 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.testing.standard_test_suites import BlockStandardTestSuite
 
-from prefect_nemo.blocks import RayJobsCluster
+from prefect_nemo.blocks import (
+    KubeflowTrainerCluster,
+    KubeRayCluster,
+    KubernetesCluster,
+    RayJobsCluster,
+)
 from tests.conftest import subprocess_env
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -19,12 +24,20 @@ TOKEN = "tok-" + "7f3a9c21e5d84b60"
 PROXY_KEY = "hdr-" + "c0ffee5ecret42"
 
 
-class TestRayJobsClusterBlock(BlockStandardTestSuite):
-    @pytest.fixture
-    def block(self) -> type[RayJobsCluster]:
-        return RayJobsCluster
+BLOCKS = {
+    "ray-jobs-cluster": RayJobsCluster,
+    "kubernetes-cluster": KubernetesCluster,
+    "kube-ray-cluster": KubeRayCluster,
+    "kubeflow-trainer-cluster": KubeflowTrainerCluster,
+}
 
-    def test_has_a_valid_image(self, block: type[RayJobsCluster]) -> None:
+
+class TestEveryBlock(BlockStandardTestSuite):
+    @pytest.fixture(params=list(BLOCKS.values()), ids=list(BLOCKS))
+    def block(self, request: pytest.FixtureRequest) -> type:
+        return request.param
+
+    def test_has_a_valid_image(self, block: type) -> None:
         pytest.skip("the logo check downloads the image; this machine is offline")
 
 
@@ -40,12 +53,12 @@ def _register(prefect_api: str, module: str) -> subprocess.CompletedProcess[str]
 
 def _assert_registered(result: subprocess.CompletedProcess[str]) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Ray Jobs Cluster" in result.stdout
-    with get_client(sync_client=True) as client:
-        block_type = client.read_block_type_by_slug("ray-jobs-cluster")
-    assert block_type.slug == "ray-jobs-cluster"
-    assert block_type.name == "Ray Jobs Cluster"
-    assert block_type.code_example and "RayJobsCluster.load" in block_type.code_example
+    for slug, cls in BLOCKS.items():
+        assert cls.get_block_type_name() in result.stdout
+        with get_client(sync_client=True) as client:
+            block_type = client.read_block_type_by_slug(slug)
+        assert block_type.name == cls.get_block_type_name()
+        assert block_type.code_example and cls.__name__ in block_type.code_example
 
 
 @pytest.mark.slow
@@ -117,3 +130,28 @@ def test_loaded_block_by_name_string_resolves(prefect_api):
     resolved = resolve_cluster(f"ray-jobs-cluster/{name}")
     assert isinstance(resolved, RayJobsCluster)
     assert resolved.auth_token is not None and resolved.auth_token.get_secret_value() == TOKEN
+
+
+@pytest.mark.slow
+def test_kubernetes_block_keeps_the_kubeconfig_secret(prefect_api):
+    token = "k8s-" + "5ecret0fthe0cluster"
+    kubeconfig = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "c", "cluster": {"server": "https://k8s.example:6443"}}],
+        "users": [{"name": "u", "user": {"token": token}}],
+        "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+        "current-context": "x",
+    }
+    name = f"k8s-{uuid.uuid4().hex[:8]}"
+    KubernetesCluster(kubeconfig=kubeconfig, namespace="team-a").save(name)
+    loaded = KubernetesCluster.load(name)
+    assert loaded.kubeconfig is not None and loaded.kubeconfig.get_secret_value() == kubeconfig
+    assert loaded.namespace == "team-a"
+    for shown in (repr(loaded), loaded.model_dump_json()):
+        assert token not in shown
+    with get_client(sync_client=True) as client:
+        document = client.read_block_document_by_name(
+            name, block_type_slug="kubernetes-cluster", include_secrets=False
+        )
+    assert token not in str(document.data)
