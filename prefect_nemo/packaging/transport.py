@@ -20,6 +20,7 @@ import shlex
 import shutil
 import tarfile
 import tempfile
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -231,9 +232,34 @@ def _chunk_size(backend: str, chunk_bytes: int | None) -> int:
     return size
 
 
+# Base64 parts of the last few archives planned (keyed by sha256, kind and chunk size): a
+# re-plan of unchanged code in the same process skips re-encoding (most of a re-plan's cost).
+_ENCODED: OrderedDict[tuple[str, str, int], list[str]] = OrderedDict()
+_ENCODED_KEEP = 2
+
+
+def _encoded_parts(archive: SourceArchive, kind: str, chunk: int) -> list[str]:
+    """env_chunks: the base64 text cut every `chunk` characters; configmaps: each `chunk`
+    bytes of the archive base64-encoded on its own (each ConfigMap must decode alone)."""
+    key = (archive.sha256, kind, chunk)
+    parts = _ENCODED.get(key)
+    if parts is None:
+        data = archive.data
+        if kind == "env_chunks":
+            text = base64.b64encode(data).decode("ascii")
+            parts = [text[i : i + chunk] for i in range(0, len(text), chunk)] or [""]
+        else:
+            starts = range(0, len(data), chunk) if data else range(1)
+            parts = [base64.b64encode(data[i : i + chunk]).decode("ascii") for i in starts]
+        _ENCODED[key] = parts
+        while len(_ENCODED) > _ENCODED_KEEP:
+            _ENCODED.popitem(last=False)
+    _ENCODED.move_to_end(key)
+    return parts
+
+
 def _env_chunks(archive: SourceArchive, chunk: int) -> dict[str, str]:
-    encoded = base64.b64encode(archive.data).decode("ascii")
-    parts = [encoded[i : i + chunk] for i in range(0, len(encoded), chunk)] or [""]
+    parts = _encoded_parts(archive, "env_chunks", chunk)
     env = {f"{ENV_PREFIX}{i}": part for i, part in enumerate(parts)}
     env[ENV_CHUNKS] = str(len(parts))
     env[ENV_SHA256] = archive.sha256
@@ -249,12 +275,11 @@ def _configmap_name(name: str, sha256: str, index: int) -> str:
 def _configmaps(
     archive: SourceArchive, name: str, chunk: int, parts_dir: str
 ) -> tuple[list[dict], list[dict], list[dict]]:
-    data = archive.data
-    starts = range(0, len(data), chunk) if data else range(1)
+    parts = _encoded_parts(archive, "configmaps", chunk)
     manifests: list[dict] = []
     sources: list[dict] = []
-    total = len(starts)
-    for index, start in enumerate(starts):
+    total = len(parts)
+    for index, part in enumerate(parts):
         cm_name = _configmap_name(name, archive.sha256, index)
         key = _part_key(index)
         manifests.append(
@@ -271,7 +296,7 @@ def _configmaps(
                 },
                 # Named by content, so never changed in place: kubelet need not watch it.
                 "immutable": True,
-                "binaryData": {key: base64.b64encode(data[start : start + chunk]).decode("ascii")},
+                "binaryData": {key: part},
             }
         )
         sources.append({"configMap": {"name": cm_name, "items": [{"key": key, "path": key}]}})
