@@ -1,0 +1,579 @@
+"""The Prefect side of Dynamo inference graphs: deploy_dgd, wait_dgd_ready,
+own_dgds_by_raycluster and teardown_dgds.
+
+Each DGD a flow run brings up is recorded for that run, so that teardown deletes exactly what
+the run created and never a DGD it only attached to. Whenever the run ends another way than
+its own teardown (failure, crash, cancellation by a runner's SIGTERM), flow hooks installed
+automatically delete the run's DGDs; a run cancelled through the API with no runner is noticed
+by the readiness wait (which asks the API) and by the job wait (tasks.py's cancel watch stops
+the job, and the flow's own cleanup then deletes the DGDs). Logs go to the run logger, every
+DGD gets a row in one table artifact per flow run, and `prefect-nemo.dgd.<what>` events are
+emitted for ready, failed and deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import ArtifactUpdate
+from prefect.client.schemas.objects import StateType
+from prefect.context import FlowRunContext, TaskRunContext
+from prefect.events import emit_event
+from prefect.logging import get_logger
+from pydantic import BaseModel, ConfigDict, Field
+
+from prefect_nemo import experiments, kube
+from prefect_nemo.backends import dynamo
+from prefect_nemo.blocks.kubernetes import KubernetesCluster
+from prefect_nemo.errors import InvalidJobSpec
+from prefect_nemo.redaction import Redactor
+from prefect_nemo.tasks import _cancel_signal
+
+EVENT_PREFIX = "prefect-nemo.dgd"
+KubeLike = KubernetesCluster | str
+EXPERIMENT_LABEL = "prefect-nemo.io/experiment"
+
+
+class DeployedDgd(BaseModel):
+    """A DGD as deploy_dgd left it: where it is, how we got it, and where its frontend is."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    namespace: str
+    version: str = "v1alpha1"
+    outcome: str = Field(description="created, recreated, attached or drifted")
+    created_by_this_run: bool = Field(
+        description="True when this flow run brought it up (so its teardown deletes it)."
+    )
+    frontend_service: str
+    frontend_url: str
+    drift: str | None = None
+
+    @property
+    def resource_id(self) -> str:
+        """The Prefect event resource id of this DGD."""
+        return f"{EVENT_PREFIX}.{self.namespace}.{self.name}"
+
+
+# ---------------------------------------------------------------------------------------------
+# What each flow run created (for teardown and hooks)
+
+
+@dataclass
+class _Owned:
+    api: kube.KubeApi
+    dgd: DeployedDgd
+
+
+class _RunDgds:
+    """DGDs created by each flow run in this process and not yet deleted."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_run: dict[str, dict[tuple[str, str], _Owned]] = {}
+
+    def add(self, run: str, owned: _Owned) -> None:
+        with self._lock:
+            self._by_run.setdefault(run, {})[(owned.dgd.namespace, owned.dgd.name)] = owned
+
+    def get(self, run: str) -> list[_Owned]:
+        with self._lock:
+            return list(self._by_run.get(run, {}).values())
+
+    def take(self, run: str, only: set[tuple[str, str]] | None = None) -> list[_Owned]:
+        with self._lock:
+            mine = self._by_run.get(run, {})
+            keys = [k for k in mine if only is None or k in only]
+            return [mine.pop(k) for k in keys]
+
+
+run_dgds = _RunDgds()
+
+
+def teardown_flow_run_dgds(flow: Any, flow_run: Any, state: Any) -> None:
+    """Flow hook: delete every DGD this process created for the flow run and did not delete.
+
+    Installed automatically (on_cancellation, on_crashed, on_failure) by deploy_dgd.
+    """
+    _delete_owned(
+        str(flow_run.id),
+        f"flow run {flow_run.name} ended {state.type.value}",
+        get_logger("prefect_nemo"),
+    )
+
+
+def _install_hooks(flow: Any) -> None:
+    for hooks in (flow.on_cancellation_hooks, flow.on_crashed_hooks, flow.on_failure_hooks):
+        if teardown_flow_run_dgds not in hooks:
+            hooks.append(teardown_flow_run_dgds)
+
+
+def _delete_owned(
+    run: str, why: str, logger: Any, only: set[tuple[str, str]] | None = None
+) -> list[str]:
+    owned = run_dgds.take(run, only)
+    if owned:
+        logger.warning(f"{why}: deleting {len(owned)} DGD(s) this run created")
+    deleted = []
+    for item in owned:
+        dgd = item.dgd
+        try:
+            gone = dynamo.delete_dgd(item.api, dgd.name, dgd.namespace, version=dgd.version)
+        except Exception as exc:
+            logger.error(Redactor(item.api.secrets)(f"could not delete DGD {dgd.name}: {exc}"))
+            continue
+        deleted.append(dgd.name)
+        logger.info(
+            f"deleted DGD {dgd.namespace}/{dgd.name}"
+            if gone
+            else f"DGD {dgd.namespace}/{dgd.name} was already gone"
+        )
+        _emit("deleted", dgd, {"already_gone": not gone})
+        _table.update(run, dgd, state="deleted")
+    return deleted
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting: one table artifact per flow run, events
+
+
+class _DgdTable:
+    """The DGD rows of each flow run and the table artifact that shows them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rows: dict[str, dict[str, dict[str, Any]]] = {}
+        self._artifacts: dict[str, uuid.UUID] = {}
+
+    def rows(self, run: str) -> list[dict[str, Any]]:
+        with self._lock:
+            return [dict(r) for r in self._rows.get(run, {}).values()]
+
+    def update(self, run: str | None, dgd: DeployedDgd, **fields: Any) -> None:
+        if run is None:
+            return
+        with self._lock:
+            row = self._rows.setdefault(run, {}).setdefault(
+                f"{dgd.namespace}/{dgd.name}",
+                {
+                    "name": dgd.name,
+                    "namespace": dgd.namespace,
+                    "outcome": dgd.outcome,
+                    "state": "",
+                    "frontend_url": dgd.frontend_url,
+                },
+            )
+            row.update(fields)
+            rows = list(self._rows[run].values())
+            try:
+                if run not in self._artifacts:
+                    self._artifacts[run] = create_table_artifact(
+                        rows, description="Dynamo inference graphs of this flow run (prefect-nemo)."
+                    )
+                else:
+                    with get_client(sync_client=True) as client:
+                        client.update_artifact(
+                            self._artifacts[run], ArtifactUpdate(data=json.dumps(rows))
+                        )
+            except Exception as exc:  # reporting must never break the deployment itself
+                get_logger("prefect_nemo").debug(f"could not update the DGD table: {exc}")
+
+
+_table = _DgdTable()
+
+
+def dgd_rows(flow_run_id: str) -> list[dict[str, Any]]:
+    """The DGD table rows recorded in this process for a flow run (for summaries and tests)."""
+    return _table.rows(flow_run_id)
+
+
+def _emit(what: str, dgd: DeployedDgd, payload: dict[str, Any] | None = None) -> None:
+    try:
+        emit_event(
+            event=f"{EVENT_PREFIX}.{what}",
+            resource={
+                "prefect.resource.id": dgd.resource_id,
+                "prefect.resource.name": dgd.name,
+                "prefect-nemo.namespace": dgd.namespace,
+            },
+            payload={
+                "name": dgd.name,
+                "namespace": dgd.namespace,
+                "frontend_url": dgd.frontend_url,
+                **(payload or {}),
+            },
+        )
+    except Exception as exc:
+        get_logger("prefect_nemo").debug(f"could not emit event: {exc}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Context
+
+
+@dataclass
+class _Ctx:
+    flow_run_id: str | None
+    experiment: str | None
+    logger: Any
+    interrupted: Callable[[], bool] = field(default=lambda: False)
+
+
+def _ctx() -> _Ctx:
+    flow_ctx = FlowRunContext.get()
+    task_ctx = TaskRunContext.get()
+    run = None
+    if flow_ctx is not None and flow_ctx.flow_run is not None:
+        run = str(flow_ctx.flow_run.id)
+    elif task_ctx is not None and task_ctx.task_run.flow_run_id:
+        run = str(task_ctx.task_run.flow_run_id)
+    if flow_ctx is not None and flow_ctx.flow is not None:
+        _install_hooks(flow_ctx.flow)
+    try:
+        logger = get_run_logger()
+    except Exception:
+        logger = get_logger("prefect_nemo")
+    return _Ctx(
+        run, experiments.current_experiment(run), logger, _cancelled(flow_ctx, task_ctx, run)
+    )
+
+
+def _cancelled(flow_ctx: Any, task_ctx: Any, run: str | None) -> Callable[[], bool]:
+    """True once the run is being cancelled: the task runner's cancel event (SIGTERM), or the
+    run's state in the API (cancelled from the UI with no runner to signal us), asked at most
+    every few seconds."""
+    signal = _cancel_signal(flow_ctx, task_ctx.task_run if task_ctx else None)
+    last = [0.0]
+
+    def check() -> bool:
+        if signal():
+            return True
+        if run is None or time.monotonic() - last[0] < 2.0:
+            return False
+        last[0] = time.monotonic()
+        try:
+            with get_client(sync_client=True) as client:
+                state = client.read_flow_run(uuid.UUID(run)).state
+        except Exception:
+            return False
+        return state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED)
+
+    return check
+
+
+def resolve_kube(kube_block: KubeLike) -> KubernetesCluster:
+    """A KubernetesCluster from a block or a saved block's name ('kubernetes-cluster/prod')."""
+    if isinstance(kube_block, KubernetesCluster):
+        return kube_block
+    if isinstance(kube_block, str) and "/" in kube_block:
+        from prefect.blocks.core import Block
+
+        try:
+            block = Block.load(kube_block)
+        except Exception as exc:
+            raise InvalidJobSpec(f"kube={kube_block!r}: no such block ({exc})") from None
+        if isinstance(block, KubernetesCluster):
+            return block
+        kubernetes = getattr(block, "kubernetes", None)  # e.g. a KubeRayCluster
+        if isinstance(kubernetes, KubernetesCluster):
+            return kubernetes
+        raise InvalidJobSpec(
+            f"kube={kube_block!r} is a {type(block).__name__}, not a KubernetesCluster"
+        )
+    raise InvalidJobSpec(
+        "kube: pass a KubernetesCluster block or a saved block name such as "
+        f"'kubernetes-cluster/prod', got {kube_block!r}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering (no API call; also what dry runs show)
+
+
+def render_dgd(
+    manifest: str | Mapping[str, Any],
+    *,
+    namespace: str,
+    name: str | None = None,
+    pick: str | None = None,
+    labels: Mapping[str, str] | None = None,
+    image: str | None = None,
+    image_pull_secrets: Sequence[str] = (),
+    overrides: Mapping[str, Any] | None = None,
+    version: str = "v1alpha1",
+    flow_run_id: str | None = None,
+    experiment: str | None = None,
+) -> dict[str, Any]:
+    """The DGD manifest deploy_dgd would apply, from a file path or a manifest mapping.
+
+    `pick` chooses a DGD by name in a file that holds several.
+    """
+    doc = dynamo.load_dgd(manifest, name=pick) if isinstance(manifest, str) else manifest
+    extra = {**dict(labels or {})}
+    if experiment:
+        extra[EXPERIMENT_LABEL] = kube_label_value(experiment)
+    return dynamo.render_dgd(
+        doc,
+        namespace=namespace,
+        name=name,
+        labels=extra,
+        flow_run_id=flow_run_id,
+        image=image,
+        image_pull_secrets=image_pull_secrets,
+        overrides=overrides,
+        version=version,
+    )
+
+
+def kube_label_value(value: str) -> str:
+    """A label value for `value` (63 chars of [A-Za-z0-9_.-], alphanumeric at both ends)."""
+    cleaned = re.sub(r"[^A-Za-z0-9_.-]+", "-", value)[:63]
+    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", cleaned)
+
+
+def deployed_from(
+    doc: Mapping[str, Any],
+    version: str,
+    *,
+    outcome: str = "rendered",
+    created: bool = False,
+    frontend_url: str | None = None,
+    drift: str | None = None,
+) -> DeployedDgd:
+    """A DeployedDgd describing a rendered manifest."""
+    meta = doc["metadata"]
+    return DeployedDgd(
+        name=meta["name"],
+        namespace=meta["namespace"],
+        version=version,
+        outcome=outcome,
+        created_by_this_run=created,
+        frontend_service=dynamo.frontend_service(doc, version),
+        frontend_url=dynamo.resolve_frontend_url(doc, frontend_url, version),
+        drift=drift,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The tasks
+
+
+@task(name="deploy_dgd", cache_policy=NO_CACHE)
+def deploy_dgd(
+    manifest: str | dict[str, Any],
+    kube_block: KubeLike,
+    *,
+    name: str | None = None,
+    pick: str | None = None,
+    namespace: str | None = None,
+    labels: dict[str, str] | None = None,
+    image: str | None = None,
+    image_pull_secrets: Sequence[str] = (),
+    overrides: dict[str, Any] | None = None,
+    version: str = "v1alpha1",
+    frontend_url: str | None = None,
+    recreate: bool = False,
+) -> DeployedDgd:
+    """Render, check the CRD, and create the DGD (or attach to the one already there).
+
+    Everything is validated before the first API call. A DGD this flow run creates is recorded
+    so that teardown_dgds (and the flow's failure/crash/cancel hooks) delete it; one it only
+    attached to is left alone.
+    """
+    ctx = _ctx()
+    block = resolve_kube(kube_block)
+    api = block.api()
+    ns = namespace or api.namespace
+    doc = render_dgd(
+        manifest,
+        namespace=ns,
+        name=name,
+        pick=pick,
+        labels=labels,
+        image=image,
+        image_pull_secrets=image_pull_secrets,
+        overrides=overrides,
+        version=version,
+        flow_run_id=ctx.flow_run_id,
+        experiment=ctx.experiment,
+    )
+    described = deployed_from(doc, version, frontend_url=frontend_url)  # validates the URL
+    redact = Redactor(api.secrets)
+    dynamo.check_crd_installed(api, version, ns)
+    existing = api.get(dynamo.dgd_kind(version), described.name, ns)
+    if existing is not None:
+        _keep_creator_label(doc, existing, ctx)
+    applied = dynamo.apply_dgd(api, doc, recreate=recreate)
+    creator = (applied.obj.get("metadata", {}).get("labels") or {}).get(kube.FLOW_RUN_LABEL)
+    mine = applied.created or (ctx.flow_run_id is not None and creator == ctx.flow_run_id)
+    dgd = described.model_copy(
+        update={"outcome": applied.outcome, "created_by_this_run": mine, "drift": applied.drift}
+    )
+    if mine and ctx.flow_run_id is not None:
+        run_dgds.add(ctx.flow_run_id, _Owned(api, dgd))
+    verb = {"created": "created", "recreated": "recreated"}.get(applied.outcome, "attached to")
+    ctx.logger.info(f"{verb} DGD {ns}/{dgd.name}; frontend {dgd.frontend_url}")
+    if applied.drift:
+        ctx.logger.warning(redact(f"{applied.drift}: reusing it as is (recreate=True replaces it)"))
+    if not mine:
+        ctx.logger.info(
+            f"DGD {dgd.name} was not created by this flow run: it is left running when the run ends"
+        )
+    _table.update(ctx.flow_run_id, dgd, state=(applied.obj.get("status") or {}).get("state", ""))
+    return dgd
+
+
+def _keep_creator_label(doc: dict[str, Any], existing: Mapping[str, Any], ctx: _Ctx) -> None:
+    """Attach to a DGD an earlier run of the same experiment created as if we had created it:
+    the flow-run label is the only difference, and it must not read as drift."""
+    labels = (existing.get("metadata") or {}).get("labels") or {}
+    ours = doc["metadata"]["labels"]
+    creator = labels.get(kube.FLOW_RUN_LABEL)
+    if creator and ctx.experiment and labels.get(EXPERIMENT_LABEL) == ours.get(EXPERIMENT_LABEL):
+        ours[kube.FLOW_RUN_LABEL] = creator
+
+
+@task(name="wait_dgd_ready", cache_policy=NO_CACHE)
+def wait_dgd_ready(
+    dgd: DeployedDgd, kube_block: KubeLike, *, timeout_s: float = 1800.0
+) -> DeployedDgd:
+    """Wait until the DGD serves (state successful, all its pods Ready, the frontend answers
+    HTTP through the service proxy). Raises DgdFailed at once if the operator reports failure
+    and DgdNotReady (naming the unmet gates) on timeout or cancellation."""
+    ctx = _ctx()
+    api = resolve_kube(kube_block).api()
+    redact = Redactor(api.secrets)
+
+    def changed(seen: dynamo.DgdReadiness) -> None:
+        front = "-" if seen.frontend_status is None else str(seen.frontend_status or "refused")
+        ctx.logger.info(
+            f"DGD {dgd.name}: state={seen.state or 'unset'} pods "
+            f"{seen.pods_ready}/{seen.pods_total} Ready, frontend HTTP {front}"
+        )
+        _table.update(ctx.flow_run_id, dgd, state=seen.state or "")
+
+    start = time.monotonic()
+    try:
+        dynamo.wait_dgd_ready(
+            api,
+            dgd.name,
+            dgd.namespace,
+            timeout_s,
+            version=dgd.version,
+            service=dgd.frontend_service,
+            on_change=changed,
+            interrupted=ctx.interrupted,
+        )
+    except Exception as exc:
+        message = redact(str(exc))
+        ctx.logger.error(message)
+        _emit("failed", dgd, {"message": message[:300]})
+        _table.update(
+            ctx.flow_run_id,
+            dgd,
+            state="failed" if isinstance(exc, dynamo.DgdFailed) else "not ready",
+        )
+        raise
+    took = round(time.monotonic() - start, 2)
+    ctx.logger.info(f"DGD {dgd.name} is ready ({took}s): {dgd.frontend_url}")
+    _emit("ready", dgd, {"seconds": took})
+    _table.update(ctx.flow_run_id, dgd, state="ready")
+    return dgd
+
+
+@task(name="own_dgds_by_raycluster", cache_policy=NO_CACHE)
+def own_dgds_by_raycluster(
+    dgds: Sequence[DeployedDgd],
+    kube_block: KubeLike,
+    ray_cluster_name: str,
+    namespace: str | None = None,
+    *,
+    rayjob_name: str | None = None,
+    wait_s: float = 120.0,
+) -> list[str]:
+    """Make the training RayCluster an owner (controller=false) of each DGD this run created,
+    so deleting the RayCluster garbage-collects them. DGDs we only attached to are left alone.
+
+    KubeRay names the cluster in the RayJob's status before it creates it: wait (on a watch)
+    for it to exist. If the RayJob `rayjob_name` has already finished and its cluster is gone,
+    there is nothing to own. Returns the names patched.
+    """
+    ctx = _ctx()
+    api = resolve_kube(kube_block).api()
+    ns = namespace or api.namespace
+    owner = api.get(kube.RAY_CLUSTER, ray_cluster_name, ns)
+    if owner is None and rayjob_name is not None:
+        rayjob = api.get(kube.RAY_JOB, rayjob_name, ns) or {}
+        if (rayjob.get("status") or {}).get("jobDeploymentStatus") in ("Complete", "Failed"):
+            ctx.logger.info(
+                f"RayJob {rayjob_name} already ended and its RayCluster is gone: "
+                "no owner reference to add"
+            )
+            return []
+    if owner is None:
+        owner = kube.wait_for(
+            api,
+            kube.RAY_CLUSTER,
+            ray_cluster_name,
+            lambda o: o is not None,
+            namespace=ns,
+            timeout_s=wait_s,
+            what=f"RayCluster {ray_cluster_name} to exist",
+        )
+    assert owner is not None
+    patched = []
+    for dgd in dgds:
+        if not dgd.created_by_this_run:
+            continue
+        dynamo.own_by(api, dgd.name, dgd.namespace, owner, version=dgd.version)
+        patched.append(dgd.name)
+        ctx.logger.info(
+            f"DGD {dgd.name} is now owned by RayCluster {ray_cluster_name}: it goes "
+            "when the RayCluster goes"
+        )
+        _table.update(ctx.flow_run_id, dgd, owner=f"RayCluster/{ray_cluster_name}")
+    return patched
+
+
+@task(name="teardown_dgds", cache_policy=NO_CACHE)
+def teardown_dgds(dgds: Sequence[DeployedDgd] | None = None) -> list[str]:
+    """Delete the DGDs this flow run created (all of them, or those of `dgds` it created).
+    DGDs it attached to are never deleted. Returns the names deleted."""
+    ctx = _ctx()
+    if ctx.flow_run_id is None:
+        return []
+    only = None if dgds is None else {(d.namespace, d.name) for d in dgds}
+    return _delete_owned(ctx.flow_run_id, "teardown", ctx.logger, only)
+
+
+def teardown_now(flow_run_id: str | None, why: str) -> list[str]:
+    """Delete this run's DGDs outside any task (while the flow is being torn down)."""
+    if flow_run_id is None:
+        return []
+    return _delete_owned(flow_run_id, why, get_logger("prefect_nemo"))
+
+
+__all__ = [
+    "DeployedDgd",
+    "deploy_dgd",
+    "dgd_rows",
+    "own_dgds_by_raycluster",
+    "render_dgd",
+    "resolve_kube",
+    "teardown_dgds",
+    "teardown_flow_run_dgds",
+    "teardown_now",
+    "wait_dgd_ready",
+]

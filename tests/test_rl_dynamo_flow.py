@@ -1,0 +1,372 @@
+"""The rl_with_dynamo flow end to end: loopback Kubernetes API server (strict CRD validation),
+the Dynamo and KubeRay operator simulators, a real local Ray running the training job, and a
+real Prefect API."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from kubernetes import client as k8s
+
+from flows.rl_dynamo import rl_with_dynamo
+from prefect_nemo import JobFailed, JobStopped
+from prefect_nemo.backends.dynamo import DgdFailed, DgdNotReady, dgd_kind
+from prefect_nemo.dynamo_tasks import dgd_rows
+from prefect_nemo.kube import RAY_CLUSTER, RAY_JOB
+
+pytestmark = pytest.mark.slow
+
+RAY_IMAGE = "rayproject/ray:2.60.0"
+AGG = "flows/manifests/dgd-vllm-agg.yaml"
+JUDGE = "flows/manifests/dgd-judge-with-bench.yaml"
+# Writes down what training was told: the env var and the config override appended to it.
+TELL = (
+    "python -c \"import json, os, sys; json.dump([os.environ['DYNAMO_FRONTEND_URL'], "
+    "sys.argv[1:]], open('{out}', 'w'))\""
+)
+TRAIN = "python -c \"print('training')\""
+MUTATING = ("POST", "PUT", "PATCH", "DELETE")
+
+
+def cluster_spec() -> dict[str, Any]:
+    """A small, complete rayClusterSpec (head + one worker)."""
+    return {
+        "rayVersion": "2.60.0",
+        "headGroupSpec": {
+            "rayStartParams": {},
+            "template": {"spec": {"containers": [{"name": "ray-head", "image": RAY_IMAGE}]}},
+        },
+        "workerGroupSpecs": [
+            {
+                "groupName": "workers",
+                "replicas": 1,
+                "minReplicas": 1,
+                "maxReplicas": 1,
+                "rayStartParams": {},
+                "template": {"spec": {"containers": [{"name": "w", "image": RAY_IMAGE}]}},
+            }
+        ],
+    }
+
+
+@pytest.fixture(scope="module")
+def kube_server() -> Iterator[Any]:
+    from prefect_nemo.testing.kube_api import LoopbackKubeServer, crd_dir
+
+    with LoopbackKubeServer(crds=[crd_dir()]) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def dynamo_sim(kube_server: Any) -> Iterator[Any]:
+    from prefect_nemo.testing.operators import DynamoSimulator
+
+    with DynamoSimulator(kube_server, start_delay_s=0.2) as sim:
+        yield sim
+
+
+@pytest.fixture(scope="module")
+def kuberay(kube_server: Any, ray_head: Any) -> Iterator[Any]:
+    from prefect_nemo.testing.operators import KubeRaySimulator
+
+    with KubeRaySimulator(kube_server, ray_head.dashboard_url, ray_head.token) as sim:
+        yield sim
+
+
+@pytest.fixture(scope="module")
+def kube_block(kube_server: Any) -> Any:
+    from prefect_nemo.blocks.kubernetes import KubernetesCluster
+
+    return KubernetesCluster(kubeconfig=kube_server.kubeconfig())
+
+
+@pytest.fixture
+def env(
+    kube_server: Any,
+    dynamo_sim: Any,
+    kuberay: Any,
+    kube_block: Any,
+    ray_head: Any,
+    prefect_api: str,
+) -> dict[str, Any]:
+    """Everything a test needs, plus a unique experiment and DGD names."""
+    tag = uuid.uuid4().hex[:6]
+    return {
+        "server": kube_server,
+        "sim": dynamo_sim,
+        "kube": kube_block,
+        "ray": ray_head,
+        "experiment": f"rl-{tag}",
+        "tag": tag,
+        "prefect_api": prefect_api,
+    }
+
+
+def ray_block(env: dict[str, Any], **kw: Any) -> Any:
+    from prefect_nemo.blocks import KubeRayCluster
+
+    kw.setdefault("ray_cluster_spec", cluster_spec())
+    kw.setdefault("ttl_seconds_after_finished", 0)
+    return KubeRayCluster(kubernetes=env["kube"], ray_token=env["ray"].token, **kw)
+
+
+def dgds(env: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    items, _ = env["kube"].api().list(dgd_kind())
+    return {o["metadata"]["name"]: o for o in items if env["tag"] in o["metadata"]["name"]}
+
+
+def rayjobs(env: dict[str, Any]) -> list[dict[str, Any]]:
+    items, _ = env["kube"].api().list(RAY_JOB)
+    return [o for o in items if o["metadata"]["name"].startswith(env["experiment"])]
+
+
+def wait_until(predicate: Any, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return bool(predicate())
+
+
+def run(env: dict[str, Any], **kw: Any) -> Any:
+    kw.setdefault("dgd_manifests", [AGG])
+    kw.setdefault("dgd_names", [f"roll-{env['tag']}"])
+    kw.setdefault("train_entrypoint", TRAIN)
+    kw.setdefault("cluster", ray_block(env))
+    kw.setdefault("ready_timeout_s", 30)
+    kw.setdefault("timeout_s", 120)
+    return rl_with_dynamo(experiment=env["experiment"], **kw)
+
+
+def test_success_end_to_end_with_owner_cascade(
+    env: dict[str, Any], caplog: Any, tmp_path: Any
+) -> None:
+    name = f"roll-{env['tag']}"
+    told = tmp_path / "told.json"
+    out = run(env, keep_dgds=True, train_entrypoint=TELL.format(out=told))
+    url = f"http://{name}-frontend.default.svc.cluster.local:8000"
+    assert out["job_state"] == "SUCCEEDED" and out["frontend_urls"] == [url]
+    assert out["dgds"][0]["outcome"] == "created" and out["dgds"][0]["created_by_this_run"]
+    assert json.loads(told.read_text()) == [url, [f"++policy.generation.dynamo.url={url}"]]
+    assert f"DGD {name} is ready" in caplog.text
+
+    # The DGD is owned by the training RayCluster (not as controller) ...
+    rj = rayjobs(env)[0]
+    cluster_name = rj["status"]["rayClusterName"]
+    assert cluster_name.startswith(rj["metadata"]["name"] + "-")
+    # ... so when KubeRay deletes that cluster after the job (TTL 0), the DGD goes with it.
+    assert wait_until(lambda: name not in dgds(env)), "the DGD outlived its RayCluster"
+    assert env["kube"].api().get(RAY_CLUSTER, cluster_name) is None
+
+    rows = [r for r in _rows_for(env) if r["name"] == name]
+    assert rows and rows[0]["outcome"] == "created" and rows[0]["frontend_url"] == url
+    assert rows[0]["owner"] == f"RayCluster/{cluster_name}"
+
+
+def _rows_for(env: dict[str, Any]) -> list[dict[str, Any]]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    with get_client(sync_client=True) as c:
+        runs = c.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[env["experiment"]]))
+        )
+    return [row for r in runs for row in dgd_rows(str(r.id))]
+
+
+def test_owner_reference_is_on_the_dgd_while_training_runs(env: dict[str, Any]) -> None:
+    name = f"roll-{env['tag']}"
+    seen: dict[str, Any] = {}
+
+    def spy() -> None:  # look while the job still runs
+        def owned() -> bool:
+            obj = dgds(env).get(name)
+            seen["refs"] = (obj or {}).get("metadata", {}).get("ownerReferences")
+            return bool(seen["refs"])
+
+        wait_until(owned, 60)
+
+    watcher = threading.Thread(target=spy)
+    watcher.start()
+    run(env, train_entrypoint="sleep 3", frontend_url_arg=None)
+    watcher.join()
+    ref = seen["refs"][0]
+    assert ref["kind"] == "RayCluster" and ref["controller"] is False
+    assert ref["name"].startswith(env["experiment"])
+    assert wait_until(lambda: name not in dgds(env)), "teardown left the DGD"
+
+
+def test_rollback_when_the_second_dgd_fails(env: dict[str, Any]) -> None:
+    first, second = f"roll-{env['tag']}", f"judge-{env['tag']}"
+    env["sim"].configure(second, fail=True, fail_message="judge worker crashed")
+    with pytest.raises(DgdFailed, match="judge worker crashed"):
+        run(env, dgd_manifests=[AGG, JUDGE], dgd_names=[first, second], image="judge:1")
+    assert wait_until(lambda: not dgds(env)), f"left behind: {list(dgds(env))}"
+    assert rayjobs(env) == [], "training must not start before the graphs serve"
+    assert events_of(env, first, "prefect-nemo.dgd.deleted") >= {
+        "prefect-nemo.dgd.ready",
+        "prefect-nemo.dgd.deleted",
+    }
+    assert "prefect-nemo.dgd.failed" in events_of(env, second, "prefect-nemo.dgd.failed")
+
+
+def events_of(env: dict[str, Any], name: str, until: str) -> set[str]:
+    """The prefect-nemo.dgd.* events of a DGD (waits for `until`: events arrive async)."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and until not in seen:
+        response = httpx.post(
+            f"{env['prefect_api']}/events/filter",
+            json={
+                "filter": {"resource": {"id": [f"prefect-nemo.dgd.default.{name}"]}},
+                "limit": 50,
+            },
+        )
+        seen = {e["event"] for e in response.json()["events"]}
+        time.sleep(0.3)
+    return seen
+
+
+def test_rerun_attaches_instead_of_duplicating(env: dict[str, Any]) -> None:
+    name = f"roll-{env['tag']}"
+    keep = ray_block(env, shutdown_after_job_finishes=False)
+    first = run(env, cluster=keep, keep_dgds=True)
+    second = run(env, cluster=keep, keep_dgds=True)
+    assert first["dgds"][0]["outcome"] == "created"
+    assert second["dgds"][0]["outcome"] == "attached"  # no drift from the new flow run id
+    assert not second["dgds"][0]["created_by_this_run"]
+    assert second["job_id"] == first["job_id"]  # the RayJob was attached to, not resubmitted
+    assert list(dgds(env)) == [name] and len(rayjobs(env)) == 1
+    # tidy up: the RayJob (and its cluster) and the DGD
+    api = env["kube"].api()
+    api.delete(RAY_JOB, first["job_id"])
+    api.delete(dgd_kind(), name)
+
+
+def test_failed_training_deletes_what_the_run_created(env: dict[str, Any]) -> None:
+    name = f"roll-{env['tag']}"
+    with pytest.raises(JobFailed, match="exit code 3"):
+        run(env, train_entrypoint="echo training-breaks; exit 3")
+    assert wait_until(lambda: name not in dgds(env))
+
+
+def test_a_dgd_we_only_attached_to_is_left_alone(env: dict[str, Any]) -> None:
+    from prefect_nemo.backends.dynamo import apply_dgd, load_dgd, render_dgd
+
+    name = f"shared-{env['tag']}"
+    api = env["kube"].api()
+    apply_dgd(api, render_dgd(load_dgd(AGG), name=name, namespace="default"))
+    with pytest.raises(JobFailed):
+        run(env, dgd_names=[name], train_entrypoint="exit 1")
+    assert name in dgds(env), "someone else's DGD was deleted"
+    assert not dgds(env)[name]["metadata"].get("ownerReferences")
+    api.delete(dgd_kind(), name)
+
+
+def _cancel_when(env: dict[str, Any], ready: Any, **kw: Any) -> BaseException | None:
+    """Run the flow in a thread, cancel its run through the API once `ready()`, and return
+    what the flow raised."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.states import Cancelling
+
+    raised: list[BaseException | None] = [None]
+
+    def target() -> None:
+        try:
+            run(env, **kw)
+        except BaseException as exc:
+            raised[0] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    assert wait_until(ready, 60)
+    with get_client(sync_client=True) as c:
+        (flow_run,) = c.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[env["experiment"]]))
+        )
+        c.set_flow_run_state(flow_run.id, Cancelling(), force=True)
+    thread.join(90)
+    assert not thread.is_alive(), "the flow did not notice the cancellation"
+    return raised[0]
+
+
+def test_cancel_during_training_deletes_dgds_and_stops_the_job(env: dict[str, Any]) -> None:
+    name = f"roll-{env['tag']}"
+
+    def training() -> bool:
+        jobs = rayjobs(env)
+        return bool(jobs) and jobs[0].get("status", {}).get("jobStatus") == "RUNNING"
+
+    raised = _cancel_when(env, training, train_entrypoint="sleep 60", frontend_url_arg=None)
+    assert isinstance(raised, JobStopped), raised
+    assert wait_until(lambda: name not in dgds(env))
+    status = rayjobs(env)[0].get("status", {})
+    assert status.get("jobStatus") == "STOPPED", status
+
+
+def test_cancel_while_waiting_for_the_dgd(env: dict[str, Any]) -> None:
+    name = f"roll-{env['tag']}"
+    env["sim"].configure(name, start_delay_s=60)
+    raised = _cancel_when(env, lambda: name in dgds(env))
+    assert isinstance(raised, DgdNotReady) and "interrupted" in str(raised), raised
+    assert wait_until(lambda: name not in dgds(env))
+    assert rayjobs(env) == []
+
+
+def test_dry_run_changes_nothing_and_renders_valid_manifests(env: dict[str, Any]) -> None:
+    server = env["server"]
+    server.requests.clear()
+    out = run(
+        env,
+        dgd_manifests=[AGG, JUDGE],
+        dgd_names=[f"roll-{env['tag']}", f"judge-{env['tag']}"],
+        image="default:1",
+        image_pull_secrets=["ngc"],
+        dry_run=True,
+    )
+    assert sum(server.requests.count(m) for m in MUTATING) == 0
+    assert dgds(env) == {} and rayjobs(env) == []
+    kinds = [m["kind"] for m in out["manifests"]]
+    assert kinds == ["DynamoGraphDeployment", "DynamoGraphDeployment", "RayJob"]
+    rayjob = out["manifests"][-1]
+    url = f"http://roll-{env['tag']}-frontend.default.svc.cluster.local:8000"
+    assert url in rayjob["spec"]["entrypoint"] and url in rayjob["spec"]["runtimeEnvYAML"]
+    assert "kind: RayJob" in out["yaml"]
+    # Every manifest passes the strict server's schema (server-side dry run: nothing stored).
+    custom = k8s.CustomObjectsApi(server.api_client())
+    for manifest in out["manifests"]:
+        group, version = manifest["apiVersion"].split("/")
+        plural = "rayjobs" if manifest["kind"] == "RayJob" else "dynamographdeployments"
+        custom.create_namespaced_custom_object(
+            group, version, "default", plural, manifest, dry_run="All"
+        )
+    assert dgds(env) == {} and rayjobs(env) == []
+
+
+def test_bad_input_fails_before_any_api_call(env: dict[str, Any], tmp_path: Any) -> None:
+    from prefect_nemo import InvalidJobSpec
+
+    pod_only = tmp_path / "pod.yaml"
+    pod_only.write_text("apiVersion: v1\nkind: Pod\nmetadata: {name: p}\n")
+    server = env["server"]
+    server.requests.clear()
+    cases = [
+        ({"dgd_names": ["Bad_Name"]}, "not valid"),
+        ({"dgd_manifests": [str(pod_only)], "dgd_names": None}, "no document of kind"),
+        ({"frontend_url": "http://elsewhere-frontend.default.svc.cluster.local:8000"}, "disagrees"),
+        ({"dgd_version": "v9"}, "not known"),
+        ({"dgd_manifests": [AGG, AGG], "dgd_names": ["same", "same"]}, "same DGD name"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(InvalidJobSpec, match=message):
+            run(env, **kwargs)
+    assert sum(server.requests.count(m) for m in MUTATING) == 0
