@@ -1,0 +1,293 @@
+"""Serving on a real multi-node Ray cluster (ray.cluster_utils.Cluster, logical GPUs, labels).
+
+Nodes: a head with 2 GPUs, workers 'a' and 'b' with 2 GPUs each. Everything a test starts is
+checked gone in the process table (psutil), not only in Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import ray
+
+from prefect_nemo.placement import (
+    InsufficientCapacity,
+    PlacementError,
+    Topology,
+    create_group,
+    sweep,
+    wait_ready,
+)
+from prefect_nemo.placement.process import MARKER_ENV
+from prefect_nemo.serving import SERVE_PREFIX, serve_replicas
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).parent.parent
+# A server that needs nothing but the stdlib; it prints the GPUs it was given.
+SERVER = (
+    f"echo CVD=$CUDA_VISIBLE_DEVICES; exec {sys.executable} -m http.server {{port}} --bind 0.0.0.0"
+)
+STUBBORN = "trap '' TERM; " + SERVER  # SIG_IGN survives exec: the server ignores SIGTERM
+
+
+def wait_until(predicate, timeout_s: float, what: str, every: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def marked_processes(prefix: str) -> list[int]:
+    """Live processes whose environment carries a placement marker starting with prefix."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            value = proc.environ().get(MARKER_ENV, "")
+            if value.startswith(prefix) and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc.pid)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def live_groups(prefix: str) -> list[str]:
+    table = ray.util.placement_group_table().values()
+    return [g["name"] for g in table if g["name"].startswith(prefix) and g["state"] != "REMOVED"]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[object]:
+    """Three Ray nodes on this machine; connected in this process; all gone afterwards."""
+    from ray.cluster_utils import Cluster
+
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)  # an empty value hides logical GPUs
+    if ray.is_initialized():
+        ray.shutdown()
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "num_gpus": 2, "labels": {"role": "head"}},
+    )
+    for pool in ("a", "b"):
+        c.add_node(num_cpus=2, num_gpus=2, labels={"pool": pool})
+    c.wait_for_nodes()
+    session = c.head_node.get_session_dir_path()
+    ray.init(address=c.address, namespace="prefect-nemo", log_to_driver=False)
+    try:
+        yield c
+    finally:
+        leftovers = marked_processes(SERVE_PREFIX)
+        ray.shutdown()
+        c.shutdown()
+        ray_procs = [
+            p.pid
+            for p in psutil.process_iter(["cmdline"])
+            if session in " ".join(p.info["cmdline"] or []) and alive(p.pid)
+        ]
+        assert not leftovers, f"server processes left behind: {leftovers}"
+        assert not ray_procs, f"Ray processes of the test cluster left behind: {ray_procs}"
+
+
+def nodes_by_label(key: str) -> dict[str, str]:
+    return {n.labels.get(key, ""): n.node_id for n in Topology.from_ray().nodes}
+
+
+def test_spread_replica_lands_off_the_head_with_its_gpus(cluster):
+    head = Topology.from_ray().head
+    assert head is not None
+    pools = nodes_by_label("pool")
+    # tp=4 on 2-GPU nodes without the head: one replica spread 2+2 over workers a and b.
+    with serve_replicas(SERVER, replicas=1, tp_size=4, exclude_head=True, health_path="/") as rs:
+        (replica,) = rs.replicas
+        assert sorted(replica.node_ids) == sorted([pools["a"], pools["b"]])
+        group = ray.util.placement_group_table()
+        info = next(g for g in group.values() if g["name"] == replica.group)
+        assert info["strategy"] == "STRICT_SPREAD"
+        assert sorted(info["bundles_to_node_id"].values()) == sorted(replica.node_ids)
+        for rank, gpus in enumerate(replica.gpu_ids):
+            assert len(gpus) == 2
+            actor = ray.get_actor(replica.actors[rank], namespace="prefect-nemo")
+            log = ray.get(actor.read_log_tail.remote())
+            assert f"CVD={','.join(gpus)}" in log
+        pids = replica.pids
+    assert not any(alive(p) for p in pids)
+    assert not live_groups(rs.name)
+
+
+def test_label_selector_and_packing(cluster):
+    pools = nodes_by_label("pool")
+    with serve_replicas(
+        SERVER, replicas=2, tp_size=1, node_labels={"pool": "b"}, health_path="/"
+    ) as rs:
+        assert [r.node_ids for r in rs.replicas] == [[pools["b"]], [pools["b"]]]
+        assert sorted(r.gpu_ids[0][0] for r in rs.replicas) == ["0", "1"]
+        for r in rs.replicas:
+            actor = ray.get_actor(r.actors[0], namespace="prefect-nemo")
+            assert f"CVD={r.gpu_ids[0][0]}" in ray.get(actor.read_log_tail.remote())
+
+
+def test_capacity_is_checked_before_anything_is_reserved(cluster):
+    t0 = time.monotonic()
+    with pytest.raises(InsufficientCapacity, match="hold at most 1"):
+        with serve_replicas(SERVER, replicas=2, tp_size=4, exclude_head=True):
+            pass
+    with pytest.raises(PlacementError, match="cannot be split equally"):
+        with serve_replicas(SERVER, replicas=1, tp_size=3, exclude_head=True):
+            pass
+    assert time.monotonic() - t0 < 5
+    assert not live_groups(SERVE_PREFIX)
+    # A group Ray itself finds infeasible fails fast too, with what cannot fit.
+    pg = create_group("prefect-nemo-test-infeasible", [{"GPU": 8}], "STRICT_PACK")
+    try:
+        with pytest.raises(InsufficientCapacity, match="INFEASIBLE"):
+            wait_ready([pg], timeout_s=30)
+    finally:
+        ray.util.remove_placement_group(pg)
+
+
+def test_stubborn_server_is_killed_within_the_bound(cluster):
+    bound = 1.0
+    with serve_replicas(
+        STUBBORN, replicas=2, tp_size=1, health_path="/", stop_timeout_s=bound
+    ) as rs:
+        pids = [p for r in rs.replicas for p in r.pids]
+        os.kill(pids[0], 0)
+        t0 = time.monotonic()
+    took = time.monotonic() - t0
+    assert not any(alive(p) for p in pids)
+    assert took <= bound + 1.0, f"teardown took {took:.2f}s"
+
+
+def test_killing_the_actor_process_kills_the_server(cluster):
+    with serve_replicas(SERVER, replicas=1, tp_size=1, health_path="/") as rs:
+        (replica,) = rs.replicas
+        server = replica.pids[0]
+        assert alive(server)
+        os.kill(replica.actor_pids[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        wait_until(lambda: not alive(server), 5, "the reaper to kill the server")
+        reaped_in = time.monotonic() - t0
+    assert reaped_in < 2
+    assert not marked_processes(rs.name)
+
+
+DRIVER = textwrap.dedent(
+    """
+    import sys, time, ray
+    ray.init(address=sys.argv[1], namespace="prefect-nemo", log_to_driver=False)
+    from prefect_nemo.serving import serve_replicas
+    with serve_replicas(sys.argv[2], replicas=2, tp_size=1, health_path="/") as rs:
+        print("READY", rs.name, *[r.pids[0] for r in rs.replicas], flush=True)
+        time.sleep(600)
+    """
+)
+
+
+def test_a_dead_driver_leaves_orphans_the_sweep_removes(cluster, tmp_path):
+    log = tmp_path / "driver.log"
+    with open(log, "w") as out:
+        driver = subprocess.Popen(
+            [sys.executable, "-c", DRIVER, cluster.address, SERVER],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+    try:
+        line = wait_until(
+            lambda: next((x for x in log.read_text().splitlines() if x.startswith("READY")), None),
+            90,
+            "the driver's replicas",
+            every=0.3,
+        )
+    finally:
+        driver.kill()
+        driver.wait()
+    _, name, *pids = line.split()
+    time.sleep(1.0)
+    # Detached groups and actors outlive the driver: an orphan, servers still running.
+    assert len(live_groups(name)) == 2
+    assert all(alive(int(p)) for p in pids)
+    report = sweep(name, only_orphans=True)  # the owner (the driver) is dead: an orphan
+    assert len(report.groups) == 2
+    wait_until(lambda: not any(alive(int(p)) for p in pids), 10, "the orphaned servers to die")
+    assert not live_groups(name)
+    assert not marked_processes(name)
+    for actor in report.actors:
+        with pytest.raises(ValueError):
+            ray.get_actor(actor, namespace="prefect-nemo")
+
+
+def test_only_orphans_spares_a_live_owner(cluster):
+    with serve_replicas(SERVER, replicas=1, tp_size=1, health_path="/") as rs:
+        assert sweep(rs.name, only_orphans=True).groups == []
+        assert live_groups(rs.name)
+
+
+def test_cancelled_flow_leaves_nothing_behind(cluster, prefect_api):
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.context import get_run_context
+    from prefect.states import Cancelling
+
+    seen: dict[str, object] = {}
+
+    @flow
+    def serving_flow() -> None:
+        seen["run_id"] = get_run_context().flow_run.id
+        with serve_replicas(SERVER, replicas=2, tp_size=1, health_path="/") as rs:
+            seen["rs"] = rs
+            rs.stopped.wait(120)  # a real body would be calling the endpoints
+            raise RuntimeError("replicas went away")
+
+    thread = threading.Thread(target=lambda: _quietly(serving_flow), daemon=True)
+    thread.start()
+    rs = wait_until(lambda: seen.get("rs"), 90, "the flow's replicas", every=0.2)
+    pids = [p for r in rs.replicas for p in r.pids]
+    assert all(alive(p) for p in pids) and len(live_groups(rs.name)) == 2
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(seen["run_id"], Cancelling(), force=True)
+    wait_until(lambda: rs.stopped.is_set(), 30, "the cancel watch to tear down")
+    thread.join(60)
+    wait_until(lambda: not any(alive(p) for p in pids), 10, "the servers to die")
+    assert not live_groups(rs.name)
+    assert not marked_processes(rs.name)
+    for replica in rs.replicas:
+        with pytest.raises(ValueError):
+            ray.get_actor(replica.actors[0], namespace="prefect-nemo")
+
+
+def _quietly(fn) -> None:
+    try:
+        fn()
+    except BaseException:
+        pass
+
+
+def test_serve_and_evaluate_flow(cluster, prefect_api):
+    from flows.serve_and_evaluate import serve_and_evaluate
+
+    metrics = serve_and_evaluate(replicas=2, tp_size=1, rows=2000, exclude_head=True)
+    assert metrics["accuracy"] > 0.75
+    assert len(metrics["batches_per_replica"]) == 2  # both replicas answered
+    assert Topology.from_ray().head.node_id not in metrics["nodes"]
+    assert not live_groups(SERVE_PREFIX)
+    assert not marked_processes(SERVE_PREFIX)
