@@ -247,8 +247,10 @@ def test_unchanged_tree_is_not_retarred(
     monkeypatch.setenv("PREFECT_NEMO_CACHE_DIR", str(cache_dir))
     # A damaged cache entry is rebuilt, not trusted.
     (data_file,) = (cache_dir / "archives").glob("*.tar.gz")
-    data_file.write_bytes(first.data[:-10])
-    assert build_archive(project).data == first.data
+    flipped = bytes([first.data[100] ^ 1])
+    for damaged in (first.data[:-10], first.data[:100] + flipped + first.data[101:]):
+        data_file.write_bytes(damaged)
+        assert build_archive(project).data == first.data
 
 
 def test_file_edited_while_packing_is_caught(
@@ -556,7 +558,7 @@ def test_node_rank_race_on_shared_path(tmp_path: Path, rank0_delay_s: float) -> 
 
 def test_shared_rerun_reuses_the_tree(project: Path, tmp_path: Path) -> None:
     plan = plan_for("lepton", build_archive(project), name="j")
-    dest = tmp_path / "nfs" / "code"
+    dest = tmp_path / "nfs with 'quotes' $HOME" / "code"
     command = plan.setup_command(str(dest), shared=True)
     assert run_sh(command, env={**plan.env, "NODE_RANK": "0"}).returncode == 0
     (dest / "written_by_the_job").write_text("kept")

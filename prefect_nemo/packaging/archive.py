@@ -230,9 +230,12 @@ def _load_cached(cache_dir: Path, tree: SourceTree) -> SourceArchive | None:
         return None
     if len(data) != meta.get("size") or meta.get("files") != list(tree.files):
         return None
+    sha256 = hashlib.sha256(data).hexdigest()  # ~20 ms for 30 MB: never ship a damaged copy
+    if sha256 != meta.get("sha256"):
+        return None
     return SourceArchive(
         data=data,
-        sha256=meta["sha256"],
+        sha256=sha256,
         size=len(data),
         files=tree.files,
         tree_hash=tree.digest,

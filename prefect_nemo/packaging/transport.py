@@ -20,6 +20,7 @@ import shlex
 import shutil
 import tarfile
 import tempfile
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,8 +162,11 @@ class TransportPlan:
         rejects). With `shared` (one `dest` on a volume all pods see), only NODE_RANK=0
         unpacks, into a temp sibling renamed over `dest`, with the marker `marker_name`
         written inside before the rename; other ranks wait for the marker up to
-        `wait_timeout_s`, then fail with a message on stderr. `rank_env` names the rank
-        variable (Kubeflow Trainer's torch runtime sets PET_NODE_RANK); unset counts as 0.
+        `wait_timeout_s`, then fail with a message on stderr. `dest` is replaced by a
+        rename, so it must not itself be a mount point (mount the shared volume above it); a
+        rank 0 killed mid-unpack leaves a ``<dest>.part.*`` directory behind. `rank_env`
+        names the rank variable (Kubeflow Trainer's torch runtime sets PET_NODE_RANK); unset
+        counts as 0.
         The command runs in a subshell, so its `exit` never ends the caller's script; it
         never embeds the payload (a few hundred characters whatever the archive size).
         """
@@ -236,25 +240,29 @@ def _chunk_size(backend: str, chunk_bytes: int | None) -> int:
 # re-plan of unchanged code in the same process skips re-encoding (most of a re-plan's cost).
 _ENCODED: OrderedDict[tuple[str, str, int], list[str]] = OrderedDict()
 _ENCODED_KEEP = 2
+_ENCODED_LOCK = threading.Lock()  # Prefect runs tasks in threads
 
 
 def _encoded_parts(archive: SourceArchive, kind: str, chunk: int) -> list[str]:
     """env_chunks: the base64 text cut every `chunk` characters; configmaps: each `chunk`
     bytes of the archive base64-encoded on its own (each ConfigMap must decode alone)."""
     key = (archive.sha256, kind, chunk)
-    parts = _ENCODED.get(key)
-    if parts is None:
-        data = archive.data
-        if kind == "env_chunks":
-            text = base64.b64encode(data).decode("ascii")
-            parts = [text[i : i + chunk] for i in range(0, len(text), chunk)] or [""]
-        else:
-            starts = range(0, len(data), chunk) if data else range(1)
-            parts = [base64.b64encode(data[i : i + chunk]).decode("ascii") for i in starts]
+    with _ENCODED_LOCK:
+        parts = _ENCODED.get(key)
+        if parts is not None:
+            _ENCODED.move_to_end(key)
+            return parts
+    data = archive.data
+    if kind == "env_chunks":
+        text = base64.b64encode(data).decode("ascii")
+        parts = [text[i : i + chunk] for i in range(0, len(text), chunk)] or [""]
+    else:
+        starts = range(0, len(data), chunk) if data else range(1)
+        parts = [base64.b64encode(data[i : i + chunk]).decode("ascii") for i in starts]
+    with _ENCODED_LOCK:
         _ENCODED[key] = parts
         while len(_ENCODED) > _ENCODED_KEEP:
             _ENCODED.popitem(last=False)
-    _ENCODED.move_to_end(key)
     return parts
 
 
