@@ -324,6 +324,26 @@ def wait_until(predicate: Any, timeout_s: float = 15.0) -> bool:
     return predicate()
 
 
+def test_missing_kuberay_crds_and_cluster_are_named():
+    """check_access says what to install, or which RayCluster is missing, before any submit."""
+    from prefect_nemo import BackendUnavailable
+    from prefect_nemo.blocks import KubeRayCluster
+    from prefect_nemo.blocks.kubernetes import KubernetesCluster
+    from prefect_nemo.testing.kube_api import LoopbackKubeServer, crd_dir
+
+    with LoopbackKubeServer() as bare:
+        kube = KubernetesCluster(kubeconfig=bare.kubeconfig())
+        backend = KubeRayCluster(kubernetes=kube, ray_cluster_spec=cluster_spec()).backend()
+        with pytest.raises(BackendUnavailable, match="install the KubeRay operator"):
+            backend.check_access()
+    with LoopbackKubeServer(crds=[crd_dir()]) as server:
+        kube = KubernetesCluster(kubeconfig=server.kubeconfig())
+        backend = KubeRayCluster(kubernetes=kube, ray_cluster_name="nope").backend()
+        with pytest.raises(InvalidJobSpec, match="no RayCluster 'nope' in namespace 'default'"):
+            backend.check_access()
+        assert server.requests.count("POST") == 0
+
+
 @pytest.mark.slow
 def test_run_job_inline_cluster_success(kube_server, kuberay, kube_block, ray_head, prefect_api,
                                         run_logs):  # fmt: skip
@@ -438,6 +458,51 @@ def test_timeout_stops_the_ray_job_and_leaves_no_cluster(kuberay, kube_block, ra
 
 
 @pytest.mark.slow
+def test_cancelling_the_run_stops_the_job_and_its_cluster(
+    kube_server, kuberay, kube_block, ray_head, prefect_api
+):
+    """A run cancelled through the API (no runner to signal it): the Ray job is stopped through
+    the proxy, and KubeRay then tears the job's cluster down."""
+    import contextvars
+    import threading
+
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    from prefect_nemo import run_job
+
+    block = inline_block(kube_block, ray_head)
+    name = f"cancel-{uuid.uuid4().hex[:6]}"
+
+    @flow
+    def long_flow():
+        run_job(JobSpec(entrypoint="sleep 120", name=name), block)
+
+    thread = threading.Thread(
+        target=contextvars.copy_context().run, args=(lambda: long_flow(return_state=True),),
+        daemon=True,
+    )  # fmt: skip
+    thread.start()
+
+    def running() -> dict[str, Any] | None:
+        return next((rj for rj in rayjobs(kube_server).values()
+                     if rj["spec"]["metadata"].get(META_KEY, "").endswith(f"/{name}")
+                     and (rj.get("status") or {}).get("jobStatus") == "RUNNING"), None)  # fmt: skip
+
+    assert wait_until(running, 60), "the job never ran"
+    rj = running()
+    assert rj is not None
+    job_id, run_id = rj["metadata"]["name"], rj["spec"]["metadata"][META_FLOW_RUN]
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(uuid.UUID(run_id), Cancelling(), force=True)
+    ray = ray_head.block().backend().client
+    assert wait_until(lambda: ray.get_job_status(job_id).value == "STOPPED", 30)
+    thread.join(60)
+    assert not thread.is_alive(), "the flow must end once its job is stopped"
+    assert wait_until(lambda: not rayclusters_of(kube_block, job_id)), "the job's cluster remains"
+
+
+@pytest.mark.slow
 def test_stop_before_submission_deletes_the_rayjob(kube_server, kuberay, kube_block, ray_head):
     """A RayJob waiting for a cluster that never comes is deleted, and reported STOPPED."""
     from prefect_nemo.lifecycle import stop_and_confirm
@@ -449,6 +514,29 @@ def test_stop_before_submission_deletes_the_rayjob(kube_server, kuberay, kube_bl
     status = stop_and_confirm(backend, job_id, timeout_s=15)
     assert status is not None and status.state is JobState.STOPPED
     assert kube_server.get("rayjobs", "default", job_id, group="ray.io") is None
+
+
+@pytest.mark.slow
+def test_ray_cluster_lifecycle(kube_server, kuberay, kube_block):
+    """Create (or attach to) a RayCluster, wait until ready, delete it and wait until gone."""
+    from prefect_nemo import PrefectNemoError
+    from prefect_nemo.backends.kuberay import delete_ray_cluster, ray_cluster_manifest
+
+    api = kube_block.api()
+    name = f"rc-{uuid.uuid4().hex[:6]}"
+    assert ensure_ray_cluster(api, cluster_spec(), name, flow_run_id="run-9").created
+    ready = wait_ray_cluster_ready(api, name, timeout_s=30)
+    assert ready["status"]["state"] == "ready"
+    assert ready["metadata"]["labels"]["prefect.io/flow-run-id"] == "run-9"
+    manifest = ray_cluster_manifest(cluster_spec(workers=2), name, "default")
+    assert ensure_ray_cluster(api, manifest).outcome == "drifted"
+    assert delete_ray_cluster(api, name, wait_s=15)
+    assert kube_server.get("rayclusters", "default", name, group="ray.io") is None
+    assert not delete_ray_cluster(api, name)
+    with pytest.raises(PrefectNemoError, match="does not exist"):
+        wait_ray_cluster_ready(api, name, timeout_s=5)
+    with pytest.raises(InvalidJobSpec, match="name is required"):
+        ensure_ray_cluster(api, cluster_spec())
 
 
 @pytest.mark.slow
@@ -468,7 +556,7 @@ def test_bad_input_sends_no_request(kube_server, kube_block, ray_head, prefect_a
 
 
 @pytest.mark.slow
-def test_watcher_makes_no_per_job_requests(kuberay, kube_block, ray_head, monkeypatch):
+def test_watcher_makes_no_per_job_requests(kube_server, kuberay, kube_block, ray_head, monkeypatch):
     """Three jobs waited on at once: the informer's one watch feeds the watcher; the backend
     sends no request per job while waiting (the simulator's own reads share the server's
     request log, so we count ours at the client)."""
@@ -494,11 +582,33 @@ def test_watcher_makes_no_per_job_requests(kuberay, kube_block, ray_head, monkey
         monkeypatch.setattr(backend.api, verb, counted(verb))
 
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        finals = list(pool.map(
-            lambda h: lifecycle.wait_until_terminal(watcher, h, timeout_s=60), handles
-        ))  # fmt: skip
+        waits = [pool.submit(lifecycle.wait_until_terminal, watcher, h, timeout_s=60)
+                 for h in handles]  # fmt: skip
+        time.sleep(0.5)
+        kube_server.drop_watches()  # a network blip: the informer resumes its watch
+        finals = [w.result() for w in waits]
     assert [f.state for f in finals] == [JobState.SUCCEEDED] * 3
     assert calls == [], "the watcher read the informer's cache only"
+    assert informer.error is None
+
+
+@pytest.mark.slow
+def test_forbidden_watch_fails_fast(kube_server, kuberay, kube_block, ray_head):
+    """RBAC that forbids listing RayJobs is not an outage to wait out: statuses() raises
+    AuthenticationFailed naming the verb."""
+    from prefect_nemo import AuthenticationFailed
+
+    backend = inline_block(kube_block, ray_head).backend()
+    kube_server.forbid("list", "rayjobs", "ray.io")
+    try:
+        unsubscribe = backend.subscribe(lambda: None)
+        informer = backend._ensure_informer()
+        assert wait_until(lambda: informer.error is not None, 5)
+        with pytest.raises(AuthenticationFailed, match="list"):
+            backend.statuses(["any"])
+        unsubscribe()
+    finally:
+        kube_server.allow("list", "rayjobs", "ray.io")
 
 
 @pytest.mark.slow

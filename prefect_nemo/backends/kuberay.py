@@ -58,6 +58,7 @@ from pydantic import SecretStr
 
 from prefect_nemo.backends.ray_jobs import OVERRIDE_RUNTIME_ENV, RayJobsBackend
 from prefect_nemo.errors import (
+    AuthenticationFailed,
     BackendUnavailable,
     InvalidJobSpec,
     JobAlreadyExists,
@@ -525,6 +526,7 @@ class KubeRayBackend:
     def validate(self, spec: JobSpec) -> None:
         """Everything we can check without the API server (names, sizes, secrets, code)."""
         check_spec(spec, self.config)
+        # a dry build with the longest name catches sizes (annotations, the ~1 MB object limit)
         rayjob_manifest(spec, "j" * MAX_RAYJOB_NAME, {}, self.config, namespace=self.namespace)
 
     def check_access(self) -> None:
@@ -587,9 +589,12 @@ class KubeRayBackend:
     def statuses(self, job_ids: Collection[str]) -> dict[str, JobStatus]:
         """From the informer's cache; one GET only for ids the cache has not seen yet."""
         informer = self._ensure_informer()
-        if informer.error is not None:
+        error = informer.error
+        if isinstance(error, AuthenticationFailed):  # not transient: the watcher fails at once
+            raise AuthenticationFailed(str(error))
+        if error is not None:  # the watcher retries within its unreachable budget
             raise BackendUnavailable(
-                f"watch of RayJobs in {self.namespace} on {self.api.host} broke: {informer.error}"
+                f"watch of RayJobs in {self.namespace} on {self.api.host} broke: {error}"
             )
         synced = informer.synced.is_set()
         out: dict[str, JobStatus] = {}
@@ -607,7 +612,7 @@ class KubeRayBackend:
         """Wake the watcher on every change of a managed RayJob in the namespace."""
         with self._lock:
             self._wakes.append(wake)
-        self._ensure_informer()
+        self._ensure_informer(fresh=True)
 
         def unsubscribe() -> None:
             with self._lock:
@@ -692,8 +697,13 @@ class KubeRayBackend:
             message="stopped before its Ray job started: the RayJob and its cluster were deleted",
         )
 
-    def _ensure_informer(self) -> Informer:
+    def _ensure_informer(self, *, fresh: bool = False) -> Informer:
+        """The namespace's informer, started on first use; `fresh` replaces one that failed
+        (e.g. on credentials since fixed) when a watcher starts anew."""
         with self._lock:
+            if fresh and self._informer is not None and self._informer.error is not None:
+                self._informer.stop()
+                self._informer = None
             if self._informer is None:
                 self._informer = Informer(
                     self.api,
