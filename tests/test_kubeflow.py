@@ -75,6 +75,14 @@ def code_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def pod_log(server: Any, pod: str) -> str:
+    """A pod's `node` container log, read through the API like kubectl logs."""
+    from kubernetes import client
+
+    core = client.CoreV1Api(server.api_client())
+    return core.read_namespaced_pod_log(pod, "default", container="node")
+
+
 def uid() -> str:
     return uuid.uuid4().hex[:8]
 
@@ -389,8 +397,7 @@ def test_run_to_success_with_code_on_two_nodes(server, sim, api, code_dir):
     names = sorted(p["metadata"]["name"] for p in pods)
     assert [n.rsplit("-", 1)[0] for n in names] == [f"{job_id}-node-0-0", f"{job_id}-node-0-1"]
     one = {p["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"]: p for p in pods}
-    assert "node 1 rank 3 hello-from-pkg" in server._logs[
-        ("default", one["1"]["metadata"]["name"], "node")]()  # fmt: skip
+    assert "node 1 rank 3 hello-from-pkg" in pod_log(server, one["1"]["metadata"]["name"])
     tj = server.get("trainjobs", "default", job_id, group="trainer.kubeflow.org")
     assert tj["status"]["jobsStatus"][0]["succeeded"] == 1
 

@@ -121,6 +121,13 @@ def sft():
         "packaging library's default ceiling.",
     )
 
+    code_chunk_bytes: int | None = Field(
+        default=None,
+        gt=0,
+        description="Archive bytes per code ConfigMap (each holds at most 1 MiB); empty for the "
+        "packaging library's default.",
+    )
+
     @model_validator(mode="after")
     def _config_ok(self) -> KubeflowTrainerCluster:
         try:
@@ -151,5 +158,6 @@ def sft():
             api,
             self._config(),
             namespace=self.namespace or api.namespace,
+            chunk_bytes=self.code_chunk_bytes,
             max_code_bytes=self.max_code_bytes,
         )

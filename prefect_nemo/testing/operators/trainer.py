@@ -109,6 +109,8 @@ elif a.module:
     cmd = [sys.executable, "-u", "-m", a.script]
 else:
     cmd = [sys.executable, "-u", a.script]
+if nproc > 1:
+    env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does
 procs = []
 for local in range(nproc):
     child = dict(env, RANK=str(rank0 + local), LOCAL_RANK=str(local), GROUP_RANK=str(a.node_rank),
