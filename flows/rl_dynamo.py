@@ -37,6 +37,7 @@ from prefect_nemo.dynamo_tasks import (
 )
 from prefect_nemo.errors import InvalidJobSpec
 from prefect_nemo.names import job_id as make_job_id
+from prefect_nemo.packaging import tee_command
 
 DEFAULT_URL_ARG = "++policy.generation.dynamo.url={url}"
 DEFAULT_URL_ENV = "DYNAMO_FRONTEND_URL"
@@ -80,10 +81,12 @@ def training_spec(
     env: Mapping[str, str] | None = None,
     working_dir: str | None = None,
     timeout_s: float | None = None,
+    log_path: str | None = None,
 ) -> JobSpec:
     """The training job with the frontend URL(s) injected: `url_arg` ({url} = the first DGD's
     frontend, {urls} = all, comma-separated) appended to the entrypoint, and/or `url_env` set
-    to the first URL (and `<url_env>S` to all of them)."""
+    to the first URL (and `<url_env>S` to all of them). With `log_path`, the output is also
+    teed to that file in the pod, keeping the command's exit status (POSIX sh, dash too)."""
     command = entrypoint
     if url_arg:
         try:
@@ -93,6 +96,8 @@ def training_spec(
                 f"frontend_url_arg {url_arg!r}: only {{url}} and {{urls}} are known ({exc})"
             ) from None
         command = f"{entrypoint} {shlex.quote(arg)}"
+    if log_path:
+        command = tee_command(command, log_path)
     job_env = dict(env or {})
     if url_env:
         job_env[url_env] = urls[0]
@@ -124,6 +129,7 @@ def rl_with_dynamo(
     frontend_url_env: str | None = DEFAULT_URL_ENV,
     train_env: dict[str, str] | None = None,
     working_dir: str | None = None,
+    train_log_path: str | None = None,
     ready_timeout_s: float = 1800.0,
     timeout_s: float | None = None,
     recreate: bool = False,
@@ -138,7 +144,8 @@ def rl_with_dynamo(
     frontend (an ingress, say); an in-cluster one that names another Service is an error.
     frontend_url_arg / frontend_url_env: how training learns the URL. cluster: the
     KubeRayCluster the training RayJob runs on; kube: where the DGDs go (default: the
-    cluster's Kubernetes). keep_dgds: leave this run's DGDs up after a successful run.
+    cluster's Kubernetes). train_log_path: also tee training's output to this file (in the
+    pod; the exit status is kept). keep_dgds: leave this run's DGDs up after a successful run.
     """
     exp = start_experiment(experiment)
     logger = get_run_logger()
@@ -185,6 +192,7 @@ def rl_with_dynamo(
         env=train_env,
         working_dir=working_dir,
         timeout_s=timeout_s,
+        log_path=train_log_path,
     )
     backend = ray_block.backend()
     backend.validate(spec)

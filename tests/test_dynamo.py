@@ -470,6 +470,13 @@ def shells() -> list[str]:
         ("echo three # trailing comment", 0, "three\n"),
         ("printf 'x\\n'; exit 3", 3, "x\n"),
         ("echo dying; sh -c 'kill -9 $$'", 137, "dying\n"),
+        ('echo "it\'s quoted"; exit 4', 4, "it's quoted\n"),
+        # several lines, a comment, a literal backslash-n, "$VAR": all survive the one-liner
+        (
+            "printf '%s\\n' 'two\\nlines' # c\ntest -n \"$HOME\" || exit 9\nexit 5",
+            5,
+            "two\\nlines\n",
+        ),
     ],
 )
 def test_tee_command_keeps_exit_status_and_output(
@@ -496,6 +503,11 @@ def test_tee_command_does_not_wait_for_detached_children(tmp_path: Path) -> None
     start = time.monotonic()
     proc = subprocess.run(["/bin/sh", "-c", script], capture_output=True, timeout=20)
     assert proc.returncode == 5 and time.monotonic() - start < 5
+
+
+def test_tee_command_is_one_line() -> None:
+    """Entrypoints travel through other shells (KubeRay's submitter): no newlines."""
+    assert "\n" not in tee_command("echo a\necho b # c", "/tmp/x.log")
 
 
 def test_tee_command_refuses_empty_input() -> None:

@@ -251,11 +251,19 @@ def test_rerun_attaches_instead_of_duplicating(env: dict[str, Any]) -> None:
     api.delete(dgd_kind(), name)
 
 
-def test_failed_training_deletes_what_the_run_created(env: dict[str, Any]) -> None:
+def test_failed_training_deletes_what_the_run_created(env: dict[str, Any], tmp_path: Any) -> None:
+    """Also: the tee wrapper around the entrypoint keeps the exit status (Ray runs it with sh)."""
     name = f"roll-{env['tag']}"
+    log = tmp_path / "train.log"
     with pytest.raises(JobFailed, match="exit code 3"):
-        run(env, train_entrypoint="echo training-breaks; exit 3")
+        run(
+            env,
+            train_entrypoint="echo training-breaks; exit 3",
+            frontend_url_arg=None,
+            train_log_path=str(log),
+        )
     assert wait_until(lambda: name not in dgds(env))
+    assert log.read_text() == "training-breaks\n"
 
 
 def test_a_dgd_we_only_attached_to_is_left_alone(env: dict[str, Any]) -> None:

@@ -11,12 +11,13 @@ import shlex
 
 
 def tee_command(command: str, log_path: str) -> str:
-    """A POSIX-sh script that runs `command`, appends its output (stdout and stderr merged)
-    to `log_path` while still printing it, and exits with the command's own exit status.
+    """A one-line POSIX-sh script that runs `command`, appends its output (stdout and stderr
+    merged) to `log_path` while still printing it, and exits with the command's exit status.
 
-    The command runs in a subshell on its own lines (so a trailing comment or `exit n` in it
-    behaves) with the helper descriptors closed, so a daemon it leaves behind cannot hold the
-    status pipe open (one that keeps stdout open keeps tee running, as with any pipe). The
+    The command runs in its own `sh -c` (so a trailing comment or an `exit n` in it behaves)
+    with the helper descriptors closed, so a daemon it leaves behind cannot hold the status
+    pipe open (one that keeps stdout open keeps tee running, as with any pipe). One line,
+    because entrypoints travel through other shells (KubeRay's submitter, Ray's job API). The
     log's directory is created if missing; the log is appended to, so retries keep history.
     """
     if not command.strip():
@@ -24,13 +25,13 @@ def tee_command(command: str, log_path: str) -> str:
     if not log_path:
         raise ValueError("tee_command: log_path is empty")
     log = shlex.quote(log_path)
+    script = shlex.quote(command)
+    if "\n" in command:  # keep it one line: printf %b turns the escaped newlines back
+        escaped = command.replace("\\", "\\\\").replace("\n", "\\n")
+        script = f"\"$(printf '%b' {shlex.quote(escaped)})\""
     return (
-        f'mkdir -p "$(dirname {log})"\n'
-        "exec 4>&1\n"
-        "__prefect_nemo_rc=$( { { (\n"
-        f"{command}\n"
-        ") 3>&- 4>&-; printf '%s' \"$?\" >&3; } 2>&1 | tee -a "
-        f"{log} >&4; }} 3>&1 )\n"
-        "exec 4>&-\n"
-        'exit "${__prefect_nemo_rc:-1}"\n'
+        f'mkdir -p "$(dirname {log})" && exec 4>&1 && '
+        f"__prefect_nemo_rc=$( {{ {{ sh -c {script} 3>&- 4>&-; "
+        f"printf '%s' \"$?\" >&3; }} 2>&1 | tee -a {log} >&4; }} 3>&1 ); "
+        'exec 4>&-; exit "${__prefect_nemo_rc:-1}"'
     )
