@@ -367,7 +367,12 @@ def test_status_details():
     failed = status_from_trainjob(
         _tj(("Failed", "FailedJobs")), [_pod("Succeeded", 0, 0), _pod("Failed", 1, 7)]
     )
-    assert failed.message == "FailedJobs: Failed message" and failed.exit_code == 7
+    assert failed.message == "FailedJobs: Failed message (node 1 exited with code 7)"
+    assert failed.exit_code == 7
+    killed = status_from_trainjob(
+        _tj(("Failed", "FailedJobs")), [_pod("Failed", 0, 137), _pod("Failed", 1, 2)]
+    )
+    assert killed.exit_code == 2, "the node killed because a sibling failed is not the cause"
     assert failed.start_time is not None and failed.end_time is not None
     assert (failed.end_time - failed.start_time).total_seconds() == 5
     deleting = status_from_trainjob(_tj(deletionTimestamp="2026-01-01T00:00:09Z"), [])
@@ -468,3 +473,21 @@ def test_statuses_from_the_watch(server, sim, api):
         assert woken
     finally:
         unsubscribe()
+
+
+def test_code_on_a_shared_volume_is_unpacked_once(server, sim, api, code_dir):
+    """code_dir on a ReadWriteMany PVC: node 0 unpacks, node 1 waits for its marker."""
+    claim = f"shared-{uid()}"
+    config = TrainerConfig(
+        image="img", num_nodes=2, code_dir="/shared/code",
+        pvc_mounts=(PvcMount(name=claim, mount_path="/shared"),),
+    )  # fmt: skip
+    assert config.code_on_shared_volume
+    backend = KubeflowTrainerBackend(api, config)
+    job_id = f"shared-{uid()}"
+    backend.submit(JobSpec(entrypoint="python train.py", working_dir=code_dir), job_id, META)
+    assert wait_terminal(backend, job_id).state is JobState.SUCCEEDED
+    script = api.get(TRAIN_JOB, job_id)["spec"]["trainer"]["command"][2]
+    assert "NODE_RANK" in script and ".done" in script, "rank 0 unpacks, the others wait"
+    shared = sim.workdir / "pvcs" / "default" / claim / "code"
+    assert (shared / "train.py").is_file() and list(shared.glob(".prefect-nemo-*.done"))

@@ -621,14 +621,21 @@ def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any] | None:
     return None
 
 
-def _exit_code(pods: list[dict[str, Any]]) -> int | None:
-    """The exit code of the node container of the first failed pod (node-0 first)."""
-    for pod in sorted(pods, key=lambda p: _pod_index(p)):
+def _failed_node(pods: list[dict[str, Any]]) -> tuple[int, int] | None:
+    """(node index, exit code) of the node that failed first: a code other than 137/143 (the
+    SIGKILL/SIGTERM a node gets when a sibling fails) wins, then the earliest, then node-0."""
+    failed = []
+    for pod in pods:
         for cs in (pod.get("status") or {}).get("containerStatuses") or []:
             term = (cs.get("state") or {}).get("terminated") or {}
-            if term.get("exitCode"):
-                return int(term["exitCode"])
-    return None
+            if cs.get("name") == NODE and term.get("exitCode"):
+                code = int(term["exitCode"])
+                when = str(term.get("finishedAt") or "")
+                failed.append((code in (137, 143), when, _pod_index(pod), code))
+    if not failed:
+        return None
+    _, _, index, code = min(failed)
+    return index, code
 
 
 def _pod_index(pod: dict[str, Any]) -> int:
@@ -652,7 +659,9 @@ def status_from_trainjob(obj: dict[str, Any], pods: list[dict[str, Any]]) -> Job
         state = JobState.FAILED
         reason, text = cond.get("reason") or "", cond.get("message") or ""
         message = ": ".join(p for p in (reason, text) if p) or f"TrainJob {name} failed"
-        exit_code = _exit_code(pods)
+        if (failed := _failed_node(pods)) is not None:
+            exit_code = failed[1]
+            message += f" (node {failed[0]} exited with code {failed[1]})"
         end = _time(cond.get("lastTransitionTime"))
     elif cond := _condition(obj, "Suspended"):
         state = JobState.STOPPED
