@@ -589,3 +589,7 @@ def test_setup_command_validates_its_arguments(project: Path) -> None:
         plan.setup_command("/")
     with pytest.raises(ValueError):
         plan.setup_command("/x", shared=True, rank_env="NODE RANK; rm -rf /")
+    with pytest.raises(InvalidJobSpec, match="parts_dir"):
+        plan_for("kubernetes", build_archive(project), name="j", parts_dir='/a"b')
+    with pytest.raises(InvalidJobSpec, match="parts_dir"):
+        plan_for("kubernetes", build_archive(project), name="j", parts_dir="relative")

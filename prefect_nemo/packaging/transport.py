@@ -16,6 +16,7 @@ import base64
 import errno
 import io
 import os
+import re
 import shlex
 import shutil
 import tarfile
@@ -76,6 +77,7 @@ PARTS_VOLUME = "prefect-nemo-code"
 MANAGED_BY = "app.kubernetes.io/managed-by"
 SHA_LABEL = "prefect-nemo.io/code-sha256"
 
+_SAFE_PATH = re.compile(r"/[A-Za-z0-9._/-]*")
 _BACKEND_KIND: dict[str, TransportKind] = {
     "ray": "ray_working_dir",
     "kubernetes": "configmaps",
@@ -159,7 +161,8 @@ class TransportPlan:
 
         A python3 one-liner joins the chunks, checks the sha256 and only then writes the
         archive to ``tar -xz`` (so a bad checksum leaves tar an empty stream, which it
-        rejects). With `shared` (one `dest` on a volume all pods see), only NODE_RANK=0
+        rejects). Without `shared`, each pod unpacks into `dest` as it is (a fresh pod
+        directory). With `shared` (one `dest` on a volume all pods see), only NODE_RANK=0
         unpacks, into a temp sibling renamed over `dest`, with the marker `marker_name`
         written inside before the rename; other ranks wait for the marker up to
         `wait_timeout_s`, then fail with a message on stderr. `dest` is replaced by a
@@ -384,8 +387,11 @@ def plan_for(
     if kind == "env_chunks":
         env = _env_chunks(archive, chunk)
         return TransportPlan(kind=kind, chunks=int(env[ENV_CHUNKS]), env=env, **common)
-    if not parts_dir.startswith("/"):
-        raise InvalidJobSpec(f"parts_dir={parts_dir!r} must be an absolute path")
+    if not _SAFE_PATH.fullmatch(parts_dir):
+        raise InvalidJobSpec(
+            f"parts_dir={parts_dir!r} must be an absolute path of letters, digits, '.', '_', "
+            "'-' and '/' (it is written into the setup command)"
+        )
     manifests, volumes, mounts = _configmaps(archive, name, chunk, parts_dir)
     return TransportPlan(
         kind=kind,
