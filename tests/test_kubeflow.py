@@ -491,3 +491,19 @@ def test_code_on_a_shared_volume_is_unpacked_once(server, sim, api, code_dir):
     assert "NODE_RANK" in script and ".done" in script, "rank 0 unpacks, the others wait"
     shared = sim.workdir / "pvcs" / "default" / claim / "code"
     assert (shared / "train.py").is_file() and list(shared.glob(".prefect-nemo-*.done"))
+
+
+def test_namespaced_runtime(server, sim, api):
+    """Without cluster-scoped RBAC: a TrainingRuntime in the job's namespace, same hash name."""
+    from prefect_nemo.kube import TRAINING_RUNTIME
+
+    config = TrainerConfig(image="img", namespaced_runtime=True, runtime_prefix=f"ns-{uid()}")
+    backend = KubeflowTrainerBackend(api, config)
+    job_id = f"nsrt-{uid()}"
+    backend.submit(JobSpec(entrypoint="echo namespaced"), job_id, META)
+    assert wait_terminal(backend, job_id).state is JobState.SUCCEEDED
+    assert api.get(TRAINING_RUNTIME, runtime_name(config), "default") is not None
+    assert api.get(CLUSTER_TRAINING_RUNTIME, runtime_name(config)) is None
+    ref = api.get(TRAIN_JOB, job_id)["spec"]["runtimeRef"]
+    assert ref == {"apiGroup": "trainer.kubeflow.org", "kind": "TrainingRuntime",
+                   "name": runtime_name(config)}  # fmt: skip

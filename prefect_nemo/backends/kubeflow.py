@@ -4,11 +4,12 @@ No Prefect import here.
 
 What the NeMo-Run KubeflowExecutor does, made crash-safe:
 
-- A ClusterTrainingRuntime built from the block's config (image, nodes, GPUs, CPU/memory, PVC
-  mounts, anti-affinity) and named by a hash of that config: equal configs share one runtime,
-  a changed config gets a new name; a runtime is never changed in place (`apply_or_attach`).
-  Unlike the executor, the runtime does not carry the code: the code travels per job, so one
-  runtime serves every job of a config.
+- A ClusterTrainingRuntime (or, with `namespaced_runtime`, a TrainingRuntime in the job's
+  namespace, for accounts without cluster-scoped RBAC) built from the block's config (image,
+  nodes, GPUs, CPU/memory, PVC mounts, anti-affinity) and named by a hash of that config: equal
+  configs share one runtime, a changed config gets a new name; a runtime is never changed in
+  place (`apply_or_attach`). Unlike the executor, the runtime does not carry the code: the
+  code travels per job, so one runtime serves every job of a config.
 - A TrainJob named after the job id, created once: a taken name is `JobAlreadyExists`, so the
   lifecycle attaches to the running job (never delete-and-recreate).
 - The local code (``JobSpec.working_dir``) goes through the packaging plan's ConfigMaps, mounted
@@ -16,7 +17,7 @@ What the NeMo-Run KubeflowExecutor does, made crash-safe:
   trainer command reassembles it, ``cd``s into it and runs the entrypoint under torchrun with the
   rendezvous the Torch plugin hands every node in ``PET_*`` env vars.
 - Secret env values (SecretStr in JobSpec.env) go into a Secret we own, read through
-  ``valueFrom.secretKeyRef``; they are never in the TrainJob, a ConfigMap or a log.
+  ``valueFrom.secretKeyRef``; nothing we write (TrainJob, ConfigMap, log line) holds them.
 - Secret and ConfigMaps exist before the TrainJob (its pods need them at start) and are owned
   by it afterwards, so deleting the TrainJob deletes them. PVCs are created if missing and never
   deleted by us.
@@ -27,8 +28,8 @@ Status, from one watch-fed cache of TrainJobs and one of their pods per namespac
 TrainJob / pods                      JobState (message)
 ===================================  =======================================================
 condition Complete=True              SUCCEEDED
-condition Failed=True                FAILED (the condition's reason: message; exit code of
-                                     the first failed pod)
+condition Failed=True                FAILED ("<reason>: <message> (node <i> exited with code
+                                     <c>)"; exit code of the node that failed first)
 condition Suspended=True             STOPPED
 no condition, a pod Running          RUNNING (Trainer has no Running condition)
 no condition, pods ended             RUNNING (the JobSet is about to say how it ended)
@@ -76,9 +77,11 @@ from prefect_nemo.kube import (
     PVC,
     SECRET,
     TRAIN_JOB,
+    TRAINING_RUNTIME,
     AlreadyExists,
     Informer,
     Invalid,
+    Kind,
     KubeApi,
     NotFound,
     add_owner_reference,
@@ -158,9 +161,15 @@ class TrainerConfig:
     torchrun: bool = True
     code_dir: str = "/workspace/code"
     runtime_prefix: str = "prefect-nemo"
+    namespaced_runtime: bool = False  # a TrainingRuntime in the job's namespace (no cluster RBAC)
 
     def __post_init__(self) -> None:
         check_config(self)
+
+    @property
+    def runtime_kind(self) -> Kind:
+        """ClusterTrainingRuntime, or TrainingRuntime when namespaced_runtime is set."""
+        return TRAINING_RUNTIME if self.namespaced_runtime else CLUSTER_TRAINING_RUNTIME
 
     @property
     def nproc_per_node(self) -> int:
@@ -403,15 +412,20 @@ def runtime_name(config: TrainerConfig) -> str:
     return resource_name(f"{config.runtime_prefix}-torch-{digest}")
 
 
-def runtime_manifest(config: TrainerConfig) -> dict[str, Any]:
-    """The ClusterTrainingRuntime of a config (cluster-scoped, shared by its TrainJobs)."""
+def runtime_manifest(config: TrainerConfig, namespace: str = "default") -> dict[str, Any]:
+    """The config's ClusterTrainingRuntime (shared by every namespace's TrainJobs of that
+    config), or its TrainingRuntime in `namespace` when config.namespaced_runtime is set."""
+    kind = config.runtime_kind
+    metadata: dict[str, Any] = {
+        "name": runtime_name(config),
+        "labels": {**managed_labels(), "trainer.kubeflow.org/framework": "torch"},
+    }
+    if kind.namespaced:
+        metadata["namespace"] = namespace
     return {
-        "apiVersion": CLUSTER_TRAINING_RUNTIME.api_version,
-        "kind": CLUSTER_TRAINING_RUNTIME.kind,
-        "metadata": {
-            "name": runtime_name(config),
-            "labels": {**managed_labels(), "trainer.kubeflow.org/framework": "torch"},
-        },
+        "apiVersion": kind.api_version,
+        "kind": kind.kind,
+        "metadata": metadata,
         "spec": runtime_body(config),
     }
 
@@ -564,7 +578,7 @@ def trainjob_manifest(
     body: dict[str, Any] = {
         "runtimeRef": {
             "apiGroup": TRAIN_JOB.group,
-            "kind": CLUSTER_TRAINING_RUNTIME.kind,
+            "kind": config.runtime_kind.kind,
             "name": runtime_name(config),
         },
         "trainer": trainer,
@@ -963,10 +977,11 @@ class KubeflowTrainerBackend:
     def _ensure_runtime(self) -> None:
         """Create the config's runtime or reuse the one of that name (never changed in place)."""
         try:
-            apply_or_attach(self.api, runtime_manifest(self.config))
+            manifest = runtime_manifest(self.config, self.namespace)
+            apply_or_attach(self.api, manifest, namespace=self.namespace)
         except Invalid as exc:
             raise InvalidJobSpec(
-                f"the API server rejected ClusterTrainingRuntime {runtime_name(self.config)}: "
+                f"the API server rejected {manifest['kind']} {runtime_name(self.config)}: "
                 f"{exc}. Check the KubeflowTrainerCluster fields it names"
             ) from None
 

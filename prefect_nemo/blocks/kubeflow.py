@@ -114,6 +114,11 @@ def sft():
         default="prefect-nemo",
         description="Name prefix of the ClusterTrainingRuntimes this block creates.",
     )
+    namespaced_runtime: bool = Field(
+        default=False,
+        description="Create the runtime as a TrainingRuntime in the job's namespace instead of "
+        "a ClusterTrainingRuntime (for accounts without cluster-scoped permissions).",
+    )
     max_code_bytes: int | None = Field(
         default=None,
         gt=0,
@@ -149,6 +154,7 @@ def sft():
             torchrun=self.torchrun,
             code_dir=self.code_dir,
             runtime_prefix=self.runtime_prefix,
+            namespaced_runtime=self.namespaced_runtime,
         )
 
     def backend(self) -> KubeflowTrainerBackend:
