@@ -401,8 +401,23 @@ def test_deleted_while_waiting_fails_fast(api: Any, dynamo_sim: Any) -> None:
     dynamo_sim.configure("vanishing", start_delay_s=30)
     deploy(api, "vanishing")
     threading.Timer(0.5, delete_dgd, args=(api, "vanishing", "default")).start()
-    with pytest.raises(DgdFailed, match=r"was deleted"):
+    with pytest.raises(DgdFailed, match=r"does not exist \(deleted while"):
         wait_dgd_ready(api, "vanishing", "default", 20)
+
+
+def test_no_right_to_watch_pods_fails_fast(api: Any, dynamo_sim: Any, kube_server: Any) -> None:
+    from prefect_nemo.errors import AuthenticationFailed
+
+    deploy(api, "no-pods-right")
+    kube_server.forbid("list", "pods")
+    try:
+        start = time.monotonic()
+        with pytest.raises(AuthenticationFailed, match="not allowed to list pods"):
+            wait_dgd_ready(api, "no-pods-right", "default", 20)
+        assert time.monotonic() - start < 10
+    finally:
+        kube_server.allow("list", "pods")
+    delete_dgd(api, "no-pods-right", "default")
 
 
 def test_owner_reference_cascade_deletes_the_dgd_with_the_raycluster(

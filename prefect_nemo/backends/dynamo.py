@@ -599,13 +599,20 @@ def wait_dgd_ready(
     dgds.start()
     pods.start()
     try:
-        for informer in (dgds, pods):
-            informer.synced.wait(max(0.0, deadline - time.monotonic()))
+        for informer in (dgds, pods):  # the first list; an error shows as .error meanwhile
+            while not informer.synced.wait(0.1) and time.monotonic() < deadline:
+                if isinstance(informer.error, AuthenticationFailed):
+                    raise informer.error
         while True:
             changed.clear()
+            for informer in (dgds, pods):  # rejected credentials will not heal by waiting
+                if isinstance(informer.error, AuthenticationFailed):
+                    raise informer.error
             seen = _look(dgds, pods, name, namespace)
             if not seen.exists:
-                raise DgdFailed(f"DGD {name} in {namespace} was deleted while we waited for it")
+                raise DgdFailed(
+                    f"DGD {name} in {namespace} does not exist (deleted while we waited for it?)"
+                )
             if seen.state == STATE_FAILED:
                 raise DgdFailed(f"DGD {name} in {namespace} failed: {seen.message}")
             if seen.state_ok and seen.pods_ok:
