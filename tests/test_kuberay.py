@@ -516,6 +516,26 @@ def test_stop_before_submission_deletes_the_rayjob(kube_server, kuberay, kube_bl
     assert kube_server.get("rayjobs", "default", job_id, group="ray.io") is None
 
 
+def test_rejected_rayjob_leaves_no_secret():
+    """The strict API server refuses an unknown field in ray_cluster_spec: the error names it,
+    and the Secret made for the job's secret env is removed again."""
+    from prefect_nemo.blocks import KubeRayCluster
+    from prefect_nemo.blocks.kubernetes import KubernetesCluster
+    from prefect_nemo.testing.kube_api import LoopbackKubeServer, crd_dir
+
+    bad = cluster_spec()
+    bad["headGroupSpec"]["bogusField"] = 1
+    with LoopbackKubeServer(crds=[crd_dir()]) as server:
+        kube = KubernetesCluster(kubeconfig=server.kubeconfig())
+        backend = KubeRayCluster(kubernetes=kube, ray_cluster_spec=bad).backend()
+        spec = JobSpec(entrypoint="true", env={"TOKEN": SecretStr("s3cret-value")})
+        backend.validate(spec)  # nothing we can see locally
+        with pytest.raises(InvalidJobSpec, match="bogusField") as info:
+            backend.submit(spec, "rejected-job", META)
+        assert "ray_cluster_spec" in str(info.value)
+        assert server.get("secrets", "default", "rejected-job-env") is None
+
+
 @pytest.mark.slow
 def test_ray_cluster_lifecycle(kube_server, kuberay, kube_block):
     """Create (or attach to) a RayCluster, wait until ready, delete it and wait until gone."""
@@ -537,6 +557,35 @@ def test_ray_cluster_lifecycle(kube_server, kuberay, kube_block):
         wait_ray_cluster_ready(api, name, timeout_s=5)
     with pytest.raises(InvalidJobSpec, match="name is required"):
         ensure_ray_cluster(api, cluster_spec())
+
+
+@pytest.mark.slow
+def test_stop_of_a_job_pending_in_ray_escalates_to_delete(
+    kube_server, kuberay, kube_block, ray_head, monkeypatch
+):
+    """Ray holds a stop of a job that waits for resources; the backend then deletes the RayJob,
+    which takes the job's cluster with it."""
+    from prefect_nemo.backends import kuberay as kuberay_backend
+    from prefect_nemo.lifecycle import stop_and_confirm
+
+    monkeypatch.setattr(kuberay_backend, "STOP_ESCALATE_S", 1.0)
+    backend = inline_block(kube_block, ray_head).backend()
+    job_id = f"starved-{uuid.uuid4().hex[:8]}"
+    spec = JobSpec(entrypoint="true", resources=Resources(custom={"no-such-resource": 1}))
+    backend.submit(spec, job_id, META)
+
+    def pending_in_ray() -> bool:
+        rj = kube_server.get("rayjobs", "default", job_id, group="ray.io") or {}
+        return (rj.get("status") or {}).get("jobStatus") == "PENDING"
+
+    assert wait_until(pending_in_ray, 30)
+    assert backend.find(job_id).state is JobState.PENDING
+    status = stop_and_confirm(backend, job_id, timeout_s=30)
+    assert status is not None and status.state is JobState.STOPPED
+    assert kube_server.get("rayjobs", "default", job_id, group="ray.io") is None
+    assert not rayclusters_of(kube_block, job_id)
+    # (the simulator's clusters share one real Ray, where the starved job stays PENDING until
+    # Ray's start timeout; a real deleted RayCluster takes its jobs with it)
 
 
 @pytest.mark.slow

@@ -43,10 +43,12 @@ and worker containers read it with ``envFrom``; with an existing cluster they ar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Collection
 from dataclasses import dataclass
@@ -93,6 +95,7 @@ ANNOTATION_PREFIX = "prefect-nemo.io/"
 MAX_OBJECT_BYTES = 1_000_000  # etcd's request limit is ~1.5 MiB; leave room for status
 MAX_ANNOTATION_BYTES = 256 * 1024  # Kubernetes' total annotation size limit
 SECRET_SUFFIX = "-env"
+STOP_ESCALATE_S = 10.0  # a Ray stop not confirmed by then is escalated to deleting the RayJob
 
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -447,7 +450,8 @@ def status_from_rayjob(obj: dict[str, Any]) -> JobStatus:
 # -------------------------------------------------------------------------------------------
 # Process-wide bookkeeping shared by the backend instances of one namespace
 
-_deleted: set[tuple[str, str]] = set()  # (cluster, job id) of RayJobs we deleted before submit
+_deleted: set[tuple[str, str]] = set()  # (cluster, job id) of RayJobs we deleted to stop them
+_stops: dict[tuple[str, str], float] = {}  # (cluster, job id) -> when we first asked it to stop
 _log_cache: OrderedDict[tuple[str, str], str] = OrderedDict()  # last log read, for after teardown
 _LOG_CACHE_JOBS = 256
 _state_lock = threading.Lock()
@@ -571,19 +575,19 @@ class KubeRayBackend:
         try:
             created = self.api.create(RAY_JOB, manifest, self.namespace)
         except AlreadyExists:
+            if secret is not None:  # a Secret we just re-made belongs to the RayJob that won
+                self._own_secret(job_id, self.api.get(RAY_JOB, job_id, self.namespace))
             raise JobAlreadyExists(f"RayJob '{job_id}' already exists") from None
-        except Invalid as exc:
-            raise InvalidJobSpec(
-                f"the API server rejected RayJob '{job_id}': {exc}. Check "
-                "KubeRayCluster.ray_cluster_spec and the JobSpec fields it names"
-            ) from None
-        if secret is not None:  # the RayJob owns its Secret: deleting it removes the Secret
-            self.api.patch(
-                SECRET,
-                secret_name(job_id),
-                {"metadata": {"ownerReferences": [owner_reference(created)]}},
-                self.namespace,
-            )
+        except Exception as exc:
+            if secret is not None:  # nothing will own it: do not leave the secret behind
+                with contextlib.suppress(Exception):
+                    self.api.delete(SECRET, secret_name(job_id), self.namespace)
+            if isinstance(exc, Invalid):
+                raise InvalidJobSpec(
+                    f"{exc}. Check KubeRayCluster.ray_cluster_spec and the JobSpec fields it names"
+                ) from None
+            raise
+        self._own_secret(job_id, created if secret is not None else None)
         return self.handle(job_id)
 
     def statuses(self, job_ids: Collection[str]) -> dict[str, JobStatus]:
@@ -631,7 +635,9 @@ class KubeRayBackend:
 
         A submitted job is stopped through Ray, so its RayJob keeps its final status and logs
         (and KubeRay tears an inline cluster down after the TTL). Before submission there is
-        nothing to stop in Ray: deleting the RayJob (foreground) takes its cluster with it.
+        nothing to stop in Ray: deleting the RayJob (foreground) takes its cluster with it. So
+        does a Ray stop that has not taken within STOP_ESCALATE_S (Ray holds a stop of a job
+        still PENDING for resources) or cannot reach the head.
         """
         obj = self.api.get(RAY_JOB, job_id, self.namespace)
         if obj is None:
@@ -639,14 +645,18 @@ class KubeRayBackend:
         status = obj.get("status") or {}
         ray_job_id, cluster = status.get("jobId"), status.get("rayClusterName")
         submitted = bool(ray_job_id and cluster and status.get("jobStatus"))
-        if submitted and not (obj.get("metadata") or {}).get("deletionTimestamp"):
+        key = (self.cluster, job_id)
+        with _state_lock:
+            first_stop = _stops.setdefault(key, time.monotonic())
+        patient = time.monotonic() - first_stop < STOP_ESCALATE_S
+        if submitted and patient and not (obj.get("metadata") or {}).get("deletionTimestamp"):
             try:
                 self._ray(str(cluster)).request_stop(str(ray_job_id))
                 return
             except BackendUnavailable:
                 pass  # the head is unreachable: deleting the RayJob is the sure way
         with _state_lock:
-            _deleted.add((self.cluster, job_id))
+            _deleted.add(key)
         self.api.delete(RAY_JOB, job_id, self.namespace, propagation="Foreground")
 
     def logs(self, job_id: str) -> str:
@@ -733,6 +743,16 @@ class KubeRayBackend:
     def _ray(self, cluster_name: str) -> RayJobsBackend:
         """The Ray Jobs API of a RayCluster, through the API server's service proxy."""
         return ray_jobs_backend(self.api, cluster_name, self.namespace, ray_token=self._ray_token)
+
+    def _own_secret(self, job_id: str, owner: dict[str, Any] | None) -> None:
+        """Make the RayJob own its Secret, so deleting the RayJob deletes the Secret."""
+        if owner is not None:
+            self.api.patch(
+                SECRET,
+                secret_name(job_id),
+                {"metadata": {"ownerReferences": [owner_reference(owner)]}},
+                self.namespace,
+            )
 
     def _create_secret(self, secret: dict[str, Any], job_id: str) -> None:
         """Create the job's Secret before the RayJob, so its pods find it when they start.
