@@ -349,9 +349,10 @@ def start(
             pgs.append(create_group(group, bundles, strategy, selectors))
             rs.groups.append(group)
             record_owner(group)
+        t_pg = time.monotonic()
         wait_ready(pgs, placement_timeout_s)
         logger.info(
-            f"{rs.name}: {replicas} placement group(s) ready in {time.monotonic() - t0:.1f}s"
+            f"{rs.name}: {replicas} placement group(s) ready in {time.monotonic() - t_pg:.1f}s"
         )
         actors = [
             [
@@ -653,8 +654,15 @@ def start_replicas(command: str | list[str], **options: Any) -> ReplicaSet:
 
 
 @task(name="stop_replicas", cache_policy=NO_CACHE)
-def stop_replicas(replica_set: ReplicaSet, stop_timeout_s: float = STOP_TIMEOUT_S) -> list:
-    """Task: stop replicas started by start_replicas (works from any process on the cluster)."""
-    connect_ray()
+def stop_replicas(
+    replica_set: ReplicaSet,
+    stop_timeout_s: float = STOP_TIMEOUT_S,
+    *,
+    ray_address: str | LocalRayCluster | None = None,
+    auth_token: str | None = None,
+) -> list:
+    """Task: stop replicas started by start_replicas, from any process that reaches the cluster
+    (actors and groups are found by name); returns each process's stop report."""
+    connect_ray(ray_address, auth_token=auth_token)
     replica_set.stopped.clear()  # a copy from another task: its own flag says nothing
     return teardown(replica_set, stop_timeout_s=stop_timeout_s)

@@ -291,3 +291,23 @@ def test_serve_and_evaluate_flow(cluster, prefect_api):
     assert Topology.from_ray().head.node_id not in metrics["nodes"]
     assert not live_groups(SERVE_PREFIX)
     assert not marked_processes(SERVE_PREFIX)
+
+
+def test_start_and_stop_replicas_tasks(cluster, prefect_api):
+    from prefect import flow
+
+    from prefect_nemo.serving import live_replicas, start_replicas, stop_replicas
+
+    @flow
+    def pair() -> tuple[list[int], str, list]:
+        rs = start_replicas(SERVER, replicas=1, tp_size=1, health_path="/", name="pair")
+        pids = [p for r in rs.replicas for p in r.pids]
+        assert all(alive(p) for p in pids)
+        reports = stop_replicas(rs)
+        return pids, rs.name, reports
+
+    pids, name, reports = pair()
+    assert len(reports) == 1 and reports[0]["killed"] is False
+    assert not any(alive(p) for p in pids)
+    assert not live_groups(name)
+    assert not live_replicas.flow_run_ids()

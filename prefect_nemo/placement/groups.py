@@ -40,13 +40,26 @@ def connect(address: str | None = None, *, auth_token: str | None = None) -> Non
         return
     if auth_token:
         os.environ["RAY_AUTH_TOKEN"] = auth_token
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        os.environ["RAY_AUTH_MODE"] = "token"
+        _reload_auth_config()
     ray.init(
         address=address or "auto",
         namespace=NAMESPACE,
         logging_level="WARNING",
         log_to_driver=False,
     )
+
+
+def _reload_auth_config() -> None:
+    # Ray reads RAY_AUTH_MODE into its config when it is imported and caches the token: refresh
+    # both, as Ray's own token setup does (private API, so tolerate its absence).
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+    except Exception:
+        pass
 
 
 def create_group(

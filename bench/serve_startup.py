@@ -1,0 +1,168 @@
+"""What serving on Ray placement groups costs over starting the same servers by hand.
+
+Figures (medians of REPS alternating repetitions after one warm-up of each):
+
+- serve_startup_ratio: time from `serve_replicas` entry to all 4 replicas healthy (4 x tp=1 on a
+  2-node logical-GPU cluster) over the time to start the same 4 servers with plain Popen and
+  see them healthy, in the same run. Also serve_startup_s and serve_popen_s.
+- serve_ray_worker_floor_s: 4 trivial Ray actors (1 logical GPU each) created and answering,
+  in the same run: the part of serve_startup_s that is Ray starting a worker per replica.
+- serve_teardown_s: from leaving the `with` block to everything stopped (well-behaved servers).
+- serve_teardown_stubborn_s: the same for servers that ignore SIGTERM (SIGKILL after the
+  bound, serve_stop_bound_s).
+
+    .venv/bin/python -m bench.serve_startup      # this module alone
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import ray
+
+from prefect_nemo.serving import serve_replicas
+
+Report = Callable[[str, object], None]
+
+SERVER = Path(__file__).resolve().parent.parent / "flows" / "serve_jobs" / "model_server.py"
+REPLICAS = 4
+REPS = 3
+STOP_BOUND_S = 2.0
+
+
+def log(message: str) -> None:
+    """Progress goes to stderr; stdout carries only figures."""
+    print(f"[serve_startup] {message}", file=sys.stderr, flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def popen_startup() -> float:
+    """Start REPLICAS servers with Popen, wait until all answer /health; seconds."""
+    t0 = time.monotonic()
+    ports = [_free_port() for _ in range(REPLICAS)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SERVER), "--port", str(p)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for p in ports
+    ]
+    try:
+        waiting = set(ports)
+        while waiting:
+            waiting = {p for p in waiting if not _healthy(f"http://127.0.0.1:{p}/health")}
+            if waiting:
+                time.sleep(0.1)
+        return time.monotonic() - t0
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(10)
+
+
+@ray.remote
+class _Trivial:
+    def ping(self) -> int:
+        return os.getpid()
+
+
+def ray_worker_floor() -> float:
+    """Create REPLICAS trivial actors (a fresh Ray worker each) and call them once; seconds."""
+    t0 = time.monotonic()
+    actors = [_Trivial.options(num_gpus=1, num_cpus=1).remote() for _ in range(REPLICAS)]
+    ray.get([a.ping.remote() for a in actors])
+    took = time.monotonic() - t0
+    for actor in actors:
+        ray.kill(actor)
+    return took
+
+
+def serve_once(stubborn: bool = False) -> tuple[float, float]:
+    """(entry -> all healthy, block exit -> all stopped) for REPLICAS replicas; seconds."""
+    command = [sys.executable, str(SERVER), "--port", "{port}"]
+    if stubborn:
+        command.append("--ignore-sigterm")
+    t0 = time.monotonic()
+    with serve_replicas(
+        command, replicas=REPLICAS, tp_size=1, name="bench", stop_timeout_s=STOP_BOUND_S
+    ):
+        startup = time.monotonic() - t0
+        t1 = time.monotonic()
+    return startup, time.monotonic() - t1
+
+
+def run(report: Report) -> None:
+    """Start a 2-node logical cluster, alternate Popen and serve_replicas, report medians."""
+    from ray.cluster_utils import Cluster
+
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        del os.environ["CUDA_VISIBLE_DEVICES"]  # an empty value hides logical GPUs
+    log("starting a 2-node Ray cluster (2 logical GPUs each)")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 2})
+    cluster.add_node(num_cpus=2, num_gpus=2)
+    try:
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, namespace="prefect-nemo", log_to_driver=False)
+        popen_runs: list[float] = []
+        serve_runs: list[float] = []
+        floors: list[float] = []
+        teardowns: list[float] = []
+        for rep in range(1 + REPS):
+            label = "warm-up" if rep == 0 else f"rep {rep}/{REPS}"
+            direct = popen_startup()
+            startup, teardown = serve_once()
+            floor = ray_worker_floor()
+            log(
+                f"{label}: popen {direct:.2f}s, serve {startup:.2f}s, teardown {teardown:.2f}s, "
+                f"4 trivial actors {floor:.2f}s (load average {os.getloadavg()[0]:.1f})"
+            )
+            if rep:
+                popen_runs.append(direct)
+                serve_runs.append(startup)
+                floors.append(floor)
+                teardowns.append(teardown)
+        stubborn = []
+        for rep in range(2):
+            _, teardown = serve_once(stubborn=True)
+            log(f"stubborn rep {rep + 1}/2: teardown {teardown:.2f}s (bound {STOP_BOUND_S:g}s)")
+            stubborn.append(teardown)
+        serve_s, popen_s = statistics.median(serve_runs), statistics.median(popen_runs)
+        report("serve_startup_s", serve_s)
+        report("serve_popen_s", popen_s)
+        report("serve_startup_ratio", serve_s / popen_s)
+        report("serve_ray_worker_floor_s", statistics.median(floors))
+        report("serve_teardown_s", statistics.median(teardowns))
+        report("serve_stop_bound_s", STOP_BOUND_S)
+        report("serve_teardown_stubborn_s", max(stubborn))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    from bench.run_all import report as print_figure
+
+    run(print_figure)
