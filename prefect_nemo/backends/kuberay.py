@@ -704,7 +704,7 @@ class KubeRayBackend:
         return JobStatus(
             job_id=job_id,
             state=JobState.STOPPED,
-            message="stopped before its Ray job started: the RayJob and its cluster were deleted",
+            message="stopped by deleting its RayJob (and the RayCluster it brought up)",
         )
 
     def _ensure_informer(self, *, fresh: bool = False) -> Informer:

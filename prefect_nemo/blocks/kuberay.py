@@ -7,9 +7,11 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 
 from prefect_nemo.backends.kuberay import (
+    DASHBOARD_PORT,
     KubeRayBackend,
     RayJobConfig,
-    ray_jobs_backend,
+    head_service,
+    tls_verify,
 )
 from prefect_nemo.blocks.base import ClusterBlock
 from prefect_nemo.blocks.kubernetes import KubernetesCluster
@@ -138,7 +140,7 @@ def ray_jobs_block(
     """
     api = kube_block.api()
     token = ray_token.get_secret_value() if isinstance(ray_token, SecretStr) else ray_token
-    backend = ray_jobs_backend(api, cluster_name, namespace or api.namespace)
+    url = api.proxy_url(namespace or api.namespace, head_service(cluster_name), DASHBOARD_PORT)
     headers = api.auth_headers()
     if not headers and getattr(api.api_client.configuration, "cert_file", None):
         raise InvalidJobSpec(
@@ -146,10 +148,10 @@ def ray_jobs_block(
             "Ray Jobs client cannot present: use a kubeconfig with a bearer token"
         )
     return RayJobsCluster(
-        dashboard_url=backend.address,
+        dashboard_url=url,
         auth_token=token,  # type: ignore[arg-type]
         token_header="X-Ray-Authorization",
         headers=headers or None,  # type: ignore[arg-type]
-        verify_tls=backend._verify,
+        verify_tls=tls_verify(api),
         **overrides,
     )
