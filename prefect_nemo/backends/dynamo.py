@@ -582,8 +582,10 @@ def wait_dgd_ready(
 
     The DGD and its pods are followed by watch (one Informer each); only the HTTP probe of the
     frontend, through the API server's service proxy, is polled, and only once the first two
-    gates hold. State `failed` raises DgdFailed at once; the timeout raises DgdNotReady listing
-    the gates still unmet. `on_change` sees each new combination of gate values.
+    gates hold. Any HTTP answer below 500 counts (404: the listener is up; 403: the proxy verb
+    is not ours, so the other gates decide, as in the source PR); 502, 503 and refused do not.
+    State `failed` raises DgdFailed at once; the timeout (or `interrupted()`) raises DgdNotReady
+    listing the gates still unmet. `on_change` sees each new combination of gate values.
     """
     kind = dgd_kind(version)
     service = service or f"{name}-frontend"
@@ -601,13 +603,10 @@ def wait_dgd_ready(
     try:
         for informer in (dgds, pods):  # the first list; an error shows as .error meanwhile
             while not informer.synced.wait(0.1) and time.monotonic() < deadline:
-                if isinstance(informer.error, AuthenticationFailed):
-                    raise informer.error
+                _raise_rejected(dgds, pods)
         while True:
             changed.clear()
-            for informer in (dgds, pods):  # rejected credentials will not heal by waiting
-                if isinstance(informer.error, AuthenticationFailed):
-                    raise informer.error
+            _raise_rejected(dgds, pods)
             seen = _look(dgds, pods, name, namespace)
             if not seen.exists:
                 raise DgdFailed(
@@ -647,6 +646,13 @@ def wait_dgd_ready(
     finally:
         dgds.stop()
         pods.stop()
+
+
+def _raise_rejected(*informers: kube.Informer) -> None:
+    """Rejected credentials (401/403 on list or watch) will not heal by waiting: raise them."""
+    for informer in informers:
+        if isinstance(informer.error, AuthenticationFailed):
+            raise informer.error
 
 
 def _look(dgds: kube.Informer, pods: kube.Informer, name: str, namespace: str) -> DgdReadiness:
