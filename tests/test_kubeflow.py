@@ -5,6 +5,7 @@ TrainJob simulator's real local processes (no Prefect)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import time
@@ -507,3 +508,34 @@ def test_namespaced_runtime(server, sim, api):
     ref = api.get(TRAIN_JOB, job_id)["spec"]["runtimeRef"]
     assert ref == {"apiGroup": "trainer.kubeflow.org", "kind": "TrainingRuntime",
                    "name": runtime_name(config)}  # fmt: skip
+
+
+def test_submit_that_died_half_way_is_repaired(server, api, code_dir):
+    """A submit that died after its Secret/ConfigMaps (no TrainJob yet) leaves them to be reused
+    or replaced; one that died after the TrainJob, before taking ownership, is adopted on
+    attach, so deleting the TrainJob still takes them along."""
+    backend = KubeflowTrainerBackend(api, CPU)
+    spec = JobSpec(entrypoint="python train.py", working_dir=code_dir,
+                   env={"TOKEN": SecretStr("new-value")})  # fmt: skip
+    job_id = f"crash-{uid()}"
+    stale = secret_manifest(
+        JobSpec(entrypoint="x", env={"TOKEN": SecretStr("old-value")}), job_id,
+        namespace="default", flow_run_id=None,
+    )  # fmt: skip
+    api.create(SECRET, stale)  # left by the first, dead submit
+    backend.submit(spec, job_id, META)
+    secret = api.get(SECRET, f"{job_id}-env")
+    assert base64.b64decode(secret["data"]["TOKEN"]) == b"new-value"
+    tj = api.get(TRAIN_JOB, job_id)
+    # simulate the crash between create and adopt: drop the owner references again
+    owned = [(SECRET, f"{job_id}-env")] + [
+        (CONFIGMAP, c["metadata"]["name"]) for c in api.list(CONFIGMAP)[0]
+        if c["metadata"]["name"].startswith(job_id)
+    ]  # fmt: skip
+    for kind, name in owned:
+        api.patch(kind, name, {"metadata": {"ownerReferences": None}})
+    with pytest.raises(JobAlreadyExists):
+        backend.submit(spec, job_id, META)
+    for kind, name in owned:
+        refs = api.get(kind, name)["metadata"]["ownerReferences"]
+        assert [r["uid"] for r in refs] == [tj["metadata"]["uid"]], name

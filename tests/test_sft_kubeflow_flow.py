@@ -153,6 +153,7 @@ def test_secret_reaches_no_log_event_artifact_or_object(env: dict[str, Any], cap
     assert job_id in haystacks["objects"]
     for where, text in haystacks.items():
         assert secret not in text, f"the secret leaked into {where}"
+        assert env["server"].token not in text, f"the API token leaked into {where}"
 
 
 def test_failure_has_the_log_tail(env: dict[str, Any]) -> None:
