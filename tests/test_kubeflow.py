@@ -539,3 +539,20 @@ def test_submit_that_died_half_way_is_repaired(server, api, code_dir):
     for kind, name in owned:
         refs = api.get(kind, name)["metadata"]["ownerReferences"]
         assert [r["uid"] for r in refs] == [tj["metadata"]["uid"]], name
+
+
+def test_a_refused_trainjob_leaves_no_secret_or_configmap(server, api, code_dir):
+    from prefect_nemo import AuthenticationFailed
+
+    backend = KubeflowTrainerBackend(api, CPU)
+    job_id = f"refused-{uid()}"
+    spec = JobSpec(entrypoint="python train.py", working_dir=code_dir,
+                   env={"TOKEN": SecretStr("v" * 10)})  # fmt: skip
+    server.forbid("create", "trainjobs", "trainer.kubeflow.org")
+    try:
+        with pytest.raises(AuthenticationFailed, match="RBAC"):
+            backend.submit(spec, job_id, META)
+    finally:
+        server.allow("create", "trainjobs", "trainer.kubeflow.org")
+    assert api.get(SECRET, f"{job_id}-env") is None
+    assert not [c for c in api.list(CONFIGMAP)[0] if c["metadata"]["name"].startswith(job_id)]

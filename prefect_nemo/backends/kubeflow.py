@@ -851,7 +851,13 @@ class KubeflowTrainerBackend:
             created = self.api.create(TRAIN_JOB, manifest, self.namespace)
         except AlreadyExists:
             raise JobAlreadyExists(f"TrainJob '{job_id}' already exists") from None
-        except Invalid as exc:
+        except (Invalid, AuthenticationFailed) as exc:
+            # a definite no: nothing will own the Secret and ConfigMaps, so they go now (not on
+            # a timeout, where the TrainJob may exist and need them)
+            for kind, obj in owned:
+                self.api.delete(kind, obj["metadata"]["name"], self.namespace)
+            if isinstance(exc, AuthenticationFailed):
+                raise
             raise InvalidJobSpec(
                 f"the API server rejected TrainJob '{job_id}': {exc}. Check the "
                 "KubeflowTrainerCluster fields and the JobSpec fields it names"
