@@ -1050,6 +1050,9 @@ def test_service_proxy_to_handler(server: LoopbackKubeServer, core: client.CoreV
     )
     method, path, headers, _ = calls[0]
     assert method == "GET" and path == "/v1/models" and "Authorization" not in headers
+    # a trailing slash reaches the upstream (Ray serves POST /api/jobs/ only)
+    core.connect_post_namespaced_service_proxy_with_path(f"{name}:dashboard", NS, "api/jobs/")
+    assert calls[1][:2] == ("POST", "/api/jobs/")
 
 
 def test_websocket_through_proxy(

@@ -218,6 +218,8 @@ def test_informer_caches_and_calls_back(server: LoopbackKubeServer, api: kube.Ku
         assert informer.get("inf") is None and informer.error is None
     finally:
         informer.stop()
+    informer._thread.join(timeout=5)  # the watch in flight is cut, not waited out
+    assert not informer._thread.is_alive()
 
 
 # -- service proxy --------------------------------------------------------------------------------

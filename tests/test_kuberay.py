@@ -686,11 +686,6 @@ def test_existing_cluster_with_working_dir(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    raises=RuntimeError,
-    reason="loopback server bug: its service proxy drops a trailing '/' (POST /api/jobs/ reaches "
-    "Ray as /api/jobs: 404); a real API server keeps it",
-)
 def test_ray_jobs_block_through_the_proxy(kuberay, kube_block, shared_cluster, ray_head,
                                           prefect_api, run_logs):  # fmt: skip
     from prefect_nemo import run_job

@@ -434,9 +434,7 @@ def check_crd_installed(
             "https://docs.nvidia.com/dynamo/latest/kubernetes/installation_guide.html), or "
             "pass the version your operator serves"
         ) from None
-    except AuthenticationFailed as exc:
-        if not str(exc).startswith("not allowed"):  # 401: our credentials are wrong
-            raise
+    except kube.Forbidden as exc:  # a 401 (wrong credentials) is raised as it is
         log.info(
             f"cannot list {kind.plural} in {namespace or api.namespace} ({exc}); assuming the "
             "CRD is installed and going on"

@@ -9,6 +9,7 @@ from prefect_nemo.kube.api import (
     AlreadyExists,
     Conflict,
     Expired,
+    Forbidden,
     Invalid,
     KubeApi,
     KubeError,
@@ -47,8 +48,8 @@ from prefect_nemo.kube.watch import Informer, KubeTimeout, wait_for
 __all__ = [
     "CLUSTER_TRAINING_RUNTIME", "CONFIGMAP", "EVENT", "FLOW_RUN_LABEL", "MANAGED_BY", "NAMESPACE",
     "POD", "PVC", "RAY_CLUSTER", "RAY_JOB", "SECRET", "SERVICE", "SPEC_HASH", "TRAINING_RUNTIME",
-    "TRAIN_JOB", "AlreadyExists", "Applied", "Conflict", "Expired", "Informer", "Invalid",
-    "Kind", "KubeApi", "KubeError", "KubeTimeout", "NotFound", "add_owner_reference",
+    "TRAIN_JOB", "AlreadyExists", "Applied", "Conflict", "Expired", "Forbidden", "Informer",
+    "Invalid", "Kind", "KubeApi", "KubeError", "KubeTimeout", "NotFound", "add_owner_reference",
     "apply_or_attach", "dgd_kind", "kind_for", "managed_labels", "owner_reference", "spec_hash",
     "wait_for",
 ]  # fmt: skip

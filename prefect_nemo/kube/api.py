@@ -59,6 +59,10 @@ class Expired(KubeError):
     """410 Gone: a watch asked for a resourceVersion the server no longer has; list again."""
 
 
+class Forbidden(AuthenticationFailed):
+    """403: our credentials are valid but RBAC does not allow this verb on this resource."""
+
+
 class _StaticResources:
     """Stands in for DynamicClient's discoverer: our Kind table is the whole truth."""
 
@@ -257,12 +261,14 @@ class KubeApi:
         timeout_s: int = 60,
         label_selector: str | None = None,
         field_selector: str | None = None,
+        watcher: k8s_watch.Watch | None = None,
     ) -> Iterator[tuple[str, dict]]:
-        """Stream (type, object) events until the server ends the stream (after timeout_s).
+        """Stream (type, object) events until the server ends the stream (after timeout_s) or
+        `watcher.stop()` is called (from any thread: it unblocks the read at once).
 
         Raises Expired (410) when resource_version is too old: list again and watch from there.
         """
-        stream = k8s_watch.Watch().stream(
+        stream = (watcher or k8s_watch.Watch()).stream(
             self._resource(kind).get,
             namespace=self._ns(kind, namespace),
             label_selector=label_selector,
@@ -374,7 +380,7 @@ class KubeApi:
                 f"{message}; check the kubeconfig's token or client certificate"
             )
         if code == 403:
-            return AuthenticationFailed(
+            return Forbidden(
                 f"not allowed to {verb} {what}: {message}; grant the service account this verb "
                 "on this resource (RBAC)"
             )

@@ -9,6 +9,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from kubernetes import watch as k8s_watch
+
 from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable, PrefectNemoError
 from prefect_nemo.kube.api import Expired, KubeApi
 from prefect_nemo.kube.kinds import Kind
@@ -33,6 +35,7 @@ def _list_watch(
     until: Callable[[], bool],
     deadline: float | None = None,
     on_error: Callable[[Exception | None], None] = lambda exc: None,
+    new_watch: Callable[[], k8s_watch.Watch] = k8s_watch.Watch,
 ) -> Iterator[tuple[str, dict | list[dict]]]:
     """Yield ("LIST", items) and then watch events ("ADDED"/"MODIFIED"/"DELETED", obj) until
     `until()` or the deadline. Dropped streams resume from the last resourceVersion seen; 410
@@ -50,6 +53,8 @@ def _list_watch(
                 )
                 yield "LIST", items
             timeout = WATCH_TIMEOUT_S if remaining is None else min(WATCH_TIMEOUT_S, remaining)
+            if until():
+                return
             for event, obj in api.watch(
                 kind,
                 namespace,
@@ -57,6 +62,7 @@ def _list_watch(
                 timeout_s=max(1, round(timeout)),
                 label_selector=label_selector,
                 field_selector=field_selector,
+                watcher=new_watch(),
             ):
                 version = obj.get("metadata", {}).get("resourceVersion") or version
                 failures = 0
@@ -71,6 +77,8 @@ def _list_watch(
         except AuthenticationFailed:
             raise
         except BackendUnavailable as exc:
+            if until():  # stopped from another thread: the stream was cut on purpose
+                return
             failures += 1
             on_error(exc)
             log.debug("watch of %s failed (%s); retrying", kind.describe(), exc)
@@ -121,6 +129,28 @@ def _summary(obj: dict | None) -> str:
     return json.dumps(status, sort_keys=True)[:400] if status else "no status yet"
 
 
+class _Stopper:
+    """Stops a list+watch loop from another thread: cuts the watch stream in flight at once
+    (the client shuts its socket) instead of waiting for the server to end it."""
+
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+        self._current: k8s_watch.Watch | None = None
+        self._lock = threading.Lock()
+
+    def new_watch(self) -> k8s_watch.Watch:
+        with self._lock:
+            self._current = k8s_watch.Watch()
+            return self._current
+
+    def stop(self) -> None:
+        self.stopped.set()
+        with self._lock:
+            current = self._current
+        if current is not None:
+            current.stop()
+
+
 class Informer:
     """A live cache of the objects of one kind (in one namespace, matching a selector), kept by
     one list+watch in a daemon thread, with a callback on every change. Reading it makes no
@@ -144,13 +174,13 @@ class Informer:
         self.error: Exception | None = None
         self._objects: dict[str, dict] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._stopper = _Stopper()
         self._thread: threading.Thread | None = None
 
     def start(self) -> Informer:
         """Start listing and watching (idempotent)."""
         if self._thread is None or not self._thread.is_alive():
-            self._stop.clear()
+            self._stopper = _Stopper()
             self._thread = threading.Thread(
                 target=self._run, name=f"prefect-nemo-informer {self.kind.plural}", daemon=True
             )
@@ -158,8 +188,8 @@ class Informer:
         return self
 
     def stop(self) -> None:
-        """Stop after the current watch request ends (the thread is a daemon)."""
-        self._stop.set()
+        """Stop now: the watch request in flight is cut."""
+        self._stopper.stop()
 
     def get(self, name: str) -> dict | None:
         """The cached object, or None if the cache does not have it."""
@@ -178,7 +208,8 @@ class Informer:
         try:
             for event, payload in _list_watch(
                 self.api, self.kind, self.namespace, label_selector=self.label_selector,
-                until=self._stop.is_set, on_error=self._set_error,
+                until=self._stopper.stopped.is_set, on_error=self._set_error,
+                new_watch=self._stopper.new_watch,
             ):  # fmt: skip
                 self._apply(event, payload)
         except Exception as exc:  # credentials rejected: readers see it through .error

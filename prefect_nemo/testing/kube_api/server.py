@@ -965,7 +965,11 @@ class LoopbackKubeServer:
         )
         if target is None:
             raise errors.service_unavailable(f'no endpoints available for service "{service_name}"')
-        path = "/" + "/".join(route.sub[1:])
+        # a trailing slash is part of the upstream path (Ray serves POST /api/jobs/ only)
+        rest = "/" + "/".join(route.sub[1:])
+        if request.raw_path.split("?", 1)[0].endswith("/") and rest != "/":
+            rest += "/"
+        path = rest
         if request.query_string:
             path += "?" + request.query_string
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
@@ -977,7 +981,7 @@ class LoopbackKubeServer:
             )
             return web.Response(status=code, headers=out_headers, body=out_body)
         # re-encode what the path decoding turned into reserved characters (a "?" sent as %3F)
-        url = target.rstrip("/") + quote("/" + "/".join(route.sub[1:]), safe="/:@!$&'()*+,;=-._~")
+        url = target.rstrip("/") + quote(rest, safe="/:@!$&'()*+,;=-._~")
         if request.query_string:
             url += "?" + request.query_string
         if request.headers.get("Upgrade", "").lower() == "websocket":
