@@ -58,8 +58,8 @@ from prefect_nemo.placement import (
     stop_many,
     wait_ready,
 )
+from prefect_nemo.placement.orphans import forget_owner, record_owner
 from prefect_nemo.placement.plan import NODE_ID_LABEL
-from prefect_nemo.placement.sweep import forget_owner, record_owner
 
 SERVE_PREFIX = NAME_PREFIX + "serve-"
 EVENT_PREFIX = "prefect-nemo.serve"

@@ -228,9 +228,12 @@ def test_spec_to_slurm():
         to_slurm(PlacementSpec(node_labels={"gpu": "!a100"}))
 
 
-def test_placement_does_not_import_prefect():
+def test_placement_imports_neither_prefect_nor_ray_until_needed():
     import subprocess
 
-    code = "import sys, prefect_nemo.placement; print('prefect' in sys.modules)"
+    code = (
+        "import sys, prefect_nemo.placement as p; print('prefect' in sys.modules, "
+        "'ray' in sys.modules); p.sweep; print('prefect' in sys.modules, 'ray' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.split() == ["False", "False", "False", "True"]

@@ -311,3 +311,19 @@ def test_start_and_stop_replicas_tasks(cluster, prefect_api):
     assert not any(alive(p) for p in pids)
     assert not live_groups(name)
     assert not live_replicas.flow_run_ids()
+
+
+def test_bundle_helpers_resolve_node_ip_and_a_free_port(cluster):
+    from prefect_nemo.placement import bundle_node, node_ip_and_free_port, remove_group
+
+    pools = nodes_by_label("pool")
+    pg = create_group("prefect-nemo-test-helpers", [{"GPU": 1}], "STRICT_PACK", [{"pool": "a"}])
+    try:
+        wait_ready([pg], timeout_s=30)
+        node_id, ip = bundle_node(pg, 0)
+        assert node_id == pools["a"]
+        got_ip, port = node_ip_and_free_port(pg, 0)
+        assert got_ip == ip and 1024 < port < 65536
+    finally:
+        assert remove_group("prefect-nemo-test-helpers")
+    assert not live_groups("prefect-nemo-test-helpers")

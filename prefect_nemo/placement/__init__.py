@@ -7,22 +7,14 @@ its translators are the backend-neutral way to say where work runs.
 
 from __future__ import annotations
 
+from importlib import import_module
+from typing import Any
+
 from prefect_nemo.placement.errors import (
     InsufficientCapacity,
     PlacementError,
     PlacementTimeout,
     ReplicaFailed,
-)
-from prefect_nemo.placement.groups import (
-    NAME_PREFIX,
-    NAMESPACE,
-    bundle_node,
-    connect,
-    create_group,
-    find_group,
-    node_ip_and_free_port,
-    remove_group,
-    wait_ready,
 )
 from prefect_nemo.placement.plan import (
     BundleShape,
@@ -32,7 +24,6 @@ from prefect_nemo.placement.plan import (
     max_replicas,
     plan_replica_bundle_shape,
 )
-from prefect_nemo.placement.process import ManagedProcess, module_command, spawn_actor, stop_many
 from prefect_nemo.placement.spec import (
     PlacementSpec,
     to_kubernetes,
@@ -40,7 +31,37 @@ from prefect_nemo.placement.spec import (
     to_ray_entrypoint,
     to_slurm,
 )
-from prefect_nemo.placement.sweep import SweepReport, sweep
+
+# The parts that talk to Ray load on first use, so `placement.spec` and `placement.plan` (what
+# JobSpec and the Kubernetes/Slurm backends need) import without importing Ray.
+_LAZY = {
+    "NAME_PREFIX": "groups",
+    "NAMESPACE": "groups",
+    "bundle_node": "groups",
+    "connect": "groups",
+    "create_group": "groups",
+    "find_group": "groups",
+    "node_ip_and_free_port": "groups",
+    "remove_group": "groups",
+    "wait_ready": "groups",
+    "ManagedProcess": "process",
+    "module_command": "process",
+    "spawn_actor": "process",
+    "stop_many": "process",
+    "SweepReport": "orphans",
+    "sweep": "orphans",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(f"prefect_nemo.placement.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'prefect_nemo.placement' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "NAMESPACE",
