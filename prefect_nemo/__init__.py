@@ -41,6 +41,11 @@ _LAZY = {
     "KubeflowTrainerCluster": "prefect_nemo.blocks",
     "KubeRayCluster": "prefect_nemo.blocks",
     "KubernetesCluster": "prefect_nemo.blocks",
+    "deploy_dgd": "prefect_nemo.dynamo_tasks",
+    "wait_dgd_ready": "prefect_nemo.dynamo_tasks",
+    "own_dgds_by_raycluster": "prefect_nemo.dynamo_tasks",
+    "teardown_dgds": "prefect_nemo.dynamo_tasks",
+    "DeployedDgd": "prefect_nemo.dynamo_tasks",
 }
 
 
