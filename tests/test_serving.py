@@ -80,7 +80,8 @@ def cluster() -> Iterator[object]:
     """Three Ray nodes on this machine; connected in this process; all gone afterwards."""
     from ray.cluster_utils import Cluster
 
-    os.environ.pop("CUDA_VISIBLE_DEVICES", None)  # an empty value hides logical GPUs
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        del os.environ["CUDA_VISIBLE_DEVICES"]  # an empty value hides logical GPUs
     if ray.is_initialized():
         ray.shutdown()
     c = Cluster(
