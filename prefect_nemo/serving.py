@@ -58,7 +58,7 @@ from prefect_nemo.placement import (
     stop_many,
     wait_ready,
 )
-from prefect_nemo.placement.orphans import forget_owner, record_owner
+from prefect_nemo.placement.orphans import forget_owner, record_owner, sweep
 from prefect_nemo.placement.plan import NODE_ID_LABEL
 
 SERVE_PREFIX = NAME_PREFIX + "serve-"
@@ -312,6 +312,7 @@ def start(
     ray_address: str | LocalRayCluster | None = None,
     auth_token: str | None = None,
     stop_timeout_s: float = STOP_TIMEOUT_S,
+    sweep_orphans: bool = True,
 ) -> ReplicaSet:
     """Start `replicas` replicas and return once every health check answers 2xx.
 
@@ -327,6 +328,8 @@ def start(
     logger = _logger()
     t0 = time.monotonic()
     connect_ray(ray_address, auth_token=auth_token)
+    if sweep_orphans:
+        _sweep_orphans(logger)
     topology = Topology.from_ray()
     eligible = topology.eligible(exclude_head=exclude_head, labels=node_labels)
     shape = plan_replica_bundle_shape(tp_size, eligible) if tp_size > 0 else None
@@ -379,6 +382,18 @@ def start(
     _artifact(rs, shape)
     _emit(rs, "ready", {"endpoints": rs.endpoints, "startup_s": round(elapsed, 3)})
     return rs
+
+
+def _sweep_orphans(logger: Any) -> None:
+    """Remove what drivers on this host that died (SIGKILL, OOM) left behind: their groups are
+    detached, so nothing else would. Groups of live or unknown owners are left alone."""
+    try:
+        report = sweep(SERVE_PREFIX, only_orphans=True)
+    except Exception as exc:
+        logger.debug(f"orphan sweep failed: {exc}")
+        return
+    if report.groups:
+        logger.warning(f"removed {len(report.groups)} orphaned group(s): {report.groups}")
 
 
 def _slug(name: str) -> str:
@@ -610,6 +625,7 @@ def serve_replicas(
     ray_address: str | LocalRayCluster | None = None,
     auth_token: str | None = None,
     stop_timeout_s: float = STOP_TIMEOUT_S,
+    sweep_orphans: bool = True,
 ) -> Iterator[ReplicaSet]:
     """Run `replicas` copies of `command` on Ray for the duration of a `with` block.
 
@@ -617,7 +633,8 @@ def serve_replicas(
     STRICT_SPREAD split; tp_size=0 for CPU-only replicas) and its own port: the command sees it
     as `{port}` (and `{host}`, `{replica}`, `{rank}`, `{nnodes}`, `{master_addr}`,
     `{master_port}`) and as $PORT. Yields a ReplicaSet once every `health_path` (or `health_url`
-    template) answers 2xx; tears everything down when the block ends, however it ends.
+    template) answers 2xx; tears everything down when the block ends, however it ends. With
+    sweep_orphans, first removes replica groups whose creating process on this host is dead.
     """
     rs = start(
         command,
@@ -636,6 +653,7 @@ def serve_replicas(
         ray_address=ray_address,
         auth_token=auth_token,
         stop_timeout_s=stop_timeout_s,
+        sweep_orphans=sweep_orphans,
     )
     try:
         yield rs

@@ -6,6 +6,7 @@ checked gone in the process table (psutil), not only in Ray.
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import subprocess
@@ -16,7 +17,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 import ray
 
@@ -31,6 +31,8 @@ from prefect_nemo.placement import (
 from prefect_nemo.placement.process import MARKER_ENV
 from prefect_nemo.serving import SERVE_PREFIX, serve_replicas
 
+# Ray vendors psutil (ray/thirdparty_files goes on sys.path when ray is imported).
+psutil = importlib.import_module("psutil")
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parent.parent
 # A server that needs nothing but the stdlib; it prints the GPUs it was given.
