@@ -14,7 +14,6 @@ emitted for ready, failed and deleted.
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 import uuid
@@ -37,6 +36,7 @@ from prefect_nemo import experiments, kube
 from prefect_nemo.backends import dynamo
 from prefect_nemo.blocks.kubernetes import KubernetesCluster
 from prefect_nemo.errors import InvalidJobSpec
+from prefect_nemo.names import label_value
 from prefect_nemo.redaction import Redactor
 from prefect_nemo.tasks import _cancel_signal
 
@@ -323,7 +323,7 @@ def render_dgd(
     doc = dynamo.load_dgd(manifest, name=pick) if isinstance(manifest, str) else manifest
     extra = {**dict(labels or {})}
     if experiment:
-        extra[EXPERIMENT_LABEL] = kube_label_value(experiment)
+        extra[EXPERIMENT_LABEL] = label_value(experiment)
     return dynamo.render_dgd(
         doc,
         namespace=namespace,
@@ -335,12 +335,6 @@ def render_dgd(
         overrides=overrides,
         version=version,
     )
-
-
-def kube_label_value(value: str) -> str:
-    """A label value for `value` (63 chars of [A-Za-z0-9_.-], alphanumeric at both ends)."""
-    cleaned = re.sub(r"[^A-Za-z0-9_.-]+", "-", value)[:63]
-    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", cleaned)
 
 
 def deployed_from(

@@ -6,6 +6,10 @@ import hashlib
 import re
 
 _NOT_LABEL = re.compile(r"[^a-z0-9-]+")
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_NOT_LABEL_VALUE = re.compile(r"[^A-Za-z0-9_.-]+")
 MAX_LABEL = 63  # RFC 1123 / 1035 label length; Kubernetes names reuse it
 _HASH_LEN = 8
 _ATTEMPT_ROOM = 4  # "-r99"
@@ -31,6 +35,31 @@ def resource_name(text: str, max_len: int = MAX_LABEL) -> str:
         return label
     digest = stable_hash(text)
     return f"{dns_label(text, max_len - _HASH_LEN - 1)}-{digest}"
+
+
+def is_dns1035_label(text: str, max_len: int = MAX_LABEL) -> bool:
+    """True for a valid RFC 1035 label (Service, RayJob and TrainJob names): [a-z0-9-],
+    starts with a letter, ends alphanumeric, at most max_len characters."""
+    return len(text) <= max_len and bool(_DNS1035.match(text))
+
+
+def is_dns1123_subdomain(text: str, max_len: int = 253) -> bool:
+    """True for a valid RFC 1123 subdomain (most object names)."""
+    return len(text) <= max_len and bool(_DNS1123.match(text))
+
+
+def is_label_key(key: str) -> bool:
+    """True for a valid Kubernetes label key: an optional DNS prefix and a 63-char name."""
+    prefix, _, name = key.rpartition("/")
+    if prefix and not is_dns1123_subdomain(prefix):
+        return False
+    return len(name) <= MAX_LABEL and bool(_LABEL_NAME.match(name))
+
+
+def label_value(value: str) -> str:
+    """A valid label value from any string: [A-Za-z0-9-_.], <= 63, alphanumeric at both ends."""
+    cleaned = _NOT_LABEL_VALUE.sub("-", value)[:MAX_LABEL]
+    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", cleaned)
 
 
 def stable_hash(*parts: str, length: int = _HASH_LEN) -> str:

@@ -29,7 +29,7 @@ import yaml
 
 from prefect_nemo import kube
 from prefect_nemo.errors import AuthenticationFailed, InvalidJobSpec, PrefectNemoError
-from prefect_nemo.names import resource_name
+from prefect_nemo.names import is_dns1035_label, resource_name
 
 DGD_KIND = "DynamoGraphDeployment"
 DGD_GROUP = "nvidia.com"
@@ -43,7 +43,6 @@ STATE_READY = "successful"
 STATE_FAILED = "failed"
 
 _LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # RFC 1123 label
-_DNS1035_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # Service names
 _MAX_NAME = 63
 
 log = logging.getLogger("prefect_nemo.dynamo")
@@ -279,7 +278,7 @@ def check_dgd_name(name: Any) -> str:
     if not isinstance(name, str) or not name:
         raise InvalidJobSpec("DGD metadata.name is missing: set it in the manifest or pass name=")
     room = _MAX_NAME - len("-frontend")
-    if resource_name(name, room) != name or not _DNS1035_RE.match(name):
+    if resource_name(name, room) != name or not is_dns1035_label(name):
         raise InvalidJobSpec(
             f"DGD name {name!r} is not valid: use lowercase letters, digits and '-', starting "
             f"with a letter and ending with a letter or digit, at most {room} characters (the "
@@ -351,7 +350,7 @@ def validate_dgd(doc: Mapping[str, Any], version: str = "v1alpha1") -> None:
             "needed (its Service is what training talks to)"
         )
     service = f"{name}-{frontends[0].lower()}"
-    if not _DNS1035_RE.match(service) or len(service) > _MAX_NAME:
+    if not is_dns1035_label(service, _MAX_NAME):
         raise InvalidJobSpec(
             f"DGD {name!r}: the frontend service key {frontends[0]!r} gives Service name "
             f"{service!r}, which is not a valid DNS-1035 name of at most {_MAX_NAME} characters"
@@ -666,7 +665,7 @@ def _look(dgds: kube.Informer, pods: kube.Informer, name: str, namespace: str) -
     seen.state = status.get("state")
     if seen.state == STATE_FAILED:
         seen.message = _failure_message(obj)
-    items = [p for p in map(pods.get, pods.names()) if p is not None]
+    items = pods.items()
     seen.pods_total = len(items)
     seen.pods_ready = sum(1 for p in items if pod_ready(p))
     return seen

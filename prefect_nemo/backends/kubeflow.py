@@ -56,9 +56,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import urllib3
-from kubernetes.client import CoreV1Api
-from kubernetes.client.exceptions import ApiException
 from pydantic import SecretStr
 
 from prefect_nemo.errors import (
@@ -89,10 +86,17 @@ from prefect_nemo.kube import (
     managed_labels,
     wait_for,
 )
-from prefect_nemo.names import resource_name, stable_hash
+from prefect_nemo.names import (
+    is_dns1035_label,
+    is_dns1123_subdomain,
+    is_label_key,
+    label_value,
+    resource_name,
+    stable_hash,
+)
 
 if TYPE_CHECKING:
-    from prefect_nemo.packaging import SourceArchive, TransportPlan
+    from prefect_nemo.packaging import TransportPlan
 
 # JobSet names each pod's hostname <trainjob>-node-0-<index>: keep it a DNS label up to 10^4 nodes
 MAX_TRAINJOB_NAME = 50
@@ -121,10 +125,6 @@ TORCHRUN_FLAGS = (
     '--master-port="$PET_MASTER_PORT"'
 )
 
-_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-_DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
-_NOT_LABEL_VALUE = re.compile(r"[^A-Za-z0-9_.-]+")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$")
 _PACKAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-\[\],<>=!~+* ]*$")
 _PYTHON = re.compile(r"^(python3?(\.[0-9]+)?)\s+")
@@ -224,7 +224,7 @@ def check_config(config: TrainerConfig) -> None:
     seen_names: set[str] = set()
     for i, mount in enumerate(config.pvc_mounts):
         at = f"{where}.pvc_mounts[{i}]"
-        if not (len(mount.name) <= 63 and _DNS1123.match(mount.name)):
+        if not is_dns1123_subdomain(mount.name, 63):
             raise InvalidJobSpec(
                 f"{at}.name: {mount.name!r} is not a PVC name: lowercase letters, digits, '-', "
                 "at most 63 characters"
@@ -251,7 +251,7 @@ def check_config(config: TrainerConfig) -> None:
                 f"{where}.extra_packages: {pkg!r} is not a pip requirement: use e.g. "
                 "'numpy==2.1.0' (one requirement per entry)"
             )
-    if not _DNS1035.match(config.runtime_prefix) or len(config.runtime_prefix) > 40:
+    if not is_dns1035_label(config.runtime_prefix, 40):
         raise InvalidJobSpec(
             f"{where}.runtime_prefix: {config.runtime_prefix!r} must be a DNS label of at most "
             "40 characters (the runtime name adds a hash)"
@@ -260,7 +260,7 @@ def check_config(config: TrainerConfig) -> None:
 
 def check_job_id(job_id: str) -> None:
     """TrainJob names are DNS-1035 labels; ours stay short enough for JobSet's pod hostnames."""
-    if len(job_id) > MAX_TRAINJOB_NAME or not _DNS1035.match(job_id):
+    if not is_dns1035_label(job_id, MAX_TRAINJOB_NAME):
         raise InvalidJobSpec(
             f"job id '{job_id}' cannot name a TrainJob: use a DNS-1035 label of at most "
             f"{MAX_TRAINJOB_NAME} characters (JobSet's pod hostnames add '-node-0-<index>'): "
@@ -292,7 +292,7 @@ def check_spec(spec: JobSpec, config: TrainerConfig) -> None:
             "(its webhook rejects them): drop them"
         )
     for key in spec.labels:
-        if not _label_key_ok(key):
+        if not is_label_key(key):
             raise InvalidJobSpec(
                 f"JobSpec.labels: '{key}' is not a Kubernetes label key: use [prefix/]name, name "
                 "at most 63 letters, digits, '-', '_', '.', starting and ending alphanumeric"
@@ -303,19 +303,6 @@ def check_spec(spec: JobSpec, config: TrainerConfig) -> None:
         raise InvalidJobSpec(
             f"JobSpec.working_dir: {spec.working_dir} is not a directory on this machine"
         )
-
-
-def _label_key_ok(key: str) -> bool:
-    prefix, _, name = key.rpartition("/")
-    if prefix and not (len(prefix) <= 253 and _DNS1123.match(prefix)):
-        return False
-    return len(name) <= 63 and bool(_LABEL_NAME.match(name))
-
-
-def label_value(value: str) -> str:
-    """A valid label value from any string: [A-Za-z0-9-_.], <= 63, alphanumeric at both ends."""
-    cleaned = _NOT_LABEL_VALUE.sub("-", value)[:63]
-    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", cleaned)
 
 
 # -------------------------------------------------------------------------------------------
@@ -755,7 +742,6 @@ class KubeflowTrainerBackend:
         self._pods: Informer | None = None
         self._wakes: list[Callable[[], None]] = []
         self._lock = threading.Lock()
-        self._archives: dict[tuple[str, tuple[str, ...]], SourceArchive] = {}
 
     # -- identity ------------------------------------------------------------------------------
 
@@ -952,20 +938,12 @@ class KubeflowTrainerBackend:
     # -- helpers ----------------------------------------------------------------------------------
 
     def _plan(self, spec: JobSpec, job_id: str) -> TransportPlan:
-        """The ConfigMap transport of working_dir; the archive is built once per tree (validate
-        and submit both need it)."""
+        """The ConfigMap transport of working_dir. build_archive reuses an unchanged tree's
+        archive (by content hash), so planning again at submit costs only the file walk."""
         from prefect_nemo.packaging import build_archive, plan_for
 
         assert spec.working_dir is not None
-        key = (str(Path(spec.working_dir).resolve()), tuple(spec.exclude))
-        with self._lock:
-            archive = self._archives.get(key)
-        if archive is None:
-            archive = build_archive(Path(spec.working_dir), exclude=tuple(spec.exclude))
-            with self._lock:
-                if len(self._archives) > 8:
-                    self._archives.clear()
-                self._archives[key] = archive
+        archive = build_archive(Path(spec.working_dir), exclude=tuple(spec.exclude))
         return plan_for(
             "kubernetes", archive, name=job_id,
             chunk_bytes=self.chunk_bytes, max_bytes=self.max_code_bytes,
@@ -1065,12 +1043,11 @@ class KubeflowTrainerBackend:
 
     @staticmethod
     def _cached_pods(pods: Informer, job_id: str) -> list[dict[str, Any]]:
-        out = []
-        for name in pods.names():
-            pod = pods.get(name)
-            if pod is not None and (pod["metadata"].get("labels") or {}).get(JOBSET_NAME) == job_id:
-                out.append(pod)
-        return out
+        return [
+            pod
+            for pod in pods.items()
+            if (pod["metadata"].get("labels") or {}).get(JOBSET_NAME) == job_id
+        ]
 
     def _status_now(self, job_id: str) -> JobStatus | None:
         """From the cache when the informers run (no request), else one find()."""
@@ -1095,26 +1072,7 @@ class KubeflowTrainerBackend:
         return max(live, key=lambda p: p["metadata"].get("creationTimestamp") or "")
 
     def _read_log(self, pod: dict[str, Any]) -> str:
-        core = CoreV1Api(self.api.api_client)
-        name = pod["metadata"]["name"]
-        try:
-            text = core.read_namespaced_pod_log(
-                name, self.namespace, container=NODE,
-                _request_timeout=self.api.request_timeout_s, _preload_content=False,
-            )  # fmt: skip
-        except ApiException as exc:
-            if exc.status == 404:
-                raise NotFound(404, "NotFound", f"pod {name} is gone") from None
-            if exc.status in (401, 403):
-                raise AuthenticationFailed(
-                    f"not allowed to read the log of pod {name}: grant 'get' on pods/log"
-                ) from None
-            if exc.status == 400:  # container not started yet: no log
-                return ""
-            raise BackendUnavailable(f"reading the log of pod {name}: {exc.reason}") from None
-        except (OSError, urllib3.exceptions.HTTPError) as exc:
-            raise BackendUnavailable(f"reading the log of pod {name}: {exc}") from None
-        return text.data.decode(errors="replace")
+        return self.api.pod_log(pod["metadata"]["name"], self.namespace, container=NODE)
 
 
 __all__ = [

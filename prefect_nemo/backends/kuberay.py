@@ -84,6 +84,7 @@ from prefect_nemo.kube import (
     owner_reference,
     wait_for,
 )
+from prefect_nemo.names import is_dns1035_label, is_dns1123_subdomain, is_label_key, label_value
 from prefect_nemo.packaging import collect_source, stage_source
 
 SubmissionMode = Literal["K8sJobMode", "HTTPMode", "SidecarMode"]
@@ -97,10 +98,6 @@ MAX_ANNOTATION_BYTES = 256 * 1024  # Kubernetes' total annotation size limit
 SECRET_SUFFIX = "-env"
 STOP_ESCALATE_S = 10.0  # a Ray stop not confirmed by then is escalated to deleting the RayJob
 
-_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-_DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
-_NOT_LABEL_VALUE = re.compile(r"[^A-Za-z0-9_.-]+")
 _EXIT_CODE = re.compile(r"exit code (-?\d+)")
 
 
@@ -136,7 +133,7 @@ def check_config(config: RayJobConfig) -> None:
             "or ray_cluster_spec (each RayJob brings its own cluster)"
         )
     if config.ray_cluster_name is not None and not (
-        len(config.ray_cluster_name) <= 63 and _DNS1123.match(config.ray_cluster_name)
+        is_dns1123_subdomain(config.ray_cluster_name, 63)
     ):
         raise InvalidJobSpec(
             f"KubeRayCluster.ray_cluster_name: '{config.ray_cluster_name}' is not a Kubernetes "
@@ -239,7 +236,7 @@ def check_spec(spec: JobSpec, config: RayJobConfig) -> None:
             f"JobSpec.runtime_env: must be plain data (it travels as YAML in the RayJob): {exc}"
         ) from None
     for key in spec.labels:
-        if not _label_key_ok(key):
+        if not is_label_key(key):
             raise InvalidJobSpec(
                 f"JobSpec.labels: '{key}' is not a Kubernetes label key: use [prefix/]name, name "
                 "at most 63 letters, digits, '-', '_', '.', starting and ending alphanumeric"
@@ -250,24 +247,11 @@ def check_spec(spec: JobSpec, config: RayJobConfig) -> None:
 
 def check_job_id(job_id: str) -> None:
     """KubeRay refuses RayJob names over 47 characters or not DNS-1035."""
-    if len(job_id) > MAX_RAYJOB_NAME or not _DNS1035.match(job_id):
+    if not is_dns1035_label(job_id, MAX_RAYJOB_NAME):
         raise InvalidJobSpec(
             f"job id '{job_id}' cannot name a RayJob: KubeRay wants a DNS-1035 label of at most "
             f"{MAX_RAYJOB_NAME} characters: use a shorter JobSpec.name or experiment name"
         )
-
-
-def _label_key_ok(key: str) -> bool:
-    prefix, _, name = key.rpartition("/")
-    if prefix and not (len(prefix) <= 253 and _DNS1123.match(prefix)):
-        return False
-    return len(name) <= 63 and bool(_LABEL_NAME.match(name))
-
-
-def label_value(value: str) -> str:
-    """A valid label value from any string: [A-Za-z0-9-_.], <= 63, alphanumeric at both ends."""
-    cleaned = _NOT_LABEL_VALUE.sub("-", value)[:63]
-    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", cleaned)
 
 
 # -------------------------------------------------------------------------------------------
@@ -848,7 +832,7 @@ def ensure_ray_cluster(
             raise InvalidJobSpec("ensure_ray_cluster: name is required when given a spec")
         manifest = ray_cluster_manifest(manifest_or_spec, name, ns, flow_run_id=flow_run_id)
     cluster_name = manifest["metadata"].get("name", "")
-    if not (len(cluster_name) <= 63 and _DNS1123.match(cluster_name)):
+    if not is_dns1123_subdomain(cluster_name, 63):
         raise InvalidJobSpec(
             f"RayCluster name '{cluster_name}' is not a Kubernetes object name: use lowercase "
             "letters, digits and '-', at most 63 characters"

@@ -13,7 +13,7 @@ from typing import Any
 
 import urllib3
 from kubernetes import watch as k8s_watch
-from kubernetes.client import ApiClient
+from kubernetes.client import ApiClient, CoreV1Api
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import DynamicApiError
@@ -25,7 +25,7 @@ from prefect_nemo.errors import (
     InvalidJobSpec,
     PrefectNemoError,
 )
-from prefect_nemo.kube.kinds import Kind
+from prefect_nemo.kube.kinds import POD, Kind
 
 _TRANSPORT_ERRORS = (urllib3.exceptions.HTTPError, OSError)
 
@@ -289,6 +289,27 @@ class KubeApi:
             raise self._error(exc, kind, "", "watch") from None
         except _TRANSPORT_ERRORS as exc:
             raise BackendUnavailable(f"watching {kind.describe()} at {self.host}: {exc}") from None
+
+    def pod_log(
+        self, name: str, namespace: str | None = None, *, container: str | None = None
+    ) -> str:
+        """A pod's whole log; "" while its container has not started (the server answers 400).
+        NotFound when the pod is gone."""
+        core = CoreV1Api(self.api_client)
+        try:
+            resp = core.read_namespaced_pod_log(
+                name, namespace or self.namespace, container=container,
+                _request_timeout=self.request_timeout_s, _preload_content=False,
+            )  # fmt: skip
+        except (ApiException, DynamicApiError) as exc:
+            if getattr(exc, "status", 0) == 400:
+                return ""
+            raise self._error(exc, POD, name, "read the log of") from None
+        except _TRANSPORT_ERRORS as exc:
+            raise BackendUnavailable(
+                f"reading the log of pod {name} at {self.host}: {exc}"
+            ) from None
+        return resp.data.decode(errors="replace")
 
     # -- service proxy ---------------------------------------------------------------------------
 

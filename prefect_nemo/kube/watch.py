@@ -196,10 +196,10 @@ class Informer:
         with self._lock:
             return self._objects.get(name)
 
-    def names(self) -> list[str]:
-        """Names of the cached objects."""
+    def items(self) -> list[dict]:
+        """A snapshot of every cached object."""
         with self._lock:
-            return list(self._objects)
+            return list(self._objects.values())
 
     def _set_error(self, exc: Exception | None) -> None:
         self.error = exc
