@@ -197,46 +197,76 @@ DRIVER = textwrap.dedent(
     """
     import sys, time, ray
     ray.init(address=sys.argv[1], namespace="prefect-nemo", log_to_driver=False)
+    from prefect import flow
     from prefect_nemo.serving import serve_replicas
-    with serve_replicas(sys.argv[2], replicas=2, tp_size=1, health_path="/") as rs:
-        print("READY", rs.name, *[r.pids[0] for r in rs.replicas], flush=True)
-        time.sleep(600)
+
+    def serve():
+        with serve_replicas(sys.argv[2], replicas=2, tp_size=1, health_path="/") as rs:
+            print("READY", rs.name, *[r.pids[0] for r in rs.replicas], flush=True)
+            time.sleep(600)
+
+    flow(serve)() if sys.argv[3] == "flow" else serve()
     """
 )
 
 
-def test_a_dead_driver_leaves_orphans_the_sweep_removes(cluster, tmp_path):
-    log = tmp_path / "driver.log"
+def start_driver(cluster, log: Path, mode: str, env: dict[str, str] | None = None):
+    """A separate driver process serving 2 replicas; returns (process, name, server pids)."""
     with open(log, "w") as out:
         driver = subprocess.Popen(
-            [sys.executable, "-c", DRIVER, cluster.address, SERVER],
+            [sys.executable, "-c", DRIVER, cluster.address, SERVER, mode],
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
+            env=env,
         )
     try:
         line = wait_until(
             lambda: next((x for x in log.read_text().splitlines() if x.startswith("READY")), None),
-            90,
+            120,
             "the driver's replicas",
             every=0.3,
         )
-    finally:
+    except BaseException:
         driver.kill()
         driver.wait()
+        raise AssertionError(log.read_text()[-3000:]) from None
     _, name, *pids = line.split()
+    return driver, name, [int(p) for p in pids]
+
+
+def test_a_dead_driver_leaves_orphans_the_sweep_removes(cluster, tmp_path):
+    driver, name, pids = start_driver(cluster, tmp_path / "driver.log", "plain")
+    driver.kill()
+    driver.wait()
     time.sleep(1.0)
     # Detached groups and actors outlive the driver: an orphan, servers still running.
     assert len(live_groups(name)) == 2
-    assert all(alive(int(p)) for p in pids)
+    assert all(alive(p) for p in pids)
     report = sweep(name, only_orphans=True)  # the owner (the driver) is dead: an orphan
     assert len(report.groups) == 2
-    wait_until(lambda: not any(alive(int(p)) for p in pids), 10, "the orphaned servers to die")
+    wait_until(lambda: not any(alive(p) for p in pids), 10, "the orphaned servers to die")
     assert not live_groups(name)
     assert not marked_processes(name)
     for actor in report.actors:
         with pytest.raises(ValueError):
             ray.get_actor(actor, namespace="prefect-nemo")
+
+
+def test_sigterm_to_a_flow_process_tears_down(cluster, prefect_api, tmp_path):
+    # What a runner does to cancel a flow run: SIGTERM, which Prefect raises in the main thread.
+    from tests.conftest import subprocess_env
+
+    env = subprocess_env(prefect_api, PYTHONPATH=str(ROOT))
+    driver, name, pids = start_driver(cluster, tmp_path / "flow.log", "flow", env)
+    driver.send_signal(signal.SIGTERM)
+    try:
+        driver.wait(60)
+    finally:
+        driver.kill()
+    assert not any(alive(p) for p in pids)
+    assert not live_groups(name)
+    assert not marked_processes(name)
 
 
 def test_only_orphans_spares_a_live_owner(cluster):
