@@ -46,6 +46,7 @@ from prefect_nemo.placement import (
     NAMESPACE,
     BundleShape,
     PlacementError,
+    PlacementSpec,
     PlacementTimeout,
     ReplicaFailed,
     Topology,
@@ -56,10 +57,10 @@ from prefect_nemo.placement import (
     remove_group,
     spawn_actor,
     stop_many,
+    to_ray_bundles,
     wait_ready,
 )
 from prefect_nemo.placement.orphans import forget_owner, record_owner, sweep
-from prefect_nemo.placement.plan import NODE_ID_LABEL
 
 SERVE_PREFIX = NAME_PREFIX + "serve-"
 EVENT_PREFIX = "prefect-nemo.serve"
@@ -335,6 +336,9 @@ def start(
     shape = plan_replica_bundle_shape(tp_size, eligible) if tp_size > 0 else None
     nodes = shape.nodes if shape else 1
     check_capacity(shape, replicas, eligible, cpus_per_bundle=cpus_per_replica / nodes)
+    bundles, strategy, selectors = _bundles(
+        shape, cpus_per_replica, exclude_head, node_labels, topology
+    )
 
     flow_run_id = _flow_run_id()
     tag = (flow_run_id or "none").replace("-", "")[:12] + "-" + uuid.uuid4().hex[:6]
@@ -343,9 +347,6 @@ def start(
     if flow_run_id:
         cancel_watch.ensure_running()
     try:
-        bundles, strategy, selectors = _bundles(
-            shape, cpus_per_replica, exclude_head, node_labels, topology
-        )
         pgs = []
         for i in range(replicas):
             group = f"{rs.name}-{i}"
@@ -408,18 +409,18 @@ def _bundles(
     node_labels: Mapping[str, str] | None,
     topology: Topology,
 ) -> tuple[list[dict[str, float]], str, list[dict[str, str]] | None]:
+    """One replica's placement group arguments, through the one PlacementSpec translator."""
     nodes = shape.nodes if shape else 1
-    bundle: dict[str, float] = {}
-    if cpus_per_replica > 0:
-        bundle["CPU"] = cpus_per_replica / nodes
-    if shape:
-        bundle["GPU"] = float(shape.gpus_per_node)
-    selector = dict(node_labels or {})
-    if exclude_head and topology.head is not None:
-        selector[NODE_ID_LABEL] = f"!{topology.head.node_id}"
-    strategy = shape.strategy if shape else "STRICT_PACK"
-    selectors = [dict(selector) for _ in range(nodes)] if selector else None
-    return [dict(bundle) for _ in range(nodes)], strategy, selectors
+    head = topology.head
+    spec = PlacementSpec(
+        nodes=nodes,
+        gpus_per_node=shape.gpus_per_node if shape else 0,
+        cpus_per_node=cpus_per_replica / nodes,
+        strategy="spread" if nodes > 1 else "pack",
+        node_labels=dict(node_labels or {}),
+        exclude_head=exclude_head and head is not None,
+    )
+    return to_ray_bundles(spec, head_node_id=head.node_id if head else None)
 
 
 def _launch(
