@@ -134,6 +134,38 @@ def test_topology_from_ray_nodes():
     assert t.head is not None and t.head.gpus == 2 and t.nodes[1].gpus == 0
 
 
+def test_topology_from_state_api_rows():
+    rows = [
+        {
+            "node_id": "h",
+            "node_ip": "1.1.1.1",
+            "is_head_node": True,
+            "state": "ALIVE",
+            "resources_total": {"CPU": 4.0, "GPU": 1.0},
+            "labels": {"ray.io/node-id": "h"},
+        },
+        {
+            "node_id": "w",
+            "node_ip": "1.1.1.2",
+            "is_head_node": False,
+            "state": "ALIVE",
+            "resources_total": {"CPU": 8.0, "GPU": 4.0},
+            "labels": {"pool": "a"},
+        },
+        {
+            "node_id": "x",
+            "node_ip": "1.1.1.3",
+            "is_head_node": False,
+            "state": "DEAD",
+            "resources_total": {"GPU": 8.0},
+            "labels": {},
+        },
+    ]
+    t = Topology.from_state_nodes(rows)
+    assert [(n.node_id, n.is_head, n.gpus) for n in t.nodes] == [("h", True, 1), ("w", False, 4)]
+    assert t.nodes[1].labels == {"pool": "a"}
+
+
 # ---------------------------------------------------------------------------------------------
 # PlacementSpec
 

@@ -54,6 +54,24 @@ class Topology:
         return cls(tuple(infos))
 
     @classmethod
+    def from_state_nodes(cls, rows: Iterable[Mapping[str, Any]]) -> Topology:
+        """Build from the dashboard's state API (`GET /api/v0/nodes`: data.result.result), for
+        callers that reach the cluster only through its dashboard (the Ray Jobs backend)."""
+        return cls.from_ray_nodes(
+            {
+                "NodeID": row["node_id"],
+                "Alive": row.get("state") == "ALIVE",
+                "NodeManagerAddress": row.get("node_ip", ""),
+                "Resources": {
+                    **(row.get("resources_total") or {}),
+                    **({HEAD_RESOURCE: 1.0} if row.get("is_head_node") else {}),
+                },
+                "Labels": row.get("labels") or {},
+            }
+            for row in rows
+        )
+
+    @classmethod
     def from_ray(cls) -> Topology:
         """The topology of the cluster this process is connected to."""
         import ray
