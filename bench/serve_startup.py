@@ -83,16 +83,18 @@ def popen_startup() -> float:
             proc.wait(10)
 
 
-@ray.remote
-class _Trivial:
-    def ping(self) -> int:
-        return os.getpid()
-
-
 def ray_worker_floor() -> float:
     """Create REPLICAS trivial actors (a fresh Ray worker each) and call them once; seconds."""
+
+    # Defined here so Ray ships it by value: a module-level class would make every worker
+    # import this module, and with it Prefect.
+    @ray.remote
+    class Trivial:
+        def ping(self) -> int:
+            return os.getpid()
+
     t0 = time.monotonic()
-    actors = [_Trivial.options(num_gpus=1, num_cpus=1).remote() for _ in range(REPLICAS)]
+    actors = [Trivial.options(num_gpus=1, num_cpus=1).remote() for _ in range(REPLICAS)]
     ray.get([a.ping.remote() for a in actors])
     took = time.monotonic() - t0
     for actor in actors:
