@@ -46,6 +46,10 @@ _LAZY = {
     "own_dgds_by_raycluster": "prefect_nemo.dynamo_tasks",
     "teardown_dgds": "prefect_nemo.dynamo_tasks",
     "DeployedDgd": "prefect_nemo.dynamo_tasks",
+    "serve_replicas": "prefect_nemo.serving",
+    "start_replicas": "prefect_nemo.serving",
+    "stop_replicas": "prefect_nemo.serving",
+    "PlacementSpec": "prefect_nemo.placement",
 }
 
 

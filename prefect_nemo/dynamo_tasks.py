@@ -3,12 +3,11 @@ own_dgds_by_raycluster and teardown_dgds.
 
 Each DGD a flow run brings up is recorded for that run, so that teardown deletes exactly what
 the run created and never a DGD it only attached to. Whenever the run ends another way than
-its own teardown (failure, crash, cancellation by a runner's SIGTERM), flow hooks installed
-automatically delete the run's DGDs; a run cancelled through the API with no runner is noticed
-by the readiness wait (which asks the API) and by the job wait (tasks.py's cancel watch stops
-the job, and the flow's own cleanup then deletes the DGDs). Logs go to the run logger, every
-DGD gets a row in one table artifact per flow run, and `prefect-nemo.dgd.<what>` events are
-emitted for ready, failed and deleted.
+its own teardown (failure, crash, cancellation by a runner or through the API), the shared
+`tasks.register_teardown` mechanism (flow hooks plus the one cancel watch) deletes the run's
+DGDs; the readiness wait also asks the API, so a cancelled run stops waiting at once. Logs go
+to the run logger, every DGD gets a row in one table artifact per flow run, and
+`prefect-nemo.dgd.<what>` events are emitted for ready, failed and deleted.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -38,7 +38,7 @@ from prefect_nemo.blocks.kubernetes import KubernetesCluster
 from prefect_nemo.errors import InvalidJobSpec
 from prefect_nemo.names import label_value
 from prefect_nemo.redaction import Redactor
-from prefect_nemo.tasks import _cancel_signal
+from prefect_nemo.tasks import _cancel_signal, live_work, register_teardown
 
 EVENT_PREFIX = "prefect-nemo.dgd"
 KubeLike = KubernetesCluster | str
@@ -102,28 +102,22 @@ class _RunDgds:
 run_dgds = _RunDgds()
 
 
-def teardown_flow_run_dgds(flow: Any, flow_run: Any, state: Any) -> None:
-    """Flow hook: delete every DGD this process created for the flow run and did not delete.
-
-    Installed automatically (on_cancellation, on_crashed, on_failure) by deploy_dgd.
-    """
-    _delete_owned(
-        str(flow_run.id),
-        f"flow run {flow_run.name} ended {state.type.value}",
-        get_logger("prefect_nemo"),
-    )
+def _teardown_key(run: str) -> str:
+    return f"DGDs of {run}"
 
 
-def _install_hooks(flow: Any) -> None:
-    for hooks in (flow.on_cancellation_hooks, flow.on_crashed_hooks, flow.on_failure_hooks):
-        if teardown_flow_run_dgds not in hooks:
-            hooks.append(teardown_flow_run_dgds)
+def _teardown_run_quietly(run: str) -> str:
+    """What register_teardown calls when the run is cancelled, crashes or fails."""
+    deleted = _delete_owned(run, "flow run ended", get_logger("prefect_nemo"))
+    return f"deleted DGD(s) {', '.join(deleted)}" if deleted else "no DGD left to delete"
 
 
 def _delete_owned(
     run: str, why: str, logger: Any, only: set[tuple[str, str]] | None = None
 ) -> list[str]:
     owned = run_dgds.take(run, only)
+    if not run_dgds.get(run):
+        live_work.discard(run, _teardown_key(run))
     if owned:
         logger.warning(f"{why}: deleting {len(owned)} DGD(s) this run created")
     deleted = []
@@ -228,7 +222,7 @@ class _Ctx:
     flow_run_id: str | None
     experiment: str | None
     logger: Any
-    interrupted: Callable[[], bool] = field(default=lambda: False)
+    interrupted: Callable[..., bool] = field(default=lambda force=False: False)
 
 
 def _ctx() -> _Ctx:
@@ -239,8 +233,6 @@ def _ctx() -> _Ctx:
         run = str(flow_ctx.flow_run.id)
     elif task_ctx is not None and task_ctx.task_run.flow_run_id:
         run = str(task_ctx.task_run.flow_run_id)
-    if flow_ctx is not None and flow_ctx.flow is not None:
-        _install_hooks(flow_ctx.flow)
     try:
         logger = get_run_logger()
     except Exception:
@@ -257,10 +249,10 @@ def _cancelled(flow_ctx: Any, task_ctx: Any, run: str | None) -> Callable[[], bo
     signal = _cancel_signal(flow_ctx, task_ctx.task_run if task_ctx else None)
     last = [0.0]
 
-    def check() -> bool:
+    def check(force: bool = False) -> bool:
         if signal():
             return True
-        if run is None or time.monotonic() - last[0] < 2.0:
+        if run is None or (not force and time.monotonic() - last[0] < 2.0):
             return False
         last[0] = time.monotonic()
         try:
@@ -417,6 +409,10 @@ def deploy_dgd(
     )
     if mine and ctx.flow_run_id is not None:
         run_dgds.add(ctx.flow_run_id, _Owned(api, dgd))
+        # deleted with the run if it is cancelled (runner or API), crashes or fails
+        register_teardown(
+            _teardown_key(ctx.flow_run_id), partial(_teardown_run_quietly, ctx.flow_run_id)
+        )
     verb = {"created": "created", "recreated": "recreated"}.get(applied.outcome, "attached to")
     ctx.logger.info(f"{verb} DGD {ns}/{dgd.name}; frontend {dgd.frontend_url}")
     if applied.drift:
@@ -471,6 +467,11 @@ def wait_dgd_ready(
             interrupted=ctx.interrupted,
         )
     except Exception as exc:
+        if isinstance(exc, dynamo.DgdFailed) and ctx.interrupted(force=True):
+            # the run's teardown deleted it: report the cancellation, not a vanished DGD
+            exc = dynamo.DgdNotReady(
+                f"waiting for DGD {dgd.name} was interrupted: the flow run is being cancelled"
+            )
         message = redact(str(exc))
         ctx.logger.error(message)
         _emit("failed", dgd, {"message": message[:300]})
@@ -479,7 +480,7 @@ def wait_dgd_ready(
             dgd,
             state="failed" if isinstance(exc, dynamo.DgdFailed) else "not ready",
         )
-        raise
+        raise exc from None
     took = round(time.monotonic() - start, 2)
     ctx.logger.info(f"DGD {dgd.name} is ready ({took}s): {dgd.frontend_url}")
     _emit("ready", dgd, {"seconds": took})
@@ -567,7 +568,6 @@ __all__ = [
     "render_dgd",
     "resolve_kube",
     "teardown_dgds",
-    "teardown_flow_run_dgds",
     "teardown_now",
     "wait_dgd_ready",
 ]

@@ -243,7 +243,7 @@ _default: LocalRayCluster | None = None
 _default_lock = threading.Lock()
 
 
-def default_cluster() -> RayJobsCluster:
+def default_local_cluster() -> LocalRayCluster:
     """The cluster used when none is configured: a running local one, else one we start.
 
     One per process; a cluster we start is stopped when the process exits.
@@ -256,7 +256,12 @@ def default_cluster() -> RayJobsCluster:
                 log.info("no Ray cluster configured or running: starting a local one")
                 _default = start_local_ray()
                 atexit.register(_default.stop)
-        return _default.block()
+        return _default
+
+
+def default_cluster() -> RayJobsCluster:
+    """The block of the default local cluster (see default_local_cluster)."""
+    return default_local_cluster().block()
 
 
 def stop_default() -> int | None:

@@ -12,11 +12,12 @@ The command runs on the cluster's nodes as given: paths in it must exist there, 
 prefect_nemo must be importable by the cluster's workers (it hosts the actor class).
 
 Teardown paths: the context manager's `finally` (the flow body raised, returned or got
-Prefect's TerminationSignal on SIGTERM); flow hooks (`on_cancellation`, `on_crashed`) installed
-on the running flow; a watch thread that stops the replicas of runs cancelled through the API
-with no runner to signal them; and, for a driver killed with SIGKILL, the detached groups carry
-the flow run id in their names so `placement.sweep` finds them (the servers' reapers already
-killed the processes if the actors died with their node; detached actors wait for the sweep).
+Prefect's TerminationSignal on SIGTERM); `tasks.register_teardown`, as for every piece of remote
+work a flow run starts (flow hooks on cancellation, crash and failure, plus the one cancel watch
+for runs cancelled through the API with no runner to signal them); and, for a driver killed with
+SIGKILL, the detached groups carry the flow run id in their names so `placement.sweep` finds
+them (the servers' reapers already killed the processes if the actors died with their node;
+detached actors wait for the sweep).
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import ray
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from prefect.context import FlowRunContext, SettingsContext, TaskRunContext
+from prefect.context import FlowRunContext, TaskRunContext
 
 from prefect_nemo.local_ray import LocalRayCluster
 from prefect_nemo.placement import (
@@ -61,6 +63,7 @@ from prefect_nemo.placement import (
     wait_ready,
 )
 from prefect_nemo.placement.orphans import forget_owner, record_owner, sweep
+from prefect_nemo.tasks import live_work, register_teardown
 
 SERVE_PREFIX = NAME_PREFIX + "serve-"
 EVENT_PREFIX = "prefect-nemo.serve"
@@ -135,132 +138,10 @@ def connect_ray(
     if not ray_address:
         from prefect_nemo import local_ray
 
-        block = local_ray.default_cluster()
-        local = local_ray._default
-        ray_address = (local.gcs_address if local else None) or "auto"
-        if block.auth_token and not auth_token:
-            auth_token = block.auth_token.get_secret_value()
+        local = local_ray.default_local_cluster()
+        ray_address = local.gcs_address or "auto"
+        auth_token = auth_token or local.token
     connect(ray_address, auth_token=auth_token)
-
-
-# ---------------------------------------------------------------------------------------------
-# Replicas this process must tear down, per flow run (for hooks and the cancel watch)
-
-
-class _LiveReplicas:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_run: dict[str | None, dict[str, tuple[ReplicaSet, float]]] = {}
-
-    def add(self, rs: ReplicaSet, stop_timeout_s: float) -> None:
-        with self._lock:
-            self._by_run.setdefault(rs.flow_run_id, {})[rs.name] = (rs, stop_timeout_s)
-
-    def discard(self, rs: ReplicaSet) -> None:
-        with self._lock:
-            self._by_run.get(rs.flow_run_id, {}).pop(rs.name, None)
-
-    def take(self, flow_run_id: str | None) -> list[tuple[ReplicaSet, float]]:
-        with self._lock:
-            return list(self._by_run.pop(flow_run_id, {}).values())
-
-    def flow_run_ids(self) -> list[str]:
-        with self._lock:
-            return [r for r, sets in self._by_run.items() if r and sets]
-
-
-live_replicas = _LiveReplicas()
-
-
-def stop_flow_run_replicas(flow: Any, flow_run: Any, state: Any) -> None:
-    """Flow hook: tear down every replica set this process still runs for the flow run."""
-    _teardown_run(str(flow_run.id), f"flow run {flow_run.name} ended {state.type.value}")
-
-
-def _teardown_run(flow_run_id: str, why: str) -> None:
-    sets = live_replicas.take(flow_run_id)
-    if not sets:
-        return
-    logger = logging.getLogger("prefect_nemo")
-    logger.warning(f"{why}: stopping {len(sets)} replica set(s)")
-    for rs, stop_timeout_s in sets:
-        with contextlib.suppress(Exception):
-            teardown(rs, stop_timeout_s=stop_timeout_s)
-
-
-def _install_hooks(flow: Any) -> None:
-    # Failure needs no hook: the context manager's `finally` already ran by then.
-    for hooks in (flow.on_cancellation_hooks, flow.on_crashed_hooks):
-        if stop_flow_run_replicas not in hooks:
-            hooks.append(stop_flow_run_replicas)
-
-
-class _CancelWatch:
-    """Tears down the replicas of flow runs cancelled through the API (no runner to signal us).
-
-    Same contract as tasks._CancelWatch for jobs: one thread per process, one API request every
-    `interval_s` while replicas are live, ends when none are.
-    """
-
-    interval_s = 2.0
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._running = False
-
-    def ensure_running(self) -> None:
-        with self._lock:
-            if self._running:
-                return
-            self._running = True
-        settings = SettingsContext.get()
-        threading.Thread(
-            target=self._run,
-            args=(settings.model_copy() if settings else None,),
-            daemon=True,
-            name="prefect-nemo-serve-cancel-watch",
-        ).start()
-
-    def _run(self, settings: SettingsContext | None) -> None:
-        try:
-            with settings or contextlib.nullcontext():
-                while True:
-                    time.sleep(self.interval_s)
-                    with self._lock:
-                        run_ids = live_replicas.flow_run_ids()
-                        if not run_ids:
-                            return
-                    try:
-                        for run_id in _cancelled(run_ids):
-                            _teardown_run(run_id, f"flow run {run_id} was cancelled")
-                    except Exception as exc:  # the API may be briefly away
-                        logging.getLogger("prefect_nemo").debug(f"serve cancel watch: {exc}")
-        finally:
-            with self._lock:
-                self._running = False
-
-
-def _cancelled(run_ids: list[str]) -> list[str]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterId,
-        FlowRunFilterState,
-        FlowRunFilterStateType,
-    )
-    from prefect.client.schemas.objects import StateType
-
-    flt = FlowRunFilter(
-        id=FlowRunFilterId(any_=[uuid.UUID(r) for r in run_ids]),
-        state=FlowRunFilterState(
-            type=FlowRunFilterStateType(any_=[StateType.CANCELLING, StateType.CANCELLED])
-        ),
-    )
-    with get_client(sync_client=True) as client:
-        return [str(run.id) for run in client.read_flow_runs(flow_run_filter=flt)]
-
-
-cancel_watch = _CancelWatch()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,8 +160,6 @@ def _logger() -> Any:
 def _flow_run_id() -> str | None:
     flow_ctx = FlowRunContext.get()
     if flow_ctx and flow_ctx.flow_run:
-        if flow_ctx.flow is not None:
-            _install_hooks(flow_ctx.flow)
         return str(flow_ctx.flow_run.id)
     task_ctx = TaskRunContext.get()
     if task_ctx and task_ctx.task_run.flow_run_id:
@@ -343,9 +222,8 @@ def start(
     flow_run_id = _flow_run_id()
     tag = (flow_run_id or "none").replace("-", "")[:12] + "-" + uuid.uuid4().hex[:6]
     rs = ReplicaSet(name=f"{SERVE_PREFIX}{_slug(name)}-{tag}", flow_run_id=flow_run_id, ranks=nodes)
-    live_replicas.add(rs, stop_timeout_s)
-    if flow_run_id:
-        cancel_watch.ensure_running()
+    # torn down with the flow run if it is cancelled or crashes before our own `finally`
+    register_teardown(_teardown_key(rs), partial(_teardown_quietly, rs, stop_timeout_s))
     try:
         pgs = []
         for i in range(replicas):
@@ -547,7 +425,7 @@ def teardown(rs: ReplicaSet, *, stop_timeout_s: float = STOP_TIMEOUT_S) -> list[
         if rs.stopped.is_set():
             return []
         rs.stopped.set()
-    live_replicas.discard(rs)
+    live_work.discard(rs.flow_run_id, _teardown_key(rs))
     actors = []
     for group in rs.groups:
         for b in range(rs.ranks):
@@ -559,6 +437,18 @@ def teardown(rs: ReplicaSet, *, stop_timeout_s: float = STOP_TIMEOUT_S) -> list[
         forget_owner(group)
     _emit(rs, "stopped", {"reports": reports})
     return reports
+
+
+def _teardown_key(rs: ReplicaSet) -> str:
+    return f"replicas {rs.name}"
+
+
+def _teardown_quietly(rs: ReplicaSet, stop_timeout_s: float) -> str:
+    try:
+        teardown(rs, stop_timeout_s=stop_timeout_s)
+    except Exception as exc:
+        return f"teardown failed: {exc}"
+    return "stopped"
 
 
 # ---------------------------------------------------------------------------------------------

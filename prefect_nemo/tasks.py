@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -155,38 +156,54 @@ def _cancel_signal(flow_ctx: FlowRunContext | None, task_run: Any) -> Callable[[
 # Jobs this process is responsible for, so flow hooks can stop them
 
 
-@dataclass(frozen=True)
-class _LiveJob:
-    backend: Backend
-    handle: JobHandle
-    stop_timeout_s: float
-
-
-class _LiveJobs:
-    """Jobs started or attached by this process that have not ended, per flow run."""
+class _LiveWork:
+    """What each flow run started in this process and has not ended yet: jobs, replica sets,
+    inference graphs. Each piece comes with the callable that stops it (and says how it
+    ended); flow hooks and the cancel watch call them when the run ends any other way than
+    success, so every kind of remote work is torn down by one mechanism."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_run: dict[str | None, dict[str, _LiveJob]] = {}
+        self._by_run: dict[str, dict[str, Callable[[], str]]] = {}
 
-    def add(self, flow_run_id: str | None, job: _LiveJob) -> None:
+    def add(self, flow_run_id: str, key: str, stop: Callable[[], str]) -> None:
         with self._lock:
-            self._by_run.setdefault(flow_run_id, {})[job.handle.job_id] = job
+            self._by_run.setdefault(flow_run_id, {})[key] = stop
 
-    def discard(self, flow_run_id: str | None, job_id: str) -> None:
+    def discard(self, flow_run_id: str | None, key: str) -> None:
         with self._lock:
-            self._by_run.get(flow_run_id, {}).pop(job_id, None)
+            self._by_run.get(flow_run_id or "", {}).pop(key, None)
 
-    def take(self, flow_run_id: str | None) -> list[_LiveJob]:
+    def take(self, flow_run_id: str) -> list[tuple[str, Callable[[], str]]]:
         with self._lock:
-            return list(self._by_run.pop(flow_run_id, {}).values())
+            return list(self._by_run.pop(flow_run_id, {}).items())
 
     def flow_run_ids(self) -> list[str]:
         with self._lock:
-            return [run_id for run_id, jobs in self._by_run.items() if run_id and jobs]
+            return [run_id for run_id, work in self._by_run.items() if work]
 
 
-live_jobs = _LiveJobs()
+live_work = _LiveWork()
+
+
+def register_teardown(key: str, stop: Callable[[], str]) -> str | None:
+    """Have stop() called if the current flow run is cancelled (through a runner or the API),
+    crashes or fails while this work is live. stop() must not raise; it returns how the work
+    ended. Returns the flow run id (None outside a run): pass it to `live_work.discard` once
+    the work has ended normally."""
+    flow_ctx = FlowRunContext.get()
+    task_ctx = TaskRunContext.get()
+    if flow_ctx is not None and flow_ctx.flow_run is not None:
+        run_id = str(flow_ctx.flow_run.id)
+        if flow_ctx.flow is not None:
+            _install_stop_hooks(flow_ctx.flow)
+    elif task_ctx is not None and task_ctx.task_run.flow_run_id:
+        run_id = str(task_ctx.task_run.flow_run_id)
+    else:
+        return None
+    live_work.add(run_id, key, stop)
+    cancel_watch.ensure_running()
+    return run_id
 
 
 class _CancelWatch:
@@ -232,7 +249,7 @@ class _CancelWatch:
         while True:
             time.sleep(self.interval_s)
             with self._lock:
-                run_ids = live_jobs.flow_run_ids()
+                run_ids = live_work.flow_run_ids()
                 if not run_ids:
                     self._running = False
                     return
@@ -266,22 +283,21 @@ def stop_flow_run_jobs(flow: Any, flow_run: Any, state: Any) -> None:
 
 
 def _stop_run_jobs(flow_run_id: str, why: str) -> None:
-    jobs = live_jobs.take(flow_run_id)
-    if not jobs:
+    work = live_work.take(flow_run_id)
+    if not work:
         return
     logger = get_logger("prefect_nemo")
-    logger.warning(f"{why}: stopping {len(jobs)} job(s)")
-    with ThreadPoolExecutor(max_workers=min(16, len(jobs))) as pool:
-        for job, outcome in zip(jobs, pool.map(_stop_quietly, jobs), strict=True):
-            logger.warning(f"job {job.handle.job_id}: {outcome}")
+    logger.warning(f"{why}: stopping {len(work)} piece(s) of remote work")
+    with ThreadPoolExecutor(max_workers=min(16, len(work))) as pool:
+        outcomes = pool.map(lambda item: item[1](), work)
+        for (key, _), outcome in zip(work, outcomes, strict=True):
+            logger.warning(f"{key}: {outcome}")
 
 
-def _stop_quietly(job: _LiveJob) -> str:
-    redact = Redactor(job.backend.secrets)
+def _stop_quietly(backend: Backend, job_id: str, timeout_s: float) -> str:
+    redact = Redactor(backend.secrets)
     try:
-        status = lifecycle.stop_and_confirm(
-            job.backend, job.handle.job_id, timeout_s=job.stop_timeout_s
-        )
+        status = lifecycle.stop_and_confirm(backend, job_id, timeout_s=timeout_s)
         return status.state.value if status else "gone"
     except Exception as exc:
         return redact(f"stop not confirmed: {exc}")
@@ -373,8 +389,10 @@ def _watch(
     whole_log: str | None = None  # read once when the job ends (streaming) for the log tail
     final: JobStatus | None = None
     stopped = False  # set once we have stopped the job ourselves
-    live_jobs.add(ctx.flow_run_id, _LiveJob(backend, handle, block.stop_timeout_s))
-    cancel_watch.ensure_running()
+    if ctx.flow_run_id:
+        stop = partial(_stop_quietly, backend, handle.job_id, block.stop_timeout_s)
+        live_work.add(ctx.flow_run_id, f"job {handle.job_id}", stop)
+        cancel_watch.ensure_running()
 
     def sink(line: str) -> None:
         ctx.logger.info(redact(f"[{handle.job_id}] {line}"))
@@ -413,7 +431,7 @@ def _watch(
         # Cancelled, crashed or lost the cluster: the job must not outlive us.
         if final is None and not stopped:
             _stop(backend, handle, block, reporter)
-        live_jobs.discard(ctx.flow_run_id, handle.job_id)
+        live_work.discard(ctx.flow_run_id, f"job {handle.job_id}")
 
     if final.state is JobState.SUCCEEDED:
         return _result(handle, final, attached, redact)
