@@ -232,6 +232,11 @@ class LoopbackKubeServer:
                 await self._session.close()
             if self._runner is not None:
                 await self._runner.cleanup()
+            # handlers of connections clients keep open (watches) end here, not as leftovers
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in rest:
+                task.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
 
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(shutdown(), loop).result(15)
