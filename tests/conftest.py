@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -39,6 +40,40 @@ def cluster(ray_head: LocalRayCluster, prefect_api: str):
 def ray_client(ray_head: LocalRayCluster):
     """Ray's own client, to look at the cluster behind our back."""
     return ray_head.block().backend().client
+
+
+# -- Kubernetes: one loopback API server per test module, and the operator simulators on it ------
+
+
+@pytest.fixture(scope="module")
+def kube_server() -> Iterator[Any]:
+    from prefect_nemo.testing.kube_api import LoopbackKubeServer, crd_dir
+
+    with LoopbackKubeServer(crds=[crd_dir()]) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def dynamo_sim(kube_server: Any) -> Iterator[Any]:
+    from prefect_nemo.testing.operators import DynamoSimulator
+
+    with DynamoSimulator(kube_server, start_delay_s=0.2) as sim:
+        yield sim
+
+
+@pytest.fixture(scope="module")
+def kuberay(kube_server: Any, ray_head: Any) -> Iterator[Any]:
+    from prefect_nemo.testing.operators import KubeRaySimulator
+
+    with KubeRaySimulator(kube_server, ray_head.dashboard_url, ray_head.token) as sim:
+        yield sim
+
+
+@pytest.fixture(scope="module")
+def kube_block(kube_server: Any) -> Any:
+    from prefect_nemo.blocks.kubernetes import KubernetesCluster
+
+    return KubernetesCluster(kubeconfig=kube_server.kubeconfig())
 
 
 def subprocess_env(prefect_api: str, **extra: str) -> dict[str, str]:

@@ -9,7 +9,6 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -242,22 +241,6 @@ def test_frontend_url_and_conflicting_settings() -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Against the loopback API server and the Dynamo operator simulator
-
-
-@pytest.fixture(scope="module")
-def kube_server() -> Iterator[Any]:
-    from prefect_nemo.testing.kube_api import LoopbackKubeServer, crd_dir
-
-    with LoopbackKubeServer(crds=[crd_dir()]) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def dynamo_sim(kube_server: Any) -> Iterator[Any]:
-    from prefect_nemo.testing.operators import DynamoSimulator
-
-    with DynamoSimulator(kube_server, start_delay_s=0.2) as sim:
-        yield sim
 
 
 @pytest.fixture(scope="module")

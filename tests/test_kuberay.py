@@ -241,29 +241,6 @@ class _NoApi:
 
 
 @pytest.fixture(scope="module")
-def kube_server() -> Iterator[Any]:
-    from prefect_nemo.testing.kube_api import LoopbackKubeServer, crd_dir
-
-    with LoopbackKubeServer(crds=[crd_dir()]) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def kuberay(kube_server: Any, ray_head: Any) -> Iterator[Any]:
-    from prefect_nemo.testing.operators import KubeRaySimulator
-
-    with KubeRaySimulator(kube_server, ray_head.dashboard_url, ray_head.token) as sim:
-        yield sim
-
-
-@pytest.fixture(scope="module")
-def kube_block(kube_server: Any) -> Any:
-    from prefect_nemo.blocks.kubernetes import KubernetesCluster
-
-    return KubernetesCluster(kubeconfig=kube_server.kubeconfig())
-
-
-@pytest.fixture(scope="module")
 def shared_cluster(kube_block: Any, kuberay: Any) -> str:
     """An existing RayCluster 'shared' (created and waited for with our lifecycle helpers)."""
     api = kube_block.api()

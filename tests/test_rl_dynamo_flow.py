@@ -8,7 +8,6 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -54,37 +53,6 @@ def cluster_spec() -> dict[str, Any]:
             }
         ],
     }
-
-
-@pytest.fixture(scope="module")
-def kube_server() -> Iterator[Any]:
-    from prefect_nemo.testing.kube_api import LoopbackKubeServer, crd_dir
-
-    with LoopbackKubeServer(crds=[crd_dir()]) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def dynamo_sim(kube_server: Any) -> Iterator[Any]:
-    from prefect_nemo.testing.operators import DynamoSimulator
-
-    with DynamoSimulator(kube_server, start_delay_s=0.2) as sim:
-        yield sim
-
-
-@pytest.fixture(scope="module")
-def kuberay(kube_server: Any, ray_head: Any) -> Iterator[Any]:
-    from prefect_nemo.testing.operators import KubeRaySimulator
-
-    with KubeRaySimulator(kube_server, ray_head.dashboard_url, ray_head.token) as sim:
-        yield sim
-
-
-@pytest.fixture(scope="module")
-def kube_block(kube_server: Any) -> Any:
-    from prefect_nemo.blocks.kubernetes import KubernetesCluster
-
-    return KubernetesCluster(kubeconfig=kube_server.kubeconfig())
 
 
 @pytest.fixture

@@ -24,14 +24,6 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def kube_server() -> Iterator[Any]:
-    from prefect_nemo.testing.kube_api import LoopbackKubeServer, crd_dir
-
-    with LoopbackKubeServer(crds=[crd_dir()]) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def trainer(kube_server: Any) -> Iterator[Any]:
     from prefect_nemo.testing.operators import TrainJobSimulator
 
