@@ -22,9 +22,11 @@ from pydantic import (
     StrictStr,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from prefect_nemo.errors import InvalidJobSpec
+from prefect_nemo.placement.spec import PlacementSpec  # plain pydantic: no Ray, no Prefect
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Metadata keys we write on every job; users may not set them.
@@ -109,7 +111,7 @@ class JobSpec(_Model):
     """What to run: a shell entrypoint with its environment, code, resources and limits.
 
     Fields: entrypoint, name, env, working_dir, exclude, resources, label_selector,
-    runtime_env, labels, metadata, timeout_s.
+    placement, runtime_env, labels, metadata, timeout_s.
     """
 
     entrypoint: StrictStr = Field(description="Shell command the job runs, e.g. 'python train.py'.")
@@ -133,6 +135,12 @@ class JobSpec(_Model):
     label_selector: dict[StrictStr, StrictStr] = Field(
         default_factory=dict,
         description="Node labels the entrypoint must land on (Ray >= 2.54 label selectors).",
+    )
+    placement: PlacementSpec | None = Field(
+        None,
+        description="Where the job runs, backend-neutral (nodes, GPUs/CPUs per node, node "
+        "labels, head exclusion); each backend translates it. Use it instead of "
+        "resources.cpus/gpus and label_selector, not with them.",
     )
     runtime_env: dict[StrictStr, Any] = Field(
         default_factory=dict,
@@ -213,6 +221,27 @@ class JobSpec(_Model):
             raise ValueError("set JobSpec.env instead of runtime_env['env_vars']")
         return value
 
+    @model_validator(mode="after")
+    def _one_way_to_place(self) -> JobSpec:
+        if self.placement is None:
+            return self
+        clashes = [
+            name
+            for name, value in (
+                ("resources.cpus", self.resources.cpus),
+                ("resources.gpus", self.resources.gpus),
+                ("label_selector", self.label_selector or None),
+            )
+            if value is not None
+        ]
+        if clashes:
+            both = " and ".join(f"JobSpec.{c}" for c in clashes)
+            raise ValueError(
+                f"JobSpec.placement and {both} each say where the job runs: keep one (put the "
+                "CPUs, GPUs and node labels in placement, or drop placement)"
+            )
+        return self
+
     def plain_env(self) -> dict[str, str]:
         """The environment with secret values revealed, for handing to the backend only."""
         return {
@@ -229,6 +258,8 @@ class JobSpec(_Model):
         Secret values are left out (a hash of a short secret could be brute-forced).
         """
         data = self.model_dump(mode="json", exclude={"timeout_s"})
+        if self.placement is None:  # absent, not null: specs without one keep their fingerprint
+            del data["placement"]
         data["env"] = {
             k: "<secret>" if isinstance(v, SecretStr) else v for k, v in self.env.items()
         }

@@ -16,6 +16,10 @@ What the NeMo-Run KubeflowExecutor does, made crash-safe:
   into the ``node`` container with a ``runtimePatches`` entry (the v2.3 TrainJob field); the
   trainer command reassembles it, ``cd``s into it and runs the entrypoint under torchrun with the
   rendezvous the Torch plugin hands every node in ``PET_*`` env vars.
+- ``JobSpec.placement``: the block stays the one source of the shape (nodes, GPUs, CPUs per
+  node: the runtime), so a placement must agree with it (`check_placement`); its node labels
+  (and, for several nodes, its one-pod-per-host anti-affinity) reach the node pods through a
+  second ``runtimePatches`` entry, per job, without a new runtime.
 - Secret env values (SecretStr in JobSpec.env) go into a Secret we own, read through
   ``valueFrom.secretKeyRef``; nothing we write (TrainJob, ConfigMap, log line) holds them.
 - Secret and ConfigMaps exist before the TrainJob (its pods need them at start) and are owned
@@ -94,6 +98,7 @@ from prefect_nemo.names import (
     resource_name,
     stable_hash,
 )
+from prefect_nemo.placement.spec import PlacementSpec, to_kubernetes
 
 if TYPE_CHECKING:
     from prefect_nemo.packaging import TransportPlan
@@ -106,7 +111,9 @@ HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
 ANNOTATION_PREFIX = "prefect-nemo.io/"
 METADATA_ANNOTATION = "prefect-nemo.io/metadata"
 OBJECTS_ANNOTATION = "prefect-nemo.io/owned-objects"  # Secret/ConfigMaps this TrainJob owns
-PATCH_MANAGER = "prefect-nemo.io/code"  # our runtimePatches entry
+PATCH_MANAGER = "prefect-nemo.io/code"  # our runtimePatches entry for the code
+PLACEMENT_MANAGER = "prefect-nemo.io/placement"  # ... and for JobSpec.placement
+PLACEMENT_GROUP_LABEL = "prefect-nemo/placement-group"  # what to_kubernetes' anti-affinity selects
 SECRET_SUFFIX = "-env"
 MAX_OBJECT_BYTES = 1_000_000
 
@@ -280,6 +287,8 @@ def check_spec(spec: JobSpec, config: TrainerConfig) -> None:
         raise InvalidJobSpec(
             "JobSpec.label_selector: Ray label selectors do not apply to TrainJobs: drop it"
         )
+    if spec.placement is not None:
+        check_placement(spec.placement, config)
     if spec.runtime_env:
         raise InvalidJobSpec(
             "JobSpec.runtime_env: a Ray runtime_env does not apply to TrainJobs: ship code with "
@@ -303,6 +312,40 @@ def check_spec(spec: JobSpec, config: TrainerConfig) -> None:
         raise InvalidJobSpec(
             f"JobSpec.working_dir: {spec.working_dir} is not a directory on this machine"
         )
+
+
+def check_placement(placement: PlacementSpec, config: TrainerConfig) -> None:
+    """The block is the one source of a TrainJob's shape (its runtime, named by a hash of it);
+    a placement must agree with it on nodes and GPUs (and CPUs, when the block sets them), and
+    adds where: node_labels become the pods' nodeSelector / node affinity. exclude_head has no
+    meaning without a Ray head and is ignored."""
+    fix = "make them equal (the block sets the runtime's shape; placement says where)"
+    if placement.nodes != config.num_nodes:
+        raise InvalidJobSpec(
+            f"JobSpec.placement.nodes: {placement.nodes}, but the KubeflowTrainerCluster's "
+            f"num_nodes is {config.num_nodes}: {fix}"
+        )
+    if placement.gpus_per_node != config.gpus_per_node:
+        raise InvalidJobSpec(
+            f"JobSpec.placement.gpus_per_node: {placement.gpus_per_node}, but the "
+            f"KubeflowTrainerCluster's gpus_per_node is {config.gpus_per_node}: {fix}"
+        )
+    block_cpus = _cpu_cores(config.cpus_per_node)
+    if block_cpus is not None and placement.cpus_per_node != block_cpus:
+        raise InvalidJobSpec(
+            f"JobSpec.placement.cpus_per_node: {placement.cpus_per_node:g}, but the "
+            f"KubeflowTrainerCluster's cpus_per_node is {config.cpus_per_node!r}: {fix}"
+        )
+
+
+def _cpu_cores(quantity: str | None) -> float | None:
+    """'2' -> 2.0, '500m' -> 0.5; None (or a form we do not parse) -> None."""
+    if not quantity:
+        return None
+    try:
+        return float(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+    except ValueError:
+        return None
 
 
 # -------------------------------------------------------------------------------------------
@@ -524,6 +567,35 @@ def code_patch(plan: TransportPlan) -> dict[str, Any]:
     }
 
 
+def placement_patch(placement: PlacementSpec, job_id: str) -> dict[str, Any] | None:
+    """The runtimePatches entry putting JobSpec.placement's scheduling on the node pods
+    (nodeSelector, node affinity; for nodes > 1 the pod anti-affinity, with the group label it
+    selects on), or None when it constrains nothing. Resources come from the runtime, which
+    check_placement made agree. A patched `affinity` replaces the runtime's (Trainer applies
+    patches field by field), so the anti-affinity is repeated here, not left to the runtime."""
+    pod = to_kubernetes(placement, group=job_id)
+    spec: dict[str, Any] = {}
+    if pod["nodeSelector"]:
+        spec["nodeSelector"] = pod["nodeSelector"]
+    if pod["affinity"]:
+        spec["affinity"] = pod["affinity"]
+    if not spec:
+        return None
+    template: dict[str, Any] = {"spec": spec}
+    if "podAntiAffinity" in pod["affinity"]:
+        template["metadata"] = {"labels": {PLACEMENT_GROUP_LABEL: job_id}}
+    return {
+        "manager": PLACEMENT_MANAGER,
+        "trainingRuntimeSpec": {
+            "template": {
+                "spec": {
+                    "replicatedJobs": [{"name": NODE, "template": {"spec": {"template": template}}}]
+                }
+            }
+        },
+    }
+
+
 def trainjob_manifest(
     spec: JobSpec,
     job_id: str,
@@ -570,8 +642,12 @@ def trainjob_manifest(
         },
         "trainer": trainer,
     }
-    if plan is not None:
-        body["runtimePatches"] = [code_patch(plan)]
+    patches = [code_patch(plan)] if plan is not None else []
+    placed = placement_patch(spec.placement, job_id) if spec.placement is not None else None
+    if placed is not None:
+        patches.append(placed)
+    if patches:
+        body["runtimePatches"] = patches
     manifest = {
         "apiVersion": TRAIN_JOB.api_version,
         "kind": TRAIN_JOB.kind,

@@ -86,6 +86,7 @@ from prefect_nemo.kube import (
 )
 from prefect_nemo.names import is_dns1035_label, is_dns1123_subdomain, is_label_key, label_value
 from prefect_nemo.packaging import collect_source, stage_source
+from prefect_nemo.placement.spec import to_ray_entrypoint
 
 SubmissionMode = Literal["K8sJobMode", "HTTPMode", "SidecarMode"]
 SUBMISSION_MODES: tuple[str, ...] = ("K8sJobMode", "HTTPMode", "SidecarMode")
@@ -215,6 +216,25 @@ def check_spec(spec: JobSpec, config: RayJobConfig) -> None:
             "JobSpec.label_selector: a RayJob has no entrypoint label selector: drop it, or use "
             "entrypoint resources (JobSpec.resources.custom) to steer the driver"
         )
+    placement = spec.placement
+    if placement is not None:
+        if placement.nodes != 1:
+            raise InvalidJobSpec(
+                f"JobSpec.placement.nodes: {placement.nodes}, but a RayJob's entrypoint runs on "
+                "one node: use nodes=1 (strategy='pack') and put multi-node work in the "
+                "RayCluster spec (its worker groups), where the job's own Ray tasks spread"
+            )
+        if placement.node_labels:
+            raise InvalidJobSpec(
+                "JobSpec.placement.node_labels: a RayJob has no entrypoint label selector: drop "
+                "them, or steer the driver with entrypoint resources (JobSpec.resources.custom)"
+            )
+        if placement.exclude_head:
+            raise InvalidJobSpec(
+                "JobSpec.placement.exclude_head: a RayJob cannot keep its entrypoint off the "
+                "head (that needs a label selector): drop it, or give the head no CPUs in the "
+                "RayCluster spec (rayStartParams num-cpus: '0') so the driver lands on a worker"
+            )
     if spec.secret_values() and not config.inline:
         names = ", ".join(k for k, v in spec.env.items() if isinstance(v, SecretStr))
         raise InvalidJobSpec(
@@ -299,6 +319,12 @@ def rayjob_manifest(
         body["entrypointNumCpus"] = res.cpus
     if res.gpus is not None:
         body["entrypointNumGpus"] = res.gpus
+    if spec.placement is not None:  # check_spec refused what a RayJob cannot say
+        placed, _ = to_ray_entrypoint(spec.placement)
+        if "entrypoint_num_cpus" in placed:
+            body["entrypointNumCpus"] = placed["entrypoint_num_cpus"]
+        if "entrypoint_num_gpus" in placed:
+            body["entrypointNumGpus"] = placed["entrypoint_num_gpus"]
     if res.custom:
         body["entrypointResources"] = json.dumps(dict(res.custom), sort_keys=True)
     if config.active_deadline_seconds is not None:

@@ -6,6 +6,7 @@ import inspect
 import json
 import ssl
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable, Collection
 from datetime import UTC, datetime
 from typing import Any, ClassVar, TypeVar
@@ -24,6 +25,9 @@ from prefect_nemo.errors import (
 )
 from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus
 from prefect_nemo.packaging import collect_source, stage_source
+from prefect_nemo.placement.errors import PlacementError
+from prefect_nemo.placement.plan import Topology
+from prefect_nemo.placement.spec import PlacementSpec, to_ray_entrypoint
 
 T = TypeVar("T")
 
@@ -176,6 +180,15 @@ class RayJobsBackend:
                 "JobSpec.label_selector: this Ray client does not support entrypoint label "
                 "selectors (needs ray >= 2.54): upgrade ray or drop label_selector"
             )
+        if spec.placement is not None:
+            # the head's id is only known at submit; a stand-in checks everything else
+            _, selector = _entrypoint_placement(spec.placement, "head-node-id")
+            if selector and "entrypoint_label_selector" not in _submit_params():
+                raise InvalidJobSpec(
+                    "JobSpec.placement: node_labels and exclude_head become an entrypoint label "
+                    "selector, which this Ray client does not support (needs ray >= 2.54): "
+                    "upgrade ray or drop them"
+                )
         try:
             json.dumps({**self._runtime_env, **spec.runtime_env}, allow_nan=False)
         except (TypeError, ValueError) as exc:
@@ -223,6 +236,12 @@ class RayJobsBackend:
             kwargs["entrypoint_resources"] = dict(res.custom)
         if spec.label_selector:  # older clients raise TypeError even for None: send only when set
             kwargs["entrypoint_label_selector"] = dict(spec.label_selector)
+        if spec.placement is not None:  # JobSpec refuses it together with cpus/gpus/selector
+            head = self.head_node_id() if spec.placement.exclude_head else None
+            placed, selector = _entrypoint_placement(spec.placement, head)
+            kwargs.update(placed)
+            if selector:
+                kwargs["entrypoint_label_selector"] = selector
         try:
             self._call(
                 lambda: self.client.submit_job(
@@ -238,6 +257,30 @@ class RayJobsBackend:
                 raise JobAlreadyExists(f"Ray job '{job_id}' already exists") from None
             raise
         return self.handle(job_id)
+
+    def head_node_id(self) -> str:
+        """The Ray id of the cluster's head node, from the dashboard's state API (which lists
+        no node for a few seconds after the cluster starts: asked again, up to ~3 s)."""
+        for attempt in range(4):
+            response = self._call(
+                lambda: self.client._do_request("GET", "/api/v0/nodes?limit=1000")
+            )
+            if response.status_code != 200:
+                raise BackendUnavailable(
+                    f"Ray dashboard at {self.address} answered {response.status_code} to "
+                    f"/api/v0/nodes: {response.text[:200]}"
+                )
+            rows = response.json().get("data", {}).get("result", {}).get("result", [])
+            head = Topology.from_state_nodes(rows).head
+            if head is not None:
+                return head.node_id
+            if attempt < 3:
+                time.sleep(1.0)
+        raise BackendUnavailable(
+            f"Ray dashboard at {self.address} lists no alive head node, so "
+            "JobSpec.placement.exclude_head cannot name it: check the cluster, or use a worker "
+            "label in placement.node_labels instead"
+        )
 
     def statuses(self, job_ids: Collection[str]) -> dict[str, JobStatus]:
         """One list_jobs call answers for every job we watch on this cluster."""
@@ -284,6 +327,16 @@ class RayJobsBackend:
         if isinstance(self._verify, str):
             return ssl.create_default_context(cafile=self._verify)
         return True
+
+
+def _entrypoint_placement(
+    placement: PlacementSpec, head_node_id: str | None
+) -> tuple[dict[str, float], dict[str, str]]:
+    """to_ray_entrypoint, its errors naming the JobSpec field."""
+    try:
+        return to_ray_entrypoint(placement, head_node_id=head_node_id)
+    except PlacementError as exc:
+        raise InvalidJobSpec(f"JobSpec.placement: {exc}") from None
 
 
 def _submit_params() -> set[str]:
