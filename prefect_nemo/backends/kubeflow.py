@@ -53,7 +53,6 @@ import json
 import re
 import shlex
 import threading
-from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Collection
 from dataclasses import dataclass
 from datetime import datetime
@@ -90,6 +89,7 @@ from prefect_nemo.kube import (
     managed_labels,
     wait_for,
 )
+from prefect_nemo.kube.memory import JobMemory, Subscribers
 from prefect_nemo.names import (
     is_dns1035_label,
     is_dns1123_subdomain,
@@ -775,19 +775,7 @@ def status_from_trainjob(obj: dict[str, Any], pods: list[dict[str, Any]]) -> Job
 # -------------------------------------------------------------------------------------------
 # Process-wide bookkeeping shared by the backend instances of one namespace
 
-_deleted: set[tuple[str, str]] = set()  # (cluster, job id) of TrainJobs we deleted
-_log_cache: OrderedDict[tuple[str, str], str] = OrderedDict()  # last log read, for after teardown
-_LOG_CACHE_JOBS = 256
-_state_lock = threading.Lock()
-
-
-def _remember_log(key: tuple[str, str], text: str) -> None:
-    with _state_lock:
-        if len(text) >= len(_log_cache.get(key, "")):
-            _log_cache[key] = text
-            _log_cache.move_to_end(key)
-        while len(_log_cache) > _LOG_CACHE_JOBS:
-            _log_cache.popitem(last=False)
+_memory = JobMemory()  # TrainJobs we deleted to stop them; last logs read
 
 
 # -------------------------------------------------------------------------------------------
@@ -816,7 +804,7 @@ class KubeflowTrainerBackend:
         self.max_code_bytes = max_code_bytes
         self._jobs: Informer | None = None
         self._pods: Informer | None = None
-        self._wakes: list[Callable[[], None]] = []
+        self._subscribers = Subscribers()
         self._lock = threading.Lock()
 
     # -- identity ------------------------------------------------------------------------------
@@ -907,8 +895,7 @@ class KubeflowTrainerBackend:
             owned.append((CONFIGMAP, cm))
         for kind, obj in owned:
             self._create_fresh(kind, obj)
-        with _state_lock:
-            _deleted.discard((self.cluster, job_id))
+        _memory.forget_deleted((self.cluster, job_id))
         try:
             created = self.api.create(TRAIN_JOB, manifest, self.namespace)
         except AlreadyExists:
@@ -950,29 +937,23 @@ class KubeflowTrainerBackend:
 
     def subscribe(self, wake: Callable[[], None]) -> Callable[[], None]:
         """Wake the watcher on every change of a managed TrainJob or of a TrainJob's pod."""
-        with self._lock:
-            self._wakes.append(wake)
+        self._subscribers.add(wake)
         self._ensure_informers()
 
         def unsubscribe() -> None:
-            with self._lock:
-                if wake in self._wakes:
-                    self._wakes.remove(wake)
-                idle = not self._wakes
-                informers = [self._jobs, self._pods] if idle else []
-                if idle:
-                    self._jobs = self._pods = None
-            for informer in informers:
-                if informer is not None:
-                    informer.stop()
+            if self._subscribers.remove(wake):
+                with self._lock:
+                    informers, self._jobs, self._pods = (self._jobs, self._pods), None, None
+                for informer in informers:
+                    if informer is not None:
+                        informer.stop()
 
         return unsubscribe
 
     def request_stop(self, job_id: str) -> None:
         """Delete the TrainJob (foreground: its JobSet and pods go first, then its Secret and
         ConfigMaps by ownership); lifecycle.stop_and_confirm waits until it is gone."""
-        with _state_lock:
-            _deleted.add((self.cluster, job_id))
+        _memory.mark_deleted((self.cluster, job_id))
         self.api.delete(TRAIN_JOB, job_id, self.namespace, propagation="Foreground")
 
     def logs(self, job_id: str) -> str:
@@ -980,19 +961,15 @@ class KubeflowTrainerBackend:
         key = (self.cluster, job_id)
         pod = self._node0(job_id)
         if pod is None:
-            with _state_lock:
-                return _log_cache.get(key, "")
+            return _memory.last_log(key) or ""
         try:
             text = self._read_log(pod)
         except (BackendUnavailable, NotFound):
-            with _state_lock:
-                cached = _log_cache.get(key)
+            cached = _memory.last_log(key)
             if cached is not None:
                 return cached
             raise
-        _remember_log(key, text)
-        with _state_lock:
-            return _log_cache.get(key, text)
+        return _memory.remember_log(key, text)
 
     async def tail_logs(self, job_id: str) -> AsyncGenerator[str, None]:
         """Poll node-0's log with a growing offset; ends when the job ends."""
@@ -1087,9 +1064,7 @@ class KubeflowTrainerBackend:
                     continue
 
     def _deleted_status(self, job_id: str) -> JobStatus | None:
-        with _state_lock:
-            deleted = (self.cluster, job_id) in _deleted
-        if not deleted:
+        if not _memory.was_deleted((self.cluster, job_id)):
             return None
         return JobStatus(
             job_id=job_id,
@@ -1102,20 +1077,15 @@ class KubeflowTrainerBackend:
             if self._jobs is None or self._pods is None:
                 self._jobs = Informer(
                     self.api, TRAIN_JOB, self.namespace,
-                    label_selector=f"{MANAGED_BY}=prefect-nemo", on_change=self._changed,
+                    label_selector=f"{MANAGED_BY}=prefect-nemo",
+                    on_change=self._subscribers.wake_all,
                 ).start()  # fmt: skip
                 self._pods = Informer(
                     self.api, POD, self.namespace,
                     label_selector=f"{MANAGED_BY}=prefect-nemo,{JOBSET_NAME}",
-                    on_change=self._changed,
+                    on_change=self._subscribers.wake_all,
                 ).start()  # fmt: skip
             return self._jobs, self._pods
-
-    def _changed(self, _event: str, _obj: dict[str, Any]) -> None:
-        with self._lock:
-            wakes = list(self._wakes)
-        for wake in wakes:
-            wake()
 
     @staticmethod
     def _cached_pods(pods: Informer, job_id: str) -> list[dict[str, Any]]:

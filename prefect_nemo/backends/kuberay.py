@@ -49,7 +49,6 @@ import json
 import re
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Collection
 from dataclasses import dataclass
 from datetime import datetime
@@ -84,6 +83,7 @@ from prefect_nemo.kube import (
     owner_reference,
     wait_for,
 )
+from prefect_nemo.kube.memory import JobMemory, Subscribers
 from prefect_nemo.names import is_dns1035_label, is_dns1123_subdomain, is_label_key, label_value
 from prefect_nemo.packaging import collect_source, stage_source
 from prefect_nemo.placement.spec import to_ray_entrypoint
@@ -460,20 +460,9 @@ def status_from_rayjob(obj: dict[str, Any]) -> JobStatus:
 # -------------------------------------------------------------------------------------------
 # Process-wide bookkeeping shared by the backend instances of one namespace
 
-_deleted: set[tuple[str, str]] = set()  # (cluster, job id) of RayJobs we deleted to stop them
+_memory = JobMemory()  # RayJobs we deleted to stop them; last logs read
 _stops: dict[tuple[str, str], float] = {}  # (cluster, job id) -> when we first asked it to stop
-_log_cache: OrderedDict[tuple[str, str], str] = OrderedDict()  # last log read, for after teardown
-_LOG_CACHE_JOBS = 256
-_state_lock = threading.Lock()
-
-
-def _remember_log(key: tuple[str, str], text: str) -> None:
-    with _state_lock:
-        if len(text) >= len(_log_cache.get(key, "")):
-            _log_cache[key] = text
-            _log_cache.move_to_end(key)
-        while len(_log_cache) > _LOG_CACHE_JOBS:
-            _log_cache.popitem(last=False)
+_stops_lock = threading.Lock()
 
 
 # -------------------------------------------------------------------------------------------
@@ -499,7 +488,7 @@ class KubeRayBackend:
         self.namespace = namespace or api.namespace
         self._ray_token = ray_token
         self._informer: Informer | None = None
-        self._wakes: list[Callable[[], None]] = []
+        self._subscribers = Subscribers()
         self._lock = threading.Lock()
 
     # -- identity ------------------------------------------------------------------------------
@@ -624,19 +613,15 @@ class KubeRayBackend:
 
     def subscribe(self, wake: Callable[[], None]) -> Callable[[], None]:
         """Wake the watcher on every change of a managed RayJob in the namespace."""
-        with self._lock:
-            self._wakes.append(wake)
+        self._subscribers.add(wake)
         self._ensure_informer(fresh=True)
 
         def unsubscribe() -> None:
-            with self._lock:
-                if wake in self._wakes:
-                    self._wakes.remove(wake)
-                informer, idle = self._informer, not self._wakes
-                if idle:
-                    self._informer = None
-            if idle and informer is not None:
-                informer.stop()
+            if self._subscribers.remove(wake):
+                with self._lock:
+                    informer, self._informer = self._informer, None
+                if informer is not None:
+                    informer.stop()
 
         return unsubscribe
 
@@ -656,7 +641,7 @@ class KubeRayBackend:
         ray_job_id, cluster = status.get("jobId"), status.get("rayClusterName")
         submitted = bool(ray_job_id and cluster and status.get("jobStatus"))
         key = (self.cluster, job_id)
-        with _state_lock:
+        with _stops_lock:
             first_stop = _stops.setdefault(key, time.monotonic())
         patient = time.monotonic() - first_stop < STOP_ESCALATE_S
         if submitted and patient and not (obj.get("metadata") or {}).get("deletionTimestamp"):
@@ -665,8 +650,7 @@ class KubeRayBackend:
                 return
             except BackendUnavailable:
                 pass  # the head is unreachable: deleting the RayJob is the sure way
-        with _state_lock:
-            _deleted.add(key)
+        _memory.mark_deleted(key)
         self.api.delete(RAY_JOB, job_id, self.namespace, propagation="Foreground")
 
     def logs(self, job_id: str) -> str:
@@ -675,16 +659,14 @@ class KubeRayBackend:
         try:
             target = self._ray_target(job_id)
             if target is None:
-                with _state_lock:
-                    return _log_cache.get(key, "")
+                return _memory.last_log(key) or ""
             text = self._ray(target[0]).logs(target[1])
         except (BackendUnavailable, RuntimeError):
-            with _state_lock:
-                cached = _log_cache.get(key)
+            cached = _memory.last_log(key)
             if cached is not None:
                 return cached
             raise
-        _remember_log(key, text)
+        _memory.remember_log(key, text)
         return text
 
     async def tail_logs(self, job_id: str) -> AsyncGenerator[str, None]:
@@ -701,15 +683,13 @@ class KubeRayBackend:
         key, seen = (self.cluster, job_id), ""
         async for chunk in self._ray(target[0]).tail_logs(target[1]):
             seen += chunk
-            _remember_log(key, seen)
+            _memory.remember_log(key, seen)
             yield chunk
 
     # -- helpers ----------------------------------------------------------------------------------
 
     def _deleted_status(self, job_id: str) -> JobStatus | None:
-        with _state_lock:
-            deleted = (self.cluster, job_id) in _deleted
-        if not deleted:
+        if not _memory.was_deleted((self.cluster, job_id)):
             return None
         return JobStatus(
             job_id=job_id,
@@ -730,16 +710,10 @@ class KubeRayBackend:
                     RAY_JOB,
                     self.namespace,
                     label_selector=f"{MANAGED_BY}=prefect-nemo",
-                    on_change=self._changed,
+                    on_change=self._subscribers.wake_all,
                 )
                 self._informer.start()
             return self._informer
-
-    def _changed(self, _event: str, _obj: dict[str, Any]) -> None:
-        with self._lock:
-            wakes = list(self._wakes)
-        for wake in wakes:
-            wake()
 
     def _ray_target(self, job_id: str) -> tuple[str, str] | None:
         """(RayCluster name, Ray submission id) once KubeRay has submitted the job."""

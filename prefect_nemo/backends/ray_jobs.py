@@ -35,7 +35,7 @@ T = TypeVar("T")
 OVERRIDE_RUNTIME_ENV = {"RAY_OVERRIDE_JOB_RUNTIME_ENV": "1"}
 
 
-class _TimedClient(JobSubmissionClient):
+class TimedJobClient(JobSubmissionClient):
     """JobSubmissionClient whose every HTTP request carries a timeout (Ray sets none)."""
 
     def __init__(self, address: str, *, timeout_s: float, **kwargs: Any) -> None:
@@ -63,7 +63,7 @@ def _status_from_details(details: JobDetails) -> JobStatus:
     )
 
 
-_clients: dict[tuple[object, ...], _TimedClient] = {}
+_clients: dict[tuple[object, ...], TimedJobClient] = {}
 _clients_lock = threading.Lock()
 
 
@@ -117,7 +117,7 @@ class RayJobsBackend:
     # -- client and error mapping ---------------------------------------------------------------
 
     @property
-    def client(self) -> _TimedClient:
+    def client(self) -> TimedJobClient:
         """The Ray client of this cluster, shared in the process (creating one checks version
         and auth with one request, so it is done once per cluster and credentials)."""
         key = (
@@ -130,7 +130,7 @@ class RayJobsBackend:
             client = _clients.get(key)
             if client is None:
                 client = self._call(
-                    lambda: _TimedClient(
+                    lambda: TimedJobClient(
                         self.address,
                         timeout_s=self._timeout_s,
                         headers=self._headers,

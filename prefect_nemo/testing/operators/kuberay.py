@@ -18,12 +18,12 @@ import threading
 import time
 from typing import Any
 
-import requests
 import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
-from ray.job_submission import JobDetails, JobStatus, JobSubmissionClient
+from ray.job_submission import JobDetails, JobStatus
 
+from prefect_nemo.backends.ray_jobs import TimedJobClient
 from prefect_nemo.testing.operators._controller import (
     PODS,
     Controller,
@@ -65,18 +65,6 @@ _ALPHANUMS = "bcdfghjklmnpqrstvwxz2456789"
 def rand_suffix(n: int = 5) -> str:
     """A random suffix as KubeRay's utils.GenerateRayClusterName/GenerateRayJobId make it."""
     return "".join(random.choice(_ALPHANUMS) for _ in range(n))
-
-
-class _TimedJobClient(JobSubmissionClient):
-    """Ray's Jobs client with a timeout on every request (Ray sets none)."""
-
-    def __init__(self, address: str, *, timeout_s: float, **kwargs: Any) -> None:
-        self._timeout_s = timeout_s  # set first: the base __init__ already sends a request
-        super().__init__(address, **kwargs)
-
-    def _do_request(self, method: str, endpoint: str, **kwargs: Any) -> requests.Response:
-        kwargs.setdefault("timeout", self._timeout_s)
-        return super()._do_request(method, endpoint, **kwargs)
 
 
 class _Invalid(Exception):
@@ -188,7 +176,7 @@ class KubeRaySimulator(Controller):
         self.ray_dashboard_url = ray_dashboard_url.rstrip("/")
         self.head_ready_delay_s = head_ready_delay_s
         self._ray_headers = {"Authorization": f"Bearer {ray_token}"} if ray_token else {}
-        self._ray: _TimedJobClient | None = None
+        self._ray: TimedJobClient | None = None
         self._ray_lock = threading.Lock()
         self._core = client.CoreV1Api(self.api_client)
         self._custom = client.CustomObjectsApi(self.api_client)
@@ -240,11 +228,11 @@ class KubeRaySimulator(Controller):
     # -- Ray ------------------------------------------------------------------------------------
 
     @property
-    def ray(self) -> _TimedJobClient:
+    def ray(self) -> TimedJobClient:
         """The Jobs API client of the real Ray (created once: creating it asks Ray's version)."""
         with self._ray_lock:
             if self._ray is None:
-                self._ray = _TimedJobClient(
+                self._ray = TimedJobClient(
                     self.ray_dashboard_url, timeout_s=30, headers=self._ray_headers
                 )
             return self._ray
