@@ -17,12 +17,18 @@ __all__ = ["LoopbackKubeServer", "RequestEntry", "RequestLog", "crd_dir"]
 
 
 def crd_dir() -> Path:
-    """Folder of real CRD manifests: `$PREFECT_NEMO_CRDS`, else `<repo root>/../shared/crds`."""
+    """Folder of real CRD manifests: `$PREFECT_NEMO_CRDS`, else the nearest `shared/crds` beside
+    the repository or one of its parent folders (the project keeps them outside the repo)."""
     env = os.environ.get("PREFECT_NEMO_CRDS")
-    path = Path(env) if env else Path(__file__).resolve().parents[3].parent / "shared" / "crds"
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"CRD directory {path} not found: set PREFECT_NEMO_CRDS to a folder of "
-            "CustomResourceDefinition YAML files"
-        )
-    return path
+    if env:
+        candidates = [Path(env)]
+    else:
+        repo = Path(__file__).resolve().parents[3]
+        candidates = [folder / "shared" / "crds" for folder in repo.parents]
+    for path in candidates:
+        if path.is_dir():
+            return path
+    raise FileNotFoundError(
+        f"no CRD directory at {candidates[0]}: set PREFECT_NEMO_CRDS to a folder of "
+        "CustomResourceDefinition YAML files (KubeRay, Kubeflow Trainer, Dynamo)"
+    )
