@@ -303,11 +303,19 @@ def _stop_quietly(backend: Backend, job_id: str, timeout_s: float) -> str:
         return redact(f"stop not confirmed: {exc}")
 
 
+def forget_flow_run_work(flow: Any, flow_run: Any, state: Any) -> None:
+    """Flow hook on completion: what is still registered was left running on purpose (a job
+    submitted and not waited for, graphs kept with keep_dgds): forget it, stop nothing."""
+    live_work.take(str(flow_run.id))
+
+
 def _install_stop_hooks(flow: Any) -> None:
-    # Users should not have to remember this: any flow that runs our tasks gets the hook once.
+    # Users should not have to remember this: any flow that runs our tasks gets the hooks once.
     for hooks in (flow.on_cancellation_hooks, flow.on_crashed_hooks, flow.on_failure_hooks):
         if stop_flow_run_jobs not in hooks:
             hooks.append(stop_flow_run_jobs)
+    if forget_flow_run_work not in flow.on_completion_hooks:
+        flow.on_completion_hooks.append(forget_flow_run_work)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -337,14 +337,15 @@ def test_start_and_stop_replicas_tasks(cluster, prefect_api):
         rs = start_replicas(SERVER, replicas=1, tp_size=1, health_path="/", name="pair")
         pids = [p for r in rs.replicas for p in r.pids]
         assert all(alive(p) for p in pids)
+        assert rs.flow_run_id in live_work.flow_run_ids()  # torn down if the run is cancelled
         reports = stop_replicas(rs)
+        assert rs.flow_run_id not in live_work.flow_run_ids()  # stopped: nothing left to tear down
         return pids, rs.name, reports
 
     pids, name, reports = pair()
     assert len(reports) == 1 and reports[0]["killed"] is False
     assert not any(alive(p) for p in pids)
     assert not live_groups(name)
-    assert not live_work.flow_run_ids()  # nothing left for the hooks or the cancel watch
 
 
 def test_bundle_helpers_resolve_node_ip_and_a_free_port(cluster):
