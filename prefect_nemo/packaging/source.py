@@ -16,7 +16,7 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -322,24 +322,30 @@ def _populate(tree: SourceTree, dest: Path) -> None:
 def stage_source(tree: SourceTree, cache_dir: str | Path | None = None) -> Path:
     """Copy `tree` into ``<cache_dir>/<digest[:20]>/`` and return that directory.
 
-    Content-addressed: if the directory already exists nothing is copied. The
-    copy is built in a temporary sibling directory and renamed into place, so
-    readers never see a partial tree; a concurrent stager that loses the race
-    uses the winner's directory. Executable bits are preserved (files are
-    written 0755 or 0644). `cache_dir` defaults to `default_cache_dir()`.
+    Content-addressed (see `stage_dir`). Executable bits are preserved (files are written 0755
+    or 0644). `cache_dir` defaults to `default_cache_dir()`.
 
     Raises `RuntimeError` if the files changed since `collect_source`.
     """
+    return stage_dir(tree.digest[:_DIGEST_PREFIX_LEN], lambda tmp: _populate(tree, tmp), cache_dir)
+
+
+def stage_dir(name: str, fill: Callable[[Path], None], cache_dir: str | Path | None = None) -> Path:
+    """The directory ``<cache_dir>/<name>``, filled by `fill(tmp)` unless it already exists.
+
+    It is built in a temporary sibling and renamed into place, so readers never see a partial
+    tree; a concurrent stager that loses the race uses the winner's directory.
+    """
     base = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     base = base.resolve()
-    target = base / tree.digest[:_DIGEST_PREFIX_LEN]
+    target = base / name
     if target.is_dir():
         return target
 
     base.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=base))
     try:
-        _populate(tree, tmp)
+        fill(tmp)
         os.chmod(tmp, 0o755)
         try:
             os.rename(tmp, target)

@@ -13,14 +13,10 @@ This module must not import prefect or ray.
 from __future__ import annotations
 
 import base64
-import errno
 import io
-import os
 import re
 import shlex
-import shutil
 import tarfile
-import tempfile
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -30,7 +26,7 @@ from typing import Literal
 from prefect_nemo.errors import InvalidJobSpec
 from prefect_nemo.names import dns_label
 from prefect_nemo.packaging.archive import SourceArchive
-from prefect_nemo.packaging.source import default_cache_dir
+from prefect_nemo.packaging.source import stage_dir
 
 Backend = Literal["ray", "kubernetes", "lepton", "dgx_cloud", "slurm"]
 TransportKind = Literal["ray_working_dir", "env_chunks", "configmaps", "native"]
@@ -317,34 +313,14 @@ def _configmaps(
 
 
 def stage_archive(archive: SourceArchive, cache_dir: str | Path | None = None) -> Path:
-    """Unpack `archive` into ``<cache_dir>/<tree_hash[:20]>/`` (the `stage_source` layout).
+    """Unpack `archive` into ``<cache_dir>/<tree_hash[:20]>/`` (the `stage_source` layout,
+    content-addressed: an existing directory is reused)."""
 
-    Content-addressed: an existing directory is reused. Built in a temp sibling and
-    renamed into place so readers never see a partial tree.
-    """
-    base = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    base = base.resolve()
-    target = base / archive.tree_hash[:20]
-    if target.is_dir():
-        return target
-    base.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=base))
-    try:
+    def unpack(tmp: Path) -> None:
         with tarfile.open(fileobj=io.BytesIO(archive.data), mode="r:gz") as tar:
             tar.extractall(tmp, filter="data")
-        os.chmod(tmp, 0o755)
-        try:
-            os.rename(tmp, target)
-        except OSError as exc:
-            lost = isinstance(exc, FileExistsError) or exc.errno in (errno.EEXIST, errno.ENOTEMPTY)
-            if lost and target.is_dir():
-                shutil.rmtree(tmp, ignore_errors=True)
-                return target
-            raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+
+    return stage_dir(archive.tree_hash[:20], unpack, cache_dir)
 
 
 def plan_for(
