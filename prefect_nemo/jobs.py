@@ -126,7 +126,11 @@ class JobSpec(_Model):
         "log or report.",
     )
     working_dir: Path | None = Field(
-        None, description="Local directory whose files are shipped to the job (see packaging)."
+        None,
+        description="Local directory whose code is shipped to the job and is its working "
+        "directory there. Ray Jobs ships the whole .gitignore-aware tree; Kubernetes and the "
+        "env-var transports, whose payloads are small, ship the project's packages and "
+        "top-level modules (packaging.build_archive).",
     )
     exclude: tuple[StrictStr, ...] = Field(
         (), description="Extra gitignore-style patterns left out of working_dir."
