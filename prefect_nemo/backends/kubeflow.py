@@ -71,7 +71,6 @@ from prefect_nemo.jobs import RESERVED_PREFIX, JobHandle, JobSpec, JobState, Job
 from prefect_nemo.kube import (
     CLUSTER_TRAINING_RUNTIME,
     CONFIGMAP,
-    FLOW_RUN_LABEL,
     MANAGED_BY,
     POD,
     PVC,
@@ -89,11 +88,11 @@ from prefect_nemo.kube import (
     managed_labels,
     wait_for,
 )
+from prefect_nemo.kube.jobspec import check_labels, parse_time, secret_manifest, secret_name
 from prefect_nemo.kube.memory import JobMemory, Subscribers
 from prefect_nemo.names import (
     is_dns1035_label,
     is_dns1123_subdomain,
-    is_label_key,
     label_value,
     resource_name,
     stable_hash,
@@ -114,7 +113,6 @@ OBJECTS_ANNOTATION = "prefect-nemo.io/owned-objects"  # Secret/ConfigMaps this T
 PATCH_MANAGER = "prefect-nemo.io/code"  # our runtimePatches entry for the code
 PLACEMENT_MANAGER = "prefect-nemo.io/placement"  # ... and for JobSpec.placement
 PLACEMENT_GROUP_LABEL = "prefect-nemo/placement-group"  # what to_kubernetes' anti-affinity selects
-SECRET_SUFFIX = "-env"
 MAX_OBJECT_BYTES = 1_000_000
 
 JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
@@ -300,14 +298,7 @@ def check_spec(spec: JobSpec, config: TrainerConfig) -> None:
             f"JobSpec.env: {', '.join(reserved)} are set by Kubeflow Trainer's torch plugin "
             "(its webhook rejects them): drop them"
         )
-    for key in spec.labels:
-        if not is_label_key(key):
-            raise InvalidJobSpec(
-                f"JobSpec.labels: '{key}' is not a Kubernetes label key: use [prefix/]name, name "
-                "at most 63 letters, digits, '-', '_', '.', starting and ending alphanumeric"
-            )
-        if key in (MANAGED_BY, FLOW_RUN_LABEL):
-            raise InvalidJobSpec(f"JobSpec.labels: '{key}' is set by prefect-nemo: pick another")
+    check_labels(spec.labels)
     if spec.working_dir is not None and not Path(spec.working_dir).is_dir():
         raise InvalidJobSpec(
             f"JobSpec.working_dir: {spec.working_dir} is not a directory on this machine"
@@ -473,31 +464,6 @@ def pvc_manifest(mount: PvcMount, namespace: str) -> dict[str, Any]:
         "kind": "PersistentVolumeClaim",
         "metadata": {"name": mount.name, "namespace": namespace, "labels": managed_labels()},
         "spec": spec,
-    }
-
-
-def secret_name(job_id: str) -> str:
-    """The Secret holding a job's secret env values (owned by its TrainJob)."""
-    return f"{job_id}{SECRET_SUFFIX}"
-
-
-def secret_manifest(
-    spec: JobSpec, job_id: str, *, namespace: str, flow_run_id: str | None
-) -> dict[str, Any] | None:
-    """The Secret with the job's secret env values, or None when it has none."""
-    secrets = {k: v.get_secret_value() for k, v in spec.env.items() if isinstance(v, SecretStr)}
-    if not secrets:
-        return None
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {
-            "name": secret_name(job_id),
-            "namespace": namespace,
-            "labels": managed_labels(flow_run_id),
-        },
-        "type": "Opaque",
-        "stringData": secrets,
     }
 
 
@@ -682,15 +648,6 @@ def owned_objects(spec: JobSpec, job_id: str, plan: TransportPlan | None) -> dic
 # Status mapping (pure)
 
 
-def _time(value: Any) -> datetime | None:
-    if not value:
-        return None
-    try:
-        return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
-    except ValueError:
-        return None
-
-
 def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any] | None:
     for cond in (obj.get("status") or {}).get("conditions") or []:
         if cond.get("type") == type_ and cond.get("status") == "True":
@@ -731,7 +688,7 @@ def status_from_trainjob(obj: dict[str, Any], pods: list[dict[str, Any]]) -> Job
     end: datetime | None = None
     if cond := _condition(obj, "Complete"):
         state, message = JobState.SUCCEEDED, cond.get("message") or ""
-        end = _time(cond.get("lastTransitionTime"))
+        end = parse_time(cond.get("lastTransitionTime"))
     elif cond := _condition(obj, "Failed"):
         state = JobState.FAILED
         reason, text = cond.get("reason") or "", cond.get("message") or ""
@@ -739,18 +696,18 @@ def status_from_trainjob(obj: dict[str, Any], pods: list[dict[str, Any]]) -> Job
         if (failed := _failed_node(pods)) is not None:
             exit_code = failed[1]
             message += f" (node {failed[0]} exited with code {failed[1]})"
-        end = _time(cond.get("lastTransitionTime"))
+        end = parse_time(cond.get("lastTransitionTime"))
     elif cond := _condition(obj, "Suspended"):
         state = JobState.STOPPED
         message = cond.get("message") or f"TrainJob {name} is suspended"
-        end = _time(cond.get("lastTransitionTime"))
+        end = parse_time(cond.get("lastTransitionTime"))
     elif "Running" in phases or any(ph in ("Succeeded", "Failed") for ph in phases):
         state, message = JobState.RUNNING, ""
     else:
         state, message = JobState.PENDING, ""
     if meta.get("deletionTimestamp") and not state.is_terminal():
         message = f"TrainJob {name} is being deleted"
-    starts = [t for p in pods if (t := _time((p.get("status") or {}).get("startTime")))]
+    starts = [t for p in pods if (t := parse_time((p.get("status") or {}).get("startTime")))]
     metadata: dict[str, str] = {}
     annotations = meta.get("annotations") or {}
     try:

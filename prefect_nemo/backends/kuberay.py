@@ -51,7 +51,6 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Collection
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, ClassVar, Literal
 
 import yaml
@@ -67,7 +66,6 @@ from prefect_nemo.errors import (
 )
 from prefect_nemo.jobs import RESERVED_PREFIX, JobHandle, JobSpec, JobState, JobStatus
 from prefect_nemo.kube import (
-    FLOW_RUN_LABEL,
     MANAGED_BY,
     RAY_CLUSTER,
     RAY_JOB,
@@ -83,8 +81,9 @@ from prefect_nemo.kube import (
     owner_reference,
     wait_for,
 )
+from prefect_nemo.kube.jobspec import check_labels, parse_time, secret_manifest, secret_name
 from prefect_nemo.kube.memory import JobMemory, Subscribers
-from prefect_nemo.names import is_dns1035_label, is_dns1123_subdomain, is_label_key, label_value
+from prefect_nemo.names import is_dns1035_label, is_dns1123_subdomain, label_value
 from prefect_nemo.packaging import collect_source, stage_source
 from prefect_nemo.placement.spec import to_ray_entrypoint
 
@@ -96,7 +95,6 @@ RAY_TOKEN_HEADER = "X-Ray-Authorization"
 ANNOTATION_PREFIX = "prefect-nemo.io/"
 MAX_OBJECT_BYTES = 1_000_000  # etcd's request limit is ~1.5 MiB; leave room for status
 MAX_ANNOTATION_BYTES = 256 * 1024  # Kubernetes' total annotation size limit
-SECRET_SUFFIX = "-env"
 STOP_ESCALATE_S = 10.0  # a Ray stop not confirmed by then is escalated to deleting the RayJob
 
 _EXIT_CODE = re.compile(r"exit code (-?\d+)")
@@ -255,14 +253,7 @@ def check_spec(spec: JobSpec, config: RayJobConfig) -> None:
         raise InvalidJobSpec(
             f"JobSpec.runtime_env: must be plain data (it travels as YAML in the RayJob): {exc}"
         ) from None
-    for key in spec.labels:
-        if not is_label_key(key):
-            raise InvalidJobSpec(
-                f"JobSpec.labels: '{key}' is not a Kubernetes label key: use [prefix/]name, name "
-                "at most 63 letters, digits, '-', '_', '.', starting and ending alphanumeric"
-            )
-        if key in (MANAGED_BY, FLOW_RUN_LABEL):
-            raise InvalidJobSpec(f"JobSpec.labels: '{key}' is set by prefect-nemo: pick another")
+    check_labels(spec.labels)
 
 
 def check_job_id(job_id: str) -> None:
@@ -276,11 +267,6 @@ def check_job_id(job_id: str) -> None:
 
 # -------------------------------------------------------------------------------------------
 # Manifests (pure)
-
-
-def secret_name(job_id: str) -> str:
-    """The Secret holding a job's secret env values (owned by its RayJob)."""
-    return f"{job_id}{SECRET_SUFFIX}"
 
 
 def rayjob_manifest(
@@ -369,37 +355,8 @@ def _mount_secret(cluster_spec: dict[str, Any], name: str) -> None:
             container.setdefault("envFrom", []).append({"secretRef": {"name": name}})
 
 
-def secret_manifest(
-    spec: JobSpec, job_id: str, *, namespace: str, flow_run_id: str | None
-) -> dict[str, Any] | None:
-    """The Secret with the job's secret env values, or None when it has none."""
-    secrets = {k: v.get_secret_value() for k, v in spec.env.items() if isinstance(v, SecretStr)}
-    if not secrets:
-        return None
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {
-            "name": secret_name(job_id),
-            "namespace": namespace,
-            "labels": managed_labels(flow_run_id),
-        },
-        "type": "Opaque",
-        "stringData": secrets,
-    }
-
-
 # -------------------------------------------------------------------------------------------
 # Status mapping (pure)
-
-
-def _time(value: Any) -> datetime | None:
-    if not value:
-        return None
-    try:
-        return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
-    except ValueError:
-        return None
 
 
 def _terminal(job_status: str) -> JobState | None:
@@ -450,8 +407,8 @@ def status_from_rayjob(obj: dict[str, Any]) -> JobStatus:
         job_id=name,
         state=state,
         message=message,
-        start_time=_time(status.get("startTime")),
-        end_time=_time(status.get("endTime")),
+        start_time=parse_time(status.get("startTime")),
+        end_time=parse_time(status.get("endTime")),
         exit_code=exit_code,
         metadata=metadata,
     )
