@@ -1021,12 +1021,8 @@ class KubeflowTrainerBackend:
                     continue
 
     def _deleted_status(self, job_id: str) -> JobStatus | None:
-        if not _memory.was_deleted((self.cluster, job_id)):
-            return None
-        return JobStatus(
-            job_id=job_id,
-            state=JobState.STOPPED,
-            message="stopped: the TrainJob and its pods were deleted",
+        return _memory.stopped_status(
+            self.cluster, job_id, "stopped: the TrainJob and its pods were deleted"
         )
 
     def _ensure_informers(self) -> tuple[Informer, Informer]:

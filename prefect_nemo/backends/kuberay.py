@@ -646,12 +646,10 @@ class KubeRayBackend:
     # -- helpers ----------------------------------------------------------------------------------
 
     def _deleted_status(self, job_id: str) -> JobStatus | None:
-        if not _memory.was_deleted((self.cluster, job_id)):
-            return None
-        return JobStatus(
-            job_id=job_id,
-            state=JobState.STOPPED,
-            message="stopped by deleting its RayJob (and the RayCluster it brought up)",
+        return _memory.stopped_status(
+            self.cluster,
+            job_id,
+            "stopped by deleting its RayJob (and the RayCluster it brought up)",
         )
 
     def _ensure_informer(self, *, fresh: bool = False) -> Informer:

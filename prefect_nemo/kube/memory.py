@@ -6,6 +6,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
+from prefect_nemo.jobs import JobState, JobStatus
+
 
 class JobMemory:
     """Per (cluster, job id): whether we deleted the job to stop it (so it reads STOPPED once
@@ -29,6 +31,12 @@ class JobMemory:
     def was_deleted(self, key: tuple[str, str]) -> bool:
         with self._lock:
             return key in self._deleted
+
+    def stopped_status(self, cluster: str, job_id: str, how: str) -> JobStatus | None:
+        """STOPPED (saying `how`) for a job we deleted to stop it, else None."""
+        if not self.was_deleted((cluster, job_id)):
+            return None
+        return JobStatus(job_id=job_id, state=JobState.STOPPED, message=how)
 
     def remember_log(self, key: tuple[str, str], text: str) -> str:
         """Keep the longest log read so far; returns it."""

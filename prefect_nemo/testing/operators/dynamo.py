@@ -119,7 +119,7 @@ class DynamoSimulator(Controller):
 
     def configure(
         self,
-        dgd_name: str,
+        dgd_name: str | None,
         *,
         fail: bool = False,
         fail_message: str = DgdBehavior.fail_message,
@@ -128,25 +128,10 @@ class DynamoSimulator(Controller):
         start_delay_s: float | None = None,
         models: Sequence[str] = (),
     ) -> None:
-        """Set how the DGD named dgd_name (in any namespace) behaves; applies at once."""
+        """Set how the DGD named dgd_name (in any namespace) behaves, or with None every DGD
+        not configured by name; applies at once."""
         self._set(
             dgd_name,
-            DgdBehavior(fail, fail_message, pods_ready, frontend, start_delay_s, tuple(models)),
-        )
-
-    def configure_default(
-        self,
-        *,
-        fail: bool = False,
-        fail_message: str = DgdBehavior.fail_message,
-        pods_ready: bool = True,
-        frontend: Frontend = "ok",
-        start_delay_s: float | None = None,
-        models: Sequence[str] = (),
-    ) -> None:
-        """Set the behaviour of DGDs not named in configure()."""
-        self._set(
-            None,
             DgdBehavior(fail, fail_message, pods_ready, frontend, start_delay_s, tuple(models)),
         )
 
