@@ -3,8 +3,12 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-core
+# The second environment: every extra (nemo-run pins leptonai, which drags Prefect down to 3.5).
+NR_VENV := .venv-nemo-run
+NR_BIN := $(NR_VENV)/bin
+NR_STAMP := $(NR_VENV)/.installed-nemo-run
 
-.PHONY: demo test test-fast bench lint install clean
+.PHONY: demo test test-fast bench lint install system clean
 
 # The virtualenv, installed with the pinned versions of constraints/core.txt.
 $(STAMP): pyproject.toml constraints/core.txt
@@ -14,15 +18,26 @@ $(STAMP): pyproject.toml constraints/core.txt
 	$(BIN)/python -m pip install --quiet -c constraints/core.txt -e '.[test]'
 	touch $(STAMP)
 
-install: $(STAMP)
+$(NR_STAMP): pyproject.toml constraints/nemo-run.txt
+	test -x $(NR_BIN)/python || $(PYTHON) -m venv $(NR_VENV)
+	$(NR_BIN)/python -m pip install --quiet --upgrade pip
+	$(NR_BIN)/python -m pip install --quiet -c constraints/nemo-run.txt -e '.[nemo-run,test]'
+	touch $(NR_STAMP)
+
+install: $(STAMP) $(NR_STAMP)
+
+## Debian packages and services the real-engine tests need (Slurm + sshd, Chromium); as root.
+system:
+	scripts/install-system-packages
 
 ## Run the demo pipeline on an embedded local Ray cluster; the runs stay visible in the Prefect UI.
 demo: $(STAMP)
 	$(BIN)/prefect-nemo demo
 
-## Lint and run every test (slow real-cluster tests included).
-test: $(STAMP) lint
-	$(BIN)/python -m pytest -q
+## Lint and run every test twice: the core environment (newest Prefect), then all extras.
+test: $(STAMP) $(NR_STAMP) system lint
+	$(BIN)/python -m pytest -q -m "not nemo_run"
+	$(NR_BIN)/python -m pytest -q
 
 ## The quick subset: no cluster, no server.
 test-fast: $(STAMP)
@@ -36,4 +51,4 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.run_all
 
 clean:
-	rm -rf $(VENV) .prefect-nemo .pytest_cache
+	rm -rf $(VENV) $(NR_VENV) .prefect-nemo .pytest_cache
