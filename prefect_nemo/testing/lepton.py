@@ -1,0 +1,529 @@
+"""A loopback DGX Cloud Lepton workspace API (v2) on 127.0.0.1, for leptonai's APIClient unchanged.
+
+Serves under ``{url}/api/v2/workspaces/{workspace_id}``: dedicated node groups and their nodes,
+``POST/GET/DELETE /jobs[/{id}]``, ``GET /jobs`` (paged, ``q`` substring), ``PATCH /jobs/{id}``
+(``{"spec": {"stopped": true}}`` stops), replicas and replica logs, and Ray clusters
+(``/rayclusters``), whose ``/rayclusters/{name}/dashboard/...`` is proxied to a real Ray
+dashboard when one is configured. A bearer token is required (a wrong one is 401). Incoming jobs
+and Ray clusters are validated with leptonai's own pydantic models, unknown fields refused.
+
+Nothing runs in a pod: job states follow the clock (Starting → Running → Completed/Failed,
+Stopping → Stopped) and the server's knobs. What would break at ``exec`` in a real pod does
+break here: a command argument or ``NAME=value`` env string over Linux's MAX_ARG_STRLEN
+(128 KiB), or argv + env over ARG_MAX (2 MiB), makes the job fail with "argument list too long".
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from prefect_nemo.testing.runai import ApiError, LoopbackHttpServer
+
+#: Linux caps one argv or environment string (with its NUL) at this many bytes.
+MAX_ARG_STRLEN = 128 * 1024
+#: Linux caps argv + environment together (a quarter of an 8 MiB stack).
+ARG_MAX = 2 * 1024 * 1024
+_JOB_ID = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_JOB_ID_MAX = 36
+_HOP = {"host", "authorization", "origin", "content-length", "transfer-encoding", "connection"}
+
+
+def unknown_fields(model: type[BaseModel], data: Any, where: str = "") -> list[str]:
+    """Paths of keys in `data` that `model` (a leptonai pydantic model) has no field for."""
+    if not isinstance(data, dict):
+        return []
+    known: dict[str, Any] = {}
+    for name, info in model.model_fields.items():
+        known[info.alias or name] = info.annotation
+        known[name] = info.annotation
+    found: list[str] = []
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else key
+        if key not in known:
+            found.append(path)
+            continue
+        found += _unknown_in(known[key], value, path)
+    return found
+
+
+def _unknown_in(annotation: Any, value: Any, where: str) -> list[str]:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            if arg is not type(None):
+                return _unknown_in(arg, value, where)
+        return []
+    if origin in (list, set, tuple) and isinstance(value, list):
+        (inner, *_) = typing.get_args(annotation) or (Any,)
+        return [p for i, v in enumerate(value) for p in _unknown_in(inner, v, f"{where}[{i}]")]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return unknown_fields(annotation, value, where)
+    return []
+
+
+def _check(model: type[BaseModel], body: Any) -> BaseModel:
+    """Validate `body` with `model`, refusing unknown fields (the real API ignores none)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    extra = unknown_fields(model, body)
+    if extra:
+        raise ApiError(400, f"unknown field(s): {', '.join(extra)}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise ApiError(400, f"invalid {model.__name__}: {exc}") from None
+
+
+@dataclass
+class Job:
+    """One Lepton job as the loopback server keeps it."""
+
+    id: str
+    body: dict[str, Any]
+    created: float
+    phases: list[tuple[float, str]]
+    message: str = ""
+    replica_ids: list[str] = field(default_factory=list)
+    log: str | None = None
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        return self.body.get("spec") or {}
+
+    @property
+    def parallelism(self) -> int:
+        return int(self.spec.get("parallelism") or 1)
+
+    def state(self, now: float) -> str:
+        current = self.phases[0][1]
+        for start, phase in self.phases:
+            if start <= now:
+                current = phase
+        return current
+
+    def env(self) -> dict[str, str]:
+        """Plain env vars of the job (secret references are not resolved here)."""
+        return {
+            e["name"]: e["value"] for e in self.spec.get("envs") or [] if e.get("value") is not None
+        }
+
+    def as_json(self, now: float) -> dict[str, Any]:
+        state = self.state(now)
+        n = self.parallelism
+        running = state in ("Running", "Stopping")
+        done = state in ("Completed", "Failed", "Stopped")
+        metadata = {**(self.body.get("metadata") or {}), "id": self.id}
+        metadata.setdefault("name", self.id)
+        metadata["created_at"] = int(self.created * 1000)
+        return {
+            "metadata": metadata,
+            "spec": self.spec,
+            "status": {
+                "job_name": self.id,
+                "state": state,
+                "ready": n if running else 0,
+                "active": n if running or state == "Starting" else 0,
+                "succeeded": n if state == "Completed" else 0,
+                "failed": n if state == "Failed" else 0,
+                "creation_time": int(self.created),
+                "completion_time": int(max(s for s, _ in self.phases if s <= now))
+                if done
+                else None,
+                "job_history": [],
+            },
+        }
+
+
+@dataclass
+class RayClusterRecord:
+    """One Lepton Ray cluster."""
+
+    name: str
+    body: dict[str, Any]
+    created: float
+    ready_at: float
+
+
+class LeptonServer(LoopbackHttpServer):
+    """A loopback Lepton workspace; `env()` gives the LEPTON_WORKSPACE_* variables for it.
+
+    Knobs: `start_s` / `running_s` (state durations), `outcome`, `set_outcome(id_prefix, state)`,
+    `hold(id_prefix)` (runs until stopped or deleted), `stopping_s`, `set_log(job_id, text)`,
+    `ray_dashboard(url, token)` (where Ray cluster dashboards are proxied to).
+    """
+
+    thread_name = "loopback-lepton"
+
+    def __init__(
+        self,
+        *,
+        workspace_id: str = "ws-loopback",
+        token: str = "",
+        node_groups: dict[str, int] | None = None,
+        start_s: float = 0.2,
+        running_s: float = 0.6,
+        stopping_s: float = 0.3,
+        ray_ready_s: float = 0.3,
+        outcome: str = "Completed",
+    ) -> None:
+        super().__init__()
+        self.workspace_id = workspace_id
+        self.token = token or secrets.token_urlsafe(24)
+        # node group name -> node count; ids are generated
+        self.node_groups = {
+            name: (f"ng-{secrets.token_hex(4)}", count)
+            for name, count in (node_groups or {"nemo-nodes": 2}).items()
+        }
+        self.start_s = start_s
+        self.running_s = running_s
+        self.stopping_s = stopping_s
+        self.ray_ready_s = ray_ready_s
+        self.outcome = outcome
+        self.jobs: dict[str, Job] = {}
+        self.deleted: list[str] = []
+        self.rayclusters: dict[str, RayClusterRecord] = {}
+        self._outcomes: dict[str, str] = {}
+        self._held: set[str] = set()
+        self._ray_target: tuple[str, str | None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def api_url(self) -> str:
+        """The workspace API URL (LEPTON_WORKSPACE_URL)."""
+        return f"{self.url}/api/v2/workspaces/{self.workspace_id}"
+
+    def env(self) -> dict[str, str]:
+        """LEPTON_WORKSPACE_ID / TOKEN / URL for leptonai's APIClient()."""
+        return {
+            "LEPTON_WORKSPACE_ID": self.workspace_id,
+            "LEPTON_WORKSPACE_TOKEN": self.token,
+            "LEPTON_WORKSPACE_URL": self.api_url,
+        }
+
+    # knobs ------------------------------------------------------------------------------------
+
+    def set_outcome(self, id_prefix: str, state: str) -> None:
+        """Jobs whose id starts with `id_prefix` end in `state` ("Completed" or "Failed")."""
+        with self.lock:
+            self._outcomes[id_prefix] = state
+
+    def hold(self, id_prefix: str) -> None:
+        """Jobs whose id starts with `id_prefix` keep running until stopped or deleted."""
+        with self.lock:
+            self._held.add(id_prefix)
+
+    def set_log(self, job_id: str, text: str) -> None:
+        """What the job's replicas print."""
+        with self.lock:
+            self.jobs[job_id].log = text
+
+    def ray_dashboard(self, url: str, token: str | None = None) -> None:
+        """Proxy every Ray cluster's dashboard to this (real) Ray dashboard."""
+        self._ray_target = (url.rstrip("/"), token)
+
+    def pod_env(self, job: Job, rank: int = 0) -> dict[str, str]:
+        """The environment a replica of `job` starts with (Lepton sets the rank variables)."""
+        return {
+            **job.env(),
+            "NODE_RANK": str(rank),
+            "LEPTON_JOB_WORKER_INDEX": str(rank),
+            "LEPTON_JOB_TOTAL_WORKERS": str(job.parallelism),
+        }
+
+    # routes -----------------------------------------------------------------------------------
+
+    def routes(self, app: web.Application) -> None:
+        base = f"/api/v2/workspaces/{self.workspace_id}"
+        r = app.router
+        r.add_get(base + "/dedicated-node-groups", self._node_groups)
+        r.add_get(base + "/dedicated-node-groups/{id}", self._node_group)
+        r.add_get(base + "/dedicated-node-groups/{id}/nodes", self._nodes)
+        r.add_get(base + "/jobs", self._list_jobs)
+        r.add_post(base + "/jobs", self._create_job)
+        r.add_get(base + "/jobs/{id}", self._get_job)
+        r.add_patch(base + "/jobs/{id}", self._patch_job)
+        r.add_delete(base + "/jobs/{id}", self._delete_job)
+        r.add_get(base + "/jobs/{id}/replicas", self._replicas)
+        r.add_get(base + "/jobs/{id}/replicas/{rid}/log", self._log)
+        r.add_get(base + "/rayclusters", self._list_ray)
+        r.add_post(base + "/rayclusters", self._create_ray)
+        r.add_get(base + "/rayclusters/{name}", self._get_ray)
+        r.add_delete(base + "/rayclusters/{name}", self._delete_ray)
+        r.add_route("*", base + "/rayclusters/{name}/dashboard/{tail:.*}", self._dashboard)
+
+    async def on_shutdown(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def _auth(self, request: web.Request) -> None:
+        if request.headers.get("Authorization") != f"Bearer {self.token}":
+            raise ApiError(401, "Unauthorized: invalid or missing workspace token")
+
+    # node groups ------------------------------------------------------------------------------
+
+    def _group_json(self, name: str) -> dict[str, Any]:
+        gid, count = self.node_groups[name]
+        return {
+            "metadata": {"id": gid, "name": name},
+            "spec": {"workspaces": [self.workspace_id], "desired_nodes": count},
+            "status": {"ready_nodes": count},
+        }
+
+    def _group_by_id(self, gid: str) -> str:
+        for name, (group_id, _) in self.node_groups.items():
+            if gid in (group_id, name):
+                return name
+        raise ApiError(404, f"dedicated node group '{gid}' not found")
+
+    async def _node_groups(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        return web.json_response([self._group_json(n) for n in self.node_groups])
+
+    async def _node_group(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        return web.json_response(self._group_json(self._group_by_id(request.match_info["id"])))
+
+    async def _nodes(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        name = self._group_by_id(request.match_info["id"])
+        gid, count = self.node_groups[name]
+        return web.json_response(
+            [
+                {
+                    "metadata": {"id": f"{gid}-node-{i}", "name": f"{name}-{i}"},
+                    "spec": {"dedicated_node_group": gid, "unschedulable": False},
+                    "status": {"status": ["Ready"]},
+                }
+                for i in range(count)
+            ]
+        )
+
+    # jobs -------------------------------------------------------------------------------------
+
+    async def _create_job(self, request: web.Request) -> web.Response:
+        from leptonai.api.v1.types.job import LeptonJob
+
+        self._auth(request)
+        body = await request.json()
+        job = _check(LeptonJob, body)
+        job_id = job.metadata.id_ or ""  # type: ignore[attr-defined]
+        if not _JOB_ID.match(job_id) or len(job_id) > _JOB_ID_MAX:
+            raise ApiError(
+                400,
+                f"metadata.id: '{job_id}' must be 1-{_JOB_ID_MAX} lowercase letters, digits and "
+                "'-', starting with a letter",
+            )
+        affinity = (body.get("spec") or {}).get("affinity") or {}
+        ids = {gid for gid, _ in self.node_groups.values()}
+        for gid in affinity.get("allowed_dedicated_node_groups") or []:
+            if gid not in ids:
+                raise ApiError(400, f"spec.affinity: dedicated node group '{gid}' not found")
+        now = time.time()
+        with self.lock:
+            if job_id in self.jobs:
+                raise ApiError(409, f"job '{job_id}' already exists")
+            record = Job(job_id, body, now, self._schedule(job_id, now))
+            failure = _exec_failure(record)
+            if failure:  # the pod cannot even start its command
+                record.phases = [(now, "Starting"), (now + self.start_s, "Failed")]
+                record.message = failure
+                record.log = failure + "\n"
+            n = record.parallelism
+            record.replica_ids = [f"{job_id}-{i}-{secrets.token_hex(3)}" for i in range(n)]
+            self.jobs[job_id] = record
+        return web.json_response(record.as_json(now))
+
+    def _schedule(self, job_id: str, now: float) -> list[tuple[float, str]]:
+        outcome = next(
+            (s for prefix, s in self._outcomes.items() if job_id.startswith(prefix)), self.outcome
+        )
+        phases = [(now, "Starting"), (now + self.start_s, "Running")]
+        if not any(job_id.startswith(prefix) for prefix in self._held):
+            phases.append((now + self.start_s + self.running_s, outcome))
+        return phases
+
+    def _job(self, request: web.Request) -> Job:
+        with self.lock:
+            job = self.jobs.get(request.match_info["id"])
+        if job is None:
+            raise ApiError(404, f"job '{request.match_info['id']}' not found")
+        return job
+
+    async def _get_job(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        return web.json_response(self._job(request).as_json(time.time()))
+
+    async def _list_jobs(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        q = request.query.get("q", "")
+        mode = request.query.get("job_query_mode", "alive_only")
+        page = int(request.query.get("page", "1"))
+        size = int(request.query.get("page_size", "50"))
+        now = time.time()
+        with self.lock:
+            jobs = [j.as_json(now) for j in self.jobs.values() if q in j.id]
+        if mode == "alive_only":
+            jobs = [j for j in jobs if j["status"]["state"] not in ("Completed", "Failed")]
+        elif mode == "archive_only":
+            jobs = [j for j in jobs if j["status"]["state"] in ("Completed", "Failed")]
+        start = (page - 1) * size
+        return web.json_response({"jobs": jobs[start : start + size], "total": len(jobs)})
+
+    async def _patch_job(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        job = self._job(request)
+        body = await request.json()
+        spec = body.get("spec") if isinstance(body, dict) else None
+        if not isinstance(spec, dict) or set(spec) - {"stopped"}:
+            raise ApiError(400, "only spec.stopped can be changed on a job")
+        now = time.time()
+        with self.lock:
+            if spec.get("stopped") and job.state(now) not in ("Completed", "Failed", "Stopped"):
+                job.phases = [p for p in job.phases if p[0] <= now]
+                job.phases += [(now, "Stopping"), (now + self.stopping_s, "Stopped")]
+                job.spec["stopped"] = True
+        return web.json_response(job.as_json(now))
+
+    async def _delete_job(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        job = self._job(request)
+        with self.lock:
+            self.jobs.pop(job.id, None)
+            self.deleted.append(job.id)
+        return web.json_response({})
+
+    async def _replicas(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        job = self._job(request)
+        if job.state(time.time()) == "Starting":
+            return web.json_response([])
+        return web.json_response(
+            [
+                {"metadata": {"id": rid, "name": rid}, "id": rid, "status": {}}
+                for rid in job.replica_ids
+            ]
+        )
+
+    async def _log(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        job = self._job(request)
+        rid = request.match_info["rid"]
+        if rid not in job.replica_ids:
+            raise ApiError(404, f"replica '{rid}' of job '{job.id}' not found")
+        state = job.state(time.time())
+        text = job.log
+        if text is None:
+            text = f"[loopback lepton] {rid}: job {job.id} is {state}\n"
+        return web.Response(text=text, content_type="text/plain")
+
+    # Ray clusters -----------------------------------------------------------------------------
+
+    def _ray_json(self, record: RayClusterRecord, now: float) -> dict[str, Any]:
+        state = "Ready" if now >= record.ready_at else "Starting"
+        workers = sum(
+            (g.get("min_replicas") or 0)
+            for g in (record.body.get("spec") or {}).get("worker_group_specs") or []
+        )
+        return {
+            **record.body,
+            "status": {
+                "state": state,
+                "readyWorkerReplicas": workers if state == "Ready" else 0,
+                "desiredWorkerReplicas": workers,
+            },
+        }
+
+    async def _create_ray(self, request: web.Request) -> web.Response:
+        from leptonai.api.v1.types.raycluster import LeptonRayCluster
+
+        self._auth(request)
+        body = await request.json()
+        cluster = _check(LeptonRayCluster, body)
+        name = (cluster.metadata.id_ if cluster.metadata else None) or ""  # type: ignore[union-attr]
+        if not _JOB_ID.match(name) or len(name) > _JOB_ID_MAX:
+            raise ApiError(400, f"metadata.id: '{name}' is not a valid Ray cluster name")
+        now = time.time()
+        with self.lock:
+            if name in self.rayclusters:
+                raise ApiError(409, f"raycluster '{name}' already exists")
+            self.rayclusters[name] = RayClusterRecord(name, body, now, now + self.ray_ready_s)
+        return web.json_response({})
+
+    def _ray_record(self, request: web.Request) -> RayClusterRecord:
+        with self.lock:
+            record = self.rayclusters.get(request.match_info["name"])
+        if record is None:
+            raise ApiError(404, f"raycluster '{request.match_info['name']}' not found")
+        return record
+
+    async def _list_ray(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        now = time.time()
+        with self.lock:
+            records = list(self.rayclusters.values())
+        return web.json_response([self._ray_json(r, now) for r in records])
+
+    async def _get_ray(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        return web.json_response(self._ray_json(self._ray_record(request), time.time()))
+
+    async def _delete_ray(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        record = self._ray_record(request)
+        with self.lock:
+            self.rayclusters.pop(record.name, None)
+        return web.json_response({})
+
+    async def _dashboard(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        record = self._ray_record(request)
+        if time.time() < record.ready_at:
+            raise ApiError(503, f"raycluster '{record.name}' is not ready")
+        if self._ray_target is None:
+            raise ApiError(502, "no Ray dashboard behind this loopback workspace")
+        target, token = self._ray_target
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        if self._session is None:
+            self._session = aiohttp.ClientSession(auto_decompress=False)
+        url = f"{target}/{request.match_info['tail']}"
+        async with self._session.request(
+            request.method,
+            url,
+            params=request.query,
+            data=await request.read(),
+            headers=headers,
+            allow_redirects=False,
+        ) as upstream:
+            payload = await upstream.read()
+            out = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
+            return web.Response(body=payload, status=upstream.status, headers=out)
+
+
+def _exec_failure(job: Job) -> str:
+    """Why the pod's exec would fail (E2BIG), or '' when argv and env fit Linux's limits."""
+    argv = (job.spec.get("container") or {}).get("command") or []
+    env = [f"{k}={v}" for k, v in job.env().items()]
+    for what, strings in (("command argument", argv), ("environment variable", env)):
+        for i, s in enumerate(strings):
+            size = len(s.encode()) + 1
+            if size > MAX_ARG_STRLEN:
+                return (
+                    f"exec /bin/sh: argument list too long ({what} #{i} is {size} bytes, over "
+                    f"MAX_ARG_STRLEN={MAX_ARG_STRLEN})"
+                )
+    total = sum(len(s.encode()) + 1 + 8 for s in [*argv, *env])
+    if total > ARG_MAX:
+        return f"exec /bin/sh: argument list too long (argv + env are {total} bytes > {ARG_MAX})"
+    return ""

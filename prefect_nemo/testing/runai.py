@@ -1,0 +1,582 @@
+"""A loopback run:ai (DGX Cloud) REST API on 127.0.0.1, for NeMo-Run's DGXCloudExecutor unchanged.
+
+Serves what NeMo-Run and our backend call under ``{url}/api/v1``: ``POST /token``
+(client_credentials; a wrong secret is 401, tokens expire after ``token_ttl_s``),
+``GET /org-unit/projects``, ``POST/GET/DELETE /workloads/{workspaces,trainings,distributed}``,
+``POST .../{id}/suspend`` and ``/resume``, and ``GET /workloads?filterBy=name==...``. Workload
+phases (Creating → Initializing → Running → Completed/Failed, Stopping → Stopped on suspend)
+follow the clock and the server's knobs; nothing runs. Payloads are checked as the real service
+checks them (required fields, an env var value <= 10,000 characters, args <= 9,500) and a
+rejected one is a 400 with a message. Every request is recorded for tests.
+
+`LoopbackHttpServer` (an aiohttp app on its own event loop thread) is shared with the loopback
+Lepton server in `prefect_nemo.testing.lepton`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import secrets
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from aiohttp import web
+
+#: run:ai rejects an environment variable value longer than this.
+ENV_VALUE_LIMIT = 10_000
+#: run:ai rejects workload args longer than about this (NeMo-Run's MAX_ARGS_CHARS).
+ARGS_LIMIT = 9_500
+#: Kinds of workloads by the path segment that names them.
+KINDS = {"workspaces": "Workspace", "trainings": "Training", "distributed": "Distributed"}
+TERMINAL_PHASES = {"Completed", "Failed", "Stopped", "Degraded"}
+_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_NAME_MAX = 35  # longer names are refused (NeMo-Run shortens to 34 for this reason)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _iso(ts: float | None) -> str | None:
+    return datetime.fromtimestamp(ts, tz=UTC).isoformat().replace("+00:00", "Z") if ts else None
+
+
+class ApiError(Exception):
+    """An error answer: status and message, sent as ``{"code": status, "message": ...}``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class RecordedRequest:
+    """One request the server answered."""
+
+    method: str
+    path: str
+    query: dict[str, list[str]]
+    headers: dict[str, str]
+    body: Any
+    status: int = 0
+
+
+@dataclass
+class RequestRecord:
+    """Every request a loopback server answered, in order."""
+
+    entries: list[RecordedRequest] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, entry: RecordedRequest) -> None:
+        with self._lock:
+            self.entries.append(entry)
+
+    def find(self, method: str | None = None, path: str = "") -> list[RecordedRequest]:
+        """Requests with this method (any if None) whose path contains `path`."""
+        with self._lock:
+            return [
+                e
+                for e in self.entries
+                if (method is None or e.method == method.upper()) and path in e.path
+            ]
+
+    def clear(self) -> None:
+        with self._lock:
+            self.entries.clear()
+
+
+class LoopbackHttpServer:
+    """An aiohttp server on 127.0.0.1 (free port) on its own event loop thread.
+
+    Subclasses add routes in `routes()`; `ApiError` raised by a handler becomes a JSON error
+    answer; every request is recorded in `requests`.
+    """
+
+    thread_name = "loopback-http"
+
+    def __init__(self) -> None:
+        self.url = ""
+        self.requests = RequestRecord()
+        self.lock = threading.RLock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+
+    def routes(self, app: web.Application) -> None:
+        """Add the server's routes to `app`."""
+        raise NotImplementedError
+
+    def start(self) -> LoopbackHttpServer:
+        """Start serving on a free port; returns self."""
+        if self._thread is not None:
+            return self
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        async def boot() -> None:
+            app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._middleware])
+            self.routes(app)
+            self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+            await self._runner.setup()
+            await web.SockSite(self._runner, sock).start()
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(boot())
+            except BaseException as exc:  # surfaced to start()
+                failure.append(exc)
+                ready.set()
+                return
+            ready.set()
+            loop.run_forever()
+            loop.close()
+
+        self._loop = loop
+        self._thread = threading.Thread(target=run, name=self.thread_name, daemon=True)
+        self._thread.start()
+        ready.wait(30)
+        if failure:
+            raise failure[0]
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and end the thread."""
+        if self._thread is None or self._loop is None:
+            return
+        loop = self._loop
+
+        async def shutdown() -> None:
+            await self.on_shutdown()
+            if self._runner is not None:
+                await self._runner.cleanup()
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in rest:
+                task.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(shutdown(), loop).result(15)
+        loop.call_soon_threadsafe(loop.stop)
+        self._thread.join(15)
+        self._thread = None
+        self._loop = None
+
+    async def on_shutdown(self) -> None:
+        """Close what subclasses opened (client sessions)."""
+
+    def __enter__(self) -> LoopbackHttpServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        raw = await request.read()
+        body: Any = None
+        if raw:
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                body = raw.decode(errors="replace")
+        try:
+            response = await handler(request)
+        except ApiError as exc:
+            response = web.json_response(
+                {"code": exc.status, "message": exc.message}, status=exc.status
+            )
+        except web.HTTPException as exc:
+            response = web.json_response(
+                {"code": exc.status, "message": exc.reason}, status=exc.status
+            )
+        query: dict[str, list[str]] = {}
+        for key, value in request.query.items():
+            query.setdefault(key, []).append(value)
+        self.requests.add(
+            RecordedRequest(
+                request.method,
+                request.path,
+                query,
+                dict(request.headers),
+                body,
+                response.status,
+            )
+        )
+        return response
+
+
+# ----------------------------------------------------------------------------- run:ai
+
+
+@dataclass
+class Workload:
+    """One run:ai workload as the loopback server keeps it."""
+
+    id: str
+    kind: str  # path segment: workspaces / trainings / distributed
+    name: str
+    requested_name: str
+    project_id: str
+    cluster_id: str
+    spec: dict[str, Any]
+    created: float
+    phases: list[tuple[float, str]]  # (from time, phase), in order
+    deleted: float | None = None
+
+    def phase(self, now: float) -> str:
+        """The phase at `now`."""
+        current = self.phases[0][1]
+        for start, phase in self.phases:
+            if start <= now:
+                current = phase
+        return current
+
+    def env(self) -> dict[str, str]:
+        """The environment variables the workload was created with."""
+        return {e["name"]: e.get("value", "") for e in self.spec.get("environmentVariables") or []}
+
+    def as_json(self, now: float) -> dict[str, Any]:
+        phase = self.phase(now)
+        return {
+            "name": self.name,
+            "requestedName": self.requested_name,
+            "workloadId": self.id,
+            "projectId": self.project_id,
+            "clusterId": self.cluster_id,
+            "createdBy": "loopback@example.com",
+            "createdAt": _iso(self.created),
+            "desiredPhase": "Stopped" if phase in ("Stopping", "Stopped") else "Running",
+            "actualPhase": phase,
+            "spec": self.spec,
+        }
+
+    def list_item(self, now: float) -> dict[str, Any]:
+        phase = self.phase(now)
+        return {
+            "id": self.id,
+            "name": self.name,
+            "type": KINDS[self.kind],
+            "phase": phase,
+            "projectId": self.project_id,
+            "clusterId": self.cluster_id,
+            "createdAt": _iso(self.created),
+            "phaseUpdatedAt": _iso(max(s for s, _ in self.phases if s <= now)),
+            "deletedAt": _iso(self.deleted),
+        }
+
+
+class RunaiServer(LoopbackHttpServer):
+    """A loopback run:ai control plane; point NeMo-Run's ``base_url`` at `base_url`.
+
+    Knobs: `token_ttl_s` (tokens expire, then 401 until a new one is fetched),
+    `expire_tokens()`, `creating_s` / `initializing_s` / `running_s` (phase durations),
+    `outcome` ("Completed" or "Failed") or `set_outcome(name_prefix, phase)` per workload,
+    `hold(name_prefix)` (stays Running until suspended), `stopping_s`.
+    """
+
+    thread_name = "loopback-runai"
+
+    def __init__(
+        self,
+        *,
+        client_id: str = "prefect-nemo-app",
+        client_secret: str = "",
+        projects: dict[str, str] | None = None,
+        token_ttl_s: float = 3600.0,
+        creating_s: float = 0.2,
+        initializing_s: float = 0.2,
+        running_s: float = 0.6,
+        stopping_s: float = 0.3,
+        outcome: str = "Completed",
+    ) -> None:
+        super().__init__()
+        self.client_id = client_id
+        self.client_secret = client_secret or secrets.token_urlsafe(18)
+        self.cluster_id = str(uuid.uuid4())
+        self.projects = dict(projects or {"nemo-project": "4501"})  # name -> id
+        self.token_ttl_s = token_ttl_s
+        self.creating_s = creating_s
+        self.initializing_s = initializing_s
+        self.running_s = running_s
+        self.stopping_s = stopping_s
+        self.outcome = outcome
+        self.tokens: dict[str, float] = {}  # token -> expiry (monotonic clock)
+        self.tokens_issued = 0
+        self.workloads: dict[str, Workload] = {}
+        self._outcomes: dict[str, str] = {}
+        self._held: set[str] = set()
+
+    @property
+    def base_url(self) -> str:
+        """The API base URL NeMo-Run's DGXCloudExecutor takes as ``base_url``."""
+        return f"{self.url}/api/v1"
+
+    # knobs ------------------------------------------------------------------------------------
+
+    def expire_tokens(self) -> None:
+        """Every token issued so far stops working (401) until the client fetches a new one."""
+        with self.lock:
+            self.tokens.clear()
+
+    def set_outcome(self, name_prefix: str, phase: str) -> None:
+        """Workloads whose requested name starts with `name_prefix` end in `phase`."""
+        with self.lock:
+            self._outcomes[name_prefix] = phase
+
+    def hold(self, name_prefix: str) -> None:
+        """Workloads whose requested name starts with `name_prefix` run until suspended."""
+        with self.lock:
+            self._held.add(name_prefix)
+
+    def by_name(self, requested_name: str) -> list[Workload]:
+        """Workloads created with this requested name (prefix names get a random suffix)."""
+        with self.lock:
+            return [w for w in self.workloads.values() if w.requested_name == requested_name]
+
+    def pod_env(self, workload: Workload, rank: int = 0) -> dict[str, str]:
+        """The environment a pod of `workload` starts with: its env vars plus the rank."""
+        return {**workload.env(), "NODE_RANK": str(rank), "HOSTNAME": f"{workload.name}-{rank}"}
+
+    # routes -----------------------------------------------------------------------------------
+
+    def routes(self, app: web.Application) -> None:
+        r = app.router
+        r.add_post("/api/v1/token", self._token)
+        r.add_get("/api/v1/org-unit/projects", self._projects)
+        r.add_get("/api/v1/workloads", self._list)
+        r.add_post("/api/v1/workloads/{kind}", self._create)
+        r.add_get("/api/v1/workloads/{kind}/{id}", self._get)
+        r.add_delete("/api/v1/workloads/{kind}/{id}", self._delete)
+        r.add_post("/api/v1/workloads/{kind}/{id}/suspend", self._suspend)
+        r.add_post("/api/v1/workloads/{kind}/{id}/resume", self._resume)
+
+    def _auth(self, request: web.Request) -> None:
+        header = request.headers.get("Authorization", "")
+        token = header.removeprefix("Bearer ").strip()
+        with self.lock:
+            expiry = self.tokens.get(token) if header.startswith("Bearer ") else None
+            if expiry is None or expiry < time.monotonic():
+                self.tokens.pop(token, None)
+                raise ApiError(401, "Unauthorized: the access token is missing, invalid or expired")
+
+    async def _token(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if body.get("grantType") != "client_credentials":
+            raise ApiError(400, "grantType: must be one of app_token, client_credentials, ...")
+        if body.get("clientId") != self.client_id or body.get("clientSecret") != self.client_secret:
+            raise ApiError(401, "invalid client credentials")
+        token = secrets.token_urlsafe(32)
+        with self.lock:
+            self.tokens[token] = time.monotonic() + self.token_ttl_s
+            self.tokens_issued += 1
+        return web.json_response(
+            {"accessToken": token, "idToken": secrets.token_urlsafe(8), "refreshToken": ""}
+        )
+
+    async def _projects(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        projects = [
+            {"id": pid, "name": name, "clusterId": self.cluster_id}
+            for name, pid in self.projects.items()
+        ]
+        return web.json_response({"projects": projects})
+
+    async def _create(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        kind = request.match_info["kind"]
+        if kind not in KINDS:
+            raise ApiError(404, f"no such workload type '{kind}'")
+        body = await _json_body(request)
+        workload = self._validate(kind, body)
+        with self.lock:
+            if not body.get("useGivenNameAsPrefix") and any(
+                w.name == workload.name and w.deleted is None for w in self.workloads.values()
+            ):
+                raise ApiError(409, f"workload '{workload.name}' already exists in the project")
+            self.workloads[workload.id] = workload
+        return web.json_response(workload.as_json(time.time()), status=202)
+
+    def _validate(self, kind: str, body: dict[str, Any]) -> Workload:
+        for key in ("name", "projectId", "clusterId"):
+            if not isinstance(body.get(key), str) or not body[key]:
+                raise ApiError(400, f"{key}: required, a non-empty string")
+        name = body["name"]
+        if not _NAME.match(name) or len(name) > _NAME_MAX:
+            raise ApiError(
+                400,
+                f"name: '{name}' must be at most {_NAME_MAX} characters of lowercase letters, "
+                "digits and '-', starting with a letter",
+            )
+        if body["projectId"] not in self.projects.values():
+            raise ApiError(400, f"projectId: project '{body['projectId']}' does not exist")
+        if body["clusterId"] != self.cluster_id:
+            raise ApiError(400, f"clusterId: cluster '{body['clusterId']}' does not exist")
+        spec = body.get("spec")
+        if not isinstance(spec, dict):
+            raise ApiError(400, "spec: required, an object")
+        for key in ("command", "args", "image"):
+            if key in spec and not isinstance(spec[key], str):
+                raise ApiError(400, f"spec.{key}: must be a string")
+        if len(spec.get("args") or "") > ARGS_LIMIT:
+            raise ApiError(
+                400, f"spec.args: {len(spec['args'])} characters, more than {ARGS_LIMIT} allowed"
+            )
+        envs = spec.get("environmentVariables") or []
+        if not isinstance(envs, list):
+            raise ApiError(400, "spec.environmentVariables: must be an array")
+        seen: set[str] = set()
+        for i, env in enumerate(envs):
+            where = f"spec.environmentVariables[{i}]"
+            if not isinstance(env, dict) or not isinstance(env.get("name"), str) or not env["name"]:
+                raise ApiError(400, f"{where}.name: required, a non-empty string")
+            if env["name"] in seen:
+                raise ApiError(400, f"{where}.name: duplicate variable '{env['name']}'")
+            seen.add(env["name"])
+            value = env.get("value")
+            if value is not None and not isinstance(value, str):
+                raise ApiError(400, f"{where}.value: must be a string")
+            if len(value or "") > ENV_VALUE_LIMIT:
+                raise ApiError(
+                    400,
+                    f"{where}.value: {len(value or '')} characters, more than "
+                    f"{ENV_VALUE_LIMIT} allowed",
+                )
+        compute = spec.get("compute") or {}
+        gpus = compute.get("gpuDevicesRequest")
+        if gpus is not None and (not isinstance(gpus, int) or gpus < 0):
+            raise ApiError(400, "spec.compute.gpuDevicesRequest: must be an integer >= 0")
+        if kind == "distributed":
+            for key in ("distributedFramework", "numWorkers"):
+                if key not in spec:
+                    raise ApiError(400, f"spec.{key}: required for distributed workloads")
+        final = f"{name}-{secrets.token_hex(3)}" if body.get("useGivenNameAsPrefix") else name
+        now = time.time()
+        return Workload(
+            id=str(uuid.uuid4()),
+            kind=kind,
+            name=final,
+            requested_name=name,
+            project_id=body["projectId"],
+            cluster_id=body["clusterId"],
+            spec=spec,
+            created=now,
+            phases=self._schedule(name, now),
+        )
+
+    def _schedule(self, name: str, now: float) -> list[tuple[float, str]]:
+        with self.lock:
+            outcome = next(
+                (p for prefix, p in self._outcomes.items() if name.startswith(prefix)),
+                self.outcome,
+            )
+            held = any(name.startswith(prefix) for prefix in self._held)
+        t_init = now + self.creating_s
+        t_run = t_init + self.initializing_s
+        phases = [(now, "Creating"), (t_init, "Initializing"), (t_run, "Running")]
+        if not held:
+            phases.append((t_run + self.running_s, outcome))
+        return phases
+
+    def _workload(self, request: web.Request) -> Workload:
+        kind, wid = request.match_info["kind"], request.match_info["id"]
+        with self.lock:
+            workload = self.workloads.get(wid)
+        if workload is None or workload.kind != kind or workload.deleted is not None:
+            raise ApiError(404, f"The specified resource was not found: {kind} '{wid}'")
+        return workload
+
+    async def _get(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        return web.json_response(self._workload(request).as_json(time.time()))
+
+    async def _delete(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        workload = self._workload(request)
+        with self.lock:
+            workload.deleted = time.time()
+        return web.json_response({"code": 202, "message": "Accepted"}, status=202)
+
+    async def _suspend(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        workload = self._workload(request)
+        now = time.time()
+        with self.lock:
+            if workload.phase(now) not in TERMINAL_PHASES:
+                workload.phases = [p for p in workload.phases if p[0] <= now]
+                workload.phases += [(now, "Stopping"), (now + self.stopping_s, "Stopped")]
+        return web.json_response({"code": 202, "message": "Accepted"}, status=202)
+
+    async def _resume(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        workload = self._workload(request)
+        now = time.time()
+        with self.lock:
+            if workload.phase(now) == "Stopped":
+                workload.phases += self._schedule(workload.requested_name, now)
+        return web.json_response({"code": 202, "message": "Accepted"}, status=202)
+
+    async def _list(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        filters = [f for value in request.query.getall("filterBy", []) for f in value.split(",")]
+        deleted = request.query.get("deleted") == "true"
+        offset = int(request.query.get("offset", "0"))
+        limit = min(int(request.query.get("limit", "50")), 500)
+        now = time.time()
+        with self.lock:
+            items = [
+                w.list_item(now)
+                for w in self.workloads.values()
+                if (w.deleted is not None) == deleted
+            ]
+        items = [i for i in items if all(_matches(i, f) for f in filters if f)]
+        items.sort(key=lambda i: i["createdAt"] or "")
+        page = items[offset : offset + limit]
+        body: dict[str, Any] = {"workloads": page}
+        if offset + limit < len(items):
+            body["next"] = offset + limit
+        return web.json_response(body)
+
+
+_FILTER = re.compile(r"^([A-Za-z]+)(==|!=|=@|!@|=\^|=\$)(.*)$")
+
+
+def _matches(item: dict[str, Any], expression: str) -> bool:
+    """run:ai's filterBy: ``field<op>value`` with ==, !=, =@, !@, =^ and =$."""
+    match = _FILTER.match(expression)
+    if match is None:
+        raise ApiError(400, f"filterBy: '{expression}' is not field<op>value")
+    key, op, value = match.groups()
+    have = str(item.get(key, ""))
+    return {
+        "==": have == value,
+        "!=": have != value,
+        "=@": value in have,
+        "!@": value not in have,
+        "=^": have.startswith(value),
+        "=$": have.endswith(value),
+    }[op]
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError:
+        raise ApiError(400, "request body is not JSON") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    return body
