@@ -1,0 +1,145 @@
+"""Block for DGX Cloud Lepton: a workspace (id, URL, token) and where its jobs run.
+
+Field names follow NeMo-Run's ``LeptonExecutor`` where they match. Importing this module needs
+no nemo-run; `backend()` does.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pydantic import Field, SecretStr, field_validator
+
+from prefect_nemo.blocks.base import ClusterBlock
+
+if TYPE_CHECKING:
+    from prefect_nemo.backends.nemo_run.lepton import LeptonBackend
+
+
+class LeptonWorkspace(ClusterBlock):
+    """A DGX Cloud Lepton workspace and the node group, shape, image and mounts jobs use."""
+
+    _block_type_name = "Lepton Workspace"
+    _block_type_slug = "lepton-workspace"
+    _logo_url = "https://www.nvidia.com/favicon.ico"  # type: ignore[assignment]
+    _description = (
+        "A DGX Cloud Lepton workspace (id, API URL, token) with the dedicated node group, "
+        "resource shape, container image and shared mounts prefect-nemo jobs run with, "
+        "submitted through NeMo-Run's LeptonExecutor."
+    )
+    _code_example = """
+```python
+from prefect import flow
+from prefect_nemo import JobSpec, run_job
+from prefect_nemo.blocks.lepton import LeptonWorkspace
+
+workspace = LeptonWorkspace.load("BLOCK_NAME")
+
+@flow
+def train():
+    run_job(JobSpec(entrypoint="python train.py", working_dir="."), cluster=workspace)
+```
+"""
+
+    workspace_id: str = Field(description="The Lepton workspace id (LEPTON_WORKSPACE_ID).")
+    workspace_url: str | None = Field(
+        default=None,
+        description="The workspace API URL (LEPTON_WORKSPACE_URL), e.g. "
+        "https://gateway.dgxc-lepton.nvidia.com/api/v2/workspaces/<id>; empty to let leptonai "
+        "derive it from workspace_id.",
+    )
+    token: SecretStr = Field(
+        description="The workspace token (LEPTON_WORKSPACE_TOKEN), from the dashboard's "
+        "credentials page.",
+    )
+    node_group: str = Field(description="Name of the dedicated node group jobs run on.")
+    resource_shape: str = Field(
+        default="gpu.1xh100-80gb",
+        description="Lepton resource shape of each replica, e.g. gpu.8xh100-80gb or cpu.small.",
+    )
+    container_image: str = Field(
+        default="nvcr.io/nvidia/nemo:25.07",
+        description="Container image every replica runs.",
+    )
+    nemo_run_dir: str = Field(
+        default="/nemo-workspace/nemo-run",
+        description="Directory on the shared mount where NeMo-Run keeps job directories "
+        "(must lie under one of mounts' mount_path).",
+    )
+    mounts: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Shared storage mounts, NeMo-Run style: each {'path': <storage path>, "
+        "'mount_path': <path in the pod>, 'from': <storage, e.g. node-nfs:shared>}.",
+    )
+    nodes: int = Field(default=1, ge=1, description="Replicas (nodes) per job by default.")
+    gpus_per_node: int = Field(
+        default=1, ge=0, description="GPUs per node by default; 0 for CPU-only work."
+    )
+    shared_memory_size: int = Field(
+        default=65536, ge=0, description="Shared memory of each replica, MiB."
+    )
+    image_pull_secrets: list[str] = Field(
+        default_factory=list, description="Workspace secrets used to pull the image."
+    )
+    node_reservation: str = Field(
+        default="", description="Node reservation id to run in; empty for none."
+    )
+    env_vars: dict[str, str] = Field(
+        default_factory=dict, description="Environment variables every job gets."
+    )
+    request_timeout_s: float = Field(
+        default=30.0, gt=0, description="Timeout of each request to the workspace API, seconds."
+    )
+
+    @field_validator("workspace_url")
+    @classmethod
+    def _url_ok(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError(
+                f"'{value}' is not an http(s) URL: use the workspace API URL, e.g. "
+                "https://gateway.dgxc-lepton.nvidia.com/api/v2/workspaces/<id>"
+            )
+        return value.rstrip("/") if value else value
+
+    @field_validator("token")
+    @classmethod
+    def _token_ok(cls, value: SecretStr) -> SecretStr:
+        if len(value.get_secret_value().strip()) < 4:
+            raise ValueError("is empty or too short: paste the workspace token")
+        return value
+
+    @field_validator("mounts")
+    @classmethod
+    def _mounts_ok(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for i, mount in enumerate(value):
+            missing = [k for k in ("path", "mount_path") if not mount.get(k)]
+            if missing:
+                raise ValueError(
+                    f"mounts[{i}] lacks {' and '.join(missing)}: give each mount 'path' (on "
+                    "the storage), 'mount_path' (in the pod) and 'from'"
+                )
+        return value
+
+    def backend(self) -> LeptonBackend:
+        """The NeMo-Run Lepton backend for this workspace (needs prefect-nemo[nemo-run])."""
+        from prefect_nemo.backends.nemo_run.lepton import LeptonBackend, LeptonConfig
+
+        return LeptonBackend(
+            LeptonConfig(
+                workspace_id=self.workspace_id,
+                workspace_url=self.workspace_url,
+                token=self.token.get_secret_value(),
+                node_group=self.node_group,
+                resource_shape=self.resource_shape,
+                container_image=self.container_image,
+                nemo_run_dir=self.nemo_run_dir,
+                mounts=[dict(m) for m in self.mounts],
+                nodes=self.nodes,
+                gpus_per_node=self.gpus_per_node,
+                shared_memory_size=self.shared_memory_size,
+                image_pull_secrets=list(self.image_pull_secrets),
+                node_reservation=self.node_reservation,
+                env_vars=dict(self.env_vars),
+                request_timeout_s=self.request_timeout_s,
+            )
+        )
