@@ -1,4 +1,5 @@
-"""The `prefect-nemo` command: run the demo on the embedded default, manage the local server."""
+"""The `prefect-nemo` command: run the demo on the embedded default, manage the local server,
+apply block documents (`blocks apply`) and deployments (`deploy`)."""
 
 from __future__ import annotations
 
@@ -145,6 +146,44 @@ def _print_summary(outputs: dict[str, dict[str, Any]], elapsed: float) -> None:
     )
 
 
+# -- blocks and deployments -----------------------------------------------------------------------
+
+
+def apply_blocks(files: list[Path]) -> int:
+    """Create or update the block documents of YAML files; report each, never its values."""
+    from prefect_nemo.block_documents import apply_file
+    from prefect_nemo.errors import PrefectNemoError
+
+    api_url, _ = ensure_prefect_server()
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        for path in files:
+            try:
+                applied = apply_file(path)
+            except PrefectNemoError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
+            for item in applied:
+                if item.registered_type:
+                    print(f"registered block type {item.ref.split('/')[0]}")
+                print(item)
+    return 0
+
+
+def deploy(prefect_file: Path, names: list[str]) -> int:
+    """Create the work pools a prefect.yaml names, then `prefect deploy` its deployments."""
+    from prefect_nemo.deployments import deploy as run_deploy
+    from prefect_nemo.errors import PrefectNemoError
+
+    api_url, _ = ensure_prefect_server()
+    try:
+        return run_deploy(prefect_file, names=names, api_url=api_url)
+    except PrefectNemoError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `prefect-nemo` command."""
     parser = argparse.ArgumentParser(prog="prefect-nemo", description=__doc__)
@@ -153,9 +192,34 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--run-dir", type=Path, help="where the demo's jobs write (default: temp)")
     server = commands.add_parser("server", help="the local Prefect server the demo starts")
     server.add_argument("action", choices=["stop"])
+    blocks = commands.add_parser("blocks", help="block documents kept as YAML (blocks/*.yaml)")
+    blocks_commands = blocks.add_subparsers(dest="action", required=True)
+    apply = blocks_commands.add_parser(
+        "apply", help="create or update the documents of YAML files (secrets from ${ENV_VARS})"
+    )
+    apply.add_argument("files", type=Path, nargs="+", help="e.g. blocks/ray-remote.yaml")
+    deploy_cmd = commands.add_parser(
+        "deploy", help="apply deployments/prefect.yaml (creates missing work pools)"
+    )
+    deploy_cmd.add_argument(
+        "--prefect-file",
+        type=Path,
+        default=Path("deployments/prefect.yaml"),
+        help="the prefect.yaml to apply (default: deployments/prefect.yaml)",
+    )
+    deploy_cmd.add_argument(
+        "--name",
+        action="append",
+        default=[],
+        help="only this deployment ('flow-name/deployment-name' or a deployment name); repeatable",
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
         return run_demo(args.run_dir)
+    if args.command == "blocks":
+        return apply_blocks(args.files)
+    if args.command == "deploy":
+        return deploy(args.prefect_file, args.name)
     stop_prefect_server()
     return 0
 
