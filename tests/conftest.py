@@ -81,3 +81,20 @@ def subprocess_env(prefect_api: str, **extra: str) -> dict[str, str]:
     env = dict(os.environ, PREFECT_API_URL=prefect_api, PYTHONUNBUFFERED="1", **extra)
     env.pop("PREFECT_PROFILE", None)
     return env
+
+
+# -- Slurm: one real local cluster (munge, MariaDB, slurmdbd, slurmctld, slurmd) and an sshd ------
+
+
+@pytest.fixture(scope="session")
+def slurm() -> Iterator[Any]:
+    """A real one-node Slurm cluster + sshd on 127.0.0.1 (started, or the running one reused)."""
+    from prefect_nemo.testing.slurm import LocalSlurm, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        if IN_CI:
+            pytest.fail(f"CI needs the local Slurm cluster: {reason}")
+        pytest.skip(reason)
+    with LocalSlurm() as cluster:  # stops it at the end only if this session started it
+        yield cluster

@@ -1,0 +1,771 @@
+"""A real one-node Slurm cluster and an sshd on loopback, for tests (Debian packages, run as root).
+
+`LocalSlurm().start()` runs munged, MariaDB, slurmdbd, slurmctld, slurmd and an sshd on a free
+127.0.0.1 port under one supervisor process, configured from files under a state dir (default
+/tmp/prefect-nemo-slurm; Slurm's own config has to live in /etc/slurm, where clients look for it).
+The supervisor is a child subreaper: slurmstepd and job processes that outlive their parents are
+reaped by it (PID 1 here reaps nothing), and on SIGTERM it stops every daemon it started and kills
+what is left under it. A cluster already running from the same state dir is reused, not restarted,
+and `stop()` stops only a cluster this object started.
+
+This file imports only the standard library: the supervisor runs it as a script (no package import).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_STATE_DIR = Path("/tmp/prefect-nemo-slurm")
+SLURM_CONF_DIR = Path("/etc/slurm")
+MARKER = "# written by prefect_nemo.testing.slurm; state in "
+MUNGE_SOCKET = Path("/run/munge/munge.socket.2")
+# The executables the cluster needs; missing ones mean `make system` has not run (as root).
+REQUIRED_BINARIES = (
+    "munged",
+    "munge",
+    "mariadbd",
+    "mariadb-install-db",
+    "mariadb",
+    "slurmdbd",
+    "slurmctld",
+    "slurmd",
+    "sbatch",
+    "sacctmgr",
+    "sshd",
+    "ssh",
+    "ssh-keygen",
+    "rsync",
+)
+_SBIN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def missing_binaries() -> list[str]:
+    """The executables of REQUIRED_BINARIES not installed on this machine."""
+    return [name for name in REQUIRED_BINARIES if shutil.which(name, path=_SBIN_PATH) is None]
+
+
+def unavailable_reason() -> str | None:
+    """Why a LocalSlurm cannot start here (not root, packages missing), or None when it can."""
+    if os.geteuid() != 0:
+        return "the local Slurm cluster runs its daemons as root; run the tests as root"
+    missing = missing_binaries()
+    if missing:
+        return f"missing {', '.join(missing)}: run `make system` as root to install Slurm and sshd"
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    """True when pid names a running process (a zombie counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def _port_open(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(1.0)
+        return sock.connect_ex((host, port)) == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run(
+    args: list[str], *, input: str | None = None, check: bool = True, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        args,
+        input=input,
+        capture_output=True,
+        text=True,
+        check=check,
+        timeout=timeout,
+        env=dict(os.environ, PATH=_SBIN_PATH + ":" + os.environ.get("PATH", "")),
+    )
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return ""
+
+
+def _write(path: Path, text: str, mode: int = 0o644) -> None:
+    """Write text atomically with the given mode."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.chmod(mode)
+    tmp.replace(path)
+
+
+@dataclass
+class LocalSlurm:
+    """A one-node Slurm cluster with accounting and an sshd on 127.0.0.1, for tests."""
+
+    state_dir: Path = DEFAULT_STATE_DIR
+    cluster: str = "prefectnemo"
+    partition: str = "debug"
+    account: str = "nemo"
+    host: str = "127.0.0.1"
+    user: str = "root"
+    port: int = 0
+    owned: bool = False
+    _supervisor: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.state_dir = Path(self.state_dir)
+
+    # -- where things are ---------------------------------------------------------------------
+
+    @property
+    def identity(self) -> Path:
+        """The client's private ed25519 key, authorized for root on the sshd."""
+        return self.state_dir / "ssh" / "id_ed25519"
+
+    @property
+    def known_hosts(self) -> Path:
+        """A known_hosts file holding the sshd's host key for [127.0.0.1]:port."""
+        return self.state_dir / "ssh" / "known_hosts"
+
+    @property
+    def node(self) -> str:
+        """The one compute node's name (`hostname -s`)."""
+        return socket.gethostname().split(".")[0]
+
+    @property
+    def log_dir(self) -> Path:
+        """The daemons' log files."""
+        return self.state_dir / "log"
+
+    @property
+    def _state_file(self) -> Path:
+        return self.state_dir / "state.json"
+
+    def ssh_command(self, *remote: str) -> list[str]:
+        """argv for `ssh` to the sshd with our key and known_hosts (no prompts), then remote."""
+        return [
+            "ssh",
+            "-p",
+            str(self.port),
+            "-i",
+            str(self.identity),
+            "-o",
+            f"UserKnownHostsFile={self.known_hosts}",
+            "-o",
+            "StrictHostKeyChecking=yes",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "IdentitiesOnly=yes",
+            f"{self.user}@{self.host}",
+            *remote,
+        ]
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 180.0) -> LocalSlurm:
+        """Start the cluster (or attach to the one already running from state_dir); returns self."""
+        reason = unavailable_reason()
+        if reason:
+            from prefect_nemo.errors import BackendUnavailable
+
+            raise BackendUnavailable(reason)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.state_dir.chmod(0o700)  # keys and the database password live here
+        with open(self.state_dir / "lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one starter at a time (parallel test sessions)
+            state = self._read_state()
+            if state and self._healthy(state):
+                self.port = state["ports"]["ssh"]
+                self.owned = False
+                return self
+            if state and _pid_alive(state.get("supervisor_pid", 0)):
+                _terminate_supervisor(state["supervisor_pid"])  # ours, but broken: start afresh
+            self._spawn(state, timeout_s)
+        return self
+
+    def _spawn(self, previous: dict[str, Any] | None, timeout_s: float) -> None:
+        old_ports = (previous or {}).get("ports", {})
+        ports = {
+            name: (p if (p := old_ports.get(name)) and not _port_open(p) else _free_port())
+            for name in ("ssh", "slurmctld", "slurmd", "slurmdbd", "mysql")
+        }
+        spec = {
+            "state_dir": str(self.state_dir),
+            "cluster": self.cluster,
+            "partition": self.partition,
+            "account": self.account,
+            "user": self.user,
+            "ports": ports,
+        }
+        self._state_file.unlink(missing_ok=True)
+        self.log_dir.mkdir(exist_ok=True)
+        with open(self.log_dir / "supervisor.log", "ab") as out:
+            self._supervisor = subprocess.Popen(
+                [sys.executable, "-I", __file__, "_supervise", json.dumps(spec)],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C in the test run must not reach the daemons
+                close_fds=True,
+            )
+        self.owned = True
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            state = self._read_state()
+            if state and state.get("ready"):
+                self.port = ports["ssh"]
+                return
+            if (state and state.get("error")) or self._supervisor.poll() is not None:
+                self.stop()
+                error = (state or {}).get("error", "the supervisor exited")
+                raise RuntimeError(
+                    f"local Slurm did not start: {error}\n{_tail(self.log_dir / 'supervisor.log')}"
+                )
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(
+            f"local Slurm not up after {timeout_s:.0f}s; logs in {self.log_dir}\n"
+            f"{_tail(self.log_dir / 'supervisor.log')}"
+        )
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Stop the cluster if this object started it (by the supervisor's pid); else nothing."""
+        proc, self._supervisor = self._supervisor, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        self.owned = False
+
+    def __enter__(self) -> LocalSlurm:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _read_state(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self._state_file.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _healthy(self, state: dict[str, Any]) -> bool:
+        """True when the recorded cluster answers: supervisor alive, slurmctld up, sshd open."""
+        return (
+            bool(state.get("ready"))
+            and _pid_alive(state.get("supervisor_pid", 0))
+            and _port_open(state["ports"]["ssh"])
+            and _run(["scontrol", "ping"], check=False, timeout=20).returncode == 0
+        )
+
+    # -- using it -----------------------------------------------------------------------------
+
+    def run(
+        self, cmd: str | list[str], *, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a command here (sbatch, sacct, squeue, ...); a string goes through the shell."""
+        if isinstance(cmd, str):
+            cmd = ["bash", "-c", cmd]
+        return _run(cmd, check=check, timeout=timeout)
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """The job's allocation row in sacct (State, ExitCode, Reason, ...); {} until recorded."""
+        fields = ("JobID", "JobName", "State", "ExitCode", "Reason", "Account", "Partition")
+        out = self.run(
+            ["sacct", "-X", "-n", "-P", "-j", job_id, "-o", ",".join(fields)], check=False
+        )
+        for line in out.stdout.splitlines():
+            row = dict(zip(fields, line.split("|"), strict=False))
+            if row.get("JobID") == job_id:
+                return row
+        return {}
+
+    def wait_job(
+        self, job_id: str, states: tuple[str, ...], timeout_s: float = 60
+    ) -> dict[str, str]:
+        """Wait until sacct shows the job in one of states (e.g. COMPLETED, FAILED); its row."""
+        deadline = time.monotonic() + timeout_s
+        row: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            row = self.job(job_id)
+            if row.get("State", "").split(" ")[0] in states:
+                return row
+            time.sleep(0.3)
+        raise TimeoutError(f"job {job_id} not in {states} after {timeout_s}s: {row}")
+
+    def wait_idle(self, timeout_s: float = 60) -> None:
+        """Wait until no job is queued or running and the node is idle."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            queued = self.run(["squeue", "-h", "-o", "%i"], check=False).stdout.split()
+            node = self.run(["sinfo", "-h", "-n", self.node, "-o", "%T"], check=False).stdout
+            if not queued and node.strip().rstrip("*~#") == "idle":
+                return
+            time.sleep(0.3)
+        raise TimeoutError(f"Slurm not idle after {timeout_s}s: queued={queued} node={node!r}")
+
+
+def _terminate_supervisor(pid: int, timeout_s: float = 60.0) -> None:
+    """SIGTERM a supervisor that is not our child (a cluster left running), wait until gone."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while _pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _pid_alive(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+# -- the supervisor (a separate process: `python slurm.py _supervise <spec>`) --------------------
+
+
+class _Supervisor:
+    """Starts the daemons in order, reaps everything under it, stops it all on SIGTERM."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.dir = Path(spec["state_dir"])
+        self.ports: dict[str, int] = spec["ports"]
+        self.logs = self.dir / "log"
+        self.run_dir = self.dir / "run"
+        self.ssh_dir = self.dir / "ssh"
+        self.node = socket.gethostname().split(".")[0]
+        self.daemons: list[tuple[str, int]] = []  # (name, pid), in start order
+        self.exited: dict[int, int] = {}  # reaped pid -> wait status
+        self.stopping = False
+
+    # process bookkeeping: we reap with waitpid(-1), so Popen's own polling is never used
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.exited[pid] = status
+
+    def alive(self, pid: int) -> bool:
+        self.reap()
+        return pid not in self.exited
+
+    def spawn(self, name: str, args: list[str], **kwargs: Any) -> int:
+        with open(self.logs / f"{name}.out", "ab") as out:
+            proc = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, **kwargs
+            )
+        self.daemons.append((name, proc.pid))
+        print(f"started {name} pid {proc.pid}", flush=True)
+        return proc.pid
+
+    def wait_for(self, what: str, ready: Any, pid: int | None, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.stopping:
+                raise RuntimeError("stopped while starting")
+            if pid is not None and not self.alive(pid):
+                name = next(n for n, p in self.daemons if p == pid)
+                raise RuntimeError(
+                    f"{name} exited while starting; its log:\n"
+                    f"{_tail(self.logs / f'{name}.log') or _tail(self.logs / f'{name}.out')}"
+                )
+            if ready():
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"{what} not ready after {timeout_s}s (logs in {self.logs})")
+
+    def write_state(self, **extra: Any) -> None:
+        state = {"supervisor_pid": os.getpid(), "ports": self.ports, **self.spec, **extra}
+        _write(self.dir / "state.json", json.dumps(state, indent=1), 0o600)
+
+    # -- main ---------------------------------------------------------------------------------
+
+    def main(self) -> int:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans below us come to us to be reaped
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+        code = 0
+        try:
+            for sub in ("log", "run", "ssh", "ctld", "slurmd"):
+                (self.dir / sub).mkdir(parents=True, exist_ok=True)
+            started = time.monotonic()
+            self.start_munge()
+            self.start_mariadb()
+            self.start_slurmdbd()
+            self.start_slurmctld()
+            self.start_slurmd()
+            self.start_sshd()
+            print(f"ready in {time.monotonic() - started:.1f}s", flush=True)
+            self.write_state(ready=True)
+            while not self.stopping:
+                self.reap()
+                dead = [name for name, pid in self.daemons if pid in self.exited]
+                if dead:
+                    print(f"{', '.join(dead)} exited; stopping the cluster", flush=True)
+                    code = 1
+                    break
+                time.sleep(0.5)
+        except Exception as exc:
+            print(f"start failed: {exc}", flush=True)
+            self.write_state(ready=False, error=str(exc))
+            code = 1
+        finally:
+            self.teardown()
+        return code
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.stopping = True
+
+    def teardown(self) -> None:
+        for name, pid in reversed(self.daemons):
+            if not self.alive(pid):
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 20
+            while self.alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if self.alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            print(f"stopped {name}", flush=True)
+        # whatever is left under us (job steps, their children) goes too, reaped as it dies
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            children = _children(os.getpid())
+            if not children:
+                break
+            for pid in children:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
+            self.reap()
+        with contextlib.suppress(OSError):
+            state = json.loads((self.dir / "state.json").read_text())
+            if state.get("supervisor_pid") == os.getpid() and state.get("ready"):
+                (self.dir / "state.json").unlink()
+
+    # -- the daemons --------------------------------------------------------------------------
+
+    def start_munge(self) -> None:
+        if _munge_works():
+            print("munged already running; using it", flush=True)
+            return
+        run_dir = MUNGE_SOCKET.parent
+        run_dir.mkdir(parents=True, exist_ok=True)
+        shutil.chown(run_dir, "munge", "munge")
+        run_dir.chmod(0o755)
+        pid = self.spawn(
+            "munged",
+            ["munged", "--foreground", f"--log-file={self.logs / 'munged.log'}"],
+            user="munge",
+            group="munge",
+            extra_groups=[],
+        )
+        (self.logs / "munged.log").touch()
+        shutil.chown(self.logs / "munged.log", "munge", "munge")
+        self.wait_for("munged", _munge_works, pid, 30)
+
+    def start_mariadb(self) -> None:
+        datadir = self.dir / "mysql"
+        sock = self.run_dir / "mysql.sock"
+        if not (datadir / "mysql").is_dir():
+            shutil.rmtree(datadir, ignore_errors=True)
+            _run(
+                [
+                    "mariadb-install-db",
+                    "--no-defaults",
+                    "--user=root",
+                    f"--datadir={datadir}",
+                    "--auth-root-authentication-method=socket",
+                    "--skip-test-db",
+                ],
+                timeout=120,
+            )
+        pid = self.spawn(
+            "mariadb",
+            [
+                "mariadbd",
+                "--no-defaults",
+                "--user=root",
+                f"--datadir={datadir}",
+                f"--socket={sock}",
+                f"--port={self.ports['mysql']}",
+                "--bind-address=127.0.0.1",
+                "--skip-name-resolve",
+                f"--pid-file={self.run_dir / 'mariadb.pid'}",
+                f"--log-error={self.logs / 'mariadb.log'}",
+                "--innodb-buffer-pool-size=64M",
+                "--innodb-lock-wait-timeout=900",  # slurmdbd asks for it
+                "--max-connections=50",
+            ],
+        )
+
+        def sql(statements: str) -> subprocess.CompletedProcess[str]:
+            cmd = ["mariadb", "--no-defaults", f"--socket={sock}", "-u", "root", "-N", "-B"]
+            return _run(cmd, input=statements, check=False)
+
+        self.wait_for("mariadb", lambda: sql("SELECT 1;").returncode == 0, pid, 60)
+        password_file = self.dir / "db_password"
+        if not password_file.exists():
+            _write(password_file, secrets.token_hex(16), 0o600)
+        self.db_password = password_file.read_text().strip()
+        user = "'slurm'@'127.0.0.1'"
+        result = sql(
+            "CREATE DATABASE IF NOT EXISTS slurm_acct_db;"
+            f"CREATE USER IF NOT EXISTS {user} IDENTIFIED BY '{self.db_password}';"
+            f"ALTER USER {user} IDENTIFIED BY '{self.db_password}';"
+            f"GRANT ALL ON slurm_acct_db.* TO {user};"
+        )
+        if result.returncode:
+            raise RuntimeError(f"mariadb setup failed: {result.stderr}")
+
+    def start_slurmdbd(self) -> None:
+        self.write_slurm_conf()
+        conf = f"""{MARKER}{self.dir}
+AuthType=auth/munge
+DbdHost=localhost
+DbdAddr=127.0.0.1
+DbdPort={self.ports["slurmdbd"]}
+SlurmUser=root
+LogFile={self.logs / "slurmdbd.log"}
+PidFile={self.run_dir / "slurmdbd.pid"}
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort={self.ports["mysql"]}
+StorageUser=slurm
+StoragePass={self.db_password}
+StorageLoc=slurm_acct_db
+"""
+        _write(SLURM_CONF_DIR / "slurmdbd.conf", conf, 0o600)  # slurmdbd insists on 0600
+        pid = self.spawn("slurmdbd", ["slurmdbd", "-D"])
+        self.wait_for(
+            "slurmdbd",
+            lambda: _run(["sacctmgr", "-n", "-P", "show", "cluster"], check=False).returncode == 0,
+            pid,
+            60,
+        )
+        cluster, account, user = self.spec["cluster"], self.spec["account"], self.spec["user"]
+        self.sacctmgr_add("cluster", cluster, [])
+        self.sacctmgr_add("account", account, [f"Cluster={cluster}", "Description=tests"])
+        # the user's association with our account, so `--account` passes the enforced check
+        assoc = ["show", "assoc", f"cluster={cluster}", f"account={account}", f"user={user}"]
+        shown = _run(["sacctmgr", "-n", "-P", *assoc, "format=User"], check=False).stdout.split()
+        if user not in shown:
+            _run(
+                ["sacctmgr", "-i", "add", "user", user, f"Account={account}", f"Cluster={cluster}"]
+            )
+
+    def sacctmgr_add(self, kind: str, name: str, options: list[str]) -> None:
+        """`sacctmgr add kind name options` unless it exists (a second add is an error)."""
+        shown = _run(["sacctmgr", "-n", "-P", "show", kind, name, "format=" + kind], check=False)
+        if name not in shown.stdout.split():
+            _run(["sacctmgr", "-i", "add", kind, name, *options])
+
+    def write_slurm_conf(self) -> None:
+        path = SLURM_CONF_DIR / "slurm.conf"
+        if path.exists() and not path.read_text().startswith(MARKER):
+            raise RuntimeError(f"{path} exists and was not written by us; not overwriting it")
+        cpus = os.cpu_count() or 1
+        mem_mb = _mem_total_mb() * 9 // 10
+        p = self.ports
+        conf = f"""{MARKER}{self.dir}
+ClusterName={self.spec["cluster"]}
+SlurmctldHost={self.node}(127.0.0.1)
+SlurmctldPort={p["slurmctld"]}
+SlurmdPort={p["slurmd"]}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CryptoType=crypto/munge
+StateSaveLocation={self.dir / "ctld"}
+SlurmdSpoolDir={self.dir / "slurmd"}
+SlurmctldPidFile={self.run_dir / "slurmctld.pid"}
+SlurmdPidFile={self.run_dir / "slurmd.pid"}
+SlurmctldLogFile={self.logs / "slurmctld.log"}
+SlurmdLogFile={self.logs / "slurmd.log"}
+# no cgroups here: track processes by parentage, no task binding
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+# quick scheduling and cancelling, so tests do not wait on defaults meant for big clusters
+SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
+KillWait=2
+MinJobAge=600
+ReturnToService=2
+InactiveLimit=0
+MessageTimeout=10
+MpiDefault=none
+MailProg=/bin/true
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=localhost
+AccountingStoragePort={p["slurmdbd"]}
+AccountingStorageEnforce=associations
+JobAcctGatherType=jobacct_gather/linux
+JobAcctGatherFrequency=5
+JobCompType=jobcomp/none
+NodeName={self.node} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN
+# several jobs share a core, so dependency chains and parallel tests fit on 2 cores
+PartitionName={self.spec["partition"]} Nodes={self.node} Default=YES MaxTime=INFINITE State=UP \
+OverSubscribe=FORCE:4
+"""
+        SLURM_CONF_DIR.mkdir(parents=True, exist_ok=True)
+        _write(path, conf, 0o644)
+
+    def start_slurmctld(self) -> None:
+        pid = self.spawn("slurmctld", ["slurmctld", "-D"])
+        self.wait_for(
+            "slurmctld", lambda: _run(["scontrol", "ping"], check=False).returncode == 0, pid, 60
+        )
+
+    def start_slurmd(self) -> None:
+        pid = self.spawn("slurmd", ["slurmd", "-D", "-N", self.node])
+        resumed = False
+
+        def node_up() -> bool:
+            nonlocal resumed
+            out = _run(["sinfo", "-h", "-n", self.node, "-o", "%T"], check=False).stdout.strip()
+            state = out.rstrip("*~#$@^-!%")
+            if state in ("down", "drained", "draining") and not resumed:
+                # left down by an earlier run that stopped with jobs on the node
+                _run(["scontrol", "update", f"nodename={self.node}", "state=resume"], check=False)
+                resumed = True
+            return state in ("idle", "mixed", "allocated")
+
+        self.wait_for("slurmd", node_up, pid, 60)
+
+    def start_sshd(self) -> None:
+        host_key = self.ssh_dir / "ssh_host_ed25519_key"
+        client_key = self.ssh_dir / "id_ed25519"
+        for key, comment in ((host_key, "prefect-nemo-sshd"), (client_key, "prefect-nemo-tests")):
+            if not key.exists():
+                _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(key)])
+        _write(self.ssh_dir / "authorized_keys", client_key.with_suffix(".pub").read_text(), 0o600)
+        config = f"""{MARKER}{self.dir}
+Port {self.ports["ssh"]}
+ListenAddress 127.0.0.1
+HostKey {host_key}
+PidFile {self.run_dir / "sshd.pid"}
+AuthorizedKeysFile {self.ssh_dir / "authorized_keys"}
+PermitRootLogin prohibit-password
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+# the key files sit under /tmp, which StrictModes would reject
+StrictModes no
+PrintMotd no
+Subsystem sftp /usr/lib/openssh/sftp-server
+"""
+        _write(self.ssh_dir / "sshd_config", config, 0o600)
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation dir
+        pid = self.spawn(
+            "sshd", ["/usr/sbin/sshd", "-D", "-e", "-f", str(self.ssh_dir / "sshd_config")]
+        )
+        self.wait_for("sshd", lambda: _port_open(self.ports["ssh"]), pid, 30)
+        key_type, key_b64 = host_key.with_suffix(".pub").read_text().split()[:2]
+        names = [f"[127.0.0.1]:{self.ports['ssh']}", f"[localhost]:{self.ports['ssh']}"]
+        entries = "".join(f"{name} {key_type} {key_b64}\n" for name in names)
+        _write(self.ssh_dir / "known_hosts", entries, 0o644)
+        # ssh and rsync (as NeMo-Run calls them) read only the user's own known_hosts
+        user_known = Path.home() / ".ssh" / "known_hosts"
+        user_known.parent.mkdir(mode=0o700, exist_ok=True)
+        kept = []
+        if user_known.exists():
+            kept = [
+                line
+                for line in user_known.read_text().splitlines(keepends=True)
+                if line.split(" ", 1)[0] not in names
+            ]
+        _write(user_known, "".join(kept) + entries, 0o600)
+
+
+def _munge_works() -> bool:
+    if not MUNGE_SOCKET.exists():
+        return False
+    cred = _run(["munge", "-n"], check=False)
+    return (
+        cred.returncode == 0 and _run(["unmunge"], input=cred.stdout, check=False).returncode == 0
+    )
+
+
+def _mem_total_mb() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) // 1024
+    return 1024
+
+
+def _children(pid: int) -> list[int]:
+    """Live processes whose parent is pid."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+                found.append(int(entry.name))
+    return found
+
+
+def main(argv: list[str]) -> int:
+    """`start` (left running), `stop` (the cluster running from the default state dir), `status`."""
+    command = argv[0] if argv else "status"
+    if command == "_supervise":
+        return _Supervisor(json.loads(argv[1])).main()
+    slurm = LocalSlurm()
+    state = slurm._read_state()
+    if command == "start":
+        started = time.monotonic()
+        slurm.start()
+        slurm._supervisor = None  # detach: the cluster outlives this command
+        how = "started" if slurm.owned else "already running"
+        print(f"local Slurm {how} in {time.monotonic() - started:.1f}s: ssh -p {slurm.port}")
+        return 0
+    if command == "stop":
+        if state and _pid_alive(state.get("supervisor_pid", 0)):
+            _terminate_supervisor(state["supervisor_pid"])
+            print("local Slurm stopped")
+        else:
+            print("local Slurm not running")
+        return 0
+    if command == "status":
+        up = bool(state) and slurm._healthy(state)  # type: ignore[arg-type]
+        print(json.dumps({"running": up, **(state or {})}, indent=1))
+        return 0 if up else 1
+    print("usage: python -m prefect_nemo.testing.slurm start|stop|status", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
