@@ -1,0 +1,335 @@
+"""`NemoRunBackend`: the Backend protocol on NeMo-Run's lower-level launch path.
+
+No Experiment and no interactive UI: for each job the backend builds a NeMo-Run executor and
+a `run.Script`, calls ``executor.assign`` and ``torchx_backend.packaging.package``, then
+``torchx_backend.launcher.launch`` twice through one torchx runner (a dry run that writes the
+job's files locally, the `before_schedule` hook, then the real launch), which returns the app
+handle (``slurm_tunnel://nemo_run/<id>``, ``local_persistent://nemo_run/<id>``, ...).
+Status, stop and logs go through the same runner (``status``/``cancel``/``log_lines``)
+unless a subclass answers them more directly.
+
+A subclass (one per NeMo-Run executor: slurm.py, local.py; lepton.py and dgx_cloud.py follow
+the same pattern) implements:
+
+- ``kind``, ``cluster`` and ``secrets``: the Backend identity.
+- ``make_executor(spec, job_id)``: the NeMo-Run executor for this spec, with every secret kept
+  out of it (NeMo-Run writes executors to disk); raise InvalidJobSpec for what it cannot run.
+- ``claim(job_id, metadata)``: take the job id or raise JobAlreadyExists (submit-or-attach);
+  ``release(job_id)`` undoes a claim whose launch failed; ``record(job_id, app_handle)``
+  stores the handle; ``app_handle(job_id)`` finds it again (None: no such job). The default
+  keeps a registry under NEMORUN_HOME (one machine); a backend whose service can look jobs
+  up by name should do that instead, so a re-run from another machine attaches too.
+- optionally ``make_task`` (the default runs the entrypoint as an inline bash script, plain env
+  only), ``before_schedule`` (after the dry run wrote the job's files, before submission:
+  Slurm ships the job dir and the secret env file there), ``statuses``, ``request_stop``,
+  ``logs`` (the defaults use the torchx runner).
+
+Nothing here imports Prefect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator, Collection
+from pathlib import Path
+from typing import Any, ClassVar
+
+from prefect_nemo import names
+from prefect_nemo.backends.nemo_run.home import nemo_run, root_logger_kept
+from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec, JobAlreadyExists
+from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus
+
+#: NeMo-Run experiment title of every job we launch: its files live under
+#: ``<NEMORUN_HOME>/experiments/prefect-nemo/prefect-nemo_<job id>/``.
+EXPERIMENT_TITLE = "prefect-nemo"
+#: A claim with no app handle after this long was left by a submitter that died mid-launch.
+STALE_CLAIM_S = 120.0
+
+# torchx AppState names -> ours. UNKNOWN is absent on purpose: it is no observation.
+_APP_STATES = {
+    "UNSUBMITTED": JobState.PENDING,
+    "SUBMITTED": JobState.PENDING,
+    "PENDING": JobState.PENDING,
+    "RUNNING": JobState.RUNNING,
+    "SUCCEEDED": JobState.SUCCEEDED,
+    "FAILED": JobState.FAILED,
+    "CANCELLED": JobState.STOPPED,
+}
+
+
+def job_state(app_state: Any) -> JobState | None:
+    """Our JobState for a torchx AppState (None for UNKNOWN: no answer yet)."""
+    return _APP_STATES.get(getattr(app_state, "name", str(app_state)))
+
+
+def experiment_id(job_id: str) -> str:
+    """The NeMo-Run experiment id of a job: title, '_', job id (NeMo-Run splits on the last
+    '_'; job ids have none)."""
+    return f"{EXPERIMENT_TITLE}_{job_id}"
+
+
+class NemoRunBackend(ABC):
+    """Submit, watch, stop and read logs of jobs through one NeMo-Run executor kind."""
+
+    kind: ClassVar[str]
+    max_job_id_len: ClassVar[int] = names.MAX_LABEL
+
+    def __init__(self) -> None:
+        self._runner: Any = None
+        self._runner_lock = threading.Lock()
+
+    # -- identity (subclasses)
+
+    @property
+    @abstractmethod
+    def cluster(self) -> str:
+        """A stable identity of the cluster or service this backend submits to."""
+
+    @property
+    def secrets(self) -> list[str]:
+        """Secret values of this backend's credentials, for redaction."""
+        return []
+
+    def links(self, job_id: str) -> dict[str, str]:
+        """URLs or paths to look at the job (none by default)."""
+        return {}
+
+    def handle(self, job_id: str) -> JobHandle:
+        """The handle of a job id on this cluster."""
+        return JobHandle(
+            backend=self.kind, cluster=self.cluster, job_id=job_id, links=self.links(job_id)
+        )
+
+    # -- hooks
+
+    @abstractmethod
+    def make_executor(self, spec: JobSpec, job_id: str) -> Any:
+        """The NeMo-Run executor that runs `spec`, with no secret in it."""
+
+    def make_task(self, spec: JobSpec, job_id: str) -> Any:
+        """The NeMo-Run task: the entrypoint as an inline bash script with the plain env.
+
+        Secret env values are not put here (NeMo-Run may write the task to disk): a backend
+        delivers them its own way (see `secret_env`)."""
+        run = nemo_run()
+        return run.Script(inline=spec.entrypoint, env=plain_env(spec))
+
+    def before_schedule(self, spec: JobSpec, job_id: str, executor: Any, dryrun_info: Any) -> None:  # noqa: B027
+        """Called after the dry run wrote the job's local files and before the job is submitted."""
+
+    def after_schedule(self, spec: JobSpec, job_id: str, app_handle: str) -> None:  # noqa: B027
+        """Called once the job is submitted (its app handle is known)."""
+
+    # -- the job registry: claim / record / look up
+
+    def registry_dir(self) -> Path:
+        """Where the default registry keeps one small JSON file per job (under NEMORUN_HOME)."""
+        home = Path(nemo_run().config.get_nemorun_home())
+        return home / "prefect-nemo" / names.dns_label(self.kind) / names.stable_hash(self.cluster)
+
+    def _entry(self, job_id: str) -> Path:
+        return self.registry_dir() / f"{job_id}.json"
+
+    def _read_entry(self, job_id: str) -> dict[str, Any] | None:
+        try:
+            return json.loads(self._entry(job_id).read_text() or "{}")
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return {}  # being written: a claim without a handle yet
+
+    def claim(self, job_id: str, metadata: dict[str, str]) -> None:
+        """Take job_id in the local registry (O_EXCL create) or raise JobAlreadyExists."""
+        path = self._entry(job_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(2):
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            except FileExistsError:
+                entry = self._read_entry(job_id) or {}
+                stale = not entry.get("app_handle") and _age_s(path) > STALE_CLAIM_S
+                if stale or (entry.get("app_handle") and self._app_status(entry) is None):
+                    path.unlink(missing_ok=True)  # its submitter died, or the app is gone
+                    continue
+                raise JobAlreadyExists(f"{self.kind} job '{job_id}' already exists") from None
+            with os.fdopen(fd, "w") as out:
+                json.dump({"metadata": metadata}, out)
+            return
+        raise JobAlreadyExists(f"{self.kind} job '{job_id}' is being claimed by someone else")
+
+    def release(self, job_id: str) -> None:
+        """Undo a claim whose launch failed, so the next attempt may submit."""
+        self._entry(job_id).unlink(missing_ok=True)
+
+    def record(self, job_id: str, app_handle: str, metadata: dict[str, str]) -> None:
+        """Store the app handle of a submitted job."""
+        path = self._entry(job_id)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"app_handle": app_handle, "metadata": metadata}))
+        tmp.chmod(0o600)
+        tmp.replace(path)
+
+    def app_handle(self, job_id: str) -> str | None:
+        """The app handle recorded for job_id, or None."""
+        entry = self._read_entry(job_id) or {}
+        return entry.get("app_handle")
+
+    def job_metadata(self, job_id: str) -> dict[str, str]:
+        """The metadata stored with the job at submit (for drift checks)."""
+        entry = self._read_entry(job_id) or {}
+        return dict(entry.get("metadata") or {})
+
+    # -- the torchx runner
+
+    @property
+    def runner(self) -> Any:
+        """This backend's torchx runner (NeMo-Run's), created on first use."""
+        with self._runner_lock:
+            if self._runner is None:
+                nemo_run()
+                from nemo_run.run.torchx_backend.runner import get_runner
+
+                with root_logger_kept():
+                    self._runner = get_runner()
+            return self._runner
+
+    def _app_status(self, entry: dict[str, Any]) -> Any:
+        with root_logger_kept():
+            return self.runner.status(entry["app_handle"])
+
+    # -- Backend protocol
+
+    def validate(self, spec: JobSpec) -> None:
+        """Reject what the executor cannot run: builds the executor without submitting."""
+        if spec.runtime_env:
+            raise InvalidJobSpec(
+                f"JobSpec.runtime_env is Ray-only; the {self.kind} backend cannot use it: set "
+                "env, working_dir and placement instead"
+            )
+        if spec.label_selector:
+            raise InvalidJobSpec(
+                f"JobSpec.label_selector is Ray-only; on {self.kind} say where the job runs with "
+                "JobSpec.placement (node_labels)"
+            )
+        self.make_executor(spec, "validate")
+
+    def check_access(self) -> None:  # noqa: B027
+        """Nothing to reach by default (local): subclasses connect and authenticate here."""
+
+    def submit(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> JobHandle:
+        """Launch the spec as job_id through NeMo-Run; JobAlreadyExists if the id is taken."""
+        nemo_run()
+        from nemo_run.run.torchx_backend.launcher import launch
+        from nemo_run.run.torchx_backend.packaging import package
+        from nemo_run.run.torchx_backend.schedulers.api import get_executor_str
+
+        meta = {**spec.metadata, **metadata}
+        self.claim(job_id, meta)
+        try:
+            executor = self.make_executor(spec, job_id)
+            task = self.make_task(spec, job_id)
+            exp_dir = self.local_experiment_dir(job_id)
+            shutil.rmtree(exp_dir, ignore_errors=True)  # a released attempt's leftovers
+            executor.assign(experiment_id(job_id), str(exp_dir), job_id, job_id)
+            executor.create_job_dir()
+            with root_logger_kept():
+                app = package(job_id, task, executor=executor, serialize_metadata_for_scripts=False)
+                name = get_executor_str(executor)
+                _, dryrun_info = launch(app, name, executor, dryrun=True, runner=self.runner)
+                self.before_schedule(spec, job_id, executor, dryrun_info)
+                app_handle, _ = launch(
+                    app, name, executor, dryrun=False, runner=self.runner, dryrun_info=dryrun_info
+                )
+        except BaseException:
+            self.release(job_id)
+            raise
+        self.record(job_id, app_handle, meta)
+        self.after_schedule(spec, job_id, app_handle)
+        return self.handle(job_id)
+
+    def local_experiment_dir(self, job_id: str) -> Path:
+        """Where NeMo-Run writes the job's files on this machine."""
+        home = Path(nemo_run().config.get_nemorun_home())
+        return home / "experiments" / EXPERIMENT_TITLE / experiment_id(job_id)
+
+    def find(self, job_id: str) -> JobStatus | None:
+        """The job's status, or None when no job has that id."""
+        status = self.statuses([job_id]).get(job_id)
+        if status is None:
+            return None
+        return status.model_copy(update={"metadata": self.job_metadata(job_id)})
+
+    def statuses(self, job_ids: Collection[str]) -> dict[str, JobStatus]:
+        """Statuses through the torchx runner, one `status` call per job."""
+        out: dict[str, JobStatus] = {}
+        for job_id in job_ids:
+            app_handle = self.app_handle(job_id)
+            if not app_handle:
+                continue
+            with root_logger_kept():
+                status = self.runner.status(app_handle)
+            state = job_state(status.state) if status is not None else None
+            if state is None:
+                continue
+            out[job_id] = JobStatus(job_id=job_id, state=state, message=_msg(status.msg))
+        return out
+
+    def request_stop(self, job_id: str) -> None:
+        """Ask the scheduler to cancel the job (no waiting)."""
+        app_handle = self.app_handle(job_id)
+        if app_handle:
+            with root_logger_kept():
+                self.runner.cancel(app_handle)
+
+    def logs(self, job_id: str) -> str:
+        """The job's whole log so far, read through the runner."""
+        app_handle = self.app_handle(job_id)
+        if not app_handle:
+            return ""
+        with root_logger_kept():
+            lines = self.runner.log_lines(app_handle, job_id, k=0, should_tail=False)
+            return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
+
+    async def tail_logs(self, job_id: str) -> AsyncGenerator[str, None]:
+        """The log from its start, then what is appended, read every second until the job ends."""
+        sent = 0
+        while True:
+            status = await asyncio.to_thread(self.statuses, [job_id])
+            done = job_id not in status or status[job_id].state.is_terminal()
+            with contextlib.suppress(BackendUnavailable):
+                text = await asyncio.to_thread(self.logs, job_id)
+                if len(text) > sent:
+                    yield text[sent:]
+                    sent = len(text)
+            if done:
+                return
+            await asyncio.sleep(1.0)
+
+
+def plain_env(spec: JobSpec) -> dict[str, str]:
+    """The spec's env without its secret values."""
+    return {k: v for k, v in spec.env.items() if isinstance(v, str)}
+
+
+def secret_env(spec: JobSpec) -> dict[str, str]:
+    """Only the spec's secret env values, revealed (for delivery to the job, never to disk)."""
+    plain = spec.plain_env()
+    return {k: plain[k] for k, v in spec.env.items() if not isinstance(v, str)}
+
+
+def _age_s(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _msg(text: str | None) -> str:
+    return "" if not text or text == "<NONE>" else text

@@ -1,0 +1,64 @@
+"""Jobs as local processes through NeMo-Run's LocalExecutor (tests, laptops)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any, ClassVar
+
+from prefect_nemo.backends.nemo_run.base import NemoRunBackend
+from prefect_nemo.backends.nemo_run.home import nemo_run
+from prefect_nemo.errors import InvalidJobSpec
+from prefect_nemo.jobs import JobSpec
+from prefect_nemo.packaging import collect_source, stage_source
+
+
+class NemoRunLocalBackend(NemoRunBackend):
+    """Runs each job as a process on this machine via NeMo-Run's LocalExecutor."""
+
+    kind: ClassVar[str] = "nemo-run-local"
+
+    def __init__(self, *, env: dict[str, str] | None = None) -> None:
+        super().__init__()
+        self._env = dict(env or {})
+
+    @property
+    def cluster(self) -> str:
+        """This machine."""
+        return f"local://{socket.gethostname()}"
+
+    def links(self, job_id: str) -> dict[str, str]:
+        """The job's directory (its logs are there)."""
+        return {"job_dir": str(self.local_experiment_dir(job_id) / job_id)}
+
+    def validate(self, spec: JobSpec) -> None:
+        """The local executor runs one process: no multi-node placement."""
+        if spec.placement is not None and spec.placement.nodes > 1:
+            raise InvalidJobSpec(
+                f"JobSpec.placement.nodes={spec.placement.nodes}: the local executor runs on "
+                "one machine; use nodes=1 or a Slurm/Lepton/DGX Cloud cluster"
+            )
+        super().validate(spec)
+
+    def make_executor(self, spec: JobSpec, job_id: str) -> Any:
+        """A LocalExecutor; env from the block, then the job's plain env."""
+        run = nemo_run()
+        return run.LocalExecutor(ntasks_per_node=1, env_vars=dict(self._env))
+
+    def make_task(self, spec: JobSpec, job_id: str) -> Any:
+        """The entrypoint as an inline script in working_dir (staged), secrets in its env only.
+
+        The local scheduler hands the env to the process (Popen) and keeps none of it on disk.
+        """
+        run = nemo_run()
+        command = spec.entrypoint
+        if spec.working_dir is not None:
+            staged = stage_source(collect_source(spec.working_dir, exclude=spec.exclude))
+            command = f"cd {_quote(staged)} && {command}"
+        return run.Script(inline=command, env=spec.plain_env())
+
+
+def _quote(path: Path) -> str:
+    import shlex
+
+    return shlex.quote(str(path))

@@ -1,0 +1,763 @@
+"""Slurm through NeMo-Run's SlurmExecutor and SSH tunnel, with native afterok dependencies.
+
+Submission is NeMo-Run's: the executor writes the sbatch script and packages the code, its
+torchx scheduler runs ``sbatch`` through the tunnel. Around it this backend adds what NeMo-Run
+lacks: an SSH connection that never prompts or exits (key only, host key checked when
+`known_hosts` is given), the job dir shipped over SFTP (no rsync, no key file on disk), a
+race-safe claim of the job id on the cluster, secret env values in a 0600 file that the
+batch script sources and deletes, batched status (one ``squeue`` + ``sacct`` per poll for all
+jobs), and ``sbatch --dependency=afterok:`` for upstream jobs on the same cluster.
+
+Remote layout under `job_dir` (the block's remote job dir)::
+
+    prefect-nemo/prefect-nemo_<job id>/        claimed with mkdir (atomic): the job exists
+        meta.json, slurm_job_id                 what we submitted, Slurm's id for it
+        <job id>_sbatch.sh, <job id>/code, <job id>/log-<job id>_<slurm id>_0.out
+        .secret-env                             0600; deleted by the job once sourced
+    prefect-nemo/experiments/<experiment>/<job id>   index for cross-experiment afterok
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shlex
+import tarfile
+import threading
+import time
+from collections.abc import Collection, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, ClassVar
+
+from prefect_nemo import names
+from prefect_nemo.backends.nemo_run.base import (
+    EXPERIMENT_TITLE,
+    STALE_CLAIM_S,
+    NemoRunBackend,
+    experiment_id,
+    plain_env,
+    secret_env,
+)
+from prefect_nemo.backends.nemo_run.home import nemo_run, nemorun_home
+from prefect_nemo.errors import (
+    AuthenticationFailed,
+    BackendUnavailable,
+    DependencyFailed,
+    InvalidJobSpec,
+    JobAlreadyExists,
+)
+from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus
+from prefect_nemo.packaging import build_archive, plan_for
+from prefect_nemo.placement.errors import PlacementError
+from prefect_nemo.placement.spec import to_slurm
+
+#: Metadata key the task layer sets to the experiment a job belongs to.
+META_EXPERIMENT = "prefect_nemo.experiment"
+SECRET_ENV_FILE = ".secret-env"
+SCHEDULER = "slurm_tunnel"
+
+# sacct/squeue state (first word) -> ours
+_SLURM_STATES = {
+    "PENDING": JobState.PENDING,
+    "CONFIGURING": JobState.PENDING,
+    "REQUEUED": JobState.PENDING,
+    "REQUEUE_FED": JobState.PENDING,
+    "REQUEUE_HOLD": JobState.PENDING,
+    "RESV_DEL_HOLD": JobState.PENDING,
+    "RUNNING": JobState.RUNNING,
+    "COMPLETING": JobState.RUNNING,
+    "RESIZING": JobState.RUNNING,
+    "SUSPENDED": JobState.RUNNING,
+    "STOPPED": JobState.RUNNING,
+    "SIGNALING": JobState.RUNNING,
+    "STAGE_OUT": JobState.RUNNING,
+    "COMPLETED": JobState.SUCCEEDED,
+    "CANCELLED": JobState.STOPPED,
+    "PREEMPTED": JobState.STOPPED,
+    "FAILED": JobState.FAILED,
+    "TIMEOUT": JobState.FAILED,
+    "NODE_FAIL": JobState.FAILED,
+    "OUT_OF_MEMORY": JobState.FAILED,
+    "BOOT_FAIL": JobState.FAILED,
+    "DEADLINE": JobState.FAILED,
+    "SPECIAL_EXIT": JobState.FAILED,
+    "REVOKED": JobState.FAILED,
+}
+_NEVER_SATISFIED = "DependencyNeverSatisfied"
+
+# job id -> Slurm job id, per cluster, for every backend object in this process
+_slurm_ids: dict[str, dict[str, str]] = {}
+_cleaned: set[tuple[str, str]] = set()  # (cluster, job id) whose secret file we removed
+_ids_lock = threading.Lock()
+
+
+class SlurmBackend(NemoRunBackend):
+    """Jobs on a Slurm cluster reached over SSH, submitted by NeMo-Run's SlurmExecutor."""
+
+    kind: ClassVar[str] = "slurm"
+    max_job_id_len: ClassVar[int] = names.MAX_LABEL
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        user: str,
+        job_dir: str,
+        account: str,
+        port: int = 22,
+        identity: str | None = None,
+        identity_key: str | None = None,
+        known_hosts: str | None = None,
+        partition: str | None = None,
+        time: str = "01:00:00",
+        nodes: int = 1,
+        ntasks_per_node: int = 1,
+        gpus_per_node: int | None = None,
+        cpus_per_task: int | None = None,
+        mem: str | None = None,
+        qos: str | None = None,
+        constraint: str | None = None,
+        container_image: str | None = None,
+        container_mounts: Sequence[str] = (),
+        additional_parameters: dict[str, Any] | None = None,
+        setup_lines: str | None = None,
+        env: dict[str, str] | None = None,
+        connect_timeout_s: float = 30.0,
+        command_timeout_s: float = 120.0,
+        field_prefix: str = "SlurmCluster",
+        upstream: Sequence[JobHandle] = (),
+    ) -> None:
+        super().__init__()
+        self.host, self.user, self.port = host, user, int(port)
+        self.job_dir = job_dir.rstrip("/") or "/"
+        self.account, self.partition, self.time = account, partition, time
+        self.nodes, self.ntasks_per_node = nodes, ntasks_per_node
+        self.gpus_per_node, self.cpus_per_task, self.mem = gpus_per_node, cpus_per_task, mem
+        self.qos, self.constraint = qos, constraint
+        self.container_image, self.container_mounts = container_image, list(container_mounts)
+        self.additional_parameters = dict(additional_parameters or {})
+        self.setup_lines = setup_lines
+        self._env = dict(env or {})
+        self._ssh = SafeSSH(
+            host=host,
+            port=self.port,
+            user=user,
+            identity=identity,
+            identity_key=identity_key,
+            known_hosts=known_hosts,
+            connect_timeout_s=connect_timeout_s,
+            command_timeout_s=command_timeout_s,
+            field_prefix=field_prefix,
+        )
+        self._field = field_prefix
+        self._upstream = tuple(upstream)
+        self._kwargs = dict(locals())  # to rebuild with dependencies (after)
+        for unused in ("self", "__class__", "upstream"):
+            self._kwargs.pop(unused, None)
+
+    # -- identity
+
+    @property
+    def address(self) -> str:
+        """The Slurm cluster as SSH sees it: user@host:port (native dependencies need the same)."""
+        return f"{self.user}@{self.host}:{self.port}"
+
+    @property
+    def cluster(self) -> str:
+        """The cluster and the remote job dir (job ids are claimed in that dir)."""
+        return f"slurm://{self.address}{self.job_dir}"
+
+    @property
+    def secrets(self) -> list[str]:
+        """The SSH key text, when the block holds it."""
+        return self._ssh.secrets
+
+    def links(self, job_id: str) -> dict[str, str]:
+        """Where the job's files and logs are on the cluster."""
+        return {"job_dir": f"ssh://{self.address}{self.remote_dir(job_id)}/{job_id}"}
+
+    def remote_root(self) -> str:
+        """Our directory under the remote job dir."""
+        return f"{self.job_dir}/{EXPERIMENT_TITLE}"
+
+    def remote_dir(self, job_id: str) -> str:
+        """The job's directory on the cluster (NeMo-Run's tunnel job dir)."""
+        return f"{self.remote_root()}/{experiment_id(job_id)}"
+
+    # -- dependencies
+
+    def depends_natively_on(self, handle: JobHandle) -> bool:
+        """True for a job on this same Slurm cluster: afterok can name it."""
+        if handle.backend != self.kind:
+            return False
+        return handle.cluster.removeprefix("slurm://").startswith(self.address + "/")
+
+    def after(self, upstream: Sequence[JobHandle]) -> SlurmBackend:
+        """This backend, whose next submissions wait natively (afterok) for `upstream`."""
+        return type(self)(**self._kwargs, upstream=[*self._upstream, *upstream])
+
+    def experiment_jobs(self, experiment: str) -> list[JobHandle]:
+        """Handles of the jobs experiment `experiment` submitted to this cluster (remote index)."""
+        index = self._experiment_index(experiment)
+        out = self.run(f"ls -1 {shlex.quote(index)} 2>/dev/null || true").stdout.split()
+        return [self.handle(job_id) for job_id in out if job_id]
+
+    def _experiment_index(self, experiment: str) -> str:
+        label = names.dns_label(experiment, 40)
+        return f"{self.remote_root()}/experiments/{label}-{names.stable_hash(experiment)}"
+
+    def _dependency_ids(self) -> list[str]:
+        """Slurm ids to wait for; DependencyFailed now if an upstream job already failed."""
+        if not self._upstream:
+            return []
+        for handle in self._upstream:
+            if not self.depends_natively_on(handle):
+                raise InvalidJobSpec(
+                    f"upstream job '{handle.job_id}' is on {handle.cluster}, not on this Slurm "
+                    f"cluster ({self.address}): wait for it in Prefect instead"
+                )
+        ids = [h.job_id for h in self._upstream]
+        statuses = self.statuses(ids)
+        waiting = []
+        for job_id in ids:
+            status = statuses.get(job_id)
+            if status is None:
+                raise DependencyFailed(
+                    f"upstream job '{job_id}' is not on {self.address} (no such job in "
+                    f"{self.remote_root()}): submit it first"
+                )
+            if status.state in (JobState.FAILED, JobState.STOPPED):
+                raise DependencyFailed(
+                    f"upstream job '{job_id}' ended {status.state.value}"
+                    + (f" ({status.message})" if status.message else "")
+                    + ": nothing was submitted. Re-run the upstream job first."
+                )
+            if status.state is not JobState.SUCCEEDED:
+                waiting.append(self._slurm_id(job_id))
+        return [sid for sid in waiting if sid]
+
+    # -- SSH
+
+    def run(self, command: str, *, warn: bool = False) -> Any:
+        """Run a shell command on the login node (our connection; never prompts)."""
+        return self._ssh.run(command, warn=warn)
+
+    def check_access(self) -> None:
+        """Connect and authenticate now, and check that sbatch is on the login node's PATH."""
+        result = self.run("command -v sbatch sacct squeue scancel", warn=True)
+        if len(result.stdout.split()) < 4:
+            raise BackendUnavailable(
+                f"{self.address}: sbatch, sacct, squeue and scancel must be on the PATH of "
+                f"{self.user}'s login shell (found: {result.stdout.split() or 'none'})"
+            )
+
+    # -- executor
+
+    def validate(self, spec: JobSpec) -> None:
+        """What sbatch would refuse, before anything is sent."""
+        res = spec.resources
+        if res.custom:
+            raise InvalidJobSpec(
+                "JobSpec.resources.custom: Slurm has no custom resources: request GRES with "
+                f"{self._field}.additional_parameters={{'gres': 'name:count'}}"
+            )
+        if res.gpus is not None and res.gpus != int(res.gpus):
+            raise InvalidJobSpec(
+                f"JobSpec.resources.gpus={res.gpus}: Slurm allocates whole GPUs: use an integer"
+            )
+        super().validate(spec)
+
+    def make_executor(self, spec: JobSpec, job_id: str) -> Any:
+        """NeMo-Run's SlurmExecutor for spec: placement/resources over the block's defaults,
+        plain env in the script, secret env sourced from a 0600 file, code via our archive."""
+        run = nemo_run()
+        alloc: dict[str, Any] = {
+            "nodes": self.nodes,
+            "gpus_per_node": self.gpus_per_node,
+            "cpus_per_task": self.cpus_per_task,
+            "constraint": self.constraint,
+            "mem": self.mem,
+        }
+        if spec.placement is not None:
+            try:
+                alloc.update(to_slurm(spec.placement))
+            except PlacementError as exc:
+                raise InvalidJobSpec(f"JobSpec.placement: {exc}") from None
+        res = spec.resources
+        if res.gpus is not None:
+            alloc["gpus_per_node"] = int(res.gpus)
+        if res.cpus is not None:
+            alloc["cpus_per_task"] = max(1, round(res.cpus))
+        if res.memory_bytes is not None:
+            alloc["mem"] = f"{max(1, -(-res.memory_bytes // (1024 * 1024)))}M"
+        if not alloc.get("gpus_per_node"):
+            alloc["gpus_per_node"] = None  # 0 means CPU-only: ask for no GPUs at all
+        extra = dict(self.additional_parameters)
+        deps = self._dependency_ids() if job_id != "validate" else []
+        if deps:
+            extra["kill_on_invalid_dep"] = "yes"  # a failed upstream cancels us, not a hang
+        packager = run.Packager()
+        if spec.working_dir is not None:
+            archive = build_archive(spec.working_dir, exclude=spec.exclude)
+            plan_for("slurm", archive, name=job_id)  # checks the size limit, if one is set
+            packager = _archive_packager(archive)
+        executor = run.SlurmExecutor(
+            account=self.account,
+            partition=self.partition,
+            time=self.time,
+            ntasks_per_node=self.ntasks_per_node,
+            qos=self.qos,
+            container_image=self.container_image,
+            container_mounts=list(self.container_mounts),
+            additional_parameters=extra or None,
+            setup_lines=self._setup_lines(spec, job_id),
+            tunnel=self._ssh.tunnel(self.job_dir),
+            packager=packager,
+            dependencies=[f"{SCHEDULER}://nemo_run/{sid}" for sid in deps],
+            dependency_type="afterok",
+            poll_estimated_start_time=False,
+            env_vars=dict(self._env),
+            **{k: v for k, v in alloc.items() if v is not None},
+        )
+        from nemo_run.core.execution.slurm import SlurmJobDetails
+
+        executor.job_details = SlurmJobDetails(job_name=job_id)
+        return executor
+
+    def make_task(self, spec: JobSpec, job_id: str) -> Any:
+        """The entrypoint as an inline script; env goes through setup_lines (quoted, case kept)."""
+        return nemo_run().Script(inline=spec.entrypoint)
+
+    def _setup_lines(self, spec: JobSpec, job_id: str) -> str:
+        # NeMo-Run writes `export KEY.upper()=value` unquoted; we write the env ourselves.
+        lines = [self.setup_lines] if self.setup_lines else []
+        lines += [f"export {k}={shlex.quote(v)}" for k, v in plain_env(spec).items()]
+        if secret_env(spec):
+            path = shlex.quote(f"{self.remote_dir(job_id)}/{SECRET_ENV_FILE}")
+            # the script runs with `set -vx`: silence it so no secret is echoed to the log
+            lines += [
+                "{ set +vx; } 2>/dev/null",
+                f"if [ -f {path} ]; then set -a; . {path}; set +a; rm -f {path}; fi",
+                "set -x",
+            ]
+        return "\n".join(lines)
+
+    # -- the job registry on the cluster
+
+    def claim(self, job_id: str, metadata: dict[str, str]) -> None:
+        """mkdir the job's remote dir (atomic) or raise JobAlreadyExists; a claim left by a
+        submitter that died before sbatch is taken over after STALE_CLAIM_S."""
+        d = shlex.quote(self.remote_dir(job_id))
+        meta = shlex.quote(json.dumps(metadata, sort_keys=True))
+        write = f"printf %s {meta} > {d}/meta.json && echo CLAIMED"
+        script = (
+            f"mkdir -p {shlex.quote(self.remote_root())} || exit 3; "
+            f"if mkdir -m 700 {d} 2>/dev/null; then {write}; exit 0; fi; "
+            f"if [ ! -s {d}/slurm_job_id ] "
+            f"&& [ $(( $(date +%s) - $(stat -c %Y {d}) )) -gt {int(STALE_CLAIM_S)} ] "
+            f'&& [ -z "$(squeue -h --name={shlex.quote(job_id)} -o %i)" ]; '
+            f"then rm -rf {d} && mkdir -m 700 {d} && {write}; exit 0; fi; echo EXISTS"
+        )
+        out = self.run(script).stdout.strip()
+        if out.endswith("EXISTS"):
+            raise JobAlreadyExists(f"Slurm job '{job_id}' already exists on {self.address}")
+        if not out.endswith("CLAIMED"):
+            raise BackendUnavailable(f"could not claim {self.remote_dir(job_id)}: {out[-200:]}")
+
+    def release(self, job_id: str) -> None:
+        """Remove the claim of a launch that failed (nothing was submitted)."""
+        try:
+            self.run(f"rm -rf {shlex.quote(self.remote_dir(job_id))}", warn=True)
+        except Exception:  # the original error matters more; a stale claim expires
+            pass
+
+    def before_schedule(self, spec: JobSpec, job_id: str, executor: Any, dryrun_info: Any) -> None:
+        """Ship the local job dir (script, code) over SFTP, and the secret env file (0600)."""
+        local = Path(executor.experiment_dir)
+        remote = self.remote_dir(job_id)
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+            for path in sorted(local.iterdir()):
+                tar.add(path, arcname=path.name)
+        buf.seek(0)
+        upload = f"{remote}/.upload.tgz"
+        self._ssh.put(buf, upload)
+        secrets = secret_env(spec)
+        if secrets:
+            body = "".join(f"{k}={shlex.quote(v)}\n" for k, v in secrets.items())
+            self._ssh.put_private(body.encode(), f"{remote}/{SECRET_ENV_FILE}")
+        q = shlex.quote
+        self.run(f"tar -xzf {q(upload)} -C {q(remote)} && rm -f {q(upload)}")
+
+    def record(self, job_id: str, app_handle: str, metadata: dict[str, str]) -> None:
+        """Write Slurm's id beside the claim, and index the job under its experiment."""
+        sid = app_handle.rsplit("/", 1)[-1]
+        with _ids_lock:
+            _slurm_ids.setdefault(self.cluster, {})[job_id] = sid
+        q = shlex.quote
+        commands = [f"printf %s {q(sid)} > {q(self.remote_dir(job_id))}/slurm_job_id"]
+        experiment = metadata.get(META_EXPERIMENT)
+        if experiment:
+            index = self._experiment_index(experiment)
+            commands.append(f"mkdir -p {q(index)} && printf %s {q(sid)} > {q(index)}/{q(job_id)}")
+        self.run(" && ".join(commands))
+
+    def _slurm_id(self, job_id: str) -> str | None:
+        with _ids_lock:
+            return _slurm_ids.get(self.cluster, {}).get(job_id)
+
+    def _lookup(self, job_ids: Collection[str]) -> None:
+        """Fill the id cache for jobs submitted elsewhere (another process or a crashed run)."""
+        unknown = [j for j in job_ids if self._slurm_id(j) is None]
+        if not unknown:
+            return
+        q = shlex.quote
+        reads = "; ".join(
+            f"printf '%s ' {q(j)}; cat {q(self.remote_dir(j))}/slurm_job_id 2>/dev/null; echo"
+            for j in unknown
+        )
+        found: dict[str, str] = {}
+        for line in self.run(reads).stdout.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[1].isdigit():
+                found[parts[0]] = parts[1]
+        with _ids_lock:
+            _slurm_ids.setdefault(self.cluster, {}).update(found)
+
+    def app_handle(self, job_id: str) -> str | None:
+        """slurm_tunnel://nemo_run/<slurm id>, or None if no such job."""
+        self._lookup([job_id])
+        sid = self._slurm_id(job_id)
+        return f"{SCHEDULER}://nemo_run/{sid}" if sid else None
+
+    def job_metadata(self, job_id: str) -> dict[str, str]:
+        """The metadata written with the claim."""
+        out = self.run(f"cat {shlex.quote(self.remote_dir(job_id))}/meta.json", warn=True)
+        try:
+            return dict(json.loads(out.stdout or "{}"))
+        except ValueError:
+            return {}
+
+    # -- status, stop, logs
+
+    def statuses(self, job_ids: Collection[str]) -> dict[str, JobStatus]:
+        """One squeue + sacct round trip for all the jobs (sacct may lag a just-submitted job;
+        squeue never does)."""
+        self._lookup(job_ids)
+        ids = {j: sid for j in job_ids if (sid := self._slurm_id(j))}
+        if not ids:
+            return {}
+        joined = ",".join(sorted(set(ids.values())))
+        command = (
+            f"squeue -h -t all -j {joined} -o '%i|%T|%r' 2>/dev/null; echo @@; "
+            f"SLURM_TIME_FORMAT=%s sacct -n -X -P -j {joined} "
+            "-o JobID,State,ExitCode,Start,End,Reason 2>/dev/null"
+        )
+        queue, _, acct = self.run(command, warn=True).stdout.partition("@@")
+        rows: dict[str, dict[str, str]] = {}
+        for line in queue.splitlines():
+            parts = line.strip().split("|")
+            if len(parts) == 3:
+                rows[parts[0]] = {"State": parts[1], "Reason": parts[2]}
+        for line in acct.splitlines():
+            parts = line.strip().split("|")
+            if len(parts) == 6 and parts[0] in ids.values():
+                sid, state, exit_code, start, end, reason = parts
+                live = rows.get(sid)
+                ended = _SLURM_STATES.get(state.split()[0], JobState.PENDING).is_terminal()
+                if live is None or ended:  # squeue is current; sacct has the end
+                    rows[sid] = {
+                        "State": state,
+                        "ExitCode": exit_code,
+                        "Start": start,
+                        "End": end,
+                        "Reason": reason
+                        if reason not in ("None", "")
+                        else (live or {}).get("Reason", ""),
+                    }
+        out = {}
+        for job_id, sid in ids.items():
+            row = rows.get(sid)
+            if row is not None:
+                out[job_id] = _status(job_id, sid, row)
+        self._clean_secrets([j for j, s in out.items() if s.state.is_terminal()])
+        return out
+
+    def _clean_secrets(self, ended: list[str]) -> None:
+        """Delete the secret env file of jobs that ended without running (cancelled while
+        pending, or never satisfied): the job deletes it itself once it starts."""
+        with _ids_lock:
+            todo = [j for j in ended if (self.cluster, j) not in _cleaned]
+            _cleaned.update((self.cluster, j) for j in todo)
+        if todo:
+            files = " ".join(shlex.quote(f"{self.remote_dir(j)}/{SECRET_ENV_FILE}") for j in todo)
+            self.run(f"rm -f {files}", warn=True)
+
+    def request_stop(self, job_id: str) -> None:
+        """scancel the job (pending or running); its secret file goes with it."""
+        sid = self._slurm_id(job_id) or (self._lookup([job_id]) or self._slurm_id(job_id))
+        if sid:
+            secret = shlex.quote(f"{self.remote_dir(job_id)}/{SECRET_ENV_FILE}")
+            self.run(f"scancel {sid}; rm -f {secret}", warn=True)
+
+    def logs(self, job_id: str) -> str:
+        """The job's output (its srun log; the batch log when srun never started)."""
+        sid = self._slurm_id(job_id) or (self._lookup([job_id]) or self._slurm_id(job_id))
+        if not sid:
+            return ""
+        d = shlex.quote(f"{self.remote_dir(job_id)}/{job_id}")
+        j = shlex.quote(job_id)
+        command = (
+            f"ls {d}/log-{j}_{sid}_*.out >/dev/null 2>&1 "
+            f"&& cat {d}/log-{j}_{sid}_*.out || cat {d}/sbatch_{j}_{sid}.out 2>/dev/null; true"
+        )
+        return self.run(command, warn=True).stdout
+
+
+def _epoch(text: str) -> datetime | None:
+    return datetime.fromtimestamp(int(text), tz=UTC) if text.isdigit() and text != "0" else None
+
+
+def _status(job_id: str, sid: str, row: dict[str, str]) -> JobStatus:
+    word = row["State"].split()[0] if row["State"] else "PENDING"
+    state = _SLURM_STATES.get(word, JobState.PENDING)
+    reason = row.get("Reason", "")
+    message = f"{row['State']} (Slurm job {sid}" + (f", {reason})" if reason else ")")
+    if reason == _NEVER_SATISFIED:
+        state = JobState.FAILED if state.is_terminal() else state
+        message = (
+            f"Slurm job {sid} never ran: a job it depends on (afterok) did not succeed "
+            f"({reason}, {row['State']})"
+        )
+    exit_code = None
+    code = row.get("ExitCode", "")
+    if code and code.split(":")[0].isdigit() and state.is_terminal():
+        exit_code = int(code.split(":")[0])
+    return JobStatus(
+        job_id=job_id,
+        state=state,
+        message=message,
+        start_time=_epoch(row.get("Start", "")),
+        end_time=_epoch(row.get("End", "")) if state.is_terminal() else None,
+        exit_code=exit_code,
+        metadata={"slurm_job_id": sid},
+    )
+
+
+def _archive_packager(archive: Any) -> Any:
+    """A NeMo-Run Packager that hands NeMo-Run our archive of the working dir (the native
+    transport: NeMo-Run unpacks it into the job's code dir, which ships with the job dir)."""
+    from dataclasses import dataclass
+
+    run = nemo_run()
+    store = nemorun_home() / "prefect-nemo" / "archives"
+    store.mkdir(parents=True, exist_ok=True)
+    path = store / f"{archive.sha256}.tar.gz"
+    if not path.exists():
+        tmp = path.with_suffix(f".{time.time_ns()}.tmp")
+        tmp.write_bytes(archive.data)
+        tmp.replace(path)
+
+    @dataclass(kw_only=True)
+    class ArchivePackager(run.Packager):
+        archive: str = ""
+
+        def package(self, path: Path, job_dir: str, name: str) -> str:
+            return self.archive
+
+    return ArchivePackager(archive=str(path))
+
+
+# -- SSH that never prompts
+
+
+class SafeSSH:
+    """One SSH connection per backend, key only: a missing, unreadable or rejected key is
+    AuthenticationFailed naming the block field, never a password prompt or sys.exit.
+
+    The key text (when the block holds the key itself) stays in memory: paramiko loads it
+    from a string, and SFTP replaces rsync, so no key file is ever written.
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        user: str,
+        identity: str | None,
+        identity_key: str | None,
+        known_hosts: str | None,
+        connect_timeout_s: float,
+        command_timeout_s: float,
+        field_prefix: str,
+    ) -> None:
+        self.host, self.port, self.user = host, port, user
+        self._identity, self._key_text, self._known_hosts = identity, identity_key, known_hosts
+        self._connect_timeout_s, self._command_timeout_s = connect_timeout_s, command_timeout_s
+        self._field = field_prefix
+        self._lock = threading.Lock()
+        self._session: Any = None
+        self._tunnels: list[Any] = []
+
+    @property
+    def secrets(self) -> list[str]:
+        """The key text and each of its lines (a log may show one line of it)."""
+        if not self._key_text:
+            return []
+        lines = [ln.strip() for ln in self._key_text.splitlines() if len(ln.strip()) > 16]
+        return [self._key_text, self._key_text.strip(), *lines]
+
+    def _pkey(self) -> Any:
+        import paramiko
+
+        where = f"{self._field}.identity_key" if self._key_text else f"{self._field}.identity"
+        text = self._key_text
+        if text is None:
+            if not self._identity:
+                raise AuthenticationFailed(
+                    f"{self._field}: no SSH key: set identity (a private key file on this "
+                    "machine) or identity_key (the key itself, kept as a secret)"
+                )
+            try:
+                text = Path(self._identity).expanduser().read_text()
+            except OSError as exc:
+                raise AuthenticationFailed(
+                    f"{where}={self._identity!r} cannot be read ({exc.strerror or exc}): point it "
+                    f"at the private key authorized for {self.user}@{self.host}"
+                ) from None
+        errors = []
+        for cls in (paramiko.Ed25519Key, paramiko.ECDSAKey, paramiko.RSAKey):
+            try:
+                return cls.from_private_key(io.StringIO(text))
+            except paramiko.PasswordRequiredException:
+                raise AuthenticationFailed(
+                    f"{where}: the key is encrypted with a passphrase and prefect-nemo never "
+                    "prompts: use a key without a passphrase for this cluster"
+                ) from None
+            except (paramiko.SSHException, ValueError) as exc:
+                errors.append(type(exc).__name__)
+        raise AuthenticationFailed(
+            f"{where}: not a private key paramiko can read (OpenSSH ed25519, ECDSA or RSA "
+            "expected): check you gave the private key, not the .pub file"
+        )
+
+    def _open(self) -> Any:
+        import paramiko
+        from fabric import Config, Connection
+
+        conn = Connection(
+            self.host,
+            user=self.user,
+            port=self.port,
+            connect_timeout=self._connect_timeout_s,
+            connect_kwargs={
+                "pkey": self._pkey(),
+                "look_for_keys": False,
+                "allow_agent": False,
+                "auth_timeout": self._connect_timeout_s,
+                "banner_timeout": self._connect_timeout_s,
+            },
+            config=Config(overrides={"run": {"in_stream": False}}),
+        )
+        if self._known_hosts is not None:
+            keys = conn.client.get_host_keys()
+            for line in self._known_hosts.splitlines():
+                entry = paramiko.hostkeys.HostKeyEntry.from_line(line)
+                if entry is not None and entry.key is not None:
+                    for name in entry.hostnames:
+                        keys.add(name, entry.key.get_name(), entry.key)
+            conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        target = f"{self.user}@{self.host}:{self.port}"
+        try:
+            conn.open()
+        except paramiko.BadHostKeyException:
+            raise AuthenticationFailed(
+                f"{target} presented a host key that differs from {self._field}.known_hosts: "
+                "the host changed or someone is in between; check it and update known_hosts"
+            ) from None
+        except paramiko.AuthenticationException:
+            raise AuthenticationFailed(
+                f"{target} rejected the SSH key in {self._field}."
+                f"{'identity_key' if self._key_text else 'identity'}: add its public key to "
+                f"~{self.user}/.ssh/authorized_keys on the login node"
+            ) from None
+        except paramiko.SSHException as exc:
+            if "known_hosts" in str(exc) or "not found in" in str(exc):
+                raise AuthenticationFailed(
+                    f"{target} is not in {self._field}.known_hosts: add its line (ssh-keyscan "
+                    f"-p {self.port} {self.host} prints it)"
+                ) from None
+            raise BackendUnavailable(f"SSH to {target} failed: {exc}") from None
+        except (TimeoutError, OSError, EOFError) as exc:
+            raise BackendUnavailable(
+                f"cannot reach {target} over SSH ({type(exc).__name__}: {exc}): check "
+                f"{self._field}.host and port and that the login node is up"
+            ) from None
+        return conn
+
+    def session(self) -> Any:
+        """The open fabric Connection (reopened if it dropped)."""
+        with self._lock:
+            if self._session is None or not self._session.is_connected:
+                self._session = self._open()
+                for tunnel in self._tunnels:
+                    tunnel.session = self._session
+            return self._session
+
+    def tunnel(self, job_dir: str) -> Any:
+        """A NeMo-Run SSHTunnel on our connection, whose own authentication (prompt, then
+        sys.exit) is replaced on this instance by ours."""
+        run = nemo_run()
+        tunnel = run.SSHTunnel(host=self.host, user=self.user, port=self.port, job_dir=job_dir)
+
+        def authenticate() -> None:
+            tunnel.session = self.session()
+
+        tunnel._authenticate = authenticate  # instance attribute: SSHTunnel stays SSHTunnel
+        tunnel.session = self.session()
+        with self._lock:
+            self._tunnels = [*self._tunnels[-15:], tunnel]
+        return tunnel
+
+    def run(self, command: str, *, warn: bool = False) -> Any:
+        """Run a command on the login node; BackendUnavailable on transport trouble."""
+        from invoke.exceptions import CommandTimedOut, UnexpectedExit
+
+        session = self.session()
+        try:
+            return session.run(command, hide=True, warn=warn, timeout=self._command_timeout_s)
+        except UnexpectedExit as exc:
+            result = exc.result
+            raise BackendUnavailable(
+                f"command on {self.user}@{self.host} failed (exit {result.exited}): "
+                f"{(result.stderr or result.stdout).strip()[-300:]}"
+            ) from None
+        except CommandTimedOut:
+            raise BackendUnavailable(
+                f"command on {self.user}@{self.host} took over {self._command_timeout_s:g}s"
+            ) from None
+        except (OSError, EOFError) as exc:
+            with self._lock:
+                self._session = None
+            raise BackendUnavailable(f"SSH to {self.user}@{self.host} broke: {exc}") from None
+
+    def put(self, data: io.BytesIO, remote: str) -> None:
+        """Upload bytes to a remote path over SFTP."""
+        session = self.session()
+        try:
+            session.put(data, remote)
+        except (OSError, EOFError) as exc:
+            raise BackendUnavailable(f"SFTP upload to {self.host}:{remote} failed: {exc}") from None
+
+    def put_private(self, data: bytes, remote: str) -> None:
+        """Upload bytes to a new remote file that is 0600 before anything is written to it."""
+        session = self.session()
+        try:
+            sftp = session.sftp()
+            with sftp.open(remote, "wx") as handle:
+                sftp.chmod(remote, 0o600)
+                handle.write(data)
+        except (OSError, EOFError) as exc:
+            raise BackendUnavailable(f"SFTP upload to {self.host}:{remote} failed: {exc}") from None

@@ -1,0 +1,184 @@
+"""Block for a Slurm cluster reached over SSH, run through NeMo-Run's SlurmExecutor."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+
+from prefect_nemo.blocks.base import ClusterBlock
+
+if TYPE_CHECKING:
+    from prefect_nemo.backends.nemo_run.slurm import SlurmBackend
+
+_TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$")
+
+
+class SlurmCluster(ClusterBlock):
+    """A Slurm cluster's login node over SSH, and the sbatch defaults for its jobs."""
+
+    _block_type_name = "Slurm Cluster"
+    _block_type_slug = "slurm-cluster"
+    _logo_url = "https://slurm.schedmd.com/favicon.ico"  # type: ignore[assignment]
+    _description = (
+        "A Slurm cluster reached over SSH (key only, never a password prompt): its login node, "
+        "remote job dir and sbatch defaults (account, partition, time, GPUs, container). Jobs "
+        "are submitted by NeMo-Run's SlurmExecutor; dependencies become sbatch afterok."
+    )
+    _code_example = """
+```python
+from prefect import flow
+from prefect_nemo import JobSpec, run_job
+from prefect_nemo.blocks.slurm import SlurmCluster
+
+cluster = SlurmCluster.load("BLOCK_NAME")
+
+@flow
+def train():
+    run_job(JobSpec(entrypoint="python train.py", working_dir="."), cluster=cluster)
+```
+"""
+
+    host: str = Field(description="Login node host name or address that runs sbatch.")
+    port: int = Field(default=22, ge=1, le=65535, description="SSH port of the login node.")
+    user: str = Field(description="SSH user (the Slurm user jobs run as).")
+    identity: str | None = Field(
+        default=None,
+        description="Path of the SSH private key on the machine that runs the flow (as "
+        "NeMo-Run's SSHTunnel.identity). Set this or identity_key.",
+    )
+    identity_key: SecretStr | None = Field(
+        default=None,
+        description="The SSH private key itself (OpenSSH text), kept secret and only in memory. "
+        "Set this or identity.",
+    )
+    known_hosts: str | None = Field(
+        default=None,
+        description="known_hosts lines for the login node (`ssh-keyscan -p PORT HOST`); when set, "
+        "an unknown or changed host key is refused. Empty: the host key is not checked.",
+    )
+    job_dir: str = Field(
+        description="Remote directory (shared with the compute nodes) where job scripts, code "
+        "and logs are written, as NeMo-Run's SSHTunnel.job_dir.",
+    )
+    account: str = Field(description="Slurm account charged for the jobs (sbatch --account).")
+    partition: str | None = Field(
+        default=None, description="Slurm partition (sbatch --partition); empty: the default."
+    )
+    time: str = Field(
+        default="01:00:00",
+        description="Wall-clock limit of each job (sbatch --time), e.g. 04:00:00 or 1-00:00:00.",
+    )
+    nodes: int = Field(default=1, ge=1, description="Default node count (placement overrides).")
+    ntasks_per_node: int = Field(default=1, ge=1, description="Tasks per node (srun tasks).")
+    gpus_per_node: int | None = Field(
+        default=None,
+        ge=0,
+        description="Default GPUs per node; 0 or empty asks for none (CPU-only). A job's "
+        "placement or resources override it.",
+    )
+    cpus_per_task: int | None = Field(default=None, ge=1, description="CPUs per task.")
+    mem: str | None = Field(default=None, description="Memory per node (sbatch --mem), e.g. 64G.")
+    qos: str | None = Field(default=None, description="Quality of service (sbatch --qos).")
+    constraint: str | None = Field(
+        default=None, description="Node features (sbatch --constraint), e.g. 'h100'."
+    )
+    container_image: str | None = Field(
+        default=None,
+        description="Container image for srun (needs pyxis/enroot); empty runs on the host.",
+    )
+    container_mounts: list[str] = Field(
+        default_factory=list, description="Container mounts, 'src:dst' each (with an image)."
+    )
+    additional_parameters: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra sbatch options by name, e.g. {'gres': 'gpu:8', 'exclusive': True}.",
+    )
+    setup_lines: str | None = Field(
+        default=None,
+        description="Shell lines the batch script runs before srun (module loads, ...).",
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment for every job (not secret: it is written into the batch "
+        "script); put secrets in JobSpec.env as SecretStr.",
+    )
+    connect_timeout_s: float = Field(
+        default=30.0, gt=0, description="Timeout to connect and authenticate over SSH, seconds."
+    )
+    command_timeout_s: float = Field(
+        default=120.0, gt=0, description="Timeout of each remote command (sbatch, sacct), seconds."
+    )
+
+    @field_validator("identity_key")
+    @classmethod
+    def _key_ok(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or not value.get_secret_value().strip():
+            return None
+        if "PRIVATE KEY" not in value.get_secret_value():
+            raise ValueError(
+                "is not an SSH private key (expected '-----BEGIN ... PRIVATE KEY-----'): paste "
+                "the private key, not the .pub file"
+            )
+        return value
+
+    @field_validator("time")
+    @classmethod
+    def _time_ok(cls, value: str) -> str:
+        if not _TIME.match(value.strip()):
+            raise ValueError(f"'{value}' is not a Slurm time: use minutes, HH:MM:SS or D-HH:MM:SS")
+        return value.strip()
+
+    @field_validator("job_dir")
+    @classmethod
+    def _job_dir_ok(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError(
+                f"'{value}' must be an absolute path on the cluster, e.g. /lustre/me/jobs"
+            )
+        return value.rstrip("/") or "/"
+
+    @model_validator(mode="after")
+    def _one_key(self) -> SlurmCluster:
+        if self.identity and self.identity_key is not None:
+            raise ValueError(
+                "set identity (a key file path) or identity_key (the key itself), not both"
+            )
+        if not self.identity and self.identity_key is None:
+            raise ValueError(
+                "no SSH key: set identity (a private key file path) or identity_key (the key "
+                "text, kept secret); prefect-nemo never falls back to a password prompt"
+            )
+        return self
+
+    def backend(self) -> SlurmBackend:
+        """The NeMo-Run Slurm backend for this cluster (imports nemo_run on first use)."""
+        from prefect_nemo.backends.nemo_run.slurm import SlurmBackend
+
+        return SlurmBackend(
+            host=self.host,
+            port=self.port,
+            user=self.user,
+            identity=self.identity,
+            identity_key=self.identity_key.get_secret_value() if self.identity_key else None,
+            known_hosts=self.known_hosts,
+            job_dir=self.job_dir,
+            account=self.account,
+            partition=self.partition,
+            time=self.time,
+            nodes=self.nodes,
+            ntasks_per_node=self.ntasks_per_node,
+            gpus_per_node=self.gpus_per_node,
+            cpus_per_task=self.cpus_per_task,
+            mem=self.mem,
+            qos=self.qos,
+            constraint=self.constraint,
+            container_image=self.container_image,
+            container_mounts=self.container_mounts,
+            additional_parameters=self.additional_parameters,
+            setup_lines=self.setup_lines,
+            env=self.env,
+            connect_timeout_s=self.connect_timeout_s,
+            command_timeout_s=self.command_timeout_s,
+        )
