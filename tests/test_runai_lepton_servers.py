@@ -258,9 +258,10 @@ def test_runai_chunked_code_reassembles_in_pods(runai: RunaiServer, tmp_path: Pa
     sent = runai.requests.find("POST", "/workloads/distributed")[0].body
     assert max(len(e["value"]) for e in sent["spec"]["environmentVariables"]) <= 9 * 1024
 
-    # Both pods run the setup command on one shared directory: rank 0 unpacks, rank 1 waits.
+    # Both pods run the setup command on one shared directory: rank 0 unpacks, rank 1 waits
+    # (run:ai's PyTorch pods get RANK from the training operator).
     dest = tmp_path / "pvc" / "code"
-    command = plan.setup_command(str(dest), shared=True, wait_timeout_s=30)
+    command = plan.setup_command(str(dest), shared=True, wait_timeout_s=30, rank_env="RANK")
     results = run_pods(command, [runai.pod_env(workload, 1), runai.pod_env(workload, 0)])
     assert [r.returncode for r in results] == [0, 0], [r.stderr for r in results]
     assert (dest / "pkg" / "blob.bin").read_bytes() == (
@@ -399,3 +400,37 @@ def test_lepton_ray_cluster_lifecycle(lepton: LeptonServer) -> None:
         wait_for(lambda: cluster.status()["ray_ready"])
         assert cluster.delete(wait=True, poll_interval=0.05)
     assert lepton.rayclusters == {}
+
+
+def test_runai_executes_pods_when_asked(tmp_path: Path) -> None:
+    """execute=True: pods run as local processes; the data mover really moves the job dir."""
+    with RunaiServer(creating_s=0.05, initializing_s=0.05, execute=True) as server:
+        pvc = tmp_path / "pvc"
+        executor = dgx_executor(server)
+        executor.pvcs = [{"path": str(pvc), "claimName": "nemo-pvc"}]
+        token, project, cluster = ids(executor)
+        executor.job_dir = str(tmp_path / "job")
+        executor.pvc_job_dir = str(pvc / "exp" / "job")
+        (tmp_path / "job").mkdir()
+        (tmp_path / "job" / "launch_script.sh").write_text("echo hi\n")
+        executor.move_data(token, project, cluster, sleep=0.1)
+        assert (pvc / "exp" / "job" / "launch_script.sh").read_text() == "echo hi\n"
+
+        def train(name: str, script: str) -> str:
+            executor.custom_spec = {"command": "sh -c", "args": f"'{script}'"}
+            response = executor.create_training_job(token, project, cluster, name)
+            assert response.status_code == 202, response.text
+            return response.json()["workloadId"]
+
+        ok = train("ok", f"echo rank=$RANK > {pvc}/ok.txt")
+        bad = train("bad", "exit 3")
+        slow = train("slow", "sleep 30")
+        wait_for(lambda: executor.status(ok) is DGXCloudState.COMPLETED)
+        assert (pvc / "ok.txt").read_text() == "rank=0\n"
+        wait_for(lambda: executor.status(bad) is DGXCloudState.FAILED)
+        wait_for(lambda: executor.status(slow) is DGXCloudState.RUNNING)
+        headers = executor._default_headers(token=token)
+        requests.post(f"{server.base_url}/workloads/trainings/{slow}/suspend", headers=headers)
+        wait_for(lambda: executor.status(slow) is DGXCloudState.STOPPED)
+        (workload,) = server.by_name("slow")
+        assert workload.processes[0].wait(5) != 0  # terminated

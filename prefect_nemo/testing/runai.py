@@ -18,9 +18,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import secrets
+import shlex
+import signal
 import socket
+import subprocess
 import threading
 import time
 import uuid
@@ -237,6 +241,17 @@ class Workload:
     created: float
     phases: list[tuple[float, str]]  # (from time, phase), in order
     deleted: float | None = None
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list, repr=False)
+
+    @property
+    def replicas(self) -> int:
+        """Pods of the workload: numWorkers of a distributed one, else one."""
+        return int(self.spec.get("numWorkers") or 1) if self.kind == "distributed" else 1
+
+    def argv(self) -> list[str]:
+        """The container's command line: ``command`` split on blanks, ``args`` shell-split."""
+        command = (self.spec.get("command") or "").split()
+        return command + shlex.split(self.spec.get("args") or "")
 
     def phase(self, now: float) -> str:
         """The phase at `now`."""
@@ -287,6 +302,11 @@ class RunaiServer(LoopbackHttpServer):
     `expire_tokens()`, `creating_s` / `initializing_s` / `running_s` (phase durations),
     `outcome` ("Completed" or "Failed") or `set_outcome(name_prefix, phase)` per workload,
     `hold(name_prefix)` (stays Running until suspended), `stopping_s`.
+
+    With `execute=True` the pods really run, as local processes: once Initializing is over,
+    each replica's ``command`` + ``args`` runs with `pod_env` (paths as in the spec, so point
+    the PVCs at a local directory); the workload is Running while any runs, then Completed if
+    all exited 0, else Failed; suspend terminates them (Stopped).
     """
 
     thread_name = "loopback-runai"
@@ -303,8 +323,10 @@ class RunaiServer(LoopbackHttpServer):
         running_s: float = 0.6,
         stopping_s: float = 0.3,
         outcome: str = "Completed",
+        execute: bool = False,
     ) -> None:
         super().__init__()
+        self.execute = execute
         self.client_id = client_id
         self.client_secret = client_secret or secrets.token_urlsafe(18)
         self.cluster_id = str(uuid.uuid4())
@@ -349,8 +371,15 @@ class RunaiServer(LoopbackHttpServer):
             return [w for w in self.workloads.values() if w.requested_name == requested_name]
 
     def pod_env(self, workload: Workload, rank: int = 0) -> dict[str, str]:
-        """The environment a pod of `workload` starts with: its env vars plus the rank."""
-        return {**workload.env(), "NODE_RANK": str(rank), "HOSTNAME": f"{workload.name}-{rank}"}
+        """The environment a pod of `workload` starts with: its env vars plus what the
+        training operator sets (RANK, WORLD_SIZE, MASTER_ADDR, a ``-worker-<rank>`` hostname)."""
+        return {
+            **workload.env(),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(workload.replicas),
+            "MASTER_ADDR": "127.0.0.1",
+            "HOSTNAME": f"{workload.name}-worker-{rank}",
+        }
 
     # routes -----------------------------------------------------------------------------------
 
@@ -409,7 +438,48 @@ class RunaiServer(LoopbackHttpServer):
             ):
                 raise ApiError(409, f"workload '{workload.name}' already exists in the project")
             self.workloads[workload.id] = workload
+        if self.execute:
+            threading.Thread(
+                target=self._run_pods, args=(workload,), name="loopback-runai-pods", daemon=True
+            ).start()
         return web.json_response(workload.as_json(time.time()), status=202)
+
+    def _run_pods(self, workload: Workload) -> None:
+        """Start the replicas when Running begins, then end the workload by their exit codes."""
+        with self.lock:
+            start = next(t for t, phase in workload.phases if phase == "Running")
+            workload.phases = [p for p in workload.phases if p[0] <= start]  # no timed end
+        time.sleep(max(0.0, start - time.time()))
+        with self.lock:
+            if workload.phase(time.time()) != "Running":
+                return  # suspended or deleted before its pods started
+            base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+            for rank in range(workload.replicas):
+                workload.processes.append(
+                    subprocess.Popen(
+                        workload.argv(),
+                        env={**base, **self.pod_env(workload, rank)},
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
+                )
+        codes = [p.wait() for p in workload.processes]
+        with self.lock:
+            if workload.phase(time.time()) == "Running":
+                phase = "Completed" if all(c == 0 for c in codes) else "Failed"
+                workload.phases.append((time.time(), phase))
+
+    def _kill(self, workload: Workload) -> None:
+        for proc in workload.processes:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+
+    async def on_shutdown(self) -> None:
+        with self.lock:
+            for workload in self.workloads.values():
+                self._kill(workload)
 
     def _validate(self, kind: str, body: dict[str, Any]) -> Workload:
         for key in ("name", "projectId", "clusterId"):
@@ -509,6 +579,7 @@ class RunaiServer(LoopbackHttpServer):
         workload = self._workload(request)
         with self.lock:
             workload.deleted = time.time()
+            self._kill(workload)
         return web.json_response({"code": 202, "message": "Accepted"}, status=202)
 
     async def _suspend(self, request: web.Request) -> web.Response:
@@ -519,6 +590,7 @@ class RunaiServer(LoopbackHttpServer):
             if workload.phase(now) not in TERMINAL_PHASES:
                 workload.phases = [p for p in workload.phases if p[0] <= now]
                 workload.phases += [(now, "Stopping"), (now + self.stopping_s, "Stopped")]
+                self._kill(workload)
         return web.json_response({"code": 202, "message": "Accepted"}, status=202)
 
     async def _resume(self, request: web.Request) -> web.Response:
