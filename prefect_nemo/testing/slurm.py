@@ -5,8 +5,10 @@
 /tmp/prefect-nemo-slurm; Slurm's own config has to live in /etc/slurm, where clients look for it).
 The supervisor is a child subreaper: slurmstepd and job processes that outlive their parents are
 reaped by it (PID 1 here reaps nothing), and on SIGTERM it stops every daemon it started and kills
-what is left under it. A cluster already running from the same state dir is reused, not restarted,
-and `stop()` stops only a cluster this object started.
+what is left under it. A cluster already running from the same state dir is reused, not restarted;
+`stop()` stops only a cluster this object started, and leaves it running while another LocalSlurm
+(in any process) is still attached. One cluster per machine (Slurm's config is global).
+Stop one left running with `python -m prefect_nemo.testing.slurm stop`.
 
 This file imports only the standard library: the supervisor runs it as a script (no package import).
 """
@@ -25,9 +27,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 DEFAULT_STATE_DIR = Path("/tmp/prefect-nemo-slurm")
 SLURM_CONF_DIR = Path("/etc/slurm")
@@ -131,6 +134,7 @@ class LocalSlurm:
     port: int = 0
     owned: bool = False
     _supervisor: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    _users: IO[str] | None = field(default=None, repr=False)  # our shared lock on state_dir/users
 
     def __post_init__(self) -> None:
         self.state_dir = Path(self.state_dir)
@@ -192,17 +196,25 @@ class LocalSlurm:
             raise BackendUnavailable(reason)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.state_dir.chmod(0o700)  # keys and the database password live here
-        with open(self.state_dir / "lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # one starter at a time (parallel test sessions)
+        with self._lock("lock", fcntl.LOCK_EX):  # one starter or stopper at a time
             state = self._read_state()
             if state and self._healthy(state):
                 self.port = state["ports"]["ssh"]
                 self.owned = False
-                return self
-            if state and _pid_alive(state.get("supervisor_pid", 0)):
-                _terminate_supervisor(state["supervisor_pid"])  # ours, but broken: start afresh
-            self._spawn(state, timeout_s)
+            else:
+                if state and _pid_alive(state.get("supervisor_pid", 0)):
+                    _terminate_supervisor(state["supervisor_pid"])  # ours, but broken: restart
+                self._spawn(state, timeout_s)
+            # every user holds a shared lock, so the starter can see that others still need it
+            self._users = open(self.state_dir / "users", "a")  # held until stop()
+            fcntl.flock(self._users, fcntl.LOCK_SH)
         return self
+
+    @contextlib.contextmanager
+    def _lock(self, name: str, how: int) -> Iterator[IO[str]]:
+        with open(self.state_dir / name, "a") as handle:
+            fcntl.flock(handle, how)
+            yield handle
 
     def _spawn(self, previous: dict[str, Any] | None, timeout_s: float) -> None:
         old_ports = (previous or {}).get("ports", {})
@@ -237,32 +249,46 @@ class LocalSlurm:
                 self.port = ports["ssh"]
                 return
             if (state and state.get("error")) or self._supervisor.poll() is not None:
-                self.stop()
+                self._terminate(30)
                 error = (state or {}).get("error", "the supervisor exited")
                 raise RuntimeError(
                     f"local Slurm did not start: {error}\n{_tail(self.log_dir / 'supervisor.log')}"
                 )
             time.sleep(0.2)
-        self.stop()
+        self._terminate(30)
         raise TimeoutError(
             f"local Slurm not up after {timeout_s:.0f}s; logs in {self.log_dir}\n"
             f"{_tail(self.log_dir / 'supervisor.log')}"
         )
 
     def stop(self, timeout_s: float = 60.0) -> None:
-        """Stop the cluster if this object started it (by the supervisor's pid); else nothing."""
-        proc, self._supervisor = self._supervisor, None
-        if proc is None:
+        """Stop the cluster if this object started it and no other LocalSlurm (in any process)
+        is attached to it; otherwise leave it running. Stops it by the supervisor's pid."""
+        if self._users is not None:
+            self._users.close()
+            self._users = None
+        if self._supervisor is None:
             return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+        with self._lock("lock", fcntl.LOCK_EX):
             try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+                with self._lock("users", fcntl.LOCK_EX | fcntl.LOCK_NB):
+                    self._terminate(timeout_s)
+            except BlockingIOError:  # another session still uses it: hand it over, running
+                self._supervisor = None
+                self.owned = False
+
+    def _terminate(self, timeout_s: float) -> None:
+        proc, self._supervisor = self._supervisor, None
         self.owned = False
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
 
     def __enter__(self) -> LocalSlurm:
         return self.start()
@@ -469,10 +495,10 @@ class _Supervisor:
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.1)
             self.reap()
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ValueError):
             state = json.loads((self.dir / "state.json").read_text())
             if state.get("supervisor_pid") == os.getpid() and state.get("ready"):
-                (self.dir / "state.json").unlink()
+                self.write_state(ready=False)  # kept: the next start reuses these ports
 
     # -- the daemons --------------------------------------------------------------------------
 
@@ -593,8 +619,13 @@ StorageLoc=slurm_acct_db
 
     def write_slurm_conf(self) -> None:
         path = SLURM_CONF_DIR / "slurm.conf"
-        if path.exists() and not path.read_text().startswith(MARKER):
-            raise RuntimeError(f"{path} exists and was not written by us; not overwriting it")
+        if path.exists():
+            first_line = path.read_text().split("\n", 1)[0]
+            if not first_line.startswith(MARKER):
+                raise RuntimeError(f"{path} exists and was not written by us; not overwriting it")
+            other = Path(first_line.removeprefix(MARKER))
+            if other != self.dir and _cluster_running(other):
+                raise RuntimeError(f"the local Slurm of {other} is running: one per machine")
         cpus = os.cpu_count() or 1
         mem_mb = _mem_total_mb() * 9 // 10
         p = self.ports
@@ -709,6 +740,13 @@ Subsystem sftp /usr/lib/openssh/sftp-server
                 if line.split(" ", 1)[0] not in names
             ]
         _write(user_known, "".join(kept) + entries, 0o600)
+
+
+def _cluster_running(state_dir: Path) -> bool:
+    """True when the supervisor recorded in state_dir's state.json is alive."""
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        return _pid_alive(json.loads((state_dir / "state.json").read_text())["supervisor_pid"])
+    return False
 
 
 def _munge_works() -> bool:
