@@ -80,6 +80,11 @@ def train():
     env_vars: dict[str, str] = Field(
         default_factory=dict, description="Environment variables every job gets."
     )
+    secret_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment variables read from Kubernetes secrets in the project's "
+        "namespace: {'NAME': '<secret name>/<key>'}; values never pass through prefect-nemo.",
+    )
     request_timeout_s: float = Field(
         default=30.0, gt=0, description="Timeout of each request to the run:ai API, seconds."
     )
@@ -99,6 +104,18 @@ def train():
     def _secret_ok(cls, value: SecretStr) -> SecretStr:
         if len(value.get_secret_value().strip()) < 4:
             raise ValueError("is empty or too short: paste the application's client secret")
+        return value
+
+    @field_validator("secret_env")
+    @classmethod
+    def _refs_ok(cls, value: dict[str, str]) -> dict[str, str]:
+        for env, ref in value.items():
+            name, _, key = ref.partition("/")
+            if not name or not key:
+                raise ValueError(
+                    f"secret_env['{env}'] = '{ref}': write '<secret name>/<key>', e.g. "
+                    "'wandb/api-key'"
+                )
         return value
 
     @model_validator(mode="after")
@@ -141,6 +158,7 @@ def train():
                 distributed_framework=self.distributed_framework,
                 custom_spec=dict(self.custom_spec),
                 env_vars=dict(self.env_vars),
+                secret_env=dict(self.secret_env),
                 request_timeout_s=self.request_timeout_s,
             )
         )

@@ -57,6 +57,10 @@ def train():
         default="gpu.1xh100-80gb",
         description="Lepton resource shape of each replica, e.g. gpu.8xh100-80gb or cpu.small.",
     )
+    cpu_resource_shape: str = Field(
+        default="cpu.small",
+        description="Resource shape of replicas of CPU-only jobs (placement gpus_per_node=0).",
+    )
     container_image: str = Field(
         default="nvcr.io/nvidia/nemo:25.07",
         description="Container image every replica runs.",
@@ -86,6 +90,11 @@ def train():
     )
     env_vars: dict[str, str] = Field(
         default_factory=dict, description="Environment variables every job gets."
+    )
+    secret_vars: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment variables read from workspace secrets: {'NAME': '<secret "
+        "name>'}; values never pass through prefect-nemo.",
     )
     request_timeout_s: float = Field(
         default=30.0, gt=0, description="Timeout of each request to the workspace API, seconds."
@@ -131,6 +140,7 @@ def train():
                 token=self.token.get_secret_value(),
                 node_group=self.node_group,
                 resource_shape=self.resource_shape,
+                cpu_resource_shape=self.cpu_resource_shape,
                 container_image=self.container_image,
                 nemo_run_dir=self.nemo_run_dir,
                 mounts=[dict(m) for m in self.mounts],
@@ -140,6 +150,7 @@ def train():
                 image_pull_secrets=list(self.image_pull_secrets),
                 node_reservation=self.node_reservation,
                 env_vars=dict(self.env_vars),
+                secret_vars=dict(self.secret_vars),
                 request_timeout_s=self.request_timeout_s,
             )
         )

@@ -159,7 +159,9 @@ class LeptonServer(LoopbackHttpServer):
 
     Knobs: `start_s` / `running_s` (state durations), `outcome`, `set_outcome(id_prefix, state)`,
     `hold(id_prefix)` (runs until stopped or deleted), `stopping_s`, `set_log(job_id, text)`,
-    `ray_dashboard(url, token)` (where Ray cluster dashboards are proxied to).
+    `ray_dashboard(url, token)` (where Ray cluster dashboards are proxied to),
+    `data_mover_s` (NeMo-Run's ``data-mover-*`` jobs complete after this long; 0 = already
+    Completed when first read, so NeMo-Run's 5 s poll sleep is skipped in tests).
     """
 
     thread_name = "loopback-lepton"
@@ -175,8 +177,10 @@ class LeptonServer(LoopbackHttpServer):
         stopping_s: float = 0.3,
         ray_ready_s: float = 0.3,
         outcome: str = "Completed",
+        data_mover_s: float = 0.0,
     ) -> None:
         super().__init__()
+        self.data_mover_s = data_mover_s
         self.workspace_id = workspace_id
         self.token = token or secrets.token_urlsafe(24)
         # node group name -> node count; ids are generated
@@ -347,6 +351,8 @@ class LeptonServer(LoopbackHttpServer):
         outcome = next(
             (s for prefix, s in self._outcomes.items() if job_id.startswith(prefix)), self.outcome
         )
+        if job_id.startswith("data-mover-"):
+            return [(now, "Starting"), (now + self.data_mover_s, "Completed")]
         phases = [(now, "Starting"), (now + self.start_s, "Running")]
         if not any(job_id.startswith(prefix) for prefix in self._held):
             phases.append((now + self.start_s + self.running_s, outcome))

@@ -1,0 +1,392 @@
+"""DGX Cloud Lepton jobs through NeMo-Run's LeptonExecutor.
+
+Submission is the executor's own ``launch()``: it writes the launch script, moves the job
+directory to the shared mount with a busybox data-mover job and creates the Lepton job, whose
+id is our job id (unique per run and attempt: NeMo-Run would use the task name, so re-runs
+collided). A taken id means the job exists: attach. leptonai reads the workspace from
+``LEPTON_WORKSPACE_ID/TOKEN/URL``; they are set only around NeMo-Run's calls, under a lock
+(`workspace_env`), and our own calls pass them to ``APIClient`` explicitly.
+
+Not through torchx's Lepton scheduler: it serializes the executor into NEMORUN_HOME and adds
+nothing we use. The code never rides in NeMo-Run's data mover, whose whole tarball is one shell
+argument (a pod cannot exec one past 128 KiB): it travels in env-var chunks of 96 KiB
+(``packaging.plan_for("lepton")``) and a pre-launch command unpacks it on the shared mount,
+LEPTON_JOB_WORKER_INDEX=0 only (the rank Lepton sets before NeMo-Run's init script maps it to
+NODE_RANK), the other replicas waiting for its marker.
+
+States: Starting, Queueing, Awaiting, PendingRetry, Restarting, UNK → PENDING; Running (all
+replicas ready; else PENDING, as NeMo-Run does), Stopping, Deleting → RUNNING; Completed,
+Archived → SUCCEEDED; Failed → FAILED; Stopped, Deleted → STOPPED. Stop is
+``PATCH {"spec": {"stopped": true}}`` (the job and its logs stay); NeMo-Run's cancel deletes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, ClassVar, TypeVar
+
+import requests
+
+from prefect_nemo.backends.nemo_run.base import NemoRunBackend, experiment_id
+from prefect_nemo.backends.nemo_run.home import nemo_run, root_logger_kept
+from prefect_nemo.errors import (
+    AuthenticationFailed,
+    BackendUnavailable,
+    InvalidJobSpec,
+    JobAlreadyExists,
+)
+from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus
+from prefect_nemo.packaging import TransportPlan, build_archive, plan_for
+from prefect_nemo.packaging.transport import ARG_STRLEN_LIMIT
+
+T = TypeVar("T")
+
+#: leptonai's environment variables that pick the workspace.
+ENV_KEYS = ("LEPTON_WORKSPACE_ID", "LEPTON_WORKSPACE_TOKEN", "LEPTON_WORKSPACE_URL")
+#: The rank variable Lepton sets in every replica (NODE_RANK comes later, from init.sh).
+RANK_ENV = "LEPTON_JOB_WORKER_INDEX"
+
+_STATES: dict[str, JobState] = {
+    "Starting": JobState.PENDING,
+    "Queueing": JobState.PENDING,
+    "Awaiting": JobState.PENDING,
+    "PendingRetry": JobState.PENDING,
+    "Restarting": JobState.PENDING,
+    "UNK": JobState.PENDING,
+    "Running": JobState.RUNNING,
+    "Stopping": JobState.RUNNING,
+    "Deleting": JobState.RUNNING,
+    "Completed": JobState.SUCCEEDED,
+    "Archived": JobState.SUCCEEDED,
+    "Failed": JobState.FAILED,
+    "Stopped": JobState.STOPPED,
+    "Deleted": JobState.STOPPED,
+}
+_env_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class LeptonConfig:
+    """What the LeptonWorkspace block hands the backend (field names as NeMo-Run's)."""
+
+    workspace_id: str
+    token: str = field(repr=False)
+    node_group: str
+    workspace_url: str | None = None
+    resource_shape: str = "gpu.1xh100-80gb"
+    cpu_resource_shape: str = "cpu.small"
+    container_image: str = "nvcr.io/nvidia/nemo:25.07"
+    nemo_run_dir: str = "/nemo-workspace/nemo-run"
+    mounts: list[dict[str, Any]] = field(default_factory=list)
+    nodes: int = 1
+    gpus_per_node: int = 1
+    shared_memory_size: int = 65536
+    image_pull_secrets: list[str] = field(default_factory=list)
+    node_reservation: str = ""
+    env_vars: dict[str, str] = field(default_factory=dict)
+    secret_vars: dict[str, str] = field(default_factory=dict)
+    request_timeout_s: float = 30.0
+
+
+@contextlib.contextmanager
+def workspace_env(config: LeptonConfig) -> Iterator[None]:
+    """LEPTON_WORKSPACE_ID/TOKEN/URL set for the block (leptonai's ``APIClient()`` reads
+    them), one caller at a time; the previous values come back afterwards."""
+    values = {
+        "LEPTON_WORKSPACE_ID": config.workspace_id,
+        "LEPTON_WORKSPACE_TOKEN": config.token,
+        "LEPTON_WORKSPACE_URL": config.workspace_url,
+    }
+    with _env_lock:
+        saved = {k: os.environ.get(k) for k in ENV_KEYS}
+        try:
+            for key, value in values.items():
+                if value:
+                    os.environ[key] = value
+                else:
+                    os.environ.pop(key, None)
+            yield
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+class LeptonBackend(NemoRunBackend):
+    """Jobs as Lepton jobs in one workspace, launched by NeMo-Run's LeptonExecutor."""
+
+    kind: ClassVar[str] = "lepton"
+    max_job_id_len: ClassVar[int] = 35  # NeMo-Run cuts longer job names to 34
+
+    def __init__(self, config: LeptonConfig) -> None:
+        super().__init__()
+        self.config = config
+        self._client: Any = None
+
+    # -- identity -------------------------------------------------------------------------------
+
+    @property
+    def cluster(self) -> str:
+        """The workspace (and its API URL when set)."""
+        return f"lepton://{self.config.workspace_id}" + (
+            f"@{self.config.workspace_url}" if self.config.workspace_url else ""
+        )
+
+    @property
+    def secrets(self) -> list[str]:
+        """The workspace token."""
+        return [self.config.token]
+
+    def links(self, job_id: str) -> dict[str, str]:
+        """The job's page in the Lepton dashboard, when the URL is the usual gateway."""
+        url = self.config.workspace_url or ""
+        if "://gateway" not in url:
+            return {}
+        base = url.replace("://gateway", "://dashboard", 1).replace("/api/v2", "", 1)
+        return {
+            "dashboard": f"{base.replace('/workspaces', '/workspace', 1)}/compute/jobs/{job_id}"
+        }
+
+    # -- the leptonai client --------------------------------------------------------------------
+
+    @property
+    def client(self) -> Any:
+        """leptonai's APIClient for this workspace (explicit credentials, no env)."""
+        if self._client is None:
+            nemo_run()
+            from leptonai.api.v2.client import APIClient
+
+            self._client = APIClient(
+                workspace_id=self.config.workspace_id,
+                auth_token=self.config.token,
+                url=self.config.workspace_url,
+            )
+            self._client._timeout = self.config.request_timeout_s
+        return self._client
+
+    def _call(self, fn: Callable[[], T], what: str) -> T:
+        """One leptonai call; auth and transport failures become our errors."""
+        from leptonai.api.v1.api_resource import ClientError, ServerError
+
+        try:
+            return fn()
+        except ClientError as exc:
+            status = exc.response.status_code
+            if status in (401, 403):
+                raise AuthenticationFailed(
+                    f"Lepton workspace '{self.config.workspace_id}' rejected the token ({status}) "
+                    f"while {what}: set LeptonWorkspace.token to a valid workspace token"
+                ) from None
+            raise
+        except ServerError as exc:
+            raise BackendUnavailable(
+                f"Lepton answered {exc.response.status_code} while {what}"
+            ) from None
+        except requests.RequestException as exc:
+            raise BackendUnavailable(
+                f"Lepton workspace '{self.config.workspace_id}' is unreachable while {what} "
+                f"({type(exc).__name__}): check LeptonWorkspace.workspace_url and the network"
+            ) from None
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def check_access(self) -> None:
+        """The token works and the node group exists."""
+        groups = self._call(self.client.nodegroup.list_all, "listing dedicated node groups")
+        names = sorted(g.metadata.name for g in groups)
+        if self.config.node_group not in names:
+            raise InvalidJobSpec(
+                f"LeptonWorkspace.node_group: no dedicated node group '{self.config.node_group}' "
+                f"in workspace '{self.config.workspace_id}' (there are: {names})"
+            )
+
+    def validate(self, spec: JobSpec) -> None:
+        """What Lepton or the pod would refuse, found before anything is sent."""
+        super().validate(spec)  # Ray-only fields; builds the executor
+        secret = sorted(k for k, v in spec.env.items() if not isinstance(v, str))
+        if secret:
+            raise InvalidJobSpec(
+                f"JobSpec.env {secret}: secret values would be stored in the Lepton job in "
+                "plain text; store them as workspace secrets and map them with "
+                "LeptonWorkspace.secret_vars={'NAME': '<secret name>'}"
+            )
+        for key, value in spec.plain_env().items():
+            if len(f"{key}={value}".encode()) >= ARG_STRLEN_LIMIT:
+                raise InvalidJobSpec(
+                    f"JobSpec.env['{key}'] is {len(value)} characters; a pod cannot start with "
+                    "an env string over 128 KiB: ship large inputs through working_dir"
+                )
+        self._plan(spec)  # TransportTooLarge before anything is submitted
+
+    def _placement(self, spec: JobSpec) -> tuple[int, int]:
+        nodes, gpus = self.config.nodes, self.config.gpus_per_node
+        if spec.placement is not None:
+            p = spec.placement
+            if p.node_labels or p.exclude_head:
+                raise InvalidJobSpec(
+                    "JobSpec.placement: node_labels and exclude_head have no Lepton meaning: "
+                    "pick the nodes with LeptonWorkspace.node_group"
+                )
+            nodes, gpus = p.nodes, p.gpus_per_node
+        elif spec.resources.gpus is not None:
+            gpus = int(spec.resources.gpus)
+        return nodes, gpus
+
+    def _plan(self, spec: JobSpec) -> TransportPlan | None:
+        if spec.working_dir is None:
+            return None
+        archive = build_archive(spec.working_dir, exclude=spec.exclude)
+        return plan_for("lepton", archive, name=spec.name or "job")
+
+    # -- NeMo-Run executor ----------------------------------------------------------------------
+
+    def make_executor(self, spec: JobSpec, job_id: str) -> Any:
+        """A LeptonExecutor for the spec; gpus_per_node=0 runs on the CPU resource shape."""
+        run = nemo_run()
+        nodes, gpus = self._placement(spec)
+        shape = self.config.resource_shape if gpus > 0 else self.config.cpu_resource_shape
+        return run.LeptonExecutor(
+            container_image=self.config.container_image,
+            nemo_run_dir=self.config.nemo_run_dir,
+            nodes=nodes,
+            gpus_per_node=gpus,
+            nprocs_per_node=max(gpus, 1),
+            shared_memory_size=self.config.shared_memory_size,
+            resource_shape=shape,
+            node_group=self.config.node_group,
+            node_reservation=self.config.node_reservation,
+            secret_vars=dict(self.config.secret_vars),
+            mounts=[dict(m) for m in self.config.mounts],
+            image_pull_secrets=list(self.config.image_pull_secrets),
+            env_vars=dict(self.config.env_vars),
+        )
+
+    # -- submit-or-attach -----------------------------------------------------------------------
+
+    def _get(self, job_id: str) -> Any:
+        """The Lepton job, or None."""
+        from leptonai.api.v1.api_resource import ClientError
+
+        try:
+            return self._call(lambda: self.client.job.get(job_id), f"reading job {job_id}")
+        except ClientError as exc:
+            if exc.response.status_code == 404:
+                return None
+            raise
+
+    def _app_status(self, entry: dict[str, Any]) -> Any:
+        """For the base's claim: does the recorded job still exist?"""
+        return self._get(str(entry["app_handle"]).removeprefix("lepton://"))
+
+    def submit(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> JobHandle:
+        """Launch job_id through NeMo-Run; JobAlreadyExists if the workspace has it."""
+        from leptonai.api.v1.api_resource import ClientError
+
+        meta = {**spec.metadata, **metadata}
+        self.claim(job_id, meta)
+        try:
+            if self._get(job_id) is not None:
+                self.record(job_id, f"lepton://{job_id}", meta)
+                raise JobAlreadyExists(f"Lepton job '{job_id}' already exists")
+            try:
+                self._launch(spec, job_id)
+            except ClientError as exc:
+                if exc.response.status_code == 409:  # another machine won the race
+                    self.record(job_id, f"lepton://{job_id}", meta)
+                    raise JobAlreadyExists(f"Lepton job '{job_id}' already exists") from None
+                raise BackendUnavailable(f"Lepton refused job '{job_id}': {exc}") from None
+        except JobAlreadyExists:
+            raise
+        except BaseException:
+            self.release(job_id)
+            raise
+        self.record(job_id, f"lepton://{job_id}", meta)
+        return self.handle(job_id)
+
+    def _launch(self, spec: JobSpec, job_id: str) -> None:
+        executor = self.make_executor(spec, job_id)
+        exp_dir = self.local_experiment_dir(job_id)
+        executor.assign(experiment_id(job_id), str(exp_dir), job_id, job_id)
+        executor.create_job_dir()
+        plan = self._plan(spec)
+        executor.env_vars = {**executor.env_vars, **spec.plain_env(), **(plan.env if plan else {})}
+        if plan is not None:
+            dest = f"{executor.lepton_job_dir}/code"  # where NeMo-Run's script cd's
+            setup = plan.setup_command(dest, shared=True, rank_env=RANK_ENV)
+            executor.pre_launch_commands = [*executor.pre_launch_commands, f"{setup} || exit 1"]
+        with workspace_env(self.config), root_logger_kept():
+            self._call(lambda: executor.launch(name=job_id, cmd=[spec.entrypoint]), "launching")
+
+    # -- status, stop, logs ---------------------------------------------------------------------
+
+    def _status(self, job_id: str) -> JobStatus | None:
+        job = self._get(job_id)
+        if job is None or job.status is None:
+            return None
+        raw = job.status.state.value if job.status.state is not None else "UNK"
+        state = _STATES.get(raw, JobState.PENDING)
+        if raw == "Running" and (job.status.ready or 0) < (job.status.active or 0):
+            state = JobState.PENDING  # some replicas still starting (as NeMo-Run reads it)
+        return JobStatus(
+            job_id=job_id,
+            state=state,
+            message=f"Lepton state {raw}",
+            start_time=_seconds(job.status.creation_time),
+            end_time=_seconds(job.status.completion_time),
+            metadata=self.job_metadata(job_id),
+        )
+
+    def find(self, job_id: str) -> JobStatus | None:
+        """The job's status with the metadata stored at submit, or None."""
+        return self._status(job_id)
+
+    def statuses(self, job_ids: Collection[str]) -> dict[str, JobStatus]:
+        """One GET per job."""
+        out = {}
+        for job_id in job_ids:
+            status = self._status(job_id)
+            if status is not None:
+                out[job_id] = status
+        return out
+
+    def request_stop(self, job_id: str) -> None:
+        """``PATCH {"spec": {"stopped": true}}``: the replicas end, the job and logs stay."""
+        from leptonai.api.v1.api_resource import ClientError
+
+        with contextlib.suppress(ClientError):  # gone already: nothing to stop
+            self._call(
+                lambda: self.client.job.update(job_id, spec={"spec": {"stopped": True}}),
+                f"stopping job {job_id}",
+            )
+
+    def logs(self, job_id: str) -> str:
+        """The log of the job's first replica (``<job>-0-...``), as NeMo-Run reads it."""
+        from leptonai.api.v1.api_resource import ClientError
+
+        try:
+            replicas = self._call(
+                lambda: self.client.job.get_replicas(job_id), f"listing replicas of {job_id}"
+            )
+        except ClientError:
+            return ""
+        first = [r for r in replicas if (r.metadata.id_ or "").startswith(f"{job_id}-0-")]
+        if not first:
+            return ""
+        chunks: list[str] = []
+        with contextlib.suppress(requests.RequestException, RuntimeError):
+            for chunk in self.client.job.get_log(
+                id_or_job=job_id, replica=first[0], timeout=self.config.request_timeout_s
+            ):
+                chunks.append(chunk)
+        return "".join(chunks)
+
+
+def _seconds(value: int | None) -> datetime | None:
+    return datetime.fromtimestamp(value, tz=UTC) if value else None
