@@ -322,7 +322,8 @@ class LocalSlurm:
         return _run(cmd, check=check, timeout=timeout)
 
     def job(self, job_id: str) -> dict[str, str]:
-        """The job's allocation row in sacct (State, ExitCode, Reason, ...); {} until recorded."""
+        """The job's allocation row in sacct (State, ExitCode, ...); {} until recorded.
+        slurmdbd fills JobName and Partition in a moment after the first State it shows."""
         fields = ("JobID", "JobName", "State", "ExitCode", "Reason", "Account", "Partition")
         out = self.run(
             ["sacct", "-X", "-n", "-P", "-j", job_id, "-o", ",".join(fields)], check=False
