@@ -1,0 +1,293 @@
+"""The Prefect UI in a real headless Chromium: a finished demo run, its job table and its events.
+
+The test harness's server serves no UI, so this module starts `prefect server start` with its own
+home and database. Screenshots land in test-artifacts/ui/ (looked at by people, not compared).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from prefect_nemo.local_ray import free_port
+from tests.conftest import IN_CI
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).parent.parent
+SHOTS = ROOT / "test-artifacts" / "ui"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+# Chromium as root on a closed network: no sandbox, no calls home (see the machine notes).
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+UI_TIMEOUT_MS = 60_000  # a cold SPA on a loaded 2-core machine
+
+
+@dataclass(frozen=True)
+class UiServer:
+    """A local Prefect server that serves the UI."""
+
+    ui_url: str
+    process: subprocess.Popen[bytes]
+
+    @property
+    def api_url(self) -> str:
+        """Its REST API."""
+        return f"{self.ui_url}/api"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """Debian's headless Chromium driven by Playwright (no browser download)."""
+    if not Path(CHROMIUM).exists():
+        message = f"no Chromium at {CHROMIUM}: run scripts/install-system-packages"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(
+            executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS
+        )
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture(scope="module")
+def ui_server() -> Iterator[UiServer]:
+    """`prefect server start` on a free port with its own home and SQLite database."""
+    home = Path(tempfile.mkdtemp(prefix="prefect-nemo-ui-"))
+    port = free_port()
+    ui_url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ)
+    for var in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_UI_URL"):
+        env.pop(var, None)
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        # The UI asks /ui-settings where its API is; `--port` alone leaves that at :4200.
+        PREFECT_SERVER_API_HOST="127.0.0.1",
+        PREFECT_SERVER_API_PORT=str(port),
+        PREFECT_UI_API_URL=f"{ui_url}/api",
+    )
+    log = open(home / "server.log", "wb")  # closed once the server stops
+    process = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "prefect"),
+            "server",
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    server = UiServer(ui_url=ui_url, process=process)
+    try:
+        _wait_healthy(server, home / "server.log")
+        yield server
+    finally:
+        _stop_group(process)
+        log.close()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _wait_healthy(server: UiServer, log_path: Path, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            break
+        try:
+            if requests.get(f"{server.api_url}/health", timeout=2).ok:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"the Prefect server did not come up: {log_path.read_text()[-3000:]}")
+
+
+def _stop_group(process: subprocess.Popen[bytes]) -> None:
+    """Stop the server by its own process group (its uvicorn child included)."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """What `prefect-nemo demo` printed: the pipeline's UI link and its job table."""
+
+    pipeline_url: str
+    jobs: dict[str, list[tuple[str, str]]]  # experiment -> [(job id, state)]
+
+
+@pytest.fixture(scope="module")
+def demo_run(
+    ui_server: UiServer, ray_head: Any, tmp_path_factory: pytest.TempPathFactory
+) -> DemoRun:
+    """`prefect-nemo demo` as the README runs it, against the UI server and the session Ray."""
+    env = dict(
+        os.environ,
+        PREFECT_API_URL=ui_server.api_url,
+        PREFECT_UI_URL=ui_server.ui_url,
+        RAY_API_SERVER_ADDRESS=ray_head.dashboard_url,
+        RAY_AUTH_TOKEN=ray_head.token or "",
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("PREFECT_PROFILE", None)
+    run_dir = tmp_path_factory.mktemp("ui-demo")
+    result = subprocess.run(
+        [sys.executable, "-m", "prefect_nemo.cli", "demo", "--run-dir", str(run_dir)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    link = re.search(r"Prefect UI: (\S+/runs/flow-run/\S+)", result.stdout)
+    assert link, result.stdout
+    jobs: dict[str, list[tuple[str, str]]] = {}
+    for line in result.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[2] in {"SUCCEEDED", "FAILED", "STOPPED", "RUNNING"}:
+            jobs.setdefault(parts[0], []).append((parts[1], parts[2]))
+    assert len(jobs) == 3, result.stdout
+    return DemoRun(pipeline_url=link.group(1), jobs=jobs)
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    """A fresh page with generous timeouts."""
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    context = browser.new_context(viewport={"width": 1800, "height": 1000})
+    context.set_default_timeout(UI_TIMEOUT_MS)
+    yield context.new_page()
+    context.close()
+
+
+@contextmanager
+def _shot_on_failure(page: Any, name: str) -> Iterator[None]:
+    """Keep the page's last view when an assertion fails, to see what the browser saw."""
+    try:
+        yield
+    except BaseException:
+        page.screenshot(path=SHOTS / f"FAILED-{name}.png", full_page=True)
+        raise
+
+
+def _shot(page: Any, name: str) -> None:
+    page.wait_for_load_state("networkidle")
+    page.screenshot(path=SHOTS / name, full_page=True)
+
+
+def _tab(page: Any, name: str) -> None:
+    page.locator("li.p-tab", has_text=name).click()
+
+
+@pytest.mark.timeout(900)
+def test_finished_demo_run_shows_job_table_and_experiment_events(
+    page: Any, demo_run: DemoRun, ray_head: Any, ui_server: UiServer
+) -> None:
+    with _shot_on_failure(page, "demo-run"):
+        _check_demo_run_in_ui(page, demo_run, ray_head, ui_server)
+
+
+def _check_demo_run_in_ui(page: Any, demo_run: DemoRun, ray_head: Any, ui_server: UiServer) -> None:
+    from playwright.sync_api import expect
+
+    # 1. The link `prefect-nemo demo` printed: the pipeline run, with one subflow per experiment.
+    page.goto(demo_run.pipeline_url, wait_until="networkidle")
+    expect(page.get_by_text("demo-pipeline", exact=True).first).to_be_visible()
+    expect(page.get_by_text("Completed", exact=True).first).to_be_visible()
+    _tab(page, "Subflow Runs")
+    eval_name = next(name for name in demo_run.jobs if name.endswith("-eval"))
+    for experiment in demo_run.jobs:
+        expect(page.get_by_role("link", name=experiment, exact=True)).to_be_visible()
+    _shot(page, "01-pipeline-subflows.png")
+
+    # 2. The eval experiment's run page: its Artifacts tab lists our job table.
+    page.get_by_role("link", name=eval_name, exact=True).click()
+    page.wait_for_url(re.compile(r"/runs/flow-run/"))
+    expect(page.get_by_text(eval_name, exact=True).first).to_be_visible()
+    expect(page.get_by_text("Completed", exact=True).first).to_be_visible()
+    _tab(page, "Artifacts")
+    card = page.get_by_text("Jobs started by this flow run (prefect-nemo).")
+    expect(card).to_be_visible()
+    _shot(page, "02-eval-run-artifacts.png")
+
+    # 3. The job table: every job id the CLI printed, its state, and its Ray dashboard link.
+    card.click()
+    page.wait_for_url(re.compile(r"/artifacts/artifact/"))
+    table = page.locator("table")
+    expect(table).to_be_visible()
+    eval_jobs = demo_run.jobs[eval_name]
+    expect(table.locator("tbody tr")).to_have_count(len(eval_jobs))
+    for job_id, state in eval_jobs:
+        row = table.locator("tbody tr", has_text=job_id)
+        expect(row).to_contain_text(state)
+        link = row.get_by_role("link")
+        expect(link).to_have_attribute("href", f"{ray_head.dashboard_url}/#/jobs/{job_id}")
+    _shot(page, "03-job-table.png")
+
+    # 4. The event feed for the pipeline's experiments: started and completed, each of the three.
+    prefix = eval_name.removesuffix("-eval")
+    page.goto(
+        f"{ui_server.ui_url}/events?resource=prefect-nemo.experiment.{prefix}",
+        wait_until="networkidle",
+    )
+    for experiment in demo_run.jobs:
+        expect(page.get_by_text(f"prefect-nemo.experiment.{experiment}", exact=True)).to_have_count(
+            2
+        )
+    expect(page.get_by_text("prefect-nemo.experiment.started", exact=True)).to_have_count(3)
+    expect(page.get_by_text("prefect-nemo.experiment.completed", exact=True)).to_have_count(3)
+    _shot(page, "04-experiment-events.png")
+
+    # 5. The eval experiment's completed event carries its outputs (what a trigger passes on).
+    page.goto(
+        f"{ui_server.ui_url}/events?resource=prefect-nemo.experiment.{eval_name}",
+        wait_until="networkidle",
+    )
+    page.get_by_role("link", name=re.compile("experiment completed", re.I)).click()
+    page.wait_for_url(re.compile(r"/events/event/"))
+    _tab(page, "Raw")
+    raw = page.locator("body")
+    expect(raw).to_contain_text(f'"prefect.resource.id": "prefect-nemo.experiment.{eval_name}"')
+    expect(raw).to_contain_text('"accuracy"')
+    for job_id, _ in eval_jobs:
+        expect(raw).to_contain_text(job_id)
+    _shot(page, "05-eval-completed-event.png")
