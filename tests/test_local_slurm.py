@@ -3,9 +3,10 @@ loopback sshd with the generated key, accounting in sacct, cancel, and afterok d
 
 from __future__ import annotations
 
-import os
 import shlex
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -173,11 +174,8 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _wait_for(condition, timeout_s: float = 30) -> None:
-    import time
-
+def _wait_for(condition: Callable[[], bool], timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {condition}"
         time.sleep(0.2)
-    assert os.path.exists("/proc")
