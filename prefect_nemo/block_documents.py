@@ -144,9 +144,11 @@ def load_documents(path: str | Path, env: dict[str, str] | None = None) -> list[
 def block_class(slug: str) -> type[Block]:
     """The Block class registered under `slug`: ours (every prefect_nemo.blocks module),
     Prefect's, or any installed Prefect collection's."""
+    from prefect.utilities.dispatch import lookup_type
+
     failed = _import_block_modules()
     try:
-        return Block.get_block_class_from_key(slug)
+        return lookup_type(Block, slug)
     except KeyError:
         pass
     known = sorted(
@@ -217,8 +219,15 @@ def _check_fields(cls: type[Block], data: dict[str, Any], where: str) -> None:
             _check_fields(nested, data[name], f"{where}.{name}")  # type: ignore[arg-type]
 
 
-def _canonical(block: Block) -> dict[str, Any]:
-    return block.model_dump(mode="json", context={"include_secrets": True})
+def _canonical(value: Any) -> Any:
+    """Field values with secrets revealed, without the document bookkeeping a loaded block has."""
+    if isinstance(value, Block):
+        value = value.model_dump(mode="json", context={"include_secrets": True})
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in value.items() if not str(k).startswith("_")}
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    return value
 
 
 def _changed_fields(old: dict[str, Any], new: dict[str, Any]) -> tuple[str, ...]:
