@@ -8,6 +8,7 @@ import contextlib
 import copy
 import hmac
 import json
+import os
 import secrets
 import socket
 import threading
@@ -79,6 +80,11 @@ _VERSION = {
 }
 _DROP = object()  # watcher sentinel: cut the connection
 _STOP = object()  # watcher sentinel: end the stream cleanly (server shutdown)
+
+
+def _flag(value: str | None) -> bool:
+    """A boolean query parameter as the API server reads it (Go's strconv.ParseBool)."""
+    return value in ("1", "t", "T", "true", "TRUE", "True")
 
 
 class RequestEntry(NamedTuple):
@@ -276,13 +282,21 @@ class LoopbackKubeServer:
         """A `kubernetes.client.ApiClient` configured for this server (writes no files)."""
         from kubernetes import client
 
+        ca_file = None
+        if self.ca_pem:
+            # kubernetes<37 (the nemo-run extra's) takes the CA only by path: an in-memory file
+            ca_file = os.fdopen(os.memfd_create("loopback-ca", 0), "w+b")
+            ca_file.write(self.ca_pem)
+            ca_file.flush()
         config = client.Configuration(
             host=self.url,
             api_key={"BearerToken": self.token},
             api_key_prefix={"BearerToken": "Bearer"},
-            ca_cert_data=self.ca_pem.decode() if self.ca_pem else None,
+            ssl_ca_cert=f"/proc/self/fd/{ca_file.fileno()}" if ca_file else None,
         )
-        return client.ApiClient(config)
+        api_client = client.ApiClient(config)
+        api_client._loopback_ca = ca_file  # type: ignore[attr-defined]  # open as long as it lives
+        return api_client
 
     # test controls ---------
     def load_crds(self, *paths: str | Path) -> None:
@@ -382,7 +396,7 @@ class LoopbackKubeServer:
             raw_path = request.raw_path.split("?", 1)[0]
             parts = [unquote(p) for p in raw_path.strip("/").split("/") if p]
             query = dict(request.query)
-            is_watch = query.get("watch") in ("true", "1", "True")
+            is_watch = _flag(query.get("watch"))
             self.requests.add(
                 RequestEntry(request.method, "/" + "/".join(parts), query, is_watch, time.time())
             )
@@ -912,7 +926,7 @@ class LoopbackKubeServer:
             lines = text.splitlines(keepends=True)
             n = int(query["tailLines"])
             text = "".join(lines[-n:]) if n > 0 else ""
-        if query.get("follow") not in ("true", "1"):
+        if not _flag(query.get("follow")):
             return web.Response(body=text.encode(), content_type="text/plain")
         # follow: stream what appears until the pod is gone or finished, or the client leaves
         resp = web.StreamResponse(headers={"Content-Type": "text/plain"})
