@@ -338,7 +338,7 @@ class RunaiServer(LoopbackHttpServer):
         self.stopping_s = stopping_s
         self.outcome = outcome
         self.tokens: dict[str, float] = {}  # token -> expiry (monotonic clock)
-        self.tokens_issued = 0
+        self.issued_tokens: list[str] = []  # every token ever handed out, for leak scans
         self.workloads: dict[str, Workload] = {}
         self._outcomes: dict[str, str] = {}
         self._held: set[str] = set()
@@ -412,7 +412,7 @@ class RunaiServer(LoopbackHttpServer):
         token = secrets.token_urlsafe(32)
         with self.lock:
             self.tokens[token] = time.monotonic() + self.token_ttl_s
-            self.tokens_issued += 1
+            self.issued_tokens.append(token)
         return web.json_response(
             {"accessToken": token, "idToken": secrets.token_urlsafe(8), "refreshToken": ""}
         )
