@@ -12,7 +12,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
@@ -33,13 +32,26 @@ _experiments: dict[str, str] = {}  # flow run id -> experiment name, for job ids
 _lock = threading.Lock()
 
 
-@dataclass(frozen=True)
 class Experiment:
-    """This flow run as an experiment, with the upstream runs it waited for."""
+    """This flow run as an experiment, with the upstream runs it waited for.
 
-    name: str
-    flow_run_id: str
-    upstream: tuple[FlowRun, ...] = ()
+    A plain class, not a dataclass: passed to a task (`run_job(..., after=[experiment])`),
+    Prefect then hands it over as is instead of trying to resolve the upstream runs' states
+    inside it (their results are not persisted).
+    """
+
+    __slots__ = ("flow_run_id", "name", "upstream")
+
+    def __init__(self, name: str, flow_run_id: str, upstream: tuple[FlowRun, ...] = ()) -> None:
+        self.name = name
+        self.flow_run_id = flow_run_id
+        self.upstream = tuple(upstream)
+
+    def __repr__(self) -> str:
+        names = ", ".join(run.name for run in self.upstream)
+        return (
+            f"Experiment(name={self.name!r}, flow_run_id={self.flow_run_id!r}, upstream=[{names}])"
+        )
 
     @property
     def resource_id(self) -> str:

@@ -7,7 +7,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import AsyncGenerator, Callable, Collection
+from collections.abc import AsyncGenerator, Callable, Collection, Sequence
 from contextvars import ContextVar
 from datetime import datetime
 from enum import StrEnum
@@ -31,6 +31,8 @@ from prefect_nemo.placement.spec import PlacementSpec  # plain pydantic: no Ray,
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Metadata keys we write on every job; users may not set them.
 RESERVED_PREFIX = "prefect_nemo."
+#: Metadata key naming the experiment a job was submitted in (set only inside experiments).
+META_EXPERIMENT = RESERVED_PREFIX + "experiment"
 # A Linux argv string is capped at 128 KiB (MAX_ARG_STRLEN); stay well under it.
 MAX_ENTRYPOINT_CHARS = 100_000
 
@@ -390,4 +392,24 @@ class PushesChanges(Protocol):
 
     def subscribe(self, wake: Callable[[], None]) -> Callable[[], None]:
         """Call `wake` on every change of any job on the cluster; returns the unsubscribe."""
+        ...
+
+
+@runtime_checkable
+class NativeDependencies(Protocol):
+    """A backend whose scheduler itself holds a job until upstream jobs succeed (Slurm's
+    `sbatch --dependency=afterok:`), so the downstream job is queued at once instead of
+    waiting in Prefect. Upstream jobs it cannot name are waited for in Prefect instead."""
+
+    def depends_natively_on(self, handle: JobHandle) -> bool:
+        """True when the scheduler can wait for this upstream job (same cluster)."""
+        ...
+
+    def after(self, upstream: Sequence[JobHandle]) -> Backend:
+        """This backend, whose next submissions wait natively for `upstream` (raises
+        DependencyFailed if one already failed; one that already succeeded is no constraint)."""
+        ...
+
+    def experiment_jobs(self, experiment: str) -> list[JobHandle]:
+        """The jobs experiment `experiment` submitted to this cluster."""
         ...

@@ -15,7 +15,7 @@ import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,17 +44,30 @@ from prefect.logging import get_logger
 from prefect_nemo import experiments, lifecycle
 from prefect_nemo.blocks.base import ClusterBlock
 from prefect_nemo.errors import (
+    DependencyFailed,
     InvalidJobSpec,
     JobFailed,
     JobStopped,
     JobTimedOut,
 )
-from prefect_nemo.jobs import Backend, JobHandle, JobResult, JobSpec, JobState, JobStatus
+from prefect_nemo.jobs import (
+    META_EXPERIMENT,
+    Backend,
+    JobHandle,
+    JobResult,
+    JobSpec,
+    JobState,
+    JobStatus,
+    NativeDependencies,
+)
 from prefect_nemo.redaction import Redactor
 from prefect_nemo.reporting import JobReporter
 from prefect_nemo.watcher import LogFollower, log_pump, watcher_for
 
 ClusterLike = ClusterBlock | str | None
+#: What a job may wait for: a job (its handle, or its result once ended) or an upstream
+#: experiment (the Experiment that start_experiment returned: the jobs its upstreams ran).
+Upstream = JobHandle | JobResult | experiments.Experiment
 LOG_TAIL_LINES = 40
 
 # ---------------------------------------------------------------------------------------------
@@ -351,6 +364,73 @@ def _ensure_limit(name: str, limit: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Dependencies
+
+
+def _after(
+    block: ClusterBlock, backend: Backend, after: Iterable[Upstream], ctx: _RunContext
+) -> Backend:
+    """The backend to submit with once `after` allows: native dependencies (Slurm afterok) for
+    upstream jobs the scheduler can wait for, a wait here for the others; DependencyFailed if
+    an upstream job failed. Nothing is submitted before this returns."""
+    handles: list[JobHandle] = []
+    for item in after:
+        if isinstance(item, JobResult):
+            if not item.succeeded:
+                raise DependencyFailed(
+                    f"upstream job {item.handle.job_id} ended {item.state.value}"
+                    + (f": {item.message}" if item.message else "")
+                    + "; this job was not submitted"
+                )
+        elif isinstance(item, JobHandle):
+            handles.append(item)
+        elif isinstance(item, experiments.Experiment):
+            # start_experiment waited for the upstream flow runs; jobs they left running on
+            # this cluster are waited for natively where the scheduler can.
+            if isinstance(backend, NativeDependencies):
+                for run in item.upstream:
+                    handles += backend.experiment_jobs(run.name)
+        else:
+            raise InvalidJobSpec(
+                f"after: expected JobHandle, JobResult or Experiment items, got "
+                f"{type(item).__name__}"
+            )
+    native = [
+        h
+        for h in handles
+        if isinstance(backend, NativeDependencies) and backend.depends_natively_on(h)
+    ]
+    for handle in handles:
+        if handle in native:
+            continue
+        if handle.cluster != backend.cluster:
+            raise InvalidJobSpec(
+                f"after: job {handle.job_id} runs on {handle.cluster}, which this task cannot "
+                f"watch from {backend.cluster}: pass its JobResult (from wait_for_job or "
+                "run_job) instead, or order the tasks with wait_for=[...]"
+            )
+        ctx.logger.info(f"waiting for upstream job {handle.job_id} before submitting")
+        watcher = watcher_for(
+            backend,
+            max_interval_s=block.max_poll_interval_s,
+            unreachable_budget_s=block.unreachable_budget_s,
+        )
+        status = lifecycle.wait_until_terminal(watcher, handle, interrupted=ctx.interrupted)
+        if status.state is not JobState.SUCCEEDED:
+            raise DependencyFailed(
+                f"upstream job {handle.job_id} ended {status.state.value}"
+                + (f": {status.message}" if status.message else "")
+                + "; this job was not submitted"
+            )
+    if native:
+        ctx.logger.info(
+            "submitting after " + ", ".join(h.job_id for h in native) + " (native dependency)"
+        )
+        return backend.after(native)  # type: ignore[union-attr]
+    return backend
+
+
+# ---------------------------------------------------------------------------------------------
 # The shared steps
 
 
@@ -360,6 +440,8 @@ def _submit(
     backend.validate(spec)
     backend.check_access()  # auth and reachability fail here, before anything is submitted
     owner = {lifecycle.META_FLOW_RUN: ctx.flow_run_id or ""}
+    if ctx.scope.startswith("experiment:"):
+        owner[META_EXPERIMENT] = ctx.readable
     submission = lifecycle.submit_or_attach(
         backend,
         spec,
@@ -515,14 +597,23 @@ def _setup(spec: JobSpec | None, cluster: ClusterLike) -> tuple[ClusterBlock, Ba
 
 
 @task(name="run_job", cache_policy=NO_CACHE)
-def run_job(spec: JobSpec, cluster: ClusterLike = None, *, stream_logs: bool = True) -> JobResult:
+def run_job(
+    spec: JobSpec,
+    cluster: ClusterLike = None,
+    *,
+    stream_logs: bool = True,
+    after: Iterable[Upstream] = (),
+) -> JobResult:
     """Run a job to the end: submit (or re-attach), stream its logs, return its JobResult.
 
     Raises JobFailed / JobStopped / JobTimedOut (with `.result`) unless it succeeded; stops the
     job if the task is cancelled or crashes. Holds a slot of the cluster's concurrency cap.
+    `after`: upstream jobs or experiments to wait for first (natively where the scheduler can,
+    e.g. Slurm afterok; else here); DependencyFailed if one failed.
     """
     block, backend, redact = _setup(spec, cluster)
     ctx = _run_context()
+    backend = _after(block, backend, after, ctx)
     with _cluster_slot(block, backend):
         submission, reporter = _submit(block, backend, spec, ctx, redact)
         return _watch(
@@ -538,13 +629,19 @@ def run_job(spec: JobSpec, cluster: ClusterLike = None, *, stream_logs: bool = T
 
 
 @task(name="submit_job", cache_policy=NO_CACHE)
-def submit_job(spec: JobSpec, cluster: ClusterLike = None) -> JobHandle:
+def submit_job(
+    spec: JobSpec, cluster: ClusterLike = None, *, after: Iterable[Upstream] = ()
+) -> JobHandle:
     """Submit a job (or re-attach to the one this run already submitted) and return its handle.
 
-    The concurrency cap is not held across tasks: use run_job where the cap matters.
+    The concurrency cap is not held across tasks: use run_job where the cap matters. `after`
+    as in run_job: with native dependencies the job is queued at once and starts only after
+    its upstream jobs succeed.
     """
     block, backend, redact = _setup(spec, cluster)
-    submission, _ = _submit(block, backend, spec, _run_context(), redact)
+    ctx = _run_context()
+    backend = _after(block, backend, after, ctx)
+    submission, _ = _submit(block, backend, spec, ctx, redact)
     return submission.handle
 
 

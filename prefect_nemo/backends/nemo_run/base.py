@@ -20,7 +20,8 @@ the same pattern) implements:
   keeps a registry under NEMORUN_HOME (one machine); a backend whose service can look jobs
   up by name should do that instead, so a re-run from another machine attaches too.
 - optionally ``make_task`` (the default runs the entrypoint as an inline bash script, plain env
-  only), ``before_schedule`` (after the dry run wrote the job's files, before submission:
+  only), ``before_launch`` (the executor has its local job dir: put files there),
+  ``before_schedule`` (after the dry run wrote the job's files, before submission:
   Slurm ships the job dir and the secret env file there), ``statuses``, ``request_stop``,
   ``logs`` (the defaults use the torchx runner).
 
@@ -120,6 +121,9 @@ class NemoRunBackend(ABC):
         delivers them its own way (see `secret_env`)."""
         run = nemo_run()
         return run.Script(inline=spec.entrypoint, env=plain_env(spec))
+
+    def before_launch(self, spec: JobSpec, job_id: str, executor: Any) -> None:  # noqa: B027
+        """Called once the executor is assigned its job dir, before NeMo-Run packages the task."""
 
     def before_schedule(self, spec: JobSpec, job_id: str, executor: Any, dryrun_info: Any) -> None:  # noqa: B027
         """Called after the dry run wrote the job's local files and before the job is submitted."""
@@ -239,6 +243,7 @@ class NemoRunBackend(ABC):
             shutil.rmtree(exp_dir, ignore_errors=True)  # a released attempt's leftovers
             executor.assign(experiment_id(job_id), str(exp_dir), job_id, job_id)
             executor.create_job_dir()
+            self.before_launch(spec, job_id, executor)
             with root_logger_kept():
                 app = package(job_id, task, executor=executor, serialize_metadata_for_scripts=False)
                 name = get_executor_str(executor)

@@ -24,7 +24,6 @@ import json
 import shlex
 import tarfile
 import threading
-import time
 from collections.abc import Collection, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -39,7 +38,7 @@ from prefect_nemo.backends.nemo_run.base import (
     plain_env,
     secret_env,
 )
-from prefect_nemo.backends.nemo_run.home import nemo_run, nemorun_home
+from prefect_nemo.backends.nemo_run.home import nemo_run
 from prefect_nemo.errors import (
     AuthenticationFailed,
     BackendUnavailable,
@@ -139,7 +138,7 @@ class SlurmBackend(NemoRunBackend):
         self.additional_parameters = dict(additional_parameters or {})
         self.setup_lines = setup_lines
         self._env = dict(env or {})
-        self._ssh = SafeSSH(
+        self._ssh = SafeSSH.shared(
             host=host,
             port=self.port,
             user=user,
@@ -297,11 +296,6 @@ class SlurmBackend(NemoRunBackend):
         deps = self._dependency_ids() if job_id != "validate" else []
         if deps:
             extra["kill_on_invalid_dep"] = "yes"  # a failed upstream cancels us, not a hang
-        packager = run.Packager()
-        if spec.working_dir is not None:
-            archive = build_archive(spec.working_dir, exclude=spec.exclude)
-            plan_for("slurm", archive, name=job_id)  # checks the size limit, if one is set
-            packager = _archive_packager(archive)
         executor = run.SlurmExecutor(
             account=self.account,
             partition=self.partition,
@@ -313,7 +307,7 @@ class SlurmBackend(NemoRunBackend):
             additional_parameters=extra or None,
             setup_lines=self._setup_lines(spec, job_id),
             tunnel=self._ssh.tunnel(self.job_dir),
-            packager=packager,
+            packager=run.Packager(),
             dependencies=[f"{SCHEDULER}://nemo_run/{sid}" for sid in deps],
             dependency_type="afterok",
             poll_estimated_start_time=False,
@@ -371,6 +365,23 @@ class SlurmBackend(NemoRunBackend):
             self.run(f"rm -rf {shlex.quote(self.remote_dir(job_id))}", warn=True)
         except Exception:  # the original error matters more; a stale claim expires
             pass
+
+    def before_launch(self, spec: JobSpec, job_id: str, executor: Any) -> None:
+        """The native code transport: our archive of working_dir unpacked into the job's
+        `code` dir (srun's --chdir), which ships with the job dir. NeMo-Run's own packaging
+        step is marked done: it shells out through invoke, which reads this process's stdin."""
+        from nemo_run.core.execution.slurm import get_packaging_job_key
+        from nemo_run.core.tunnel.client import PackagingJob
+
+        code = Path(executor.job_dir) / "code"
+        code.mkdir(parents=True, exist_ok=True)
+        if spec.working_dir is not None:
+            archive = build_archive(spec.working_dir, exclude=spec.exclude)
+            plan_for("slurm", archive, name=job_id)  # the native plan: checks a size cap if set
+            with tarfile.open(fileobj=io.BytesIO(archive.data), mode="r:gz") as tar:
+                tar.extractall(code, filter="data")
+        key = get_packaging_job_key(executor.experiment_id, job_id)
+        executor.tunnel.packaging_jobs[key] = PackagingJob(symlink=False)
 
     def before_schedule(self, spec: JobSpec, job_id: str, executor: Any, dryrun_info: Any) -> None:
         """Ship the local job dir (script, code) over SFTP, and the secret env file (0600)."""
@@ -459,7 +470,8 @@ class SlurmBackend(NemoRunBackend):
         for line in queue.splitlines():
             parts = line.strip().split("|")
             if len(parts) == 3:
-                rows[parts[0]] = {"State": parts[1], "Reason": parts[2]}
+                reason = "" if parts[2] in ("None", "(null)") else parts[2]
+                rows[parts[0]] = {"State": parts[1], "Reason": reason}
         for line in acct.splitlines():
             parts = line.strip().split("|")
             if len(parts) == 6 and parts[0] in ids.values():
@@ -545,31 +557,11 @@ def _status(job_id: str, sid: str, row: dict[str, str]) -> JobStatus:
     )
 
 
-def _archive_packager(archive: Any) -> Any:
-    """A NeMo-Run Packager that hands NeMo-Run our archive of the working dir (the native
-    transport: NeMo-Run unpacks it into the job's code dir, which ships with the job dir)."""
-    from dataclasses import dataclass
-
-    run = nemo_run()
-    store = nemorun_home() / "prefect-nemo" / "archives"
-    store.mkdir(parents=True, exist_ok=True)
-    path = store / f"{archive.sha256}.tar.gz"
-    if not path.exists():
-        tmp = path.with_suffix(f".{time.time_ns()}.tmp")
-        tmp.write_bytes(archive.data)
-        tmp.replace(path)
-
-    @dataclass(kw_only=True)
-    class ArchivePackager(run.Packager):
-        archive: str = ""
-
-        def package(self, path: Path, job_dir: str, name: str) -> str:
-            return self.archive
-
-    return ArchivePackager(archive=str(path))
-
-
 # -- SSH that never prompts
+
+
+_ssh_pool: dict[str, SafeSSH] = {}
+_ssh_lock = threading.Lock()
 
 
 class SafeSSH:
@@ -600,6 +592,21 @@ class SafeSSH:
         self._lock = threading.Lock()
         self._session: Any = None
         self._tunnels: list[Any] = []
+
+    @classmethod
+    def shared(cls, **kwargs: Any) -> SafeSSH:
+        """The process-wide connection for these settings (a block builds a backend per task;
+        they share one SSH connection). Keyed by a hash of the key, never the key itself."""
+        key = names.stable_hash(
+            *(f"{k}={kwargs[k]}" for k in sorted(kwargs) if k != "identity_key"),
+            kwargs.get("identity_key") or "",
+            length=32,
+        )
+        with _ssh_lock:
+            ssh = _ssh_pool.get(key)
+            if ssh is None:
+                ssh = _ssh_pool[key] = cls(**kwargs)
+            return ssh
 
     @property
     def secrets(self) -> list[str]:

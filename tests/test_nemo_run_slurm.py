@@ -1,0 +1,387 @@
+"""NeMo-Run's Slurm executor against a real Slurm (slurmctld, slurmd, slurmdbd, munge) through
+NeMo-Run's SSH tunnel to a real sshd: success, failure, cancel, afterok, re-run, secrets."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import traceback
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from pydantic import SecretStr
+
+from prefect_nemo import (
+    AuthenticationFailed,
+    DependencyFailed,
+    InvalidJobSpec,
+    JobFailed,
+    JobSpec,
+    JobState,
+    run_job,
+    start_experiment,
+    stop_job,
+    submit_job,
+    wait_for_job,
+)
+from prefect_nemo.blocks.slurm import SlurmCluster
+from prefect_nemo.placement import PlacementSpec
+from tests.test_secrets import _events_of_flow_run, _logs_of_flow_run
+
+pytestmark = [pytest.mark.nemo_run, pytest.mark.slow]
+
+ENV_CANARY = "canary-slurm-env-5be1c9"
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture(scope="module")
+def job_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The block's remote job dir: the sshd runs here, so it is also a local path to scan."""
+    return tmp_path_factory.mktemp("slurm-jobs")
+
+
+@pytest.fixture
+def block(slurm, job_root: Path, prefect_api: str) -> SlurmCluster:
+    """A SlurmCluster block holding the key itself (secret) and the sshd's known_hosts."""
+    return SlurmCluster(
+        host=slurm.host,
+        port=slurm.port,
+        user=slurm.user,
+        identity_key=SecretStr(slurm.identity.read_text()),
+        known_hosts=slurm.known_hosts.read_text(),
+        job_dir=str(job_root),
+        account=slurm.account,
+        partition=slurm.partition,
+        time="00:05:00",
+        max_poll_interval_s=0.5,
+        stop_timeout_s=30,
+    )
+
+
+def sacct_by_name(slurm, name: str) -> list[dict[str, str]]:
+    """Every sacct allocation row of jobs named `name` (all time)."""
+    fields = ("JobID", "JobName", "State", "ExitCode", "Start", "End", "Reason")
+    out = slurm.run(
+        ["sacct", "-X", "-n", "-P", "-S", "2020-01-01", "--name", name, "-o", ",".join(fields)],
+        check=False,
+    )
+    return [dict(zip(fields, line.split("|"), strict=False)) for line in out.stdout.splitlines()]
+
+
+def wait_rows(slurm, name: str, state: str, timeout_s: float = 30) -> list[dict[str, str]]:
+    deadline = time.monotonic() + timeout_s
+    rows: list[dict[str, str]] = []
+    while time.monotonic() < deadline:
+        rows = sacct_by_name(slurm, name)
+        if rows and all(r["State"].startswith(state) for r in rows):
+            return rows
+        time.sleep(0.3)
+    raise AssertionError(f"{name} not {state} in sacct: {rows}")
+
+
+def test_success_streams_logs_and_honours_cpu_only(block, slurm, job_root, caplog):
+    caplog.set_level(logging.INFO)
+    name = unique("ok")
+
+    @flow
+    def pipeline():
+        spec = JobSpec(
+            entrypoint="echo hello from $(hostname) $GREETING; "
+            "echo gpus=${SLURM_GPUS_PER_NODE:-none}",
+            name=name,
+            env={"GREETING": "it's a 'quoted' value"},
+            placement=PlacementSpec(nodes=1, gpus_per_node=0, cpus_per_node=1),
+        )
+        return run_job(spec, cluster=block)
+
+    started = time.monotonic()
+    result = pipeline()
+    took = time.monotonic() - started
+    assert result.state is JobState.SUCCEEDED and result.exit_code == 0
+    assert result.start_time and result.end_time
+    assert "hello from" in caplog.text and "it's a 'quoted' value" in caplog.text
+    assert "gpus=none" in caplog.text
+    job_id = result.handle.job_id
+    rows = wait_rows(slurm, job_id, "COMPLETED")
+    assert len(rows) == 1
+    script = next(job_root.rglob(f"{job_id}_sbatch.sh")).read_text()
+    assert "--gpus-per-node" not in script, "gpus_per_node=0 must ask for no GPUs"
+    assert f"--job-name={job_id}" in script
+    print(f"run_job through the tunnel, submit to end: {took:.1f}s")
+
+
+def test_failure_raises_with_the_log_tail(block, slurm):
+    name = unique("bad")
+
+    @flow
+    def pipeline():
+        return run_job(
+            JobSpec(entrypoint="echo about to fail; echo detail >&2; exit 7", name=name),
+            cluster=block,
+        )
+
+    with pytest.raises(JobFailed) as info:
+        pipeline()
+    result = info.value.result
+    assert result.state is JobState.FAILED and result.exit_code == 7
+    assert "about to fail" in str(info.value) and "about to fail" in result.log_tail
+    assert wait_rows(slurm, result.handle.job_id, "FAILED")[0]["ExitCode"] == "7:0"
+
+
+def test_cancel_is_confirmed_in_sacct(block, slurm):
+    name = unique("long")
+
+    @flow
+    def pipeline():
+        handle = submit_job(JobSpec(entrypoint="sleep 300", name=name), cluster=block)
+        deadline = time.monotonic() + 30
+        while block.backend().find(handle.job_id).state is not JobState.RUNNING:
+            assert time.monotonic() < deadline, "the job never started"
+            time.sleep(0.3)
+        return stop_job(handle, cluster=block)
+
+    started = time.monotonic()
+    result = pipeline()
+    assert result.state is JobState.STOPPED
+    rows = wait_rows(slurm, result.handle.job_id, "CANCELLED")
+    assert len(rows) == 1
+    print(f"submit, start, scancel, confirmed: {time.monotonic() - started:.1f}s")
+
+
+def gate(tmp_path: Path) -> tuple[Path, str]:
+    """A file the test creates to let a job finish, and the shell that waits for it (the sshd
+    runs on this machine, so the job sees the test's files)."""
+    go = tmp_path / f"go-{uuid.uuid4().hex[:6]}"
+    return go, f"while [ ! -e {go} ]; do sleep 0.2; done"
+
+
+def test_afterok_downstream_waits_then_runs(block, slurm, job_root, tmp_path):
+    up_name, down_name = unique("up"), unique("down")
+    go, wait_go = gate(tmp_path)
+
+    @flow
+    def pipeline():
+        up = submit_job(JobSpec(entrypoint=f"{wait_go}; echo up done", name=up_name), cluster=block)
+        started = time.monotonic()
+        down = submit_job(
+            JobSpec(entrypoint="echo down ran", name=down_name), cluster=block, after=[up]
+        )
+        submit_s = time.monotonic() - started
+        # queued at once, held by Slurm (not by Prefect) until the upstream succeeds
+        pending = block.backend().find(down.job_id)
+        go.touch()
+        results = [wait_for_job(h, cluster=block) for h in (up, down)]
+        return pending, results, submit_s
+
+    pending, (up, down), submit_s = pipeline()
+    assert pending.state is JobState.PENDING and "Dependency" in pending.message, pending
+    assert up.succeeded and down.succeeded
+    assert down.start_time >= up.end_time
+    script = next(job_root.rglob(f"{down.handle.job_id}_sbatch.sh")).read_text()
+    up_sid = wait_rows(slurm, up.handle.job_id, "COMPLETED")[0]["JobID"]
+    assert f"--dependency=afterok:{up_sid}" in script
+    print(f"submit_job with an afterok dependency through the tunnel: {submit_s:.2f}s")
+
+
+def test_afterok_failed_upstream_cancels_downstream_and_says_why(block, slurm, job_root):
+    up_name, down_name = unique("upfail"), unique("never")
+
+    @flow
+    def waits(up, down):
+        with pytest.raises(JobFailed):
+            wait_for_job(up, cluster=block)
+        with pytest.raises(JobFailed) as info:
+            wait_for_job(down, cluster=block)
+        return str(info.value)
+
+    @flow
+    def submits():
+        up = submit_job(JobSpec(entrypoint="sleep 2; exit 1", name=up_name), cluster=block)
+        down = submit_job(
+            JobSpec(
+                entrypoint="echo must not run",
+                name=down_name,
+                env={"TOKEN": SecretStr(ENV_CANARY)},
+            ),
+            cluster=block,
+            after=[up],
+        )
+        return up, down
+
+    up, down = submits()
+    message = waits(up, down)
+    assert "never ran" in message and "afterok" in message, message
+    rows = wait_rows(slurm, down.job_id, "CANCELLED")
+    assert rows[0]["Start"] in ("Unknown", "None", "") or rows[0]["Start"] == rows[0]["End"]
+    downstream_dir = next(job_root.rglob(f"prefect-nemo_{down.job_id}"))
+    assert not list(downstream_dir.rglob("log-*.out")), "the downstream job never ran"
+    assert not (downstream_dir / ".secret-env").exists(), "its secret file is removed"
+
+    # once the upstream is known to have failed, nothing more is even submitted
+    @flow
+    def too_late():
+        return submit_job(
+            JobSpec(entrypoint="true", name=unique("late")), cluster=block, after=[up]
+        )
+
+    with pytest.raises(DependencyFailed, match=r"ended FAILED.*nothing was submitted"):
+        too_late()
+
+
+def test_rerun_attaches_instead_of_submitting_again(block, slurm):
+    experiment = unique("exp")
+
+    @flow
+    def pipeline():
+        start_experiment(experiment)
+        return run_job(JobSpec(entrypoint="echo once", name="only"), cluster=block)
+
+    first = pipeline()
+    second = pipeline()
+    assert not first.attached and second.attached
+    assert first.handle.job_id == second.handle.job_id
+    assert len(wait_rows(slurm, first.handle.job_id, "COMPLETED")) == 1
+
+
+def test_bad_input_fails_before_anything_is_submitted(block, slurm, job_root):
+    before = sorted(p.name for p in job_root.rglob("*"))
+    for spec, field in [
+        (JobSpec(entrypoint="true", resources={"custom": {"TPU": 1}}), "resources.custom"),
+        (JobSpec(entrypoint="true", resources={"gpus": 0.5}), "resources.gpus"),
+        (JobSpec(entrypoint="true", runtime_env={"pip": ["x"]}), "runtime_env"),
+        (
+            JobSpec(entrypoint="true", placement=PlacementSpec(node_labels={"zone": "!a"})),
+            "placement",
+        ),
+    ]:
+
+        @flow
+        def pipeline(spec=spec):
+            return run_job(spec, cluster=block)
+
+        with pytest.raises(InvalidJobSpec, match=field.replace(".", r"\.")):
+            pipeline()
+    assert sorted(p.name for p in job_root.rglob("*")) == before
+
+
+def test_missing_or_rejected_key_is_a_clear_error(block, slurm, tmp_path):
+    missing = block.model_copy(update={"identity_key": None, "identity": str(tmp_path / "nope")})
+    with pytest.raises(AuthenticationFailed, match=r"SlurmCluster\.identity=.*cannot be read"):
+        missing.backend().check_access()
+
+    other = tmp_path / "other_key"
+    slurm.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)])
+    rejected = block.model_copy(update={"identity_key": SecretStr(other.read_text())})
+    with pytest.raises(AuthenticationFailed, match=r"rejected the SSH key.*identity_key"):
+        rejected.backend().check_access()
+
+    not_a_key = block.model_copy(update={"identity_key": None, "identity": str(other) + ".pub"})
+    with pytest.raises(AuthenticationFailed, match="not a private key"):
+        not_a_key.backend().check_access()
+
+    wrong_host = block.model_copy(
+        update={"known_hosts": f"[{slurm.host}]:{slurm.port} " + _some_other_host_key(tmp_path)}
+    )
+    with pytest.raises(AuthenticationFailed, match="known_hosts"):
+        wrong_host.backend().check_access()
+
+
+def _some_other_host_key(tmp_path: Path) -> str:
+    import subprocess
+
+    key = tmp_path / "host_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    kind, data = (tmp_path / "host_key.pub").read_text().split()[:2]
+    return f"{kind} {data}"
+
+
+def test_secrets_appear_nowhere(block, slurm, job_root, prefect_api, caplog, capfd):
+    from prefect_nemo.backends.nemo_run.home import home_files
+
+    caplog.set_level(logging.DEBUG)
+    since = datetime.now(UTC).isoformat()
+    key_text = block.identity_key.get_secret_value()
+    key_lines = [ln for ln in key_text.splitlines() if len(ln) > 20 and "PRIVATE" not in ln]
+
+    @flow
+    def leaky():
+        run_job(
+            JobSpec(
+                entrypoint="echo token=$TOKEN; echo len=${#TOKEN}; exit 3",
+                name="leaky",
+                env={"TOKEN": SecretStr(ENV_CANARY), "PLAIN": "visible"},
+            ),
+            cluster=block,
+        )
+
+    state = leaky(return_state=True)
+    with pytest.raises(JobFailed) as info:
+        state.result()
+    error = info.value
+    assert "token=**********" in str(error) and f"len={len(ENV_CANARY)}" in str(error)
+    flow_run_id = state.state_details.flow_run_id
+    job_id = error.result.handle.job_id
+    haystacks = {
+        "exception": str(error) + repr(error.result) + "".join(traceback.format_exception(error)),
+        "caplog": caplog.text,
+        "stdout/stderr": "".join(capfd.readouterr()),
+        "block": repr(block) + str(block) + block.model_dump_json(),
+    }
+    with get_client(sync_client=True) as client:
+        haystacks["prefect logs"] = _logs_of_flow_run(client, flow_run_id, until=job_id)
+        artifacts = client.read_artifacts(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        )
+        haystacks["artifacts"] = json.dumps([a.model_dump(mode="json") for a in artifacts])
+        haystacks["flow run"] = client.read_flow_run(flow_run_id).model_dump_json()
+    haystacks["events"] = _events_of_flow_run(prefect_api, since, flow_run_id)
+    for path in home_files():
+        haystacks[f"NEMORUN_HOME {path}"] = path.read_text(errors="ignore")
+    job_output = [p for p in job_root.rglob(f"log-{job_id}_*.out")]
+    assert ENV_CANARY in job_output[0].read_text(), "the job got the secret (and printed it)"
+    for path in job_root.rglob("*"):
+        if path.is_file() and path not in job_output:  # all but what the job itself printed
+            haystacks[f"job dir {path}"] = path.read_text(errors="ignore")
+    assert any("sbatch.sh" in where for where in haystacks), "the scan saw the job dir"
+    assert "prefect-nemo.job.failed" in haystacks["events"]
+    for where, text in haystacks.items():
+        for canary in (ENV_CANARY, key_text.strip(), *key_lines):
+            assert canary not in text, f"a secret leaked into {where}"
+
+
+def test_cross_experiment_dependency_goes_to_slurm_as_afterok(block, slurm, job_root, tmp_path):
+    prep_name, sft_name = unique("prep"), unique("sft")
+    go, wait_go = gate(tmp_path)
+
+    @flow
+    def prep():
+        start_experiment(prep_name)
+        spec = JobSpec(entrypoint=f"{wait_go}; echo prepared", name="prep")
+        return submit_job(spec, cluster=block)
+
+    @flow
+    def sft():
+        experiment = start_experiment(sft_name, depends_on=[prep_name], poll_s=0.5)
+        threading.Timer(3.0, go.touch).start()  # the prep job ends after SFT is queued
+        return run_job(
+            JobSpec(entrypoint="echo trained", name="sft"), cluster=block, after=[experiment]
+        )
+
+    prep_handle = prep()  # returns as soon as the prep job is queued
+    result = sft()
+    prep_row = wait_rows(slurm, prep_handle.job_id, "COMPLETED")[0]
+    sft_row = wait_rows(slurm, result.handle.job_id, "COMPLETED")[0]
+    assert result.succeeded
+    assert sft_row["Start"] >= prep_row["End"], (prep_row, sft_row)
+    script = next(job_root.rglob(f"{result.handle.job_id}_sbatch.sh")).read_text()
+    assert f"--dependency=afterok:{prep_row['JobID']}" in script
