@@ -148,6 +148,19 @@ def test_label_selector_and_packing(cluster):
             assert f"CVD={r.gpu_ids[0][0]}" in ray.get(actor.read_log_tail.remote())
 
 
+def test_the_actors_workers_import_nothing_of_prefect_nemo(cluster):
+    # placement.process ships by value: a replica's fresh Ray worker skips importing the package
+    # (its pydantic models), and the cluster's nodes need no prefect_nemo installed.
+    with serve_replicas(SERVER, replicas=1, tp_size=1, health_path="/") as rs:
+        actor = ray.get_actor(rs.replicas[0].actors[0], namespace="prefect-nemo")
+        imported = ray.get(
+            actor.__ray_call__.remote(
+                lambda _: [m for m in sys.modules if m.split(".")[0] in ("prefect", "prefect_nemo")]
+            )
+        )
+    assert imported == []
+
+
 def test_capacity_is_checked_before_anything_is_reserved(cluster):
     t0 = time.monotonic()
     with pytest.raises(InsufficientCapacity, match="hold at most 1"):

@@ -8,7 +8,6 @@ can find by name.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -155,21 +154,11 @@ def bundle_node(pg: PlacementGroup, index: int) -> tuple[str, str]:
     raise PlacementTimeout(f"bundle {index} of the group is on node {node_id}, which is gone")
 
 
-def free_port() -> int:
-    """A TCP port free right now on the node this runs on."""
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
-@ray.remote(num_cpus=0)
-def _ip_and_port() -> tuple[str, int]:
-    return ray.util.get_node_ip_address(), free_port()
-
-
 def node_ip_and_free_port(pg: PlacementGroup, index: int) -> tuple[str, int]:
     """(IP, free port) on the node of bundle `index`, asked on that node."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    from prefect_nemo.placement.process import ip_and_free_port  # imports this module
+
     strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
-    return ray.get(_ip_and_port.options(scheduling_strategy=strategy).remote())
+    return ray.get(ip_and_free_port.options(scheduling_strategy=strategy).remote())

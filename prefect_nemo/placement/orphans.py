@@ -19,7 +19,7 @@ from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from prefect_nemo.placement.groups import NAME_PREFIX, NAMESPACE, remove_group
-from prefect_nemo.placement.process import KV_PROC_PREFIX, group_members, kill_group, proc_stat
+from prefect_nemo.placement.process import KV_PROC_PREFIX, kill_marked, proc_stat
 
 KV_OWNER_PREFIX = "owner:"
 
@@ -69,17 +69,6 @@ def _owner_alive(group_name: str) -> bool | None:
     return stat is not None and stat[0] != "Z" and stat[1] == owner.get("started")
 
 
-@ray.remote(num_cpus=0)
-def _kill_marked(records: list[dict[str, Any]]) -> list[int]:
-    killed = []
-    for rec in records:
-        members = group_members(int(rec["pgid"]), marker=rec["name"])
-        if members:
-            kill_group(int(rec["pgid"]))
-            killed.extend(members)
-    return killed
-
-
 def sweep(prefix: str = NAME_PREFIX, *, only_orphans: bool = False) -> SweepReport:
     """Remove every placement group whose name starts with `prefix` (any namespace), kill the
     process groups recorded under that prefix, and drop their records.
@@ -118,7 +107,7 @@ def sweep(prefix: str = NAME_PREFIX, *, only_orphans: bool = False) -> SweepRepo
         if node_id in alive:  # on a dead node the processes died with it
             strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
             report.processes += ray.get(
-                _kill_marked.options(scheduling_strategy=strategy).remote(records), timeout=60
+                kill_marked.options(scheduling_strategy=strategy).remote(records), timeout=60
             )
         for rec in records:
             _internal_kv_del(KV_PROC_PREFIX + rec["name"], namespace=NAMESPACE)
