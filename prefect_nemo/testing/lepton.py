@@ -239,7 +239,6 @@ class LeptonServer(LoopbackHttpServer):
         """The environment a replica of `job` starts with (Lepton sets the rank variables)."""
         return {
             **job.env(),
-            "NODE_RANK": str(rank),
             "LEPTON_JOB_WORKER_INDEX": str(rank),
             "LEPTON_JOB_TOTAL_WORKERS": str(job.parallelism),
         }

@@ -1,0 +1,247 @@
+"""The Lepton backend against the loopback Lepton workspace, NeMo-Run and leptonai unchanged.
+
+Lepton pods cannot run here (NeMo-Run's launch script fetches an init script from GitHub), so
+the job's states are simulated; the code delivery is not: the pre-launch command NeMo-Run
+wrote into the launch script is run, per replica, with the env the server received.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import traceback
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect import flow
+from pydantic import SecretStr
+
+from prefect_nemo import lifecycle
+from prefect_nemo.backends.nemo_run.home import home_files
+from prefect_nemo.blocks.lepton import LeptonWorkspace
+from prefect_nemo.errors import AuthenticationFailed, InvalidJobSpec
+from prefect_nemo.jobs import JobSpec, JobState
+from prefect_nemo.packaging import TransportTooLarge
+from prefect_nemo.placement import PlacementSpec
+from prefect_nemo.tasks import run_job
+from prefect_nemo.testing.lepton import LeptonServer
+from tests.test_nemo_run_dgx_cloud import files_text, prefect_haystacks, sample_source, wait_for
+
+pytestmark = pytest.mark.nemo_run
+
+TOKEN = "lep-" + "7d41e0-t0ken-c93a"
+
+
+@pytest.fixture
+def lepton() -> Iterator[LeptonServer]:
+    with LeptonServer(token=TOKEN, start_s=0.1, running_s=0.4) as server:
+        yield server
+
+
+@pytest.fixture
+def block(lepton: LeptonServer, tmp_path: Path) -> LeptonWorkspace:
+    shared = tmp_path / "shared"
+    return LeptonWorkspace(
+        workspace_id=lepton.workspace_id,
+        workspace_url=lepton.api_url,
+        token=TOKEN,
+        node_group="nemo-nodes",
+        nemo_run_dir=str(shared / "nemo-run"),
+        mounts=[{"path": "/", "mount_path": str(shared), "from": "node-nfs:shared"}],
+        stop_timeout_s=10,
+        max_poll_interval_s=0.2,
+    )
+
+
+def job_posts(lepton: LeptonServer) -> list[Any]:
+    """Job creations other than NeMo-Run's data movers."""
+    return [
+        r
+        for r in lepton.requests.find("POST", "/jobs")
+        if not r.body["metadata"]["id"].startswith("data-mover-")
+    ]
+
+
+def run_replicas(command: str, envs: list[dict[str, str]]) -> list[subprocess.CompletedProcess]:
+    procs = [
+        subprocess.Popen(
+            ["/bin/sh", "-c", command],
+            env={"PATH": os.environ["PATH"], **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for env in envs
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=60)
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return results
+
+
+@pytest.mark.slow
+def test_run_job_on_lepton_through_prefect(
+    prefect_api: str,
+    lepton: LeptonServer,
+    block: LeptonWorkspace,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    since = datetime.now(UTC).isoformat()
+    src = sample_source(tmp_path / "src", blob_bytes=200_000)  # > 128 KiB of base64
+    spec = JobSpec(
+        entrypoint="python3 train.py",
+        name="lep-train",
+        working_dir=src,
+        placement=PlacementSpec(nodes=2, gpus_per_node=1, strategy="spread"),
+    )
+
+    @flow
+    def train():
+        return run_job(spec, cluster=block)
+
+    state = train(return_state=True)
+    result = state.result()
+    assert result.state is JobState.SUCCEEDED and not result.attached
+    job_id = result.handle.job_id
+    assert len(job_id) <= 35
+
+    (post,) = job_posts(lepton)
+    assert post.body["metadata"]["id"] == job_id  # the Lepton job is named by our job id
+    sent = post.body["spec"]
+    assert sent["completions"] == sent["parallelism"] == 2
+    assert sent["resource_shape"] == "gpu.1xh100-80gb"
+    envs = {e["name"]: e["value"] for e in sent["envs"]}
+    assert int(envs["PREFECT_NEMO_CODE_CHUNKS"]) == 3
+    assert max(len(f"{k}={v}".encode()) for k, v in envs.items()) < 128 * 1024
+    # NeMo-Run's data mover carried only the launch script, far below the argv limit.
+    (mover,) = [r for r in lepton.requests.find("POST", "/jobs") if r not in job_posts(lepton)]
+    assert len(mover.body["spec"]["container"]["command"][2]) < 8 * 1024
+
+    # The launch script's pre-launch line unpacks the code on the shared mount, rank 0 only.
+    backend = block.backend()
+    script = (backend.local_experiment_dir(job_id) / job_id / "launch_script.sh").read_text()
+    (setup,) = [line for line in script.splitlines() if line.endswith("|| exit 1")]
+    job = lepton.jobs[job_id]
+    results = run_replicas(setup, [lepton.pod_env(job, 1), lepton.pod_env(job, 0)])
+    assert [r.returncode for r in results] == [0, 0], [r.stderr for r in results]
+    (unpacked,) = Path(block.nemo_run_dir).rglob("train.py")
+    assert unpacked.parent.name == "code"  # <lepton job dir>/code, where the script cd's
+    assert (unpacked.parent / "pkg/blob.bin").read_bytes() == (src / "pkg/blob.bin").read_bytes()
+    assert "cd /nemo_run/code\npython3 train.py" in script
+
+    haystacks = prefect_haystacks(prefect_api, state.state_details.flow_run_id, since, "SUCCEEDED")
+    haystacks.update(
+        {
+            "caplog": caplog.text,
+            "stdout/stderr": "".join(capfd.readouterr()),
+            "result": result.model_dump_json(),
+            "NEMORUN_HOME": files_text(*{p.parent for p in home_files()}),
+            "shared mount": files_text(tmp_path / "shared"),
+            "job payloads": str([r.body for r in lepton.requests.entries]),
+            "block": repr(block) + block.model_dump_json(),
+            "environment": str(dict(os.environ)),
+        }
+    )
+    assert "prefect-nemo.job.succeeded" in haystacks["events"]
+    for where, text in haystacks.items():
+        assert TOKEN not in text, f"the token leaked into {where}"
+
+
+def test_rerun_attaches_and_a_new_run_does_not_collide(
+    lepton: LeptonServer, block: LeptonWorkspace
+) -> None:
+    lepton.hold("")
+    backend = block.backend()
+    spec = JobSpec(entrypoint="sleep 30", name="train")
+    first = lifecycle.submit_or_attach(backend, spec, scope="flow-run:a", key="train")
+    again = lifecycle.submit_or_attach(backend, spec, scope="flow-run:a", key="train")
+    other = lifecycle.submit_or_attach(backend, spec, scope="flow-run:b", key="train")
+    assert not first.attached and again.attached
+    assert again.handle.job_id == first.handle.job_id != other.handle.job_id
+    assert sorted(r.body["metadata"]["id"] for r in job_posts(lepton)) == sorted(
+        [first.handle.job_id, other.handle.job_id]
+    )
+    # Another machine (no local record) sees the job in the workspace and attaches.
+    backend.release(first.handle.job_id)
+    elsewhere = lifecycle.submit_or_attach(block.backend(), spec, scope="flow-run:a", key="train")
+    assert elsewhere.attached and len(job_posts(lepton)) == 2
+    for sub in (first, other):
+        lifecycle.stop_and_confirm(backend, sub.handle.job_id, timeout_s=10)
+
+
+def test_stop_patches_the_job_stopped(lepton: LeptonServer, block: LeptonWorkspace) -> None:
+    lepton.hold("")
+    backend = block.backend()
+    sub = lifecycle.submit_or_attach(
+        backend, JobSpec(entrypoint="sleep 30", name="held"), scope="flow-run:s", key="held"
+    )
+    job_id = sub.handle.job_id
+    wait_for(lambda: backend.find(job_id).state is JobState.RUNNING)
+    final = lifecycle.stop_and_confirm(backend, job_id, timeout_s=10, poll_s=0.05)
+    assert final is not None and final.state is JobState.STOPPED
+    patches = lepton.requests.find("PATCH", f"/jobs/{job_id}")
+    assert patches and patches[0].body == {"spec": {"stopped": True}}
+    assert job_id in lepton.jobs  # stopped, not deleted: its logs stay readable
+    assert "is Stopped" in backend.logs(job_id)
+
+
+def test_a_failed_job_is_retried_under_a_new_id(
+    lepton: LeptonServer, block: LeptonWorkspace
+) -> None:
+    backend = block.backend()
+    spec = JobSpec(entrypoint="exit 3", name="fails")
+    lepton.set_outcome("", "Failed")  # every job (data movers aside) fails
+    first = lifecycle.submit_or_attach(backend, spec, scope="flow-run:f", key="fails")
+    wait_for(lambda: backend.find(first.handle.job_id).state is JobState.FAILED)
+    retry = lifecycle.submit_or_attach(backend, spec, scope="flow-run:f", key="fails")
+    assert retry.handle.job_id == first.handle.job_id + "-r1" and not retry.attached
+
+
+def test_bad_token_and_node_group_are_clear_errors(
+    lepton: LeptonServer, block: LeptonWorkspace
+) -> None:
+    wrong = block.model_copy(update={"token": SecretStr("not-" + TOKEN)})
+    with pytest.raises(AuthenticationFailed) as info:
+        wrong.backend().check_access()
+    text = "".join(traceback.format_exception(info.value))
+    assert "LeptonWorkspace.token" in text and TOKEN not in text
+    with pytest.raises(InvalidJobSpec, match=r"node_group.*nemo-nodes"):
+        block.model_copy(update={"node_group": "nope"}).backend().check_access()
+    assert not lepton.requests.find("POST", "/jobs")
+
+
+def test_bad_specs_are_refused_before_submit(
+    lepton: LeptonServer, block: LeptonWorkspace, tmp_path: Path
+) -> None:
+    backend = block.backend()
+    big = sample_source(tmp_path / "big", blob_bytes=1_200_000)
+    with pytest.raises(TransportTooLarge, match="lepton transport"):
+        backend.validate(JobSpec(entrypoint="python3 train.py", working_dir=big))
+    with pytest.raises(InvalidJobSpec, match="secret_vars"):
+        backend.validate(JobSpec(entrypoint="true", env={"KEY": SecretStr("s3cr3t-value")}))
+    with pytest.raises(InvalidJobSpec, match=re.escape("JobSpec.env['HUGE']")):
+        backend.validate(JobSpec(entrypoint="true", env={"HUGE": "x" * 131_072}))
+    with pytest.raises(InvalidJobSpec, match="label_selector"):
+        backend.validate(JobSpec(entrypoint="true", label_selector={"a": "b"}))
+    assert not lepton.requests.find("POST", "/jobs")
+
+
+def test_cpu_only_and_secret_references(lepton: LeptonServer, block: LeptonWorkspace) -> None:
+    backend = block.model_copy(update={"secret_vars": {"HF_TOKEN": "hf-token"}}).backend()
+    spec = JobSpec(entrypoint="true", name="cpu", placement=PlacementSpec(gpus_per_node=0))
+    lifecycle.submit_or_attach(backend, spec, scope="flow-run:cpu", key="cpu")
+    (post,) = job_posts(lepton)
+    assert post.body["spec"]["resource_shape"] == "cpu.small"
+    assert {"name": "HF_TOKEN", "value_from": {"secret_name_ref": "hf-token"}} in post.body["spec"][
+        "envs"
+    ]
+    assert not any(k.startswith("LEPTON_") for k in os.environ)  # set only around NeMo-Run
