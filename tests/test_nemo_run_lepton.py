@@ -245,3 +245,51 @@ def test_cpu_only_and_secret_references(lepton: LeptonServer, block: LeptonWorks
         "envs"
     ]
     assert not any(k.startswith("LEPTON_") for k in os.environ)  # set only around NeMo-Run
+
+
+@pytest.mark.slow
+def test_ray_on_lepton_runs_on_a_real_ray_behind_the_workspace_proxy(
+    lepton: LeptonServer, block: LeptonWorkspace, ray_head: Any, tmp_path: Path
+) -> None:
+    """NeMo-Run's LeptonRayCluster creates the cluster; the Ray jobs run on a real Ray head,
+    reached (as on Lepton) through the workspace's /rayclusters/<name>/dashboard proxy."""
+    from prefect_nemo.blocks.lepton import LeptonRayCluster
+
+    lepton.ray_dashboard(ray_head.dashboard_url, ray_head.token)
+    ray_block = LeptonRayCluster(
+        workspace=block,
+        ray_cluster_name="rl-cluster",
+        worker_nodes=2,
+        head_resource_shape="cpu.large",
+    )
+    backend = ray_block.backend()
+    backend.check_access()
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "driver.py").write_text(
+        "import ray\nray.init()\nprint('cpus', ray.cluster_resources()['CPU'])\n"
+    )
+    spec = JobSpec(entrypoint="python driver.py", name="grpo", working_dir=tmp_path / "app")
+    first = lifecycle.submit_or_attach(backend, spec, scope="flow-run:ray", key="grpo")
+    again = lifecycle.submit_or_attach(backend, spec, scope="flow-run:ray", key="grpo")
+    assert not first.attached and again.attached
+    job_id = first.handle.job_id
+    wait_for(lambda: backend.find(job_id).state.is_terminal(), timeout_s=120)
+    assert backend.find(job_id).state is JobState.SUCCEEDED, backend.logs(job_id)
+    assert "cpus" in backend.logs(job_id)
+
+    (created,) = [r for r in lepton.requests.find("POST") if r.path.endswith("/rayclusters")]
+    spec_sent = created.body["spec"]
+    assert created.body["metadata"]["id"] == "rl-cluster"
+    assert spec_sent["worker_group_specs"][0]["min_replicas"] == 2
+    assert spec_sent["head_group_spec"]["resource_shape"] == "cpu.large"
+    proxied = lepton.requests.find(None, "/rayclusters/rl-cluster/dashboard/api/jobs")
+    assert any(r.method == "POST" and r.status == 200 for r in proxied)  # submitted through it
+
+    sleeper = lifecycle.submit_or_attach(
+        backend, JobSpec(entrypoint="sleep 60", name="sleeper"), scope="flow-run:ray", key="s"
+    )
+    wait_for(lambda: backend.find(sleeper.handle.job_id).state is JobState.RUNNING, 60)
+    final = lifecycle.stop_and_confirm(backend, sleeper.handle.job_id, timeout_s=30)
+    assert final is not None and final.state is JobState.STOPPED
+    assert backend.delete_cluster(timeout_s=10)
+    assert lepton.rayclusters == {} and backend.find(job_id) is None

@@ -15,6 +15,7 @@ from prefect_nemo.blocks.base import ClusterBlock
 
 if TYPE_CHECKING:
     from prefect_nemo.backends.nemo_run.dgx_cloud import DGXCloudBackend
+    from prefect_nemo.backends.nemo_run.ray_cloud import DGXCloudRayBackend
 
 
 class DGXCloudCluster(ClusterBlock):
@@ -162,3 +163,39 @@ def train():
                 request_timeout_s=self.request_timeout_s,
             )
         )
+
+
+class DGXCloudRayCluster(ClusterBlock):
+    """Ray jobs on DGX Cloud: each job a distributed workload that bootstraps Ray (NeMo-Run)."""
+
+    _block_type_name = "DGX Cloud Ray Cluster"
+    _block_type_slug = "dgx-cloud-ray-cluster"
+    _logo_url = "https://www.nvidia.com/favicon.ico"  # type: ignore[assignment]
+    _description = (
+        "Runs prefect-nemo jobs as Ray jobs on DGX Cloud (run:ai), for multi-node RL: each job "
+        "is a distributed workload whose pods start Ray through NeMo-Run's bootstrap script "
+        "and run the entrypoint on the head."
+    )
+    _code_example = """
+```python
+from prefect import flow
+from prefect_nemo import JobSpec, run_job
+from prefect_nemo.blocks.dgx_cloud import DGXCloudRayCluster
+
+cluster = DGXCloudRayCluster.load("BLOCK_NAME")
+
+@flow
+def rl():
+    run_job(JobSpec(entrypoint="python grpo.py", working_dir="."), cluster=cluster)
+```
+"""
+
+    cluster: DGXCloudCluster = Field(
+        description="The DGX Cloud cluster (credentials, project, PVCs, nodes per job)."
+    )
+
+    def backend(self) -> DGXCloudRayBackend:
+        """The Ray-on-DGX-Cloud backend (needs prefect-nemo[nemo-run])."""
+        from prefect_nemo.backends.nemo_run.ray_cloud import DGXCloudRayBackend
+
+        return DGXCloudRayBackend(self.cluster.backend().config)

@@ -14,6 +14,7 @@ from prefect_nemo.blocks.base import ClusterBlock
 
 if TYPE_CHECKING:
     from prefect_nemo.backends.nemo_run.lepton import LeptonBackend
+    from prefect_nemo.backends.nemo_run.ray_cloud import LeptonRayBackend
 
 
 class LeptonWorkspace(ClusterBlock):
@@ -153,4 +154,63 @@ def train():
                 secret_vars=dict(self.secret_vars),
                 request_timeout_s=self.request_timeout_s,
             )
+        )
+
+
+class LeptonRayCluster(ClusterBlock):
+    """A Ray cluster on DGX Cloud Lepton (created by NeMo-Run unless it exists) for Ray jobs."""
+
+    _block_type_name = "Lepton Ray Cluster"
+    _block_type_slug = "lepton-ray-cluster"
+    _logo_url = "https://www.nvidia.com/favicon.ico"  # type: ignore[assignment]
+    _description = (
+        "Runs prefect-nemo jobs as Ray jobs on a Lepton RayCluster (multi-node RL): the "
+        "cluster is created through NeMo-Run's LeptonRayCluster unless one by that name "
+        "exists, and jobs reach its dashboard through the workspace's proxy."
+    )
+    _code_example = """
+```python
+from prefect import flow
+from prefect_nemo import JobSpec, run_job
+from prefect_nemo.blocks.lepton import LeptonRayCluster
+
+cluster = LeptonRayCluster.load("BLOCK_NAME")
+
+@flow
+def rl():
+    run_job(JobSpec(entrypoint="python grpo.py", working_dir="."), cluster=cluster)
+```
+"""
+
+    workspace: LeptonWorkspace = Field(
+        description="The Lepton workspace (credentials, node group, image, worker shape)."
+    )
+    ray_cluster_name: str = Field(
+        description="Name of the RayCluster: reused if it exists, else created (at most 35 "
+        "lowercase letters, digits and '-')."
+    )
+    worker_nodes: int | None = Field(
+        default=None, ge=0, description="Ray worker replicas; empty for workspace.nodes."
+    )
+    head_resource_shape: str = Field(
+        default="", description="Resource shape of the Ray head; empty for the worker shape."
+    )
+    ray_version: str | None = Field(
+        default=None, description="Lepton Ray image version; empty for leptonai's default."
+    )
+    ready_timeout_s: float = Field(
+        default=1800.0, gt=0, description="Seconds to wait for a new cluster to become ready."
+    )
+
+    def backend(self) -> LeptonRayBackend:
+        """The Ray-on-Lepton backend (needs prefect-nemo[nemo-run])."""
+        from prefect_nemo.backends.nemo_run.ray_cloud import LeptonRayBackend
+
+        return LeptonRayBackend(
+            self.workspace.backend().config,
+            cluster_name=self.ray_cluster_name,
+            head_resource_shape=self.head_resource_shape,
+            ray_version=self.ray_version,
+            worker_nodes=self.worker_nodes,
+            ready_timeout_s=self.ready_timeout_s,
         )

@@ -271,8 +271,11 @@ class DGXCloudBackend(NemoRunBackend):
                     f"JobSpec.env['{key}'] is {len(value)} characters; run:ai takes at most "
                     f"{RUNAI_ENV_VALUE_LIMIT} per value: ship large inputs through working_dir"
                 )
-        plan = self._plan(spec)
-        longest = "x" * self.max_job_id_len  # the pvc job dir of the longest id
+        self._check_command(spec, self._plan(spec))
+
+    def _check_command(self, spec: JobSpec, plan: TransportPlan | None) -> None:
+        """The pod command must fit run:ai's args limit (for the longest job dir)."""
+        longest = "x" * self.max_job_id_len
         pvc_job_dir = Path(
             self.config.pvc_nemo_run_dir, "experiments", EXPERIMENT_TITLE, experiment_id(longest)
         )
