@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 import time
 import traceback
@@ -65,6 +66,8 @@ def block(slurm, job_root: Path, prefect_api: str) -> SlurmCluster:
         time="00:05:00",
         max_poll_interval_s=0.5,
         stop_timeout_s=30,
+        # jobs run on this machine: give them this environment's python (numpy for the demo)
+        setup_lines=f"export PATH={Path(sys.executable).parent}:$PATH",
     )
 
 
@@ -385,3 +388,50 @@ def test_cross_experiment_dependency_goes_to_slurm_as_afterok(block, slurm, job_
     assert sft_row["Start"] >= prep_row["End"], (prep_row, sft_row)
     script = next(job_root.rglob(f"{result.handle.job_id}_sbatch.sh")).read_text()
     assert f"--dependency=afterok:{prep_row['JobID']}" in script
+
+
+def test_slurm_pipeline_prep_then_sft_with_native_dependency(block, slurm, job_root, tmp_path):
+    from flows.slurm_pipeline import slurm_pipeline
+
+    # Jobs are submitted held (sbatch --hold) and released by the test once both are queued:
+    # SFT is then queued while prep has not run, so only Slurm (afterok) can order them.
+    held = block.model_copy(update={"additional_parameters": {"hold": True}})
+    block_name, name = unique("hpc"), unique("nemo")
+    held.save(block_name)
+    outputs: dict = {}
+
+    def run() -> None:
+        try:
+            outputs.update(
+                slurm_pipeline(
+                    cluster=f"slurm-cluster/{block_name}", run_dir=str(tmp_path / "run"), name=name
+                )
+            )
+        except BaseException as exc:  # shown by the assertions below
+            outputs["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    queued: dict[str, str] = {}
+    try:
+        deadline = time.monotonic() + 180
+        while len(queued) < 2:
+            assert thread.is_alive(), f"the pipeline ended early: {outputs}"
+            assert time.monotonic() < deadline, f"prep and SFT were not both queued: {queued}"
+            for line in slurm.run(["squeue", "-h", "-o", "%i|%j"]).stdout.splitlines():
+                sid, _, job = line.partition("|")
+                for step in ("prep", "sft"):
+                    if job.startswith(f"{name}-{step}"):
+                        queued[step] = sid
+            time.sleep(0.3)
+    finally:
+        slurm.run(["scontrol", "release", *queued.values()], check=False)
+        thread.join(300)
+    assert outputs and "error" not in outputs, outputs
+    assert outputs["sft"]["examples"] > 100 and outputs["sft"]["accuracy"] == 1.0
+    assert outputs["sft"]["gpus"] == "0", "CPU-only: no GPUs asked for"
+    prep = wait_rows(slurm, outputs["prep"]["job_id"], "COMPLETED")[0]
+    sft = wait_rows(slurm, outputs["sft"]["job_id"], "COMPLETED")[0]
+    assert sft["Start"] >= prep["End"] and prep["JobID"] == queued["prep"]
+    script = next(job_root.rglob(f"{outputs['sft']['job_id']}_sbatch.sh")).read_text()
+    assert f"--dependency=afterok:{prep['JobID']}" in script

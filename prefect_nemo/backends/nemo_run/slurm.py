@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shlex
 import tarfile
 import threading
@@ -84,6 +85,7 @@ _SLURM_STATES = {
     "REVOKED": JobState.FAILED,
 }
 _NEVER_SATISFIED = "DependencyNeverSatisfied"
+_ATTEMPT = re.compile(r"(.+)-r(\d+)")
 
 # job id -> Slurm job id, per cluster, for every backend object in this process
 _slurm_ids: dict[str, dict[str, str]] = {}
@@ -200,7 +202,13 @@ class SlurmBackend(NemoRunBackend):
         """Handles of the jobs experiment `experiment` submitted to this cluster (remote index)."""
         index = self._experiment_index(experiment)
         out = self.run(f"ls -1 {shlex.quote(index)} 2>/dev/null || true").stdout.split()
-        return [self.handle(job_id) for job_id in out if job_id]
+        latest: dict[str, tuple[int, str]] = {}  # a retry (-r<n>) supersedes earlier attempts
+        for job_id in out:
+            match = _ATTEMPT.fullmatch(job_id)
+            base, attempt = (match[1], int(match[2])) if match else (job_id, 0)
+            if attempt >= latest.get(base, (-1, ""))[0]:
+                latest[base] = (attempt, job_id)
+        return [self.handle(job_id) for _, job_id in sorted(latest.values(), key=lambda x: x[1])]
 
     def _experiment_index(self, experiment: str) -> str:
         label = names.dns_label(experiment, 40)
