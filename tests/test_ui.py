@@ -92,6 +92,7 @@ def ui_server() -> Iterator[UiServer]:
         PREFECT_SERVER_API_HOST="127.0.0.1",
         PREFECT_SERVER_API_PORT=str(port),
         PREFECT_UI_API_URL=f"{ui_url}/api",
+        PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT="false",
     )
     log = open(home / "server.log", "wb")  # closed once the server stops
     process = subprocess.Popen(
@@ -191,10 +192,13 @@ def demo_run(
 
 @pytest.fixture
 def page(browser: Any) -> Iterator[Any]:
-    """A fresh page with generous timeouts."""
-    SHOTS.mkdir(parents=True, exist_ok=True)
+    """A fresh page with generous timeouts (and no screenshots left from an earlier run)."""
+    shutil.rmtree(SHOTS, ignore_errors=True)
+    SHOTS.mkdir(parents=True)
     context = browser.new_context(viewport={"width": 1800, "height": 1000})
     context.set_default_timeout(UI_TIMEOUT_MS)
+    # Prefect 3.5's UI opens a "Join the community" modal on a first visit, over every click.
+    context.add_init_script("localStorage.setItem('join-the-community-modal-dismissed', 'true')")
     yield context.new_page()
     context.close()
 
