@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -209,8 +209,22 @@ def _shot_on_failure(page: Any, name: str) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        page.screenshot(path=SHOTS / f"FAILED-{name}.png", full_page=True)
+        with suppress(Exception):
+            page.screenshot(path=SHOTS / f"FAILED-{name}.png", full_page=True)
         raise
+
+
+def _wait_for_stored_events(server: UiServer, resource_prefix: str, count: int) -> None:
+    """The feed shows what the server stored; events land there a moment after they are sent."""
+    query = {"filter": {"resource": {"id_prefix": [resource_prefix]}}, "limit": 50}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        response = requests.post(f"{server.api_url}/events/filter", json=query, timeout=10)
+        response.raise_for_status()
+        if len(response.json()["events"]) >= count:
+            return
+        time.sleep(1)
+    pytest.fail(f"fewer than {count} events for {resource_prefix}* stored within 60s")
 
 
 def _shot(page: Any, name: str) -> None:
@@ -269,14 +283,14 @@ def _check_demo_run_in_ui(page: Any, demo_run: DemoRun, ray_head: Any, ui_server
 
     # 4. The event feed for the pipeline's experiments: started and completed, each of the three.
     prefix = eval_name.removesuffix("-eval")
+    _wait_for_stored_events(ui_server, f"prefect-nemo.experiment.{prefix}-", count=6)
     page.goto(
         f"{ui_server.ui_url}/events?resource=prefect-nemo.experiment.{prefix}",
         wait_until="networkidle",
     )
     for experiment in demo_run.jobs:
-        expect(page.get_by_text(f"prefect-nemo.experiment.{experiment}", exact=True)).to_have_count(
-            2
-        )
+        resource = page.get_by_text(f"prefect-nemo.experiment.{experiment}", exact=True)
+        expect(resource).to_have_count(2)
     expect(page.get_by_text("prefect-nemo.experiment.started", exact=True)).to_have_count(3)
     expect(page.get_by_text("prefect-nemo.experiment.completed", exact=True)).to_have_count(3)
     _shot(page, "04-experiment-events.png")
