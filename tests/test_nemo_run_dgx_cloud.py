@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
+import subprocess
 import time
 import traceback
 import uuid
@@ -307,3 +309,50 @@ def test_secret_env_goes_as_a_reference(runai: RunaiServer, block: DGXCloudClust
     (post,) = workload_posts(runai)
     envs = post.body["spec"]["environmentVariables"]
     assert {"name": "WANDB_API_KEY", "secret": {"name": "wandb", "key": "api-key"}} in envs
+
+
+@pytest.mark.slow
+def test_ray_on_dgx_cloud_is_a_bootstrapped_distributed_workload(
+    block: DGXCloudCluster, tmp_path: Path
+) -> None:
+    """NeMo-Run's DGXCloudRayJob: a script-deploy workspace puts the Ray bootstrap on the PVC,
+    then a distributed workload runs it. Ray itself is not started here (its `ray stop` would
+    end every Ray on this machine): the deploy command is run for real, the phases simulated."""
+    from prefect_nemo.blocks.dgx_cloud import DGXCloudRayCluster
+
+    with RunaiServer(
+        client_secret=SECRET, creating_s=0.05, initializing_s=0.05, running_s=0.5
+    ) as server:
+        cluster = block.model_copy(update={"base_url": server.base_url, "nodes": 2})
+        backend = DGXCloudRayCluster(cluster=cluster).backend()
+        server.hold("grpo")  # the Ray workload runs until stopped; the deploy workspace ends
+        src = sample_source(tmp_path / "src")
+        spec = JobSpec(entrypoint="python3 grpo.py", name="grpo", working_dir=src)
+        backend.validate(spec)
+        first = lifecycle.submit_or_attach(backend, spec, scope="flow-run:ray", key="grpo")
+        again = lifecycle.submit_or_attach(backend, spec, scope="flow-run:ray", key="grpo")
+        assert not first.attached and again.attached
+        job_id = first.handle.job_id
+
+        (deploy,) = server.requests.find("POST", "/workloads/workspaces")
+        assert deploy.body["name"] == "script-deploy" and len(deploy.body["spec"]["args"]) < 9_500
+        pvc_script = Path(cluster.pvc_nemo_run_dir) / f"ray_bootstrap_{job_id}.sh"
+        ran = subprocess.run(
+            ["sh", "-c", shlex.split(deploy.body["spec"]["args"])[0]], capture_output=True
+        )
+        assert ran.returncode == 0, ran.stderr
+        script = pvc_script.read_text()
+        assert "ray start --head" in script and "python3 grpo.py" in script
+        assert "PREFECT_NEMO_CODE_" in script  # the head unpacks the code first
+
+        (post,) = server.requests.find("POST", "/workloads/distributed")
+        sent = post.body["spec"]
+        assert sent["command"] == f"/bin/bash {pvc_script}" and sent["numWorkers"] == 2
+        env = {e["name"]: e["value"] for e in sent["environmentVariables"]}
+        assert max(len(v) for v in env.values()) <= 9 * 1024 and "PREFECT_NEMO_CODE_0" in env
+
+        wait_for(lambda: backend.find(job_id).state is JobState.RUNNING)
+        final = lifecycle.stop_and_confirm(backend, job_id, timeout_s=10, poll_s=0.05)
+        assert final is not None and final.state is JobState.STOPPED
+        (workload,) = [w for w in server.workloads.values() if w.kind == "distributed"]
+        assert server.requests.find("POST", f"/workloads/distributed/{workload.id}/suspend")
