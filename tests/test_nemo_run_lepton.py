@@ -24,7 +24,7 @@ from pydantic import SecretStr
 from prefect_nemo import lifecycle
 from prefect_nemo.backends.nemo_run.home import home_files
 from prefect_nemo.blocks.lepton import LeptonWorkspace
-from prefect_nemo.errors import AuthenticationFailed, InvalidJobSpec
+from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable, InvalidJobSpec
 from prefect_nemo.jobs import JobSpec, JobState
 from prefect_nemo.packaging import TransportTooLarge
 from prefect_nemo.placement import PlacementSpec
@@ -293,3 +293,25 @@ def test_ray_on_lepton_runs_on_a_real_ray_behind_the_workspace_proxy(
     assert final is not None and final.state is JobState.STOPPED
     assert backend.delete_cluster(timeout_s=10)
     assert lepton.rayclusters == {} and backend.find(job_id) is None
+
+
+def test_ray_cluster_start_errors_raise_but_already_exists_attaches(
+    lepton: LeptonServer, block: LeptonWorkspace
+) -> None:
+    from prefect_nemo.blocks.lepton import LeptonRayCluster
+
+    backend = LeptonRayCluster(workspace=block, ray_cluster_name="rl-a").backend()
+    lepton.fail_next("POST", "/rayclusters", 400, "quota exceeded for shape gpu.1xh100-80gb")
+    with pytest.raises(BackendUnavailable, match="quota exceeded"):
+        backend.ensure_cluster(poll_s=0.05)
+    assert lepton.rayclusters == {}
+    # Someone else creates it between our look and our create: 409, which means attach.
+    lepton.fail_next("POST", "/rayclusters", 409, "raycluster 'rl-a' already exists")
+    with pytest.raises(BackendUnavailable, match="not ready"):
+        LeptonRayCluster(
+            workspace=block, ray_cluster_name="rl-a", ready_timeout_s=0.3
+        ).backend().ensure_cluster(poll_s=0.05)  # attached, but nobody really made it
+    backend.ensure_cluster(poll_s=0.05)  # now created for real, then ready
+    backend.ensure_cluster(poll_s=0.05)  # exists: reused
+    posts = [r for r in lepton.requests.find("POST") if r.path.endswith("/rayclusters")]
+    assert [r.status for r in posts] == [400, 409, 200]

@@ -102,7 +102,7 @@ class LoopbackHttpServer:
     """An aiohttp server on 127.0.0.1 (free port) on its own event loop thread.
 
     Subclasses add routes in `routes()`; `ApiError` raised by a handler becomes a JSON error
-    answer; every request is recorded in `requests`.
+    answer; every request is recorded in `requests`; `fail_next` injects one error answer.
     """
 
     thread_name = "loopback-http"
@@ -111,6 +111,7 @@ class LoopbackHttpServer:
         self.url = ""
         self.requests = RequestRecord()
         self.lock = threading.RLock()
+        self._faults: list[tuple[str, str, int, str]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
@@ -118,6 +119,20 @@ class LoopbackHttpServer:
     def routes(self, app: web.Application) -> None:
         """Add the server's routes to `app`."""
         raise NotImplementedError
+
+    def fail_next(self, method: str, path_suffix: str, status: int, message: str) -> None:
+        """Answer the next `method` request whose path ends with `path_suffix` with an error."""
+        with self.lock:
+            self._faults.append((method.upper(), path_suffix, status, message))
+
+    def _fault(self, request: web.Request) -> ApiError | None:
+        with self.lock:
+            for fault in self._faults:
+                method, suffix, status, message = fault
+                if request.method == method and request.path.endswith(suffix):
+                    self._faults.remove(fault)
+                    return ApiError(status, message)
+        return None
 
     def start(self) -> LoopbackHttpServer:
         """Start serving on a free port; returns self."""
@@ -199,6 +214,9 @@ class LoopbackHttpServer:
             except ValueError:
                 body = raw.decode(errors="replace")
         try:
+            fault = self._fault(request)
+            if fault is not None:
+                raise fault
             response = await handler(request)
         except ApiError as exc:
             response = web.json_response(

@@ -146,6 +146,10 @@ class LeptonRayBackend:
                     raise BackendUnavailable(
                         f"Lepton refused Ray cluster '{self.cluster_name}': {exc}"
                     ) from None
+            except RuntimeError as exc:  # NeMo-Run's own checks (node group, ...)
+                raise BackendUnavailable(
+                    f"Lepton Ray cluster '{self.cluster_name}' could not be created: {exc}"
+                ) from None
         deadline = time.monotonic() + self.ready_timeout_s
         while True:
             state = self.cluster_state()
