@@ -153,19 +153,15 @@ def test_every_shipped_file_validates(path: Path) -> None:
             load_documents(path, env={})
 
 
-def test_the_environments_are_covered() -> None:
+def test_every_cluster_block_has_a_document() -> None:
+    """Each environment (every ClusterBlock of prefect_nemo.blocks) has a blocks/*.yaml document."""
+    from prefect_nemo.blocks.base import ClusterBlock
+
     types = {spec.block_type for path in BLOCK_FILES for spec in _load_with_dummies(path)}
-    for slug in (
-        "ray-jobs-cluster",
-        "kube-ray-cluster",
-        "kubeflow-trainer-cluster",
-        "lepton-workspace",
-        "dgx-cloud-cluster",
-    ):
-        assert slug in types, f"no blocks/*.yaml document of type {slug}"
-    slurm = [c for c in _our_block_classes() if "slurm" in c.get_block_type_slug()]
-    for cls in slurm:
-        assert cls.get_block_type_slug() in types, "no blocks/*.yaml document for Slurm"
+    clusters = [c for c in _our_block_classes() if issubclass(c, ClusterBlock)]
+    assert len(clusters) >= 6
+    for cls in clusters:
+        assert cls.get_block_type_slug() in types, f"no blocks/*.yaml document for {cls.__name__}"
 
 
 def _load_with_dummies(path: Path) -> list[BlockDocumentSpec]:
