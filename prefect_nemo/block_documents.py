@@ -277,9 +277,14 @@ def _exists(spec: BlockDocumentSpec) -> bool:
             return False
 
 
-def apply_file(path: str | Path, env: dict[str, str] | None = None) -> list[Applied]:
-    """Apply every document of a file; all are validated before the first one is written."""
+def check_file(path: str | Path, env: dict[str, str] | None = None) -> list[BlockDocumentSpec]:
+    """Read and validate every document of a file, without contacting the server."""
     specs = load_documents(path, env)
     for spec in specs:
-        build_block(spec)  # fail on any bad document before changing anything
-    return [apply_document(spec) for spec in specs]
+        build_block(spec)
+    return specs
+
+
+def apply_file(path: str | Path, env: dict[str, str] | None = None) -> list[Applied]:
+    """Apply every document of a file; all are validated before the first one is written."""
+    return [apply_document(spec) for spec in check_file(path, env)]

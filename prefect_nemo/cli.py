@@ -151,33 +151,39 @@ def _print_summary(outputs: dict[str, dict[str, Any]], elapsed: float) -> None:
 
 def apply_blocks(files: list[Path]) -> int:
     """Create or update the block documents of YAML files; report each, never its values."""
-    from prefect_nemo.block_documents import apply_file
+    from prefect_nemo.block_documents import apply_document, check_file
     from prefect_nemo.errors import PrefectNemoError
 
+    try:  # every document of every file is checked before the server is even asked
+        specs = [spec for path in files for spec in check_file(path)]
+    except PrefectNemoError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     api_url, _ = ensure_prefect_server()
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: api_url}):
-        for path in files:
+        for spec in specs:
             try:
-                applied = apply_file(path)
+                applied = apply_document(spec)
             except PrefectNemoError as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 2
-            for item in applied:
-                if item.registered_type:
-                    print(f"registered block type {item.ref.split('/')[0]}")
-                print(item)
+            if applied.registered_type:
+                print(f"registered block type {spec.block_type}")
+            print(applied, flush=True)
     return 0
 
 
 def deploy(prefect_file: Path, names: list[str]) -> int:
-    """Create the work pools a prefect.yaml names, then `prefect deploy` its deployments."""
+    """Check a prefect.yaml, create the work pools it names, then `prefect deploy` it."""
+    from prefect_nemo.deployments import checked_deployments
     from prefect_nemo.deployments import deploy as run_deploy
     from prefect_nemo.errors import PrefectNemoError
 
-    api_url, _ = ensure_prefect_server()
     try:
+        checked_deployments(prefect_file, names=names)  # before a server is started
+        api_url, _ = ensure_prefect_server()
         return run_deploy(prefect_file, names=names, api_url=api_url)
     except PrefectNemoError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -110,6 +110,27 @@ def _required(fn: Any) -> set[str]:
     }
 
 
+def checked_deployments(
+    prefect_file: str | Path = DEFAULT_FILE,
+    *,
+    names: list[str] | None = None,
+    root: str | Path = ".",
+) -> list[DeploymentEntry]:
+    """The deployments to apply (all, or those named), checked; nothing is sent anywhere."""
+    entries = read_deployments(prefect_file)
+    if names:
+        wanted = {n.rsplit("/", 1)[-1] for n in names}
+        missing = wanted - {e.name for e in entries}
+        if missing:
+            raise InvalidJobSpec(
+                f"--name: no deployment {sorted(missing)} in {prefect_file}; it has: "
+                + ", ".join(e.name for e in entries)
+            )
+        entries = [e for e in entries if e.name in wanted]
+    check_deployments(entries, root)
+    return entries
+
+
 def ensure_work_pools(names: set[str], pool_type: str = DEFAULT_POOL_TYPE) -> list[str]:
     """Create the work pools that do not exist yet (with the worker type's default template)."""
     from prefect.client.orchestration import get_client
@@ -141,17 +162,7 @@ def deploy(
     """Check the file, create missing work pools, run `prefect deploy`; its exit status."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    entries = read_deployments(prefect_file)
-    if names:
-        wanted = {n.rsplit("/", 1)[-1] for n in names}
-        missing = wanted - {e.name for e in entries}
-        if missing:
-            raise InvalidJobSpec(
-                f"--name: no deployment {sorted(missing)} in {prefect_file}; it has: "
-                + ", ".join(e.name for e in entries)
-            )
-        entries = [e for e in entries if e.name in wanted]
-    check_deployments(entries, root)
+    entries = checked_deployments(prefect_file, names=names, root=root)
     api_url = api_url or str(PREFECT_API_URL.value() or "")
     if not api_url:
         raise InvalidJobSpec("PREFECT_API_URL is not set: point it at the Prefect server")

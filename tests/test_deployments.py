@@ -280,3 +280,10 @@ def test_completed_experiments_trigger_their_downstream_with_their_outputs(
     assert Path(checkpoint).is_file() and checkpoint.startswith(run_dir)
     with get_client(sync_client=True) as client:  # nothing here runs the serving queue
         client.delete_flow_run(serve[0].id)
+
+
+def test_deploy_refuses_unknown_names_before_touching_the_server() -> None:
+    from prefect_nemo.deployments import deploy
+
+    with pytest.raises(InvalidJobSpec, match=r"--name: no deployment \['nope'\].*demo-train"):
+        deploy(PREFECT_FILE, names=["nope"], api_url="http://127.0.0.1:9/api", root=ROOT)
