@@ -25,13 +25,33 @@ from prefect_nemo.testing.runai import ARGS_LIMIT, ENV_VALUE_LIMIT, RunaiServer
 
 pytestmark = pytest.mark.nemo_run
 
-nemo_run()  # isolate NEMORUN_HOME before anything imports nemo_run
+# NeMo-Run and leptonai, imported by `_sdk` (after NEMORUN_HOME is isolated), so that this
+# module is collected, then deselected, in the core environment that has neither.
+ClientError: Any = None
+LeptonJobState: Any = None
+APIClient: Any = None
+DGXCloudExecutor: Any = None
+DGXCloudState: Any = None
+LeptonExecutor: Any = None
 
-from leptonai.api.v1.api_resource import ClientError  # noqa: E402
-from leptonai.api.v1.types.job import LeptonJobState  # noqa: E402
-from leptonai.api.v2.client import APIClient  # noqa: E402
-from nemo_run.core.execution.dgxcloud import DGXCloudExecutor, DGXCloudState  # noqa: E402
-from nemo_run.core.execution.lepton import LeptonExecutor  # noqa: E402
+
+@pytest.fixture(scope="module", autouse=True)
+def _sdk() -> None:
+    global ClientError, LeptonJobState, APIClient, DGXCloudExecutor, DGXCloudState, LeptonExecutor
+    nemo_run()
+    from leptonai.api.v1 import api_resource
+    from leptonai.api.v1.types import job
+    from leptonai.api.v2 import client
+    from nemo_run.core.execution import dgxcloud, lepton
+
+    ClientError, LeptonJobState, APIClient = (
+        api_resource.ClientError,
+        job.LeptonJobState,
+        client.APIClient,
+    )
+    DGXCloudExecutor, DGXCloudState = dgxcloud.DGXCloudExecutor, dgxcloud.DGXCloudState
+    LeptonExecutor = lepton.LeptonExecutor
+
 
 SHELL = "/bin/sh"
 
