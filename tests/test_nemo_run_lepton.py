@@ -249,7 +249,7 @@ def test_cpu_only_and_secret_references(lepton: LeptonServer, block: LeptonWorks
 
 @pytest.mark.slow
 def test_ray_on_lepton_runs_on_a_real_ray_behind_the_workspace_proxy(
-    lepton: LeptonServer, block: LeptonWorkspace, ray_head: Any, tmp_path: Path
+    prefect_api: str, lepton: LeptonServer, block: LeptonWorkspace, ray_head: Any, tmp_path: Path
 ) -> None:
     """NeMo-Run's LeptonRayCluster creates the cluster; the Ray jobs run on a real Ray head,
     reached (as on Lepton) through the workspace's /rayclusters/<name>/dashboard proxy."""
@@ -284,6 +284,16 @@ def test_ray_on_lepton_runs_on_a_real_ray_behind_the_workspace_proxy(
     assert spec_sent["head_group_spec"]["resource_shape"] == "cpu.large"
     proxied = lepton.requests.find(None, "/rayclusters/rl-cluster/dashboard/api/jobs")
     assert any(r.method == "POST" and r.status == 200 for r in proxied)  # submitted through it
+
+    @flow
+    def rl():
+        return run_job(
+            JobSpec(entrypoint="python driver.py", working_dir=tmp_path / "app"), ray_block
+        )
+
+    result = rl()  # through Prefect's task, on the same cluster (it exists: reused)
+    assert result.state is JobState.SUCCEEDED and result.handle.backend == "lepton-ray"
+    assert len([r for r in lepton.requests.find("POST") if r.path.endswith("/rayclusters")]) == 1
 
     sleeper = lifecycle.submit_or_attach(
         backend, JobSpec(entrypoint="sleep 60", name="sleeper"), scope="flow-run:ray", key="s"

@@ -168,6 +168,7 @@ class LeptonBackend(NemoRunBackend):
                 auth_token=self.config.token,
                 url=self.config.workspace_url,
             )
+            # leptonai has no timeout argument: its default per request is 120 s
             self._client._timeout = self.config.request_timeout_s
         return self._client
 
