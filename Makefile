@@ -44,7 +44,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: $(STAMP)
-	$(BIN)/ruff check prefect_nemo flows tests bench
+	$(BIN)/ruff check prefect_nemo flows tests bench examples
 
 ## Every benchmark; prints one key=value line per figure.
 bench: $(STAMP)
