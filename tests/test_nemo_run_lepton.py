@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import subprocess
+import time
 import traceback
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -325,3 +326,24 @@ def test_ray_cluster_start_errors_raise_but_already_exists_attaches(
     backend.ensure_cluster(poll_s=0.05)  # exists: reused
     posts = [r for r in lepton.requests.find("POST") if r.path.endswith("/rayclusters")]
     assert [r.status for r in posts] == [400, 409, 200]
+
+
+def test_logs_of_a_running_job_return_while_lepton_keeps_streaming(
+    lepton: LeptonServer, block: LeptonWorkspace
+) -> None:
+    from prefect_nemo.backends.nemo_run.lepton import LOG_READ_S
+
+    lepton.hold("")
+    backend = block.backend()
+    sub = lifecycle.submit_or_attach(
+        backend, JobSpec(entrypoint="sleep 30", name="chatty"), scope="flow-run:l", key="chatty"
+    )
+    job_id = sub.handle.job_id
+    wait_for(lambda: backend.find(job_id).state is JobState.RUNNING)
+    lepton.set_log(job_id, "step 1\n")
+    started = time.monotonic()
+    text = backend.logs(job_id)
+    assert time.monotonic() - started < LOG_READ_S + 3  # the endless stream was cut
+    assert text.startswith("step 1\n") and "Running" in text
+    lifecycle.stop_and_confirm(backend, job_id, timeout_s=10)
+    assert backend.logs(job_id) == "step 1\n"  # an ended job's log is sent whole, at once

@@ -15,6 +15,7 @@ break here: a command argument or ``NAME=value`` env string over Linux's MAX_ARG
 
 from __future__ import annotations
 
+import asyncio
 import re
 import secrets
 import time
@@ -178,8 +179,10 @@ class LeptonServer(LoopbackHttpServer):
         ray_ready_s: float = 0.3,
         outcome: str = "Completed",
         data_mover_s: float = 0.0,
+        log_tick_s: float = 0.5,
     ) -> None:
         super().__init__()
+        self.log_tick_s = log_tick_s
         self.data_mover_s = data_mover_s
         self.workspace_id = workspace_id
         self.token = token or secrets.token_urlsafe(24)
@@ -419,17 +422,29 @@ class LeptonServer(LoopbackHttpServer):
             ]
         )
 
-    async def _log(self, request: web.Request) -> web.Response:
+    async def _log(self, request: web.Request) -> web.StreamResponse:
+        """The replica's log; while the job runs the stream stays open (as Lepton's does),
+        one line every `log_tick_s`, until the job ends or the client goes."""
         self._auth(request)
         job = self._job(request)
         rid = request.match_info["rid"]
         if rid not in job.replica_ids:
             raise ApiError(404, f"replica '{rid}' of job '{job.id}' not found")
+        response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await response.prepare(request)
         state = job.state(time.time())
-        text = job.log
-        if text is None:
-            text = f"[loopback lepton] {rid}: job {job.id} is {state}\n"
-        return web.Response(text=text, content_type="text/plain")
+        await response.write(
+            (job.log or f"[loopback lepton] {rid}: job {job.id} is {state}\n").encode()
+        )
+        try:
+            while state in ("Starting", "Running", "Stopping"):
+                await asyncio.sleep(self.log_tick_s)
+                state = job.state(time.time())
+                await response.write(f"[loopback lepton] {rid}: {state}\n".encode())
+            await response.write_eof()
+        except ConnectionError:  # the client stopped reading (aiohttp's reset error is one)
+            pass
+        return response
 
     # Ray clusters -----------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -50,6 +51,9 @@ T = TypeVar("T")
 ENV_KEYS = ("LEPTON_WORKSPACE_ID", "LEPTON_WORKSPACE_TOKEN", "LEPTON_WORKSPACE_URL")
 #: The rank variable Lepton sets in every replica (NODE_RANK comes later, from init.sh).
 RANK_ENV = "LEPTON_JOB_WORKER_INDEX"
+#: A log read returns after this many seconds, or this many without new output.
+LOG_READ_S = 5.0
+LOG_IDLE_S = 3.0
 
 _STATES: dict[str, JobState] = {
     "Starting": JobState.PENDING,
@@ -368,7 +372,10 @@ class LeptonBackend(NemoRunBackend):
             )
 
     def logs(self, job_id: str) -> str:
-        """The log of the job's first replica (``<job>-0-...``), as NeMo-Run reads it."""
+        """The log so far of the job's first replica (``<job>-0-...``), as NeMo-Run reads it.
+
+        Lepton streams a live job's log until the connection times out, so the read stops
+        after `LOG_READ_S` (or `LOG_IDLE_S` without new output) with what has arrived."""
         from leptonai.api.v1.api_resource import ClientError
 
         try:
@@ -381,11 +388,14 @@ class LeptonBackend(NemoRunBackend):
         if not first:
             return ""
         chunks: list[str] = []
+        deadline = time.monotonic() + LOG_READ_S
+        stream = self.client.job.get_log(id_or_job=job_id, replica=first[0], timeout=LOG_IDLE_S)
         with contextlib.suppress(requests.RequestException, RuntimeError):
-            for chunk in self.client.job.get_log(
-                id_or_job=job_id, replica=first[0], timeout=self.config.request_timeout_s
-            ):
+            for chunk in stream:
                 chunks.append(chunk)
+                if time.monotonic() > deadline:
+                    break
+        stream.close()  # ends the request of a log still being streamed
         return "".join(chunks)
 
 
