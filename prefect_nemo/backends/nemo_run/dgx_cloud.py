@@ -311,21 +311,21 @@ class DGXCloudBackend(NemoRunBackend):
         return plan_for("dgx_cloud", archive, name=spec.name or "job")
 
     def _args(self, spec: JobSpec, plan: TransportPlan | None, pvc_job_dir: str) -> str:
-        """The pod's shell script, quoted as run:ai's ``args``."""
+        """The pod's one-line shell script, quoted as run:ai's ``args`` (as NeMo-Run's data
+        mover does): unpack the code (rank 0; the others wait), then run the entrypoint in
+        it, everything tee'd to ``<pvc job dir>/log_<host>.out``; a failed unpack fails the pod.
+        """
         job_dir = shlex.quote(pvc_job_dir)
-        steps = [
-            "set -o pipefail",
-            # run:ai's PyTorch pods get RANK from the training operator; NODE_RANK wins if set
-            'export NODE_RANK="${NODE_RANK:-${RANK:-0}}"',
-            f"mkdir -p {job_dir}",
-        ]
         run = spec.entrypoint
         if plan is not None:
             dest = f"{pvc_job_dir}/{CODE_SUBDIR}"
-            steps.append(plan.setup_command(dest, shared=True))
-            run = f"cd {shlex.quote(dest)} && {run}"
-        steps.append(f'( {run} ) 2>&1 | tee -a {job_dir}/"log_$HOSTNAME.out"')
-        return shlex.quote("\n".join(steps))
+            run = f"{plan.setup_command(dest, shared=True)} && cd {shlex.quote(dest)} && {run}"
+        script = (
+            # run:ai's PyTorch pods get RANK from the training operator; NODE_RANK wins if set
+            'set -o pipefail; export NODE_RANK="${NODE_RANK:-${RANK:-0}}"; '
+            f'mkdir -p {job_dir} && {{ {run}\n}} 2>&1 | tee -a {job_dir}/"log_$HOSTNAME.out"'
+        )
+        return shlex.quote(script)
 
     # -- NeMo-Run executor ----------------------------------------------------------------------
 
