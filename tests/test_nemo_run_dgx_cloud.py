@@ -313,7 +313,7 @@ def test_secret_env_goes_as_a_reference(runai: RunaiServer, block: DGXCloudClust
 
 @pytest.mark.slow
 def test_ray_on_dgx_cloud_is_a_bootstrapped_distributed_workload(
-    block: DGXCloudCluster, tmp_path: Path
+    prefect_api: str, block: DGXCloudCluster, tmp_path: Path
 ) -> None:
     """NeMo-Run's DGXCloudRayJob: a script-deploy workspace puts the Ray bootstrap on the PVC,
     then a distributed workload runs it. Ray itself is not started here (its `ray stop` would
@@ -356,3 +356,11 @@ def test_ray_on_dgx_cloud_is_a_bootstrapped_distributed_workload(
         assert final is not None and final.state is JobState.STOPPED
         (workload,) = [w for w in server.workloads.values() if w.kind == "distributed"]
         assert server.requests.find("POST", f"/workloads/distributed/{workload.id}/suspend")
+
+        @flow
+        def rl():
+            return run_job(JobSpec(entrypoint="python3 eval.py", name="eval"), ray_block)
+
+        ray_block = DGXCloudRayCluster(cluster=cluster, max_poll_interval_s=0.2)
+        result = rl()  # through Prefect's task: deploy, workload, phases to Completed
+        assert result.state is JobState.SUCCEEDED and result.handle.backend == "dgx-cloud-ray"
