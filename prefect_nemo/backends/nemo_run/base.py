@@ -65,6 +65,10 @@ _APP_STATES = {
 }
 
 
+_runners: dict[tuple[str, str], Any] = {}
+_runners_lock = threading.Lock()
+
+
 def job_state(app_state: Any) -> JobState | None:
     """Our JobState for a torchx AppState (None for UNKNOWN: no answer yet)."""
     return _APP_STATES.get(getattr(app_state, "name", str(app_state)))
@@ -81,10 +85,6 @@ class NemoRunBackend(ABC):
 
     kind: ClassVar[str]
     max_job_id_len: ClassVar[int] = names.MAX_LABEL
-
-    def __init__(self) -> None:
-        self._runner: Any = None
-        self._runner_lock = threading.Lock()
 
     # -- identity (subclasses)
 
@@ -194,15 +194,19 @@ class NemoRunBackend(ABC):
 
     @property
     def runner(self) -> Any:
-        """This backend's torchx runner (NeMo-Run's), created on first use."""
-        with self._runner_lock:
-            if self._runner is None:
+        """The torchx runner (NeMo-Run's) of this cluster, shared in the process: a scheduler
+        keeps what it launched in memory (the local one holds the processes), and a block
+        builds a new backend object for every task."""
+        key = (self.kind, self.cluster)
+        with _runners_lock:
+            runner = _runners.get(key)
+            if runner is None:
                 nemo_run()
                 from nemo_run.run.torchx_backend.runner import get_runner
 
                 with root_logger_kept():
-                    self._runner = get_runner()
-            return self._runner
+                    runner = _runners[key] = get_runner()
+            return runner
 
     def _app_status(self, entry: dict[str, Any]) -> Any:
         with root_logger_kept():
