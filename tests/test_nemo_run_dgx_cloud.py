@@ -195,6 +195,8 @@ def test_run_job_on_dgx_cloud_through_prefect(
     )
     assert "prefect-nemo.job.succeeded" in haystacks["events"]
     assert "value 42" in haystacks["prefect logs"]  # the pods' output streamed into Prefect
+    # NeMo-Run's torchx DGX scheduler would have written the executor (secret included) here
+    assert not [p for p in home_files() if p.name == ".dgx_jobs.json"]
     tokens = runai.issued_tokens
     assert tokens
     for where, text in haystacks.items():
