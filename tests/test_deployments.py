@@ -176,10 +176,14 @@ def deployed(prefect_api: str, ray_head: Any) -> Iterator[str]:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert ray_head.token not in result.stdout + result.stderr
     yield prefect_api
-    with get_client(sync_client=True) as client:  # their triggers go with them
+    with get_client(sync_client=True) as client:  # leave the session's server as we found it
         for deployment in client.read_deployments():
             if deployment.work_pool_name == _deployment("demo-train")["work_pool"]["name"]:
+                client.delete_resource_owned_automations(f"prefect.deployment.{deployment.id}")
                 client.delete_deployment(deployment.id)
+        left = {a["name"] for a in client._client.post("/automations/filter", json={}).json()}
+    ours = {t["name"] for d in _yaml()["deployments"] for t in d.get("triggers", [])}
+    assert not left & ours
 
 
 @pytest.fixture
