@@ -149,8 +149,7 @@ def test_label_selector_and_packing(cluster):
 
 
 def test_the_actors_workers_import_nothing_of_prefect_nemo(cluster):
-    # placement.process ships by value: a replica's fresh Ray worker skips importing the package
-    # (its pydantic models), and the cluster's nodes need no prefect_nemo installed.
+    # placement.process ships by value: the cluster's nodes need no prefect_nemo installed.
     with serve_replicas(SERVER, replicas=1, tp_size=1, health_path="/") as rs:
         actor = ray.get_actor(rs.replicas[0].actors[0], namespace="prefect-nemo")
         imported = ray.get(

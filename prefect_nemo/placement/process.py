@@ -8,9 +8,8 @@ gone. The child's pgid is also recorded in Ray's internal KV for the orphan swee
 carries PREFECT_NEMO_PLACEMENT=<actor name> in its environment so nothing else is ever killed.
 
 This module is what runs on the cluster's nodes, so it is shipped to Ray's workers by value (see
-the end of the file): an actor's worker imports nothing of prefect_nemo, which keeps each
-replica's fresh worker process as cheap as Ray allows and lets nodes run without prefect_nemo.
-Keep it to the standard library and Ray.
+the end of the file): an actor's worker imports nothing of prefect_nemo, and nodes run without
+it. Keep it to the standard library and Ray.
 """
 
 from __future__ import annotations
@@ -347,7 +346,8 @@ def stop_many(
     return results
 
 
-# Ship this module's classes and functions to Ray's workers by value instead of by reference, so
-# an actor's worker does not import prefect_nemo (the package import builds its pydantic models:
-# 0.1-0.15 CPU-s per fresh worker, measured, on top of Ray's own 0.6-0.7).
+# Ship this module's classes and functions to Ray's workers by value instead of by reference: an
+# actor's worker then imports nothing of prefect_nemo, so the cluster's nodes need not have it.
+# (A fresh worker costs Ray itself about 0.6 CPU-s here; the package import it saves is within
+# the noise of that.)
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
