@@ -12,10 +12,15 @@ from prefect.client.orchestration import get_client
 from prefect.testing.standard_test_suites import BlockStandardTestSuite
 
 from prefect_nemo.blocks import (
+    DGXCloudCluster,
+    DGXCloudRayCluster,
     KubeflowTrainerCluster,
     KubeRayCluster,
     KubernetesCluster,
+    LeptonRayCluster,
+    LeptonWorkspace,
     RayJobsCluster,
+    SlurmCluster,
 )
 from tests.conftest import subprocess_env
 
@@ -29,6 +34,11 @@ BLOCKS = {
     "kubernetes-cluster": KubernetesCluster,
     "kube-ray-cluster": KubeRayCluster,
     "kubeflow-trainer-cluster": KubeflowTrainerCluster,
+    "slurm-cluster": SlurmCluster,
+    "lepton-workspace": LeptonWorkspace,
+    "lepton-ray-cluster": LeptonRayCluster,
+    "dgx-cloud-cluster": DGXCloudCluster,
+    "dgx-cloud-ray-cluster": DGXCloudRayCluster,
 }
 
 

@@ -1,8 +1,13 @@
-"""Test helpers: a local Ray head, a flaky-network proxy, a loopback Kubernetes API server.
+"""Test helpers: real engines on one machine, and loopback servers where none can run here.
 
 `prefect_nemo.local_ray.start_local_ray()` gives a real Ray cluster on free ports;
 `TcpProxy` sits in front of it to count connections or make it unreachable for a while;
-`LoopbackKubeServer` is a real HTTP Kubernetes API server on 127.0.0.1 for the `kubernetes` client.
+`LoopbackKubeServer` is a real HTTP Kubernetes API server on 127.0.0.1 for the `kubernetes` client
+(operator simulators in `prefect_nemo.testing.operators`);
+`prefect_nemo.testing.slurm.LocalSlurm` is a real Slurm (munge, MariaDB, slurmdbd, slurmctld,
+slurmd) plus an sshd on loopback, run as root from Debian's packages;
+`prefect_nemo.testing.runai.RunaiServer` and `prefect_nemo.testing.lepton.LeptonServer` answer the
+run:ai (DGX Cloud) and Lepton APIs as NeMo-Run and leptonai call them.
 """
 
 from __future__ import annotations
