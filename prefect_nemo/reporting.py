@@ -11,9 +11,8 @@ from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
 
-from prefect.artifacts import create_table_artifact
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.actions import ArtifactUpdate
+from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
 from prefect.events import emit_event
 
 from prefect_nemo.jobs import JobHandle, JobState, JobStatus
@@ -146,10 +145,17 @@ class JobReporter:
 
     def _write_artifact(self, table: _JobTable) -> None:
         rows = list(table.rows.values())
-        if table.artifact_id is None:
-            table.artifact_id = create_table_artifact(
-                rows, description="Jobs started by this flow run (prefect-nemo)."
-            )
-        else:
-            with get_client(sync_client=True) as client:
+        with get_client(sync_client=True) as client:
+            if table.artifact_id is None:
+                # the flow run's artifact, not the first task's: it lists every job of the run
+                artifact = client.create_artifact(
+                    ArtifactCreate(
+                        type="table",
+                        data=json.dumps(rows),
+                        description="Jobs started by this flow run (prefect-nemo).",
+                        flow_run_id=UUID(self.flow_run_id),
+                    )
+                )
+                table.artifact_id = artifact.id
+            else:
                 client.update_artifact(table.artifact_id, ArtifactUpdate(data=json.dumps(rows)))
