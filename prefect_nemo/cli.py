@@ -44,6 +44,15 @@ def ensure_prefect_server(timeout_s: float = 120.0) -> tuple[str, str]:
     from prefect_nemo.local_ray import free_port
 
     port = 4200 if _port_free(4200) else free_port()
+    ui_url = f"http://127.0.0.1:{port}"
+    api_url = f"{ui_url}/api"
+    # `--port` alone leaves the UI calling the API on 4200: tell it where its own server is
+    server_env = {
+        **os.environ,
+        "PREFECT_SERVER_API_HOST": "127.0.0.1",
+        "PREFECT_SERVER_API_PORT": str(port),
+        "PREFECT_UI_API_URL": api_url,
+    }
     STATE_DIR.mkdir(exist_ok=True)
     log = open(STATE_DIR / "server.log", "ab")
     process = subprocess.Popen(
@@ -59,10 +68,9 @@ def ensure_prefect_server(timeout_s: float = 120.0) -> tuple[str, str]:
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
+        env=server_env,
         start_new_session=True,
     )
-    ui_url = f"http://127.0.0.1:{port}"
-    api_url = f"{ui_url}/api"
     print(
         f"starting a local Prefect server on {ui_url} (log: {STATE_DIR / 'server.log'})", flush=True
     )
