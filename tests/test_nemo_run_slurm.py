@@ -39,6 +39,7 @@ from tests.test_secrets import _events_of_flow_run, _logs_of_flow_run
 pytestmark = [pytest.mark.nemo_run, pytest.mark.slow]
 
 ENV_CANARY = "canary-slurm-env-5be1c9"
+ALL_STATES = "BF,CA,CD,DL,F,NF,OOM,PD,PR,R,RQ,RS,RV,S,TO"
 
 
 def unique(prefix: str) -> str:
@@ -74,9 +75,10 @@ def block(slurm, job_root: Path, prefect_api: str) -> SlurmCluster:
 def sacct_by_name(slurm, name: str) -> list[dict[str, str]]:
     """Every sacct allocation row of jobs named `name` (all time)."""
     fields = ("JobID", "JobName", "State", "ExitCode", "Start", "End", "Reason")
+    # every state (with -S alone sacct lists only jobs that ran; -s needs -E)
+    window = ["-S", "2020-01-01", "-E", "now", "-s", ALL_STATES]
     out = slurm.run(
-        ["sacct", "-X", "-n", "-P", "-S", "2020-01-01", "--name", name, "-o", ",".join(fields)],
-        check=False,
+        ["sacct", "-X", "-n", "-P", *window, "--name", name, "-o", ",".join(fields)], check=False
     )
     return [dict(zip(fields, line.split("|"), strict=False)) for line in out.stdout.splitlines()]
 
@@ -275,6 +277,24 @@ def test_bad_input_fails_before_anything_is_submitted(block, slurm, job_root):
         with pytest.raises(InvalidJobSpec, match=field.replace(".", r"\.")):
             pipeline()
     assert sorted(p.name for p in job_root.rglob("*")) == before
+
+
+def test_sbatch_refusal_names_the_block_field(block, slurm, job_root):
+    for update, field in [
+        ({"account": "no-such-account"}, "SlurmCluster.account"),
+        ({"partition": "no-such-partition"}, "SlurmCluster.partition"),
+    ]:
+        wrong = block.model_copy(update=update)
+        name = unique("refused")
+
+        @flow
+        def pipeline(wrong=wrong, name=name):
+            return run_job(JobSpec(entrypoint="true", name=name), cluster=wrong)
+
+        with pytest.raises(InvalidJobSpec, match=rf"sbatch refused the job.*{field}"):
+            pipeline()
+        assert not list(job_root.rglob(f"prefect-nemo_*{name}*")), "the claim is released"
+        assert sacct_by_name(slurm, name) == [], "nothing was submitted"
 
 
 def test_missing_or_rejected_key_is_a_clear_error(block, slurm, tmp_path):

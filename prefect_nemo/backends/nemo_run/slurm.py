@@ -275,6 +275,15 @@ class SlurmBackend(NemoRunBackend):
             )
         super().validate(spec)
 
+    def submit(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> JobHandle:
+        """NeMo-Run's launch; sbatch refusing the job is an error naming the block field."""
+        from invoke.exceptions import UnexpectedExit
+
+        try:
+            return super().submit(spec, job_id, metadata)
+        except UnexpectedExit as exc:
+            raise _sbatch_error(exc, self._field) from None
+
     def make_executor(self, spec: JobSpec, job_id: str) -> Any:
         """NeMo-Run's SlurmExecutor for spec: placement/resources over the block's defaults,
         plain env in the script, secret env sourced from a 0600 file, code via our archive."""
@@ -469,17 +478,23 @@ class SlurmBackend(NemoRunBackend):
             return {}
         joined = ",".join(sorted(set(ids.values())))
         command = (
-            f"squeue -h -t all -j {joined} -o '%i|%T|%r' 2>/dev/null; echo @@; "
-            f"SLURM_TIME_FORMAT=%s sacct -n -X -P -j {joined} "
+            f"export SLURM_TIME_FORMAT=%s; squeue -h -t all -j {joined} -o '%i|%T|%r|%S' "
+            f"2>/dev/null; echo @@; sacct -n -X -P -j {joined} "
             "-o JobID,State,ExitCode,Start,End,Reason 2>/dev/null"
         )
         queue, _, acct = self.run(command, warn=True).stdout.partition("@@")
         rows: dict[str, dict[str, str]] = {}
         for line in queue.splitlines():
             parts = line.strip().split("|")
-            if len(parts) == 3:
-                reason = "" if parts[2] in ("None", "(null)") else parts[2]
-                rows[parts[0]] = {"State": parts[1], "Reason": reason}
+            if len(parts) == 4:
+                sid, state, reason, start = parts
+                if _SLURM_STATES.get(state, JobState.PENDING).is_terminal():
+                    # ended, but sacct (exit code, end time) has not caught up: still finishing
+                    state = "COMPLETING" if start.isdigit() else "PENDING"
+                reason = "" if reason in ("None", "(null)") else reason
+                if _SLURM_STATES.get(state) is not JobState.RUNNING:
+                    start = ""  # a pending job's %S is Slurm's estimate, not a start
+                rows[sid] = {"State": state, "Reason": reason, "Start": start}
         for line in acct.splitlines():
             parts = line.strip().split("|")
             if len(parts) == 6 and parts[0] in ids.values():
@@ -535,6 +550,33 @@ class SlurmBackend(NemoRunBackend):
         return self.run(command, warn=True).stdout
 
 
+_SBATCH_FIELDS = {
+    "account": "account",
+    "partition": "partition",
+    "time limit": "time",
+    "qos": "qos",
+    "constraint": "constraint",
+    "feature": "constraint",
+    "gres": "gpus_per_node or additional_parameters",
+    "node count": "nodes (or JobSpec.placement.nodes)",
+    "memory": "mem (or JobSpec.resources.memory_bytes)",
+}
+
+
+def _sbatch_error(exc: Any, field: str) -> Exception:
+    """sbatch's refusal as InvalidJobSpec naming the block field it is about (else
+    BackendUnavailable with sbatch's message)."""
+    text = (exc.result.stderr or exc.result.stdout or "").strip()
+    reason = text.splitlines()[-1] if text else f"exit {exc.result.exited}"
+    lowered = reason.lower()
+    for needle, name in _SBATCH_FIELDS.items():
+        if needle in lowered:
+            return InvalidJobSpec(
+                f"sbatch refused the job: {reason}. Check {field}.{name} (nothing was submitted)"
+            )
+    return BackendUnavailable(f"sbatch failed: {reason}")
+
+
 def _epoch(text: str) -> datetime | None:
     return datetime.fromtimestamp(int(text), tz=UTC) if text.isdigit() and text != "0" else None
 
@@ -544,21 +586,27 @@ def _status(job_id: str, sid: str, row: dict[str, str]) -> JobStatus:
     state = _SLURM_STATES.get(word, JobState.PENDING)
     reason = row.get("Reason", "")
     message = f"{row['State']} (Slurm job {sid}" + (f", {reason})" if reason else ")")
-    if reason == _NEVER_SATISFIED:
-        state = JobState.FAILED if state.is_terminal() else state
+    started = _epoch(row.get("Start", ""))
+    if reason == _NEVER_SATISFIED and not state.is_terminal():
         message = (
-            f"Slurm job {sid} never ran: a job it depends on (afterok) did not succeed "
-            f"({reason}, {row['State']})"
+            f"Slurm job {sid} cannot run: a job it depends on (afterok) did not succeed ({reason})"
+        )
+    elif reason.startswith("Dependency") and state is JobState.STOPPED:
+        started = None  # sacct gives a job cancelled while pending the cancel time as Start
+        message = (
+            f"Slurm job {sid} never ran: it was cancelled while waiting for the jobs it depends "
+            "on (afterok); Slurm cancels it when one of them fails or is cancelled "
+            f"({row['State']}, {reason})"
         )
     exit_code = None
     code = row.get("ExitCode", "")
-    if code and code.split(":")[0].isdigit() and state.is_terminal():
+    if code and code.split(":")[0].isdigit() and state in (JobState.SUCCEEDED, JobState.FAILED):
         exit_code = int(code.split(":")[0])
     return JobStatus(
         job_id=job_id,
         state=state,
         message=message,
-        start_time=_epoch(row.get("Start", "")),
+        start_time=started,
         end_time=_epoch(row.get("End", "")) if state.is_terminal() else None,
         exit_code=exit_code,
         metadata={"slurm_job_id": sid},
@@ -731,7 +779,6 @@ class SafeSSH:
             tunnel.session = self.session()
 
         tunnel._authenticate = authenticate  # instance attribute: SSHTunnel stays SSHTunnel
-        tunnel.session = self.session()
         with self._lock:
             self._tunnels = [*self._tunnels[-15:], tunnel]
         return tunnel
