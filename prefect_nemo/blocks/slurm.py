@@ -56,7 +56,8 @@ def train():
     known_hosts: str | None = Field(
         default=None,
         description="known_hosts lines for the login node (`ssh-keyscan -p PORT HOST`); when set, "
-        "an unknown or changed host key is refused. Empty: the host key is not checked.",
+        "an unknown or changed host key is refused. Empty: ~/.ssh/known_hosts of the machine "
+        "running the flow is used if it lists the host, else any host key is accepted.",
     )
     job_dir: str = Field(
         description="Remote directory (shared with the compute nodes) where job scripts, code "

@@ -19,6 +19,7 @@ Remote layout under `job_dir` (the block's remote job dir)::
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import re
@@ -441,8 +442,10 @@ class SlurmBackend(NemoRunBackend):
         if not unknown:
             return
         q = shlex.quote
+        # the id file, else Slurm by name (a submitter that died between sbatch and writing it)
         reads = "; ".join(
-            f"printf '%s ' {q(j)}; cat {q(self.remote_dir(j))}/slurm_job_id 2>/dev/null; echo"
+            f"printf '%s ' {q(j)}; cat {q(self.remote_dir(j))}/slurm_job_id 2>/dev/null "
+            f"|| squeue -h --name={q(j)} -o %i | head -1; echo"
             for j in unknown
         )
         found: dict[str, str] = {}
@@ -732,12 +735,16 @@ class SafeSSH:
                     for name in entry.hostnames:
                         keys.add(name, entry.key.get_name(), entry.key)
             conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        else:  # as ssh does: a host listed in ~/.ssh/known_hosts must match (fabric skips it)
+            with contextlib.suppress(OSError):
+                conn.client.load_system_host_keys()
         target = f"{self.user}@{self.host}:{self.port}"
         try:
             conn.open()
         except paramiko.BadHostKeyException:
             raise AuthenticationFailed(
-                f"{target} presented a host key that differs from {self._field}.known_hosts: "
+                f"{target} presented a host key that differs from "
+                f"{self._field + '.known_hosts' if self._known_hosts else '~/.ssh/known_hosts'}: "
                 "the host changed or someone is in between; check it and update known_hosts"
             ) from None
         except paramiko.AuthenticationException:
