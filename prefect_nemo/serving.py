@@ -101,6 +101,7 @@ class ReplicaSet:
     groups: list[str] = field(default_factory=list)
     ranks: int = 1
     stopped: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
+    torn_down: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
 
     @property
     def endpoints(self) -> list[str]:
@@ -109,14 +110,17 @@ class ReplicaSet:
 
     def __getstate__(self) -> dict[str, Any]:  # Events do not pickle: results may be persisted
         state = dict(self.__dict__)
-        state["stopped"] = self.stopped.is_set()
+        for flag in ("stopped", "torn_down"):
+            state[flag] = getattr(self, flag).is_set()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        stopped = threading.Event()
-        if state.pop("stopped", False):
-            stopped.set()
-        self.__dict__.update(state, stopped=stopped)
+        for flag in ("stopped", "torn_down"):
+            event = threading.Event()
+            if state.pop(flag, False):
+                event.set()
+            state[flag] = event
+        self.__dict__.update(state)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,11 +443,21 @@ _teardown_lock = threading.Lock()
 
 def teardown(rs: ReplicaSet, *, stop_timeout_s: float = STOP_TIMEOUT_S) -> list[dict | None]:
     """Stop every replica's processes (SIGTERM, bounded wait, SIGKILL), kill the actors and
-    remove the placement groups. Safe to call twice and on a half-started set."""
+    remove the placement groups. Safe to call twice and on a half-started set; a second caller
+    (the cancel watch racing the `with` block's exit) returns once the first one has finished."""
     with _teardown_lock:
-        if rs.stopped.is_set():
-            return []
+        first = not rs.stopped.is_set()
         rs.stopped.set()
+    if not first:
+        rs.torn_down.wait(stop_timeout_s + 60)
+        return []
+    try:
+        return _teardown(rs, stop_timeout_s)
+    finally:
+        rs.torn_down.set()
+
+
+def _teardown(rs: ReplicaSet, stop_timeout_s: float) -> list[dict | None]:
     live_work.discard(rs.flow_run_id, _teardown_key(rs))
     actors = []
     for group in rs.groups:
@@ -592,5 +606,6 @@ def stop_replicas(
     """Task: stop replicas started by start_replicas, from any process that reaches the cluster
     (actors and groups are found by name); returns each process's stop report."""
     connect_ray(ray_address, auth_token=auth_token)
-    replica_set.stopped.clear()  # a copy from another task: its own flag says nothing
+    replica_set.stopped.clear()  # a copy from another task: its own flags say nothing
+    replica_set.torn_down.clear()
     return teardown(replica_set, stop_timeout_s=stop_timeout_s)
