@@ -72,7 +72,9 @@ def sft(
         timeout_s=4 * 3600,
     )
     result = run_job(spec, cluster, after=[exp])  # afterok where the scheduler can
-    metrics = json.loads((Path(run_dir) / "checkpoint" / "metrics.json").read_text())
+    # run_dir is on the cluster's shared storage, which the flow's machine may not mount
+    metrics_file = Path(run_dir) / "checkpoint" / "metrics.json"
+    metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
     outputs = {
         "checkpoint_uri": f"{run_dir}/checkpoint",
         "job_id": result.handle.job_id,

@@ -74,3 +74,36 @@ def test_demo_pipeline_runs_unchanged(backend, request, prefect_api, tmp_path):
     assert outputs[f"{name}-eval"]["accuracy"] > 0.8, "the trained model learned something"
     assert outputs[f"{name}-train"]["train_loss"] < 0.5
     print(f"demo pipeline (9 jobs, 3 experiments) on {backend}: {took:.1f}s")
+
+
+def test_slurm_pipeline_on_lepton_by_swapping_the_block(prefect_api, tmp_path):
+    """flows/slurm_pipeline on the loopback Lepton workspace (states simulated, NeMo-Run and
+    leptonai unchanged): no native dependencies there, so the prep flow waits for its job and
+    the SFT job is created only after the prep job completed."""
+    from flows.slurm_pipeline import slurm_pipeline
+    from prefect_nemo.blocks.lepton import LeptonWorkspace
+    from prefect_nemo.testing.lepton import LeptonServer
+
+    token = "lep-" + uuid.uuid4().hex[:12]
+    shared = tmp_path / "shared"
+    with LeptonServer(token=token, start_s=0.1, running_s=0.4) as lepton:
+        block = LeptonWorkspace(
+            workspace_id=lepton.workspace_id,
+            workspace_url=lepton.api_url,
+            token=token,
+            node_group="nemo-nodes",
+            nemo_run_dir=str(shared / "nemo-run"),
+            mounts=[{"path": "/", "mount_path": str(shared), "from": "node-nfs:shared"}],
+            max_poll_interval_s=0.2,
+        )
+        name = f"lep-{uuid.uuid4().hex[:6]}"
+        block.save(name)
+        slug = type(block).get_block_type_slug()
+        outputs = slurm_pipeline(cluster=f"{slug}/{name}", run_dir=str(shared / "run"), name=name)
+        jobs = {j.id: j for j in lepton.jobs.values() if not j.id.startswith("data-mover-")}
+    prep = [j for j in jobs.values() if "prep" in j.id]
+    sft = [j for j in jobs.values() if "sft" in j.id]
+    assert len(prep) == 1 and len(sft) == 1, list(jobs)
+    prep_done = max(start for start, phase in prep[0].phases if phase == "Completed")
+    assert sft[0].created >= prep_done, "SFT was created only after prep completed (in Prefect)"
+    assert outputs["sft"]["checkpoint_uri"].endswith("/checkpoint")
