@@ -26,12 +26,14 @@ from prefect_nemo import (
     JobFailed,
     JobSpec,
     JobState,
+    JobTimedOut,
     run_job,
     start_experiment,
     stop_job,
     submit_job,
     wait_for_job,
 )
+from prefect_nemo.backends.nemo_run import slurm as slurm_backend
 from prefect_nemo.blocks.slurm import SlurmCluster
 from prefect_nemo.placement import PlacementSpec
 from tests.test_secrets import _events_of_flow_run, _logs_of_flow_run
@@ -243,6 +245,19 @@ def test_afterok_failed_upstream_cancels_downstream_and_says_why(block, slurm, j
         too_late()
 
 
+def test_timeout_stops_the_job(block, slurm):
+    name = unique("slow")
+
+    @flow
+    def pipeline():
+        return run_job(JobSpec(entrypoint="sleep 120", name=name, timeout_s=3), cluster=block)
+
+    with pytest.raises(JobTimedOut) as info:
+        pipeline()
+    assert info.value.result.state is JobState.STOPPED
+    assert len(wait_rows(slurm, info.value.result.handle.job_id, "CANCELLED")) == 1
+
+
 def test_rerun_attaches_instead_of_submitting_again(block, slurm):
     experiment = unique("exp")
 
@@ -252,6 +267,7 @@ def test_rerun_attaches_instead_of_submitting_again(block, slurm):
         return run_job(JobSpec(entrypoint="echo once", name="only"), cluster=block)
 
     first = pipeline()
+    slurm_backend._slurm_ids.clear()  # as a new process would: found again through the cluster
     second = pipeline()
     assert not first.attached and second.attached
     assert first.handle.job_id == second.handle.job_id

@@ -19,6 +19,7 @@ Remote layout under `job_dir` (the block's remote job dir)::
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import json
@@ -26,7 +27,7 @@ import re
 import shlex
 import tarfile
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import AsyncGenerator, Collection, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
@@ -541,16 +542,35 @@ class SlurmBackend(NemoRunBackend):
 
     def logs(self, job_id: str) -> str:
         """The job's output (its srun log; the batch log when srun never started)."""
+        return self._log_from(job_id, 0)
+
+    def _log_from(self, job_id: str, offset: int) -> str:
+        """The job's output from byte `offset` on (only the new part crosses the network)."""
         sid = self._slurm_id(job_id) or (self._lookup([job_id]) or self._slurm_id(job_id))
         if not sid:
             return ""
         d = shlex.quote(f"{self.remote_dir(job_id)}/{job_id}")
         j = shlex.quote(job_id)
         command = (
-            f"ls {d}/log-{j}_{sid}_*.out >/dev/null 2>&1 "
-            f"&& cat {d}/log-{j}_{sid}_*.out || cat {d}/sbatch_{j}_{sid}.out 2>/dev/null; true"
+            f"{{ ls {d}/log-{j}_{sid}_*.out >/dev/null 2>&1 && cat {d}/log-{j}_{sid}_*.out "
+            f"|| cat {d}/sbatch_{j}_{sid}.out 2>/dev/null; }} | tail -c +{offset + 1}; true"
         )
         return self.run(command, warn=True).stdout
+
+    async def tail_logs(self, job_id: str) -> AsyncGenerator[str, None]:
+        """The log from its start, then each second what was appended (read from the last
+        byte offset, so a long training log is not re-read), until the job ends."""
+        offset = 0
+        while True:
+            status = await asyncio.to_thread(self.statuses, [job_id])
+            done = job_id not in status or status[job_id].state.is_terminal()
+            chunk = await asyncio.to_thread(self._log_from, job_id, offset)
+            if chunk:
+                yield chunk
+                offset += len(chunk.encode())
+            if done:
+                return
+            await asyncio.sleep(1.0)
 
 
 _SBATCH_FIELDS = {
@@ -562,6 +582,9 @@ _SBATCH_FIELDS = {
     "feature": "constraint",
     "gres": "gpus_per_node or additional_parameters",
     "node count": "nodes (or JobSpec.placement.nodes)",
+    "node configuration": "nodes, gpus_per_node, cpus_per_task or mem (or the JobSpec's "
+    "placement / resources: more than the partition's nodes have)",
+    "generic resource": "gpus_per_node or additional_parameters['gres']",
     "memory": "mem (or JobSpec.resources.memory_bytes)",
 }
 
