@@ -15,15 +15,21 @@ the same pattern) implements:
 - ``make_executor(spec, job_id)``: the NeMo-Run executor for this spec, with every secret kept
   out of it (NeMo-Run writes executors to disk); raise InvalidJobSpec for what it cannot run.
 - ``claim(job_id, metadata)``: take the job id or raise JobAlreadyExists (submit-or-attach);
-  ``release(job_id)`` undoes a claim whose launch failed; ``record(job_id, app_handle)``
-  stores the handle; ``app_handle(job_id)`` finds it again (None: no such job). The default
-  keeps a registry under NEMORUN_HOME (one machine); a backend whose service can look jobs
-  up by name should do that instead, so a re-run from another machine attaches too.
+  ``release(job_id)`` undoes a claim whose launch failed; ``record(job_id, app_handle,
+  metadata)`` stores the handle; ``app_handle(job_id)`` finds it again (None: no such job)
+  and ``job_metadata(job_id)`` the metadata (drift checks). The default keeps a registry
+  under NEMORUN_HOME (one machine; ``_app_status(entry)`` says whether a recorded app still
+  exists); a backend whose service can look jobs up by name should do that instead, so a
+  re-run from another machine attaches too.
 - optionally ``make_task`` (the default runs the entrypoint as an inline bash script, plain env
   only), ``before_launch`` (the executor has its local job dir: put files there),
   ``before_schedule`` (after the dry run wrote the job's files, before submission:
-  Slurm ships the job dir and the secret env file there), ``statuses``, ``request_stop``,
-  ``logs`` (the defaults use the torchx runner).
+  Slurm ships the job dir and the secret env file there), ``after_schedule``, ``statuses``,
+  ``request_stop``, ``logs``, ``tail_logs`` (the defaults use the torchx runner, one runner
+  per cluster in the process, and poll the log every second).
+
+Everything NeMo-Run does is wrapped in `home.root_logger_kept()`; nemo_run is imported only
+through `home.nemo_run()`, which isolates NEMORUN_HOME first.
 
 Nothing here imports Prefect.
 """
