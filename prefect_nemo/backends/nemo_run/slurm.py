@@ -14,9 +14,8 @@ Remote layout under `job_dir` (the block's remote job dir)::
         meta.json, slurm_job_id                 what we submitted, Slurm's id for it
         <job id>_sbatch.sh, <job id>/code, <job id>/log-<job id>_<slurm id>_0.out
         .secret-env                             0600; deleted by the job once sourced
-                                                (so a job Slurm requeues after its start
-                                                runs without the secret env; NeMo-Run
-                                                requeues only with retries > 0)
+                                                (so a job Slurm requeues after it started,
+                                                e.g. on a node failure, runs without it)
     prefect-nemo/experiments/<experiment>/<job id>   index for cross-experiment afterok
 """
 
