@@ -674,6 +674,7 @@ class SafeSSH:
         self._connect_timeout_s, self._command_timeout_s = connect_timeout_s, command_timeout_s
         self._field = field_prefix
         self._lock = threading.Lock()
+        self._sftp_lock = threading.Lock()
         self._session: Any = None
         self._tunnels: list[Any] = []
 
@@ -790,6 +791,9 @@ class SafeSSH:
                 f"cannot reach {target} over SSH ({type(exc).__name__}: {exc}): check "
                 f"{self._field}.host and port and that the login node is up"
             ) from None
+        transport = conn.client.get_transport()
+        if transport is not None:
+            transport.set_keepalive(30)  # long waits: keep NATs and firewalls from dropping us
         return conn
 
     def session(self) -> Any:
@@ -841,7 +845,8 @@ class SafeSSH:
         """Upload bytes to a remote path over SFTP."""
         session = self.session()
         try:
-            session.put(data, remote)
+            with self._sftp_lock:  # one SFTP channel per connection, shared by threads
+                session.put(data, remote)
         except (OSError, EOFError) as exc:
             raise BackendUnavailable(f"SFTP upload to {self.host}:{remote} failed: {exc}") from None
 
@@ -849,9 +854,10 @@ class SafeSSH:
         """Upload bytes to a new remote file that is 0600 before anything is written to it."""
         session = self.session()
         try:
-            sftp = session.sftp()
-            with sftp.open(remote, "wx") as handle:
-                sftp.chmod(remote, 0o600)
-                handle.write(data)
+            with self._sftp_lock:
+                sftp = session.sftp()
+                with sftp.open(remote, "wx") as handle:
+                    sftp.chmod(remote, 0o600)
+                    handle.write(data)
         except (OSError, EOFError) as exc:
             raise BackendUnavailable(f"SFTP upload to {self.host}:{remote} failed: {exc}") from None
