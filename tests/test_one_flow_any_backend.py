@@ -107,3 +107,31 @@ def test_slurm_pipeline_on_lepton_by_swapping_the_block(prefect_api, tmp_path):
     prep_done = max(start for start, phase in prep[0].phases if phase == "Completed")
     assert sft[0].created >= prep_done, "SFT was created only after prep completed (in Prefect)"
     assert outputs["sft"]["checkpoint_uri"].endswith("/checkpoint")
+
+
+def test_slurm_pipeline_on_dgx_cloud_by_swapping_the_block(prefect_api, tmp_path):
+    """flows/slurm_pipeline on the loopback run:ai API, which runs each workload's command
+    here: prep then SFT really run, ordered in Prefect (no native dependencies)."""
+    from flows.slurm_pipeline import slurm_pipeline
+    from prefect_nemo.blocks.dgx_cloud import DGXCloudCluster
+    from prefect_nemo.testing.runai import RunaiServer
+
+    secret = "dgx-" + uuid.uuid4().hex[:12]
+    pvc = tmp_path / "pvc"
+    with RunaiServer(
+        client_secret=secret, creating_s=0.05, initializing_s=0.05, running_s=0.3, execute=True
+    ) as runai:
+        block = DGXCloudCluster(
+            base_url=runai.base_url,
+            client_id=runai.client_id,
+            client_secret=secret,
+            project_name="nemo-project",
+            pvc_nemo_run_dir=str(pvc / "nemo-run"),
+            pvcs=[{"path": str(pvc), "claimName": "nemo-pvc", "existingPvc": True}],
+            max_poll_interval_s=0.2,
+        )
+        name = f"dgx-{uuid.uuid4().hex[:6]}"
+        block.save(name)
+        slug = type(block).get_block_type_slug()
+        outputs = slurm_pipeline(cluster=f"{slug}/{name}", run_dir=str(pvc / "run"), name=name)
+    assert outputs["sft"]["examples"] > 100 and outputs["sft"]["accuracy"] == 1.0
