@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shutil
 import threading
@@ -71,6 +72,7 @@ _APP_STATES = {
 }
 
 
+log = logging.getLogger(__name__)
 _runners: dict[tuple[str, str], Any] = {}
 _runners_lock = threading.Lock()
 
@@ -265,8 +267,11 @@ class NemoRunBackend(ABC):
         except BaseException:
             self.release(job_id)
             raise
-        self.record(job_id, app_handle, meta)
-        self.after_schedule(spec, job_id, app_handle)
+        try:
+            self.record(job_id, app_handle, meta)
+            self.after_schedule(spec, job_id, app_handle)
+        except Exception as exc:  # the job runs: watch it; a re-run finds it by its name
+            log.warning("job %s is submitted (%s) but not recorded: %s", job_id, app_handle, exc)
         return self.handle(job_id)
 
     def local_experiment_dir(self, job_id: str) -> Path:

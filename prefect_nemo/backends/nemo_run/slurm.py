@@ -27,6 +27,7 @@ import io
 import json
 import re
 import shlex
+import shutil
 import tarfile
 import threading
 from collections.abc import AsyncGenerator, Collection, Sequence
@@ -421,6 +422,10 @@ class SlurmBackend(NemoRunBackend):
             self._ssh.put_private(body.encode(), f"{remote}/{SECRET_ENV_FILE}")
         q = shlex.quote
         self.run(f"tar -xzf {q(upload)} -C {q(remote)} && rm -f {q(upload)}")
+
+    def after_schedule(self, spec: JobSpec, job_id: str, app_handle: str) -> None:
+        """The local copy of the job dir served its purpose (the cluster has it): drop it."""
+        shutil.rmtree(self.local_experiment_dir(job_id), ignore_errors=True)
 
     def record(self, job_id: str, app_handle: str, metadata: dict[str, str]) -> None:
         """Write Slurm's id beside the claim, and index the job under its experiment."""
