@@ -10,6 +10,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -165,16 +166,19 @@ def test_cancel_is_confirmed_in_sacct(block, slurm):
     print(f"submit, start, scancel, confirmed: {time.monotonic() - started:.1f}s")
 
 
-def gate(tmp_path: Path) -> tuple[Path, str]:
+@pytest.fixture
+def gate(tmp_path: Path) -> Iterator[tuple[Path, str]]:
     """A file the test creates to let a job finish, and the shell that waits for it (the sshd
-    runs on this machine, so the job sees the test's files)."""
+    runs on this machine, so the job sees the test's files); created at teardown anyway, so a
+    failed test leaves no job waiting."""
     go = tmp_path / f"go-{uuid.uuid4().hex[:6]}"
-    return go, f"while [ ! -e {go} ]; do sleep 0.2; done"
+    yield go, f"while [ ! -e {go} ]; do sleep 0.2; done"
+    go.touch()
 
 
-def test_afterok_downstream_waits_then_runs(block, slurm, job_root, tmp_path):
+def test_afterok_downstream_waits_then_runs(block, slurm, job_root, gate):
     up_name, down_name = unique("up"), unique("down")
-    go, wait_go = gate(tmp_path)
+    go, wait_go = gate
 
     @flow
     def pipeline():
@@ -398,9 +402,9 @@ def test_secrets_appear_nowhere(block, slurm, job_root, prefect_api, caplog, cap
             assert canary not in text, f"a secret leaked into {where}"
 
 
-def test_cross_experiment_dependency_goes_to_slurm_as_afterok(block, slurm, job_root, tmp_path):
+def test_cross_experiment_dependency_goes_to_slurm_as_afterok(block, slurm, job_root, gate):
     prep_name, sft_name = unique("prep"), unique("sft")
-    go, wait_go = gate(tmp_path)
+    go, wait_go = gate
 
     @flow
     def prep():
