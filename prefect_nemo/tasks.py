@@ -588,6 +588,8 @@ def _setup(spec: JobSpec | None, cluster: ClusterLike) -> tuple[ClusterBlock, Ba
         raise InvalidJobSpec(f"spec: expected a JobSpec, got {type(spec).__name__}")
     block = resolve_cluster(cluster)
     backend = block.backend()
+    if spec is not None:
+        backend.validate(spec)  # bad input fails before any wait for upstream jobs
     redact = Redactor([*backend.secrets, *(spec.secret_values() if spec else [])])
     return block, backend, redact
 
