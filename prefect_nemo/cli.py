@@ -177,6 +177,15 @@ def apply_blocks(files: list[Path]) -> int:
             except PrefectNemoError as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 2
+            except Exception as exc:
+                # the server's 422 answer echoes the request body (secrets revealed): name only
+                status = getattr(getattr(exc, "response", None), "status_code", "")
+                print(
+                    f"error: saving block document {spec.name!r} failed: "
+                    f"{type(exc).__name__} {status}".rstrip(),
+                    file=sys.stderr,
+                )
+                return 2
             if applied.registered_type:
                 print(f"registered block type {spec.block_type}")
             print(applied, flush=True)

@@ -385,11 +385,15 @@ def _after(
         elif isinstance(item, JobHandle):
             handles.append(item)
         elif isinstance(item, experiments.Experiment):
-            # start_experiment waited for the upstream flow runs; jobs they left running on
-            # this cluster are waited for natively where the scheduler can.
+            # start_experiment saw the upstream flow runs COMPLETED; jobs they left running on
+            # this cluster are waited for natively where the scheduler can. Their ended jobs
+            # (a failed optional eval, say) were theirs to judge, not a reason to fail here.
             if isinstance(backend, NativeDependencies):
-                for run in item.upstream:
-                    handles += backend.experiment_jobs(run.name)
+                jobs = [h for run in item.upstream for h in backend.experiment_jobs(run.name)]
+                now = backend.statuses([h.job_id for h in jobs]) if jobs else {}
+                handles += [
+                    h for h in jobs if h.job_id in now and not now[h.job_id].state.is_terminal()
+                ]
         else:
             raise InvalidJobSpec(
                 f"after: expected JobHandle, JobResult or Experiment items, got "
@@ -437,7 +441,6 @@ def _after(
 def _submit(
     block: ClusterBlock, backend: Backend, spec: JobSpec, ctx: _RunContext, redact: Redactor
 ) -> tuple[lifecycle.Submission, JobReporter]:
-    backend.validate(spec)
     backend.check_access()  # auth and reachability fail here, before anything is submitted
     owner = {lifecycle.META_FLOW_RUN: ctx.flow_run_id or ""}
     if ctx.scope.startswith("experiment:"):

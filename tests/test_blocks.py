@@ -165,3 +165,12 @@ def test_kubernetes_block_keeps_the_kubeconfig_secret(prefect_api):
             name, block_type_slug="kubernetes-cluster", include_secrets=False
         )
     assert token not in str(document.data)
+
+
+def test_a_rejected_secret_is_not_echoed_in_the_error():
+    """A key pasted wrong is refused by field name; none of its text reaches the message."""
+    key = "PuTTY-User-Key-File-3: ssh-ed25519 " + "K3YM4T3R14L" * 8
+    with pytest.raises(ValueError) as info:
+        SlurmCluster(host="login", user="u", account="a", job_dir="/j", identity_key=key)
+    assert "identity_key" in str(info.value)
+    assert "K3YM4T3R14L" not in str(info.value) and "PuTTY" not in str(info.value)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import abstractmethod
 
 from prefect.blocks.core import Block
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from prefect_nemo.jobs import Backend
 from prefect_nemo.names import dns_label
@@ -15,6 +15,9 @@ DOCS_URL = "https://github.com/prefect-nemo/prefect-nemo#readme"
 
 class ClusterBlock(Block):
     """Base of every block that says where jobs run; subclasses add credentials and config."""
+
+    # a rejected value may be a secret (a key pasted wrong): errors name the field, not the value
+    model_config = ConfigDict(hide_input_in_errors=True)
 
     _documentation_url = DOCS_URL
 
