@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -24,6 +25,7 @@ from prefect_nemo import (
     AuthenticationFailed,
     DependencyFailed,
     InvalidJobSpec,
+    JobAlreadyExists,
     JobFailed,
     JobSpec,
     JobState,
@@ -42,6 +44,7 @@ from tests.test_secrets import _events_of_flow_run, _logs_of_flow_run
 pytestmark = [pytest.mark.nemo_run, pytest.mark.slow]
 
 ENV_CANARY = "canary-slurm-env-5be1c9"
+QUICK = ["-o", "/dev/null", "--wrap", "true"]  # a job sbatch'ed by hand (as a crashed run left it)
 ALL_STATES = "BF,CA,CD,DL,F,NF,OOM,PD,PR,R,RQ,RS,RV,S,TO"
 
 
@@ -84,6 +87,13 @@ def sacct_by_name(slurm, name: str) -> list[dict[str, str]]:
         ["sacct", "-X", "-n", "-P", *window, "--name", name, "-o", ",".join(fields)], check=False
     )
     return [dict(zip(fields, line.split("|"), strict=False)) for line in out.stdout.splitlines()]
+
+
+def sacct_job_names(slurm) -> list[str]:
+    """The job name of every sacct allocation row (all time, every state)."""
+    window = ["-S", "2020-01-01", "-E", "now", "-s", ALL_STATES]
+    out = slurm.run(["sacct", "-X", "-n", "-P", *window, "-o", "JobName%200"], check=False)
+    return out.stdout.split()
 
 
 def wait_rows(slurm, name: str, state: str, timeout_s: float = 30) -> list[dict[str, str]]:
@@ -288,6 +298,8 @@ def test_bad_input_fails_before_anything_is_submitted(block, slurm, job_root):
             JobSpec(entrypoint="true", placement=PlacementSpec(node_labels={"zone": "!a"})),
             "placement",
         ),
+        # block time 00:05:00 is sbatch --time: Slurm would kill the job at 5 min
+        (JobSpec(entrypoint="true", timeout_s=3600), "timeout_s=3600 exceeds SlurmCluster"),
     ]:
 
         @flow
@@ -314,7 +326,8 @@ def test_sbatch_refusal_names_the_block_field(block, slurm, job_root):
         with pytest.raises(InvalidJobSpec, match=rf"sbatch refused the job.*{field}"):
             pipeline()
         assert not list(job_root.rglob(f"prefect-nemo_*{name}*")), "the claim is released"
-        assert sacct_by_name(slurm, name) == [], "nothing was submitted"
+        # the Slurm job name is the job id, which contains the spec name
+        assert not [n for n in sacct_job_names(slurm) if name in n], "nothing was submitted"
 
 
 def test_missing_or_rejected_key_is_a_clear_error(block, slurm, tmp_path):
@@ -435,7 +448,8 @@ def test_slurm_pipeline_prep_then_sft_with_native_dependency(block, slurm, job_r
 
     # Jobs are submitted held (sbatch --hold) and released by the test once both are queued:
     # SFT is then queued while prep has not run, so only Slurm (afterok) can order them.
-    held = block.model_copy(update={"additional_parameters": {"hold": True}})
+    # the flow's SFT has timeout_s=4h: the block's sbatch --time must allow it
+    held = block.model_copy(update={"additional_parameters": {"hold": True}, "time": "05:00:00"})
     block_name, name = unique("hpc"), unique("nemo")
     held.save(block_name)
     outputs: dict = {}
@@ -475,3 +489,62 @@ def test_slurm_pipeline_prep_then_sft_with_native_dependency(block, slurm, job_r
     assert sft["Start"] >= prep["End"] and prep["JobID"] == queued["prep"]
     script = next(job_root.rglob(f"{outputs['sft']['job_id']}_sbatch.sh")).read_text()
     assert f"--dependency=afterok:{prep['JobID']}" in script
+
+
+def test_slurm_time_formats():
+    seconds = slurm_backend._slurm_seconds
+    for text, want in [
+        ("30", 1800),
+        ("30:15", 1815),
+        ("01:00:00", 3600),
+        ("2-03", (2 * 24 + 3) * 3600),
+        ("2-03:04", (2 * 24 + 3) * 3600 + 4 * 60),
+        ("1-00:00:01", 86401),
+        ("UNLIMITED", None),
+    ]:
+        assert seconds(text, "SlurmCluster.time") == want, text
+    with pytest.raises(InvalidJobSpec, match=r"SlurmCluster\.time='1:2:3:4' is not a Slurm time"):
+        seconds("1:2:3:4", "SlurmCluster.time")
+
+
+def test_native_dependency_needs_the_same_job_dir(block):
+    handle = block.backend().handle("up-1")
+    assert block.backend().depends_natively_on(handle)
+    other = block.model_copy(update={"job_dir": block.job_dir + "-other"}).backend()
+    assert not other.depends_natively_on(handle), "its id is looked up in the other job dir"
+
+
+def test_job_that_left_squeue_without_id_file_is_found_in_sacct(block, slurm, job_root):
+    """A submitter that died after sbatch, before writing slurm_job_id: once the job has left
+    squeue, a re-run still finds it (sacct by name) and does not take the claim over."""
+    backend = block.backend()
+    job_id = unique("orphan")
+    backend.claim(job_id, {"k": "v"})
+    sid = slurm.run(
+        ["sbatch", "--parsable", "-A", slurm.account, "-p", slurm.partition, "-J", job_id, *QUICK]
+    ).stdout.strip()
+    wait_rows(slurm, job_id, "COMPLETED")
+    status = backend.find(job_id)
+    assert status is not None and status.state is JobState.SUCCEEDED
+    assert status.metadata.get("k") == "v"
+    claim = Path(backend.remote_dir(job_id))
+    assert not (claim / "slurm_job_id").exists()
+    old = time.time() - slurm_backend.STALE_CLAIM_S - 60  # the claim looks abandoned
+    os.utime(claim, (old, old))
+    with pytest.raises(JobAlreadyExists):
+        backend.claim(job_id, {"k": "other"})
+    assert (claim / "slurm_job_id").read_text() == sid, "the job's id is kept"
+    assert json.loads((claim / "meta.json").read_text()) == {"k": "v"}
+
+
+def test_release_cancels_a_job_sbatch_already_took(block, slurm, job_root):
+    """An interrupt after sbatch accepted the job: release cancels it before removing its dir."""
+    backend = block.backend()
+    job_id = unique("interrupted")
+    backend.claim(job_id, {})
+    slurm.run(
+        ["sbatch", "--hold", "-A", slurm.account, "-p", slurm.partition, "-J", job_id, *QUICK]
+    )
+    backend.release(job_id)
+    assert not Path(backend.remote_dir(job_id)).exists()
+    assert [r["State"].split()[0] for r in wait_rows(slurm, job_id, "CANCELLED")] == ["CANCELLED"]

@@ -52,13 +52,11 @@ from prefect_nemo.errors import (
     InvalidJobSpec,
     JobAlreadyExists,
 )
-from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus
+from prefect_nemo.jobs import META_EXPERIMENT, JobHandle, JobSpec, JobState, JobStatus
 from prefect_nemo.packaging import build_archive, plan_for
 from prefect_nemo.placement.errors import PlacementError
 from prefect_nemo.placement.spec import to_slurm
 
-#: Metadata key the task layer sets to the experiment a job belongs to.
-META_EXPERIMENT = "prefect_nemo.experiment"
 SECRET_ENV_FILE = ".secret-env"
 SCHEDULER = "slurm_tunnel"
 
@@ -90,6 +88,9 @@ _SLURM_STATES = {
     "REVOKED": JobState.FAILED,
 }
 _NEVER_SATISFIED = "DependencyNeverSatisfied"
+# every sacct state: with -S alone sacct lists only jobs that became eligible (not one
+# cancelled while held or waiting on a dependency)
+_ALL_STATES = "BF,CA,CD,DL,F,NF,OOM,PD,PR,R,RQ,RS,RV,S,TO"
 _ATTEMPT = re.compile(r"(.+)-r(\d+)")
 
 # job id -> Slurm job id, per cluster, for every backend object in this process
@@ -194,10 +195,9 @@ class SlurmBackend(NemoRunBackend):
     # -- dependencies
 
     def depends_natively_on(self, handle: JobHandle) -> bool:
-        """True for a job on this same Slurm cluster: afterok can name it."""
-        if handle.backend != self.kind:
-            return False
-        return handle.cluster.removeprefix("slurm://").startswith(self.address + "/")
+        """True for a job on this same Slurm cluster and job dir: afterok can name it (its
+        Slurm id is found in this job dir)."""
+        return handle.backend == self.kind and handle.cluster == self.cluster
 
     def after(self, upstream: Sequence[JobHandle]) -> SlurmBackend:
         """This backend, whose next submissions wait natively (afterok) for `upstream`."""
@@ -227,7 +227,7 @@ class SlurmBackend(NemoRunBackend):
             if not self.depends_natively_on(handle):
                 raise InvalidJobSpec(
                     f"upstream job '{handle.job_id}' is on {handle.cluster}, not on this Slurm "
-                    f"cluster ({self.address}): wait for it in Prefect instead"
+                    f"cluster and job dir ({self.cluster}): wait for it in Prefect instead"
                 )
         ids = [h.job_id for h in self._upstream]
         statuses = self.statuses(ids)
@@ -277,6 +277,12 @@ class SlurmBackend(NemoRunBackend):
         if res.gpus is not None and res.gpus != int(res.gpus):
             raise InvalidJobSpec(
                 f"JobSpec.resources.gpus={res.gpus}: Slurm allocates whole GPUs: use an integer"
+            )
+        limit = _slurm_seconds(self.time, f"{self._field}.time")
+        if spec.timeout_s is not None and limit is not None and spec.timeout_s > limit:
+            raise InvalidJobSpec(
+                f"JobSpec.timeout_s={spec.timeout_s:g} exceeds {self._field}.time={self.time} "
+                f"(sbatch --time, {limit}s): raise {self._field}.time or lower timeout_s"
             )
         super().validate(spec)
 
@@ -367,13 +373,17 @@ class SlurmBackend(NemoRunBackend):
         d = shlex.quote(self.remote_dir(job_id))
         meta = shlex.quote(json.dumps(metadata, sort_keys=True))
         write = f"printf %s {meta} > {d}/meta.json && echo CLAIMED"
+        # no id file, old, not queued: stale unless sacct knows a job submitted under this
+        # claim (the submitter died before writing its id): then the job exists; keep its id
         script = (
             f"mkdir -p {shlex.quote(self.remote_root())} || exit 3; "
             f"if mkdir -m 700 {d} 2>/dev/null; then {write}; exit 0; fi; "
             f"if [ ! -s {d}/slurm_job_id ] "
             f"&& [ $(( $(date +%s) - $(stat -c %Y {d}) )) -gt {int(STALE_CLAIM_S)} ] "
-            f'&& [ -z "$(squeue -h --name={shlex.quote(job_id)} -o %i)" ]; '
-            f"then rm -rf {d} && mkdir -m 700 {d} && {write}; exit 0; fi; echo EXISTS"
+            f'&& [ -z "$(squeue -h --name={shlex.quote(job_id)} -o %i)" ]; then '
+            f"s=$({self._sacct_id(job_id)}); "
+            f'if [ -z "$s" ]; then rm -rf {d} && mkdir -m 700 {d} && {write}; exit 0; fi; '
+            f'printf %s "$s" > {d}/slurm_job_id; fi; echo EXISTS'
         )
         out = self.run(script).stdout.strip()
         if out.endswith("EXISTS"):
@@ -382,9 +392,16 @@ class SlurmBackend(NemoRunBackend):
             raise BackendUnavailable(f"could not claim {self.remote_dir(job_id)}: {out[-200:]}")
 
     def release(self, job_id: str) -> None:
-        """Remove the claim of a launch that failed (nothing was submitted)."""
+        """Remove the claim of a launch that failed or was interrupted. sbatch may have taken
+        the job already (a cancel or an SSH timeout mid-launch): scancel it by name first (the
+        Slurm job name is our job id), so no job is left queued on a removed dir."""
+        q = shlex.quote
         try:
-            self.run(f"rm -rf {shlex.quote(self.remote_dir(job_id))}", warn=True)
+            self.run(
+                f'scancel -u "$(id -un)" --name={q(job_id)} 2>/dev/null; '
+                f"rm -rf {q(self.remote_dir(job_id))}",
+                warn=True,
+            )
         except Exception:  # the original error matters more; a stale claim expires
             pass
 
@@ -444,16 +461,30 @@ class SlurmBackend(NemoRunBackend):
         with _ids_lock:
             return _slurm_ids.get(self.cluster, {}).get(job_id)
 
+    def _sacct_id(self, job_id: str) -> str:
+        """Shell printing the newest Slurm id of a job named job_id that sacct knows since the
+        job's claim (meta.json's time); nothing without a claim. Bounded by the claim so that a
+        job cancelled when an earlier claim was released is not taken for this one."""
+        q = shlex.quote
+        meta = q(f"{self.remote_dir(job_id)}/meta.json")
+        return (
+            f"{{ [ -f {meta} ] && sacct -n -X -P --name={q(job_id)} -o JobID "
+            f"-S $(date -d @$(stat -c %Y {meta}) +%Y-%m-%dT%H:%M:%S) -E now -s {_ALL_STATES} "
+            "2>/dev/null | tail -1; }"
+        )
+
     def _lookup(self, job_ids: Collection[str]) -> None:
         """Fill the id cache for jobs submitted elsewhere (another process or a crashed run)."""
         unknown = [j for j in job_ids if self._slurm_id(j) is None]
         if not unknown:
             return
         q = shlex.quote
-        # the id file, else Slurm by name (a submitter that died between sbatch and writing it)
+        # the id file, else Slurm by name (a submitter that died between sbatch and writing
+        # it): squeue while queued or running, sacct once it has left the queue
         reads = "; ".join(
-            f"printf '%s ' {q(j)}; cat {q(self.remote_dir(j))}/slurm_job_id 2>/dev/null "
-            f"|| squeue -h --name={q(j)} -o %i | head -1; echo"
+            f"s=$(cat {q(self.remote_dir(j))}/slurm_job_id 2>/dev/null); "
+            f'[ -n "$s" ] || s=$(squeue -h --name={q(j)} -o %i | head -1); '
+            f'[ -n "$s" ] || s=$({self._sacct_id(j)}); echo {q(j)} "$s"'
             for j in unknown
         )
         found: dict[str, str] = {}
@@ -610,6 +641,33 @@ def _sbatch_error(exc: Any, field: str) -> Exception:
     return BackendUnavailable(f"sbatch failed: {reason}")
 
 
+def _slurm_seconds(text: str, field: str) -> int | None:
+    """Seconds in a Slurm time limit (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS);
+    None for no limit."""
+    text = text.strip()
+    if text.upper() in ("INFINITE", "UNLIMITED", "-1"):
+        return None
+    days, _, clock = text.rpartition("-")
+    try:
+        parts = [int(p) for p in clock.split(":")]
+        if days:
+            if len(parts) > 3:
+                raise ValueError(text)
+            hours, minutes, seconds = (*parts, 0, 0)[:3]
+            hours += int(days) * 24
+        elif len(parts) == 3:
+            hours, minutes, seconds = parts
+        elif len(parts) in (1, 2):
+            hours, minutes, seconds = 0, parts[0], (parts[1] if len(parts) == 2 else 0)
+        else:
+            raise ValueError(text)
+    except ValueError:
+        raise InvalidJobSpec(
+            f"{field}={text!r} is not a Slurm time: use minutes, HH:MM:SS or D-HH:MM:SS"
+        ) from None
+    return (hours * 60 + minutes) * 60 + seconds
+
+
 def _epoch(text: str) -> datetime | None:
     return datetime.fromtimestamp(int(text), tz=UTC) if text.isdigit() and text != "0" else None
 
@@ -724,7 +782,6 @@ class SafeSSH:
                     f"{where}={self._identity!r} cannot be read ({exc.strerror or exc}): point it "
                     f"at the private key authorized for {self.user}@{self.host}"
                 ) from None
-        errors = []
         for cls in (paramiko.Ed25519Key, paramiko.ECDSAKey, paramiko.RSAKey):
             try:
                 return cls.from_private_key(io.StringIO(text))
@@ -733,8 +790,8 @@ class SafeSSH:
                     f"{where}: the key is encrypted with a passphrase and prefect-nemo never "
                     "prompts: use a key without a passphrase for this cluster"
                 ) from None
-            except (paramiko.SSHException, ValueError) as exc:
-                errors.append(type(exc).__name__)
+            except (paramiko.SSHException, ValueError):
+                continue
         raise AuthenticationFailed(
             f"{where}: not a private key paramiko can read (OpenSSH ed25519, ECDSA or RSA "
             "expected): check you gave the private key, not the .pub file"
@@ -805,6 +862,9 @@ class SafeSSH:
         """The open fabric Connection (reopened if it dropped)."""
         with self._lock:
             if self._session is None or not self._session.is_connected:
+                if self._session is not None:
+                    with contextlib.suppress(Exception):  # free its socket and threads
+                        self._session.close()
                 self._session = self._open()
                 for tunnel in self._tunnels:
                     tunnel.session = self._session
@@ -843,7 +903,10 @@ class SafeSSH:
             ) from None
         except (OSError, EOFError) as exc:
             with self._lock:
-                self._session = None
+                if self._session is session:  # another thread may have reopened already
+                    self._session = None
+            with contextlib.suppress(Exception):  # free its socket and transport thread
+                session.close()
             raise BackendUnavailable(f"SSH to {self.user}@{self.host} broke: {exc}") from None
 
     def put(self, data: io.BytesIO, remote: str) -> None:
