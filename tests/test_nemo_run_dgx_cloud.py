@@ -16,6 +16,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from prefect_nemo import lifecycle
 from prefect_nemo.backends.nemo_run.home import home_files
 from prefect_nemo.blocks.dgx_cloud import DGXCloudCluster
 from prefect_nemo.errors import AuthenticationFailed, InvalidJobSpec
-from prefect_nemo.jobs import JobSpec, JobState
+from prefect_nemo.jobs import JobSpec, JobState, Resources
 from prefect_nemo.packaging import TransportTooLarge
 from prefect_nemo.placement import PlacementSpec
 from prefect_nemo.tasks import run_job
@@ -300,7 +301,40 @@ def test_bad_specs_are_refused_before_submit(
         backend.validate(JobSpec(entrypoint="echo " + "y" * 9_500))
     with pytest.raises(InvalidJobSpec, match="runtime_env"):
         backend.validate(JobSpec(entrypoint="true", runtime_env={"pip": ["x"]}))
+    with pytest.raises(InvalidJobSpec, match=r"JobSpec\.resources\.gpus=0\.5.*whole GPUs"):
+        backend.validate(JobSpec(entrypoint="true", resources=Resources(gpus=0.5)))
     assert not runai.requests.find("POST", "/workloads")
+
+
+def test_concurrent_submits_never_log_the_payload(
+    runai: RunaiServer, block: DGXCloudCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NeMo-Run logs each workload payload at INFO: a filter drops it for every submit at once,
+    without touching the logger's level (which two submits would race on)."""
+    from prefect_nemo.backends.nemo_run.dgx_cloud import _NOISY, _DropPayloads
+
+    caplog.set_level(logging.DEBUG)
+    noisy = logging.getLogger(_NOISY)
+    level = noisy.level
+    backend = block.backend()
+    markers = [f"payload-marker-{i}-{uuid.uuid4().hex}" for i in range(4)]
+
+    def submit(i: int) -> None:
+        spec = JobSpec(entrypoint="true", name=f"c{i}", env={"VALUE": markers[i]})
+        lifecycle.submit_or_attach(backend, spec, scope=f"flow-run:c{i}", key="c")
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(submit, range(4)))
+    assert len(workload_posts(runai)) == 4
+    for marker in markers:
+        assert marker not in caplog.text
+        assert any(marker in json.dumps(p.body) for p in workload_posts(runai))
+    assert noisy.level == level
+    assert sum(isinstance(f, _DropPayloads) for f in noisy.filters) == 1
+    noisy.info("outside a submit")  # the logger itself stays usable
+    assert "outside a submit" in caplog.text
+    backend.close()
+    backend.close()  # idempotent
 
 
 def test_secret_env_goes_as_a_reference(runai: RunaiServer, block: DGXCloudCluster) -> None:

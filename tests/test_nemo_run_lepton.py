@@ -26,7 +26,7 @@ from prefect_nemo import lifecycle
 from prefect_nemo.backends.nemo_run.home import home_files
 from prefect_nemo.blocks.lepton import LeptonWorkspace
 from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable, InvalidJobSpec
-from prefect_nemo.jobs import JobSpec, JobState
+from prefect_nemo.jobs import JobSpec, JobState, Resources
 from prefect_nemo.packaging import TransportTooLarge
 from prefect_nemo.placement import PlacementSpec
 from prefect_nemo.tasks import run_job
@@ -233,6 +233,9 @@ def test_bad_specs_are_refused_before_submit(
         backend.validate(JobSpec(entrypoint="true", env={"HUGE": "x" * 131_072}))
     with pytest.raises(InvalidJobSpec, match="label_selector"):
         backend.validate(JobSpec(entrypoint="true", label_selector={"a": "b"}))
+    # a fraction of a GPU used to be cut to 0: a CPU-only job nobody asked for
+    with pytest.raises(InvalidJobSpec, match=r"JobSpec\.resources\.gpus=0\.5.*whole GPUs"):
+        backend.validate(JobSpec(entrypoint="true", resources=Resources(gpus=0.5)))
     assert not lepton.requests.find("POST", "/jobs")
 
 

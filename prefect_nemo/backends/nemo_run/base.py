@@ -52,7 +52,9 @@ from typing import Any, ClassVar
 from prefect_nemo import names
 from prefect_nemo.backends.nemo_run.home import nemo_run, root_logger_kept
 from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec, JobAlreadyExists
-from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus
+from prefect_nemo.jobs import Backend, JobHandle, JobSpec, JobState, JobStatus
+from prefect_nemo.packaging import TransportPlan, build_archive, plan_for
+from prefect_nemo.packaging.transport import Backend as Transport
 
 #: NeMo-Run experiment title of every job we launch: its files live under
 #: ``<NEMORUN_HOME>/experiments/prefect-nemo/prefect-nemo_<job id>/``.
@@ -317,20 +319,26 @@ class NemoRunBackend(ABC):
             lines = self.runner.log_lines(app_handle, job_id, k=0, should_tail=False)
             return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
 
-    async def tail_logs(self, job_id: str) -> AsyncGenerator[str, None]:
+    def tail_logs(self, job_id: str) -> AsyncGenerator[str, None]:
         """The log from its start, then what is appended, read every second until the job ends."""
-        sent = 0
-        while True:
-            status = await asyncio.to_thread(self.statuses, [job_id])
-            done = job_id not in status or status[job_id].state.is_terminal()
-            with contextlib.suppress(BackendUnavailable):
-                text = await asyncio.to_thread(self.logs, job_id)
-                if len(text) > sent:
-                    yield text[sent:]
-                    sent = len(text)
-            if done:
-                return
-            await asyncio.sleep(1.0)
+        return poll_logs(self, job_id)
+
+
+async def poll_logs(backend: Backend, job_id: str) -> AsyncGenerator[str, None]:
+    """A backend's whole log re-read every second, yielding what is new, until the job ends (or
+    is gone); a read that fails (BackendUnavailable, RuntimeError) is tried again next second."""
+    sent = 0
+    while True:
+        status = await asyncio.to_thread(backend.statuses, [job_id])
+        done = job_id not in status or status[job_id].state.is_terminal()
+        with contextlib.suppress(BackendUnavailable, RuntimeError):
+            text = await asyncio.to_thread(backend.logs, job_id)
+            if len(text) > sent:
+                yield text[sent:]
+                sent = len(text)
+        if done:
+            return
+        await asyncio.sleep(1.0)
 
 
 def plain_env(spec: JobSpec) -> dict[str, str]:
@@ -342,6 +350,48 @@ def secret_env(spec: JobSpec) -> dict[str, str]:
     """Only the spec's secret env values, revealed (for delivery to the job, never to disk)."""
     plain = spec.plain_env()
     return {k: plain[k] for k, v in spec.env.items() if not isinstance(v, str)}
+
+
+def nodes_and_gpus(
+    spec: JobSpec, nodes: int, gpus_per_node: int, *, service: str, pick_nodes: str
+) -> tuple[int, int]:
+    """(nodes, GPUs per node) for a spec: its placement, else resources.gpus on the block's
+    nodes, else the block's own; node labels and fractions of a GPU are refused."""
+    if spec.placement is not None:
+        p = spec.placement
+        if p.node_labels or p.exclude_head:
+            raise InvalidJobSpec(
+                f"JobSpec.placement: node_labels and exclude_head have no {service} meaning: "
+                f"{pick_nodes}"
+            )
+        return p.nodes, p.gpus_per_node
+    gpus = spec.resources.gpus
+    if gpus is None:
+        return nodes, gpus_per_node
+    if gpus != int(gpus):
+        raise InvalidJobSpec(
+            f"JobSpec.resources.gpus={gpus}: {service} takes whole GPUs: set a whole number "
+            "(0 runs on CPU only)"
+        )
+    return nodes, int(gpus)
+
+
+def refuse_secret_env(spec: JobSpec, *, stored_in: str, fix: str) -> None:
+    """InvalidJobSpec naming the secret env values, which `stored_in` would keep in plain text."""
+    secret = sorted(k for k, v in spec.env.items() if not isinstance(v, str))
+    if secret:
+        raise InvalidJobSpec(
+            f"JobSpec.env {secret}: secret values would be stored in {stored_in} in plain "
+            f"text; {fix}"
+        )
+
+
+def code_plan(spec: JobSpec, transport: Transport) -> TransportPlan | None:
+    """How spec.working_dir travels in env-var chunks over `transport` (None: no code)."""
+    if spec.working_dir is None:
+        return None
+    archive = build_archive(spec.working_dir, exclude=spec.exclude)
+    return plan_for(transport, archive, name=spec.name or "job")
 
 
 def _age_s(path: Path) -> float:

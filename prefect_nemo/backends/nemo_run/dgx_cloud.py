@@ -28,7 +28,9 @@ import contextlib
 import logging
 import shlex
 import threading
+import weakref
 from collections.abc import Collection, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -36,7 +38,14 @@ from typing import Any, ClassVar
 
 import requests
 
-from prefect_nemo.backends.nemo_run.base import EXPERIMENT_TITLE, NemoRunBackend, experiment_id
+from prefect_nemo.backends.nemo_run.base import (
+    EXPERIMENT_TITLE,
+    NemoRunBackend,
+    code_plan,
+    experiment_id,
+    nodes_and_gpus,
+    refuse_secret_env,
+)
 from prefect_nemo.backends.nemo_run.home import nemo_run, root_logger_kept
 from prefect_nemo.errors import (
     AuthenticationFailed,
@@ -45,7 +54,7 @@ from prefect_nemo.errors import (
     JobAlreadyExists,
 )
 from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus
-from prefect_nemo.packaging import TransportPlan, build_archive, plan_for
+from prefect_nemo.packaging import TransportPlan
 from prefect_nemo.packaging.transport import RUNAI_ENV_VALUE_LIMIT
 
 #: run:ai refuses workload args longer than about this (NeMo-Run's MAX_ARGS_CHARS).
@@ -70,8 +79,10 @@ _PHASES: dict[str, JobState] = {
     "Stopped": JobState.STOPPED,
 }
 _KINDS = {"Training": "trainings", "Distributed": "distributed"}
-# NeMo-Run logs each workload payload (env values included) at INFO: kept quiet while we submit.
+# NeMo-Run logs each workload payload (env values, code chunks) at INFO and run:ai's answer at
+# DEBUG: `_DropPayloads` drops that logger's records under WARNING while one of ours submits.
 _NOISY = "nemo_run.core.execution.dgxcloud"
+_submitting: ContextVar[bool] = ContextVar("prefect_nemo_dgx_submitting", default=False)
 
 
 @dataclass(frozen=True)
@@ -105,6 +116,12 @@ class RunaiClient:
         self._token: str | None = None
         self._lock = threading.Lock()
         self._session = requests.Session()
+        # a block builds a backend per task: the pooled connections close when it is dropped
+        self._closer = weakref.finalize(self, self._session.close)
+
+    def close(self) -> None:
+        """Close the pooled connections now (else when the client is garbage-collected)."""
+        self._closer()
 
     @property
     def token_value(self) -> str | None:
@@ -231,6 +248,10 @@ class DGXCloudBackend(NemoRunBackend):
         self.config = config
         self.client = RunaiClient(config)
 
+    def close(self) -> None:
+        """Close the run:ai client's connections (they also close when the backend is dropped)."""
+        self.client.close()
+
     # -- identity -------------------------------------------------------------------------------
 
     @property
@@ -258,20 +279,19 @@ class DGXCloudBackend(NemoRunBackend):
     def validate(self, spec: JobSpec) -> None:
         """What run:ai would refuse, found before anything is sent."""
         super().validate(spec)  # Ray-only fields; builds the executor
-        secret = sorted(k for k, v in spec.env.items() if not isinstance(v, str))
-        if secret:
-            raise InvalidJobSpec(
-                f"JobSpec.env {secret}: secret values would be stored in the run:ai workload in "
-                "plain text; keep them in a Kubernetes secret and map them with "
-                "DGXCloudCluster.secret_env={'NAME': '<secret name>/<key>'}"
-            )
+        refuse_secret_env(
+            spec,
+            stored_in="the run:ai workload",
+            fix="keep them in a Kubernetes secret and map them with "
+            "DGXCloudCluster.secret_env={'NAME': '<secret name>/<key>'}",
+        )
         for key, value in spec.plain_env().items():
             if len(value) > RUNAI_ENV_VALUE_LIMIT:
                 raise InvalidJobSpec(
                     f"JobSpec.env['{key}'] is {len(value)} characters; run:ai takes at most "
                     f"{RUNAI_ENV_VALUE_LIMIT} per value: ship large inputs through working_dir"
                 )
-        self._check_command(spec, self._plan(spec))
+        self._check_command(spec, code_plan(spec, "dgx_cloud"))
 
     def _check_command(self, spec: JobSpec, plan: TransportPlan | None) -> None:
         """The pod command must fit run:ai's args limit (for the longest job dir)."""
@@ -285,30 +305,6 @@ class DGXCloudBackend(NemoRunBackend):
                 f"JobSpec.entrypoint: the pod command is {len(args)} characters; run:ai takes at "
                 f"most {ARGS_LIMIT}: move the long part into a script under working_dir"
             )
-
-    def _placement(self, spec: JobSpec) -> tuple[int, int]:
-        nodes, gpus = self.config.nodes, self.config.gpus_per_node
-        if spec.placement is not None:
-            p = spec.placement
-            if p.node_labels or p.exclude_head:
-                raise InvalidJobSpec(
-                    "JobSpec.placement: node_labels and exclude_head have no DGX Cloud meaning: "
-                    "pick node pools with DGXCloudCluster.custom_spec={'nodePools': [...]}"
-                )
-            nodes, gpus = p.nodes, p.gpus_per_node
-        elif spec.resources.gpus is not None:
-            if spec.resources.gpus != int(spec.resources.gpus):
-                raise InvalidJobSpec(
-                    f"JobSpec.resources.gpus={spec.resources.gpus}: DGX Cloud takes whole GPUs"
-                )
-            gpus = int(spec.resources.gpus)
-        return nodes, gpus
-
-    def _plan(self, spec: JobSpec) -> TransportPlan | None:
-        if spec.working_dir is None:
-            return None
-        archive = build_archive(spec.working_dir, exclude=spec.exclude)
-        return plan_for("dgx_cloud", archive, name=spec.name or "job")
 
     def _args(self, spec: JobSpec, plan: TransportPlan | None, pvc_job_dir: str) -> str:
         """The pod's one-line shell script, quoted as run:ai's ``args`` (as NeMo-Run's data
@@ -332,7 +328,13 @@ class DGXCloudBackend(NemoRunBackend):
     def make_executor(self, spec: JobSpec, job_id: str) -> Any:
         """A DGXCloudExecutor for the spec (env and code chunks are added at submit)."""
         run = nemo_run()
-        nodes, gpus = self._placement(spec)
+        nodes, gpus = nodes_and_gpus(
+            spec,
+            self.config.nodes,
+            self.config.gpus_per_node,
+            service="DGX Cloud",
+            pick_nodes="pick node pools with DGXCloudCluster.custom_spec={'nodePools': [...]}",
+        )
         return run.DGXCloudExecutor(
             base_url=self.config.base_url,
             kube_apiserver_url=self.config.kube_apiserver_url,
@@ -376,7 +378,7 @@ class DGXCloudBackend(NemoRunBackend):
         exp_dir = self.local_experiment_dir(job_id)
         executor.assign(experiment_id(job_id), str(exp_dir), job_id, job_id)
         executor.create_job_dir()
-        plan = self._plan(spec)
+        plan = code_plan(spec, "dgx_cloud")
         executor.env_vars = {**executor.env_vars, **spec.plain_env(), **(plan.env if plan else {})}
         custom = {
             **executor.custom_spec,
@@ -392,7 +394,7 @@ class DGXCloudBackend(NemoRunBackend):
                 ),
             ]
         executor.custom_spec = custom
-        with root_logger_kept(), _quiet(_NOISY):
+        with root_logger_kept(), _quiet():
             try:
                 workload_id, _ = executor.launch(name=job_id, cmd=["true"])
             except RuntimeError as exc:
@@ -494,13 +496,22 @@ def _time(text: Any) -> datetime | None:
         return None
 
 
+class _DropPayloads(logging.Filter):
+    """Drops NeMo-Run's DGX Cloud records under WARNING in a thread that is submitting for us
+    (a context variable, not the logger's level: concurrent submits cannot race on it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not _submitting.get()
+
+
 @contextlib.contextmanager
-def _quiet(name: str) -> Iterator[None]:
-    """Raise a logger to WARNING for the block (NeMo-Run logs payloads at INFO)."""
-    logger = logging.getLogger(name)
-    level = logger.level
-    logger.setLevel(logging.WARNING)
+def _quiet() -> Iterator[None]:
+    """NeMo-Run's payload records (env values, code chunks) are dropped during the block."""
+    token = _submitting.set(True)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        _submitting.reset(token)
+
+
+logging.getLogger(_NOISY).addFilter(_DropPayloads())  # once, when this module is imported

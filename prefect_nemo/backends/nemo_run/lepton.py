@@ -33,7 +33,13 @@ from typing import Any, ClassVar, TypeVar
 
 import requests
 
-from prefect_nemo.backends.nemo_run.base import NemoRunBackend, experiment_id
+from prefect_nemo.backends.nemo_run.base import (
+    NemoRunBackend,
+    code_plan,
+    experiment_id,
+    nodes_and_gpus,
+    refuse_secret_env,
+)
 from prefect_nemo.backends.nemo_run.home import nemo_run, root_logger_kept
 from prefect_nemo.errors import (
     AuthenticationFailed,
@@ -42,7 +48,6 @@ from prefect_nemo.errors import (
     JobAlreadyExists,
 )
 from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus
-from prefect_nemo.packaging import TransportPlan, build_archive, plan_for
 from prefect_nemo.packaging.transport import ARG_STRLEN_LIMIT
 
 T = TypeVar("T")
@@ -215,47 +220,32 @@ class LeptonBackend(NemoRunBackend):
     def validate(self, spec: JobSpec) -> None:
         """What Lepton or the pod would refuse, found before anything is sent."""
         super().validate(spec)  # Ray-only fields; builds the executor
-        secret = sorted(k for k, v in spec.env.items() if not isinstance(v, str))
-        if secret:
-            raise InvalidJobSpec(
-                f"JobSpec.env {secret}: secret values would be stored in the Lepton job in "
-                "plain text; store them as workspace secrets and map them with "
-                "LeptonWorkspace.secret_vars={'NAME': '<secret name>'}"
-            )
+        refuse_secret_env(
+            spec,
+            stored_in="the Lepton job",
+            fix="store them as workspace secrets and map them with "
+            "LeptonWorkspace.secret_vars={'NAME': '<secret name>'}",
+        )
         for key, value in spec.plain_env().items():
             if len(f"{key}={value}".encode()) >= ARG_STRLEN_LIMIT:
                 raise InvalidJobSpec(
                     f"JobSpec.env['{key}'] is {len(value)} characters; a pod cannot start with "
                     "an env string over 128 KiB: ship large inputs through working_dir"
                 )
-        self._plan(spec)  # TransportTooLarge before anything is submitted
-
-    def _placement(self, spec: JobSpec) -> tuple[int, int]:
-        nodes, gpus = self.config.nodes, self.config.gpus_per_node
-        if spec.placement is not None:
-            p = spec.placement
-            if p.node_labels or p.exclude_head:
-                raise InvalidJobSpec(
-                    "JobSpec.placement: node_labels and exclude_head have no Lepton meaning: "
-                    "pick the nodes with LeptonWorkspace.node_group"
-                )
-            nodes, gpus = p.nodes, p.gpus_per_node
-        elif spec.resources.gpus is not None:
-            gpus = int(spec.resources.gpus)
-        return nodes, gpus
-
-    def _plan(self, spec: JobSpec) -> TransportPlan | None:
-        if spec.working_dir is None:
-            return None
-        archive = build_archive(spec.working_dir, exclude=spec.exclude)
-        return plan_for("lepton", archive, name=spec.name or "job")
+        code_plan(spec, "lepton")  # TransportTooLarge before anything is submitted
 
     # -- NeMo-Run executor ----------------------------------------------------------------------
 
     def make_executor(self, spec: JobSpec, job_id: str) -> Any:
         """A LeptonExecutor for the spec; gpus_per_node=0 runs on the CPU resource shape."""
         run = nemo_run()
-        nodes, gpus = self._placement(spec)
+        nodes, gpus = nodes_and_gpus(
+            spec,
+            self.config.nodes,
+            self.config.gpus_per_node,
+            service="Lepton",
+            pick_nodes="pick the nodes with LeptonWorkspace.node_group",
+        )
         shape = self.config.resource_shape if gpus > 0 else self.config.cpu_resource_shape
         return run.LeptonExecutor(
             container_image=self.config.container_image,
@@ -320,7 +310,7 @@ class LeptonBackend(NemoRunBackend):
         exp_dir = self.local_experiment_dir(job_id)
         executor.assign(experiment_id(job_id), str(exp_dir), job_id, job_id)
         executor.create_job_dir()
-        plan = self._plan(spec)
+        plan = code_plan(spec, "lepton")
         executor.env_vars = {**executor.env_vars, **spec.plain_env(), **(plan.env if plan else {})}
         if plan is not None:
             dest = f"{executor.lepton_job_dir}/code"  # where NeMo-Run's script cd's
@@ -390,12 +380,14 @@ class LeptonBackend(NemoRunBackend):
         chunks: list[str] = []
         deadline = time.monotonic() + LOG_READ_S
         stream = self.client.job.get_log(id_or_job=job_id, replica=first[0], timeout=LOG_IDLE_S)
-        with contextlib.suppress(requests.RequestException, RuntimeError):
-            for chunk in stream:
-                chunks.append(chunk)
-                if time.monotonic() > deadline:
-                    break
-        stream.close()  # ends the request of a log still being streamed
+        try:
+            with contextlib.suppress(requests.RequestException, RuntimeError):
+                for chunk in stream:
+                    chunks.append(chunk)
+                    if time.monotonic() > deadline:
+                        break
+        finally:
+            stream.close()  # ends the request of a log still being streamed
         return "".join(chunks)
 
 

@@ -18,9 +18,7 @@ env-var chunks unpacked on the PVC behind the rank-0 gate.
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import contextlib
 import gzip
 import shlex
 import time
@@ -28,12 +26,8 @@ from collections.abc import AsyncGenerator, Collection
 from typing import Any, ClassVar
 
 from prefect_nemo import names
-from prefect_nemo.backends.nemo_run.dgx_cloud import (
-    _NOISY,
-    ARGS_LIMIT,
-    DGXCloudBackend,
-    _quiet,
-)
+from prefect_nemo.backends.nemo_run.base import code_plan, poll_logs
+from prefect_nemo.backends.nemo_run.dgx_cloud import ARGS_LIMIT, DGXCloudBackend, _quiet
 from prefect_nemo.backends.nemo_run.home import nemo_run, root_logger_kept
 from prefect_nemo.backends.nemo_run.lepton import LeptonBackend, LeptonConfig, workspace_env
 from prefect_nemo.backends.ray_jobs import RayJobsBackend
@@ -216,20 +210,9 @@ class LeptonRayBackend:
         """The Ray job's whole log."""
         return self.ray.logs(job_id) if self._cluster_up() else ""
 
-    async def tail_logs(self, job_id: str) -> AsyncGenerator[str, None]:
+    def tail_logs(self, job_id: str) -> AsyncGenerator[str, None]:
         """The log, polled every second (the workspace proxy carries no websocket)."""
-        sent = 0
-        while True:
-            status = await asyncio.to_thread(self.statuses, [job_id])
-            done = job_id not in status or status[job_id].state.is_terminal()
-            with contextlib.suppress(BackendUnavailable, RuntimeError):
-                text = await asyncio.to_thread(self.logs, job_id)
-                if len(text) > sent:
-                    yield text[sent:]
-                    sent = len(text)
-            if done:
-                return
-            await asyncio.sleep(1.0)
+        return poll_logs(self, job_id)
 
     def _cluster_up(self) -> bool:
         state = self.cluster_state()
@@ -270,10 +253,10 @@ class DGXCloudRayBackend(DGXCloudBackend):
         from nemo_run.run.ray.dgxcloud import DGXCloudRayJob  # NeMo-Run's, unchanged
 
         executor = self.make_executor(spec, job_id)
-        plan = self._plan(spec)
+        plan = code_plan(spec, "dgx_cloud")
         executor.env_vars = {**executor.env_vars, **spec.plain_env(), **(plan.env if plan else {})}
         job = DGXCloudRayJob(name=job_id, executor=executor)
-        with root_logger_kept(), _quiet(_NOISY):
+        with root_logger_kept(), _quiet():
             try:
                 workload_id = job.start(command=self._command(spec, plan, job_id), workdir="")
             except RuntimeError as exc:
