@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import subprocess
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -329,6 +330,18 @@ def test_ray_cluster_start_errors_raise_but_already_exists_attaches(
     backend.ensure_cluster(poll_s=0.05)  # exists: reused
     posts = [r for r in lepton.requests.find("POST") if r.path.endswith("/rayclusters")]
     assert [r.status for r in posts] == [400, 409, 200]
+
+    # Status reads use the workspace client, not the process env: a launch that holds the env
+    # (its data mover may poll for minutes) does not hold them up.
+    from prefect_nemo.backends.nemo_run import lepton as lepton_backend
+
+    got: list[Any] = []
+    with lepton_backend._env_lock:
+        reader = threading.Thread(target=lambda: got.append(backend.cluster_state()), daemon=True)
+        reader.start()
+        reader.join(30)
+    assert got and got[0]["ray_ready"] and got[0]["state"] == "Ready"
+    assert LeptonRayCluster(workspace=block, ray_cluster_name="rl-b").backend().find("x") is None
 
 
 def test_logs_of_a_running_job_return_while_lepton_keeps_streaming(

@@ -4,7 +4,9 @@ Lepton (`LeptonRayBackend`): NeMo-Run's ``LeptonRayCluster`` creates (or, when o
 name exists, reuses) a Lepton RayCluster; jobs are Ray jobs submitted through the workspace's
 dashboard proxy ``{workspace url}/rayclusters/<name>/dashboard`` with the workspace token, as
 NeMo-Run's ``LeptonRayJob`` does, but by our `RayJobsBackend` (deterministic submission ids,
-so a re-run attaches; statuses in one list call; stop; logs). The cluster outlives its jobs:
+so a re-run attaches; statuses in one list call; stop; logs). The cluster's state is read with
+the workspace client itself (the process env and its lock are only for NeMo-Run's create and
+delete). The cluster outlives its jobs, and nothing deletes it on its own (it keeps its nodes):
 `delete_cluster()` ends it. A create that fails raises, except "already exists", which is the
 cluster to attach to.
 
@@ -40,7 +42,10 @@ MAX_CLUSTER_NAME = 35
 
 
 class LeptonRayBackend:
-    """Ray jobs on a Lepton RayCluster that NeMo-Run creates or reuses."""
+    """Ray jobs on a Lepton RayCluster that NeMo-Run creates or reuses.
+
+    A cluster created by `submit` is not deleted when its jobs end (it is shared by the jobs
+    and runs of the block, and keeps its nodes): `delete_cluster()` ends it."""
 
     kind: ClassVar[str] = "lepton-ray"
     max_job_id_len: ClassVar[int] = names.MAX_LABEL
@@ -121,10 +126,23 @@ class LeptonRayBackend:
         return LeptonRayCluster(name=self.cluster_name, executor=executor)
 
     def cluster_state(self) -> dict[str, Any] | None:
-        """NeMo-Run's view of the cluster: state, ray_ready; None when there is none."""
-        cluster = self._nemo_cluster()
-        with workspace_env(self.config), root_logger_kept():
-            return self.lepton._call(cluster.status, f"reading Ray cluster {self.cluster_name}")
+        """The cluster's state and ray_ready (head and workers up, as NeMo-Run reads it); None
+        when there is none. Read with the workspace client (explicit token): no process env and
+        no lock, so status polls never wait behind a launch."""
+        from leptonai.api.v1.api_resource import ClientError
+
+        client = self.lepton.client
+        try:
+            cluster = self.lepton._call(
+                lambda: client.raycluster.get(self.cluster_name),
+                f"reading Ray cluster {self.cluster_name}",
+            )
+        except ClientError as exc:
+            if exc.response.status_code == 404:
+                return None
+            raise
+        state = cluster.status.state.value if cluster.status is not None else ""
+        return {"state": state, "ray_ready": state == "Ready"}
 
     def ensure_cluster(self, *, poll_s: float = 2.0) -> None:
         """Create the Ray cluster unless it exists, then wait until Ray is ready."""
@@ -184,7 +202,8 @@ class LeptonRayBackend:
         self.lepton.check_access()
 
     def submit(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> JobHandle:
-        """Ensure the cluster, then submit the Ray job under job_id (JobAlreadyExists if taken)."""
+        """Ensure the cluster (created if missing, and left running: see `delete_cluster`),
+        then submit the Ray job under job_id (JobAlreadyExists if taken)."""
         self.ensure_cluster()
         self.ray.submit(spec, job_id, metadata)
         return self.handle(job_id)
