@@ -551,6 +551,9 @@ class TrainJobSimulator(Controller):
             "PATH": f"{self._bin}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}"
             + os.environ.get("PATH", "/usr/bin:/bin"),
             "HOME": str(root),
+            # a pod's `pip install` lands in the pod, never in the interpreter the tests run on
+            "PIP_TARGET": str(root / "pip-packages"),
+            "PYTHONPATH": str(root / "pip-packages"),
             "LANG": os.environ.get("LANG", "C.UTF-8"),
             "PYTHONUNBUFFERED": "1",
             "HOSTNAME": spec.get("hostname", name),
