@@ -187,7 +187,8 @@ def rl():
     )
     ray_cluster_name: str = Field(
         description="Name of the RayCluster: reused if it exists, else created (at most 35 "
-        "lowercase letters, digits and '-')."
+        "lowercase letters, digits and '-'). A created cluster keeps its nodes until deleted "
+        "with backend().delete_cluster(): it is meant to outlive one run."
     )
     worker_nodes: int | None = Field(
         default=None, ge=0, description="Ray worker replicas; empty for workspace.nodes."
