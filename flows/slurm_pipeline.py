@@ -5,7 +5,8 @@
 dependencies itself (Slurm), the prep flow only submits its job and returns, and the SFT job is
 queued at once with ``sbatch --dependency=afterok:<prep job>``: Slurm starts it when prep
 succeeds, and cancels it (our task says why) if prep fails. Elsewhere the prep flow waits for
-its job, so the SFT experiment's Prefect-level dependency is the order.
+its job, so the SFT experiment's Prefect-level dependency is the order. The SFT job may run
+4 hours: on Slurm the block's `time` must be at least 04:00:00 (blocks/slurm.yaml's is).
 
     prefect-nemo blocks apply ...   # a SlurmCluster / Lepton / DGX Cloud block named e.g. "hpc"
     python -m flows.slurm_pipeline slurm-cluster/hpc /shared/runs/demo
