@@ -281,27 +281,30 @@ class NemoRunBackend(ABC):
         home = Path(nemo_run().config.get_nemorun_home())
         return home / "experiments" / EXPERIMENT_TITLE / experiment_id(job_id)
 
+    def job_status(self, job_id: str) -> JobStatus | None:
+        """One job's status through the torchx runner; None when no job has that id. Service
+        backends override this hook (one GET per job); Slurm overrides `statuses` (batched)."""
+        app_handle = self.app_handle(job_id)
+        if not app_handle:
+            return None
+        with root_logger_kept():
+            status = self.runner.status(app_handle)
+        state = job_state(status.state) if status is not None else None
+        if state is None:
+            return None
+        return JobStatus(job_id=job_id, state=state, message=_msg(status.msg))
+
     def find(self, job_id: str) -> JobStatus | None:
-        """The job's status, or None when no job has that id."""
-        status = self.statuses([job_id]).get(job_id)
+        """The job's status with the metadata stored at submit, or None."""
+        status = self.statuses([job_id]).get(job_id)  # Slurm batches statuses: one way in
         if status is None:
             return None
         return status.model_copy(update={"metadata": self.job_metadata(job_id)})
 
     def statuses(self, job_ids: Collection[str]) -> dict[str, JobStatus]:
-        """Statuses through the torchx runner, one `status` call per job."""
-        out: dict[str, JobStatus] = {}
-        for job_id in job_ids:
-            app_handle = self.app_handle(job_id)
-            if not app_handle:
-                continue
-            with root_logger_kept():
-                status = self.runner.status(app_handle)
-            state = job_state(status.state) if status is not None else None
-            if state is None:
-                continue
-            out[job_id] = JobStatus(job_id=job_id, state=state, message=_msg(status.msg))
-        return out
+        """The statuses of the jobs that exist, one `job_status` call per job."""
+        found = {job_id: self.job_status(job_id) for job_id in job_ids}
+        return {job_id: status for job_id, status in found.items() if status is not None}
 
     def request_stop(self, job_id: str) -> None:
         """Ask the scheduler to cancel the job (no waiting)."""

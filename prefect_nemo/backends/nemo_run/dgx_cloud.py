@@ -29,7 +29,7 @@ import logging
 import shlex
 import threading
 import weakref
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -415,7 +415,8 @@ class DGXCloudBackend(NemoRunBackend):
         self.record(job_id, _handle(item["type"], item["id"]), self.job_metadata(job_id))
         return _KINDS[item["type"]], str(item["id"])
 
-    def _status(self, job_id: str) -> JobStatus | None:
+    def job_status(self, job_id: str) -> JobStatus | None:
+        """One workload's status by GET (run:ai cannot filter several names in one list call)."""
         where = self._locate(job_id)
         if where is None:
             return None
@@ -436,19 +437,6 @@ class DGXCloudBackend(NemoRunBackend):
         our handles are ``dgx_cloud://<kind>/<workload id>``)."""
         kind, _, workload_id = str(entry["app_handle"]).removeprefix("dgx_cloud://").partition("/")
         return self.client.workload(kind, workload_id)
-
-    def find(self, job_id: str) -> JobStatus | None:
-        """The job's status with the metadata stored at submit, or None."""
-        return self._status(job_id)
-
-    def statuses(self, job_ids: Collection[str]) -> dict[str, JobStatus]:
-        """One GET per job (run:ai cannot filter several names in one list call)."""
-        out = {}
-        for job_id in job_ids:
-            status = self._status(job_id)
-            if status is not None:
-                out[job_id] = status
-        return out
 
     def request_stop(self, job_id: str) -> None:
         """Suspend the workload the way run:ai documents it (POST .../<kind>/<id>/suspend)."""

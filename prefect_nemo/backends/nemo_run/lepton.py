@@ -26,7 +26,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, ClassVar, TypeVar
@@ -321,7 +321,8 @@ class LeptonBackend(NemoRunBackend):
 
     # -- status, stop, logs ---------------------------------------------------------------------
 
-    def _status(self, job_id: str) -> JobStatus | None:
+    def job_status(self, job_id: str) -> JobStatus | None:
+        """One Lepton job's status by GET."""
         job = self._get(job_id)
         if job is None or job.status is None:
             return None
@@ -337,19 +338,6 @@ class LeptonBackend(NemoRunBackend):
             end_time=_seconds(job.status.completion_time),
             metadata=self.job_metadata(job_id),
         )
-
-    def find(self, job_id: str) -> JobStatus | None:
-        """The job's status with the metadata stored at submit, or None."""
-        return self._status(job_id)
-
-    def statuses(self, job_ids: Collection[str]) -> dict[str, JobStatus]:
-        """One GET per job."""
-        out = {}
-        for job_id in job_ids:
-            status = self._status(job_id)
-            if status is not None:
-                out[job_id] = status
-        return out
 
     def request_stop(self, job_id: str) -> None:
         """``PATCH {"spec": {"stopped": true}}``: the replicas end, the job and logs stay."""
