@@ -15,7 +15,6 @@ Lepton server in `prefect_nemo.testing.lepton`.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -23,7 +22,6 @@ import re
 import secrets
 import shlex
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -34,6 +32,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
+
+from prefect_nemo.testing.app_thread import AppThread
 
 #: run:ai rejects an environment variable value longer than this.
 ENV_VALUE_LIMIT = 10_000
@@ -112,9 +112,7 @@ class LoopbackHttpServer:
         self.requests = RequestRecord()
         self.lock = threading.RLock()
         self._faults: list[tuple[str, str, int, str]] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._runner: web.AppRunner | None = None
+        self._server = AppThread(self.thread_name)
 
     def routes(self, app: web.Application) -> None:
         """Add the server's routes to `app`."""
@@ -136,64 +134,20 @@ class LoopbackHttpServer:
 
     def start(self) -> LoopbackHttpServer:
         """Start serving on a free port; returns self."""
-        if self._thread is not None:
+        if self._server.running:
             return self
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        failure: list[BaseException] = []
 
-        async def boot() -> None:
+        def app() -> web.Application:
             app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._middleware])
             self.routes(app)
-            self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
-            await self._runner.setup()
-            await web.SockSite(self._runner, sock).start()
+            return app
 
-        def run() -> None:
-            asyncio.set_event_loop(loop)
-            try:
-                loop.run_until_complete(boot())
-            except BaseException as exc:  # surfaced to start()
-                failure.append(exc)
-                ready.set()
-                return
-            ready.set()
-            loop.run_forever()
-            loop.close()
-
-        self._loop = loop
-        self._thread = threading.Thread(target=run, name=self.thread_name, daemon=True)
-        self._thread.start()
-        ready.wait(30)
-        if failure:
-            raise failure[0]
+        self.url = f"http://127.0.0.1:{self._server.start(app)}"
         return self
 
     def stop(self) -> None:
         """Stop serving and end the thread."""
-        if self._thread is None or self._loop is None:
-            return
-        loop = self._loop
-
-        async def shutdown() -> None:
-            await self.on_shutdown()
-            if self._runner is not None:
-                await self._runner.cleanup()
-            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in rest:
-                task.cancel()
-            await asyncio.gather(*rest, return_exceptions=True)
-
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(shutdown(), loop).result(15)
-        loop.call_soon_threadsafe(loop.stop)
-        self._thread.join(15)
-        self._thread = None
-        self._loop = None
+        self._server.stop(self.on_shutdown)
 
     async def on_shutdown(self) -> None:
         """Close what subclasses opened (client sessions)."""

@@ -10,7 +10,6 @@ import hmac
 import json
 import os
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -23,6 +22,7 @@ import aiohttp
 import yaml
 from aiohttp import web
 
+from prefect_nemo.testing.app_thread import AppThread
 from prefect_nemo.testing.kube_api import errors
 from prefect_nemo.testing.kube_api import patch as patches
 from prefect_nemo.testing.kube_api.errors import ApiError
@@ -165,9 +165,7 @@ class LoopbackKubeServer:
         self._proxies: dict[tuple[str, str, str], str | ProxyHandler] = {}
         self._logs: dict[tuple[str, str, str | None], str | Callable[[], str]] = {}
         self._forbidden: set[tuple[str, str, str]] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._runner: web.AppRunner | None = None
+        self._server = AppThread("loopback-kube-api")
         self._session: aiohttp.ClientSession | None = None
         self._open_responses: set[web.StreamResponse] = set()
         for ns in namespaces:
@@ -179,77 +177,36 @@ class LoopbackKubeServer:
     # lifecycle ---------
     def start(self) -> LoopbackKubeServer:
         """Start serving on a free port; returns self."""
-        if self._thread is not None:
+        if self._server.running:
             return self
         ssl_ctx = None
         if self.tls:
             from prefect_nemo.testing.kube_api.tls import make_server_tls
 
             ssl_ctx, self.ca_pem = make_server_tls()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        self.url = f"{'https' if self.tls else 'http'}://127.0.0.1:{port}"
-        loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        failure: list[BaseException] = []
 
-        async def boot() -> None:
+        def app() -> web.Application:  # built on the server's loop
             app = web.Application(client_max_size=64 * 1024 * 1024)
             app.router.add_route("*", "/{tail:.*}", self._handle)
-            self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
-            await self._runner.setup()
-            await web.SockSite(self._runner, sock, ssl_context=ssl_ctx).start()
             self._session = aiohttp.ClientSession(auto_decompress=False)
+            return app
 
-        def run() -> None:
-            asyncio.set_event_loop(loop)
-            try:
-                loop.run_until_complete(boot())
-            except BaseException as exc:  # surfaced to start()
-                failure.append(exc)
-                ready.set()
-                return
-            ready.set()
-            loop.run_forever()
-            loop.close()
-
-        self._loop = loop
-        self._thread = threading.Thread(target=run, name="loopback-kube-api", daemon=True)
-        self._thread.start()
-        ready.wait(30)
-        if failure:
-            raise failure[0]
+        port = self._server.start(app, ssl_context=ssl_ctx)
+        self.url = f"{'https' if self.tls else 'http'}://127.0.0.1:{port}"
         return self
 
     def stop(self) -> None:
         """Stop serving; open watches end."""
-        if self._thread is None or self._loop is None:
-            return
-        loop = self._loop
 
-        async def shutdown() -> None:
+        async def end_watches_and_proxies() -> None:
             with self._store.lock:
                 for watcher in list(self._store.watchers):
                     watcher.push(_STOP)
             await asyncio.sleep(0.05)
             if self._session is not None:
                 await self._session.close()
-            if self._runner is not None:
-                await self._runner.cleanup()
-            # handlers of connections clients keep open (watches) end here, not as leftovers
-            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in rest:
-                task.cancel()
-            await asyncio.gather(*rest, return_exceptions=True)
 
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(shutdown(), loop).result(15)
-        loop.call_soon_threadsafe(loop.stop)
-        self._thread.join(15)
-        self._thread = None
-        self._loop = None
+        self._server.stop(end_watches_and_proxies)
 
     def __enter__(self) -> LoopbackKubeServer:
         return self.start()
@@ -607,8 +564,8 @@ class LoopbackKubeServer:
         except ValueError as exc:
             raise errors.bad_request(f'invalid resource version: "{raw_rv}"') from exc
         timeout = float(query["timeoutSeconds"]) if query.get("timeoutSeconds") else None
-        assert self._loop is not None
-        watcher = Watcher(self._loop, (rt.group, rt.plural), route.namespace or None, match)
+        assert self._server.loop is not None
+        watcher = Watcher(self._server.loop, (rt.group, rt.plural), route.namespace or None, match)
         initial: list[Obj] = []
         with self._store.lock:
             if since and since < self._store.compacted_rv:
