@@ -22,6 +22,10 @@ class AuthenticationFailed(BackendUnavailable):
     """The cluster rejected our credentials (missing or wrong token)."""
 
 
+class BackendClosed(BackendUnavailable):
+    """The backend was closed (its watches stopped): nothing more can be asked of it."""
+
+
 class JobFailed(PrefectNemoError):
     """The job ran and ended in failure."""
 

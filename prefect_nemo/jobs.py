@@ -383,6 +383,10 @@ class Backend(Protocol):
         """Stream the job's log as it is written, until the job ends."""
         ...
 
+    def close(self) -> None:
+        """Stop every background thread this backend started (watches); idempotent. Calls
+        made after it that need those threads raise BackendClosed."""
+
 
 @runtime_checkable
 class PushesChanges(Protocol):

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
-from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable
+from prefect_nemo.errors import AuthenticationFailed, BackendClosed, BackendUnavailable
 from prefect_nemo.jobs import Backend, JobState, JobStatus, PushesChanges
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class ClusterWatcher:
                     return
             try:
                 statuses = self.backend.statuses(job_ids)
-            except AuthenticationFailed as exc:
+            except (AuthenticationFailed, BackendClosed) as exc:  # final: retrying cannot help
                 self._fail(exc)
                 return
             except Exception as exc:  # transport trouble: retry with backoff within the budget
@@ -182,6 +182,10 @@ class ClusterWatcher:
             self._error = error
             self._thread = None
             self._cond.notify_all()
+        if isinstance(error, BackendClosed):  # the next waiter gets a watcher of a live backend
+            with _watchers_lock:
+                if _watchers.get(self.backend.cluster) is self:
+                    del _watchers[self.backend.cluster]
 
     def _interval(self, statuses: Iterable[JobStatus]) -> float:
         """Poll every AGE_FACTOR of the youngest live phase: a job that just started RUNNING

@@ -63,6 +63,7 @@ from pydantic import SecretStr
 
 from prefect_nemo.errors import (
     AuthenticationFailed,
+    BackendClosed,
     BackendUnavailable,
     InvalidJobSpec,
     JobAlreadyExists,
@@ -763,6 +764,7 @@ class KubeflowTrainerBackend:
         self._pods: Informer | None = None
         self._subscribers = Subscribers()
         self._lock = threading.Lock()
+        self._closed = False
 
     # -- identity ------------------------------------------------------------------------------
 
@@ -873,6 +875,8 @@ class KubeflowTrainerBackend:
 
     def statuses(self, job_ids: Collection[str]) -> dict[str, JobStatus]:
         """From the informers' caches; one GET only for ids the cache has not seen yet."""
+        if self._closed:
+            raise BackendClosed(f"the Kubeflow Trainer backend of {self.cluster} was closed")
         jobs, pods = self._ensure_informers()
         for informer in (jobs, pods):
             if informer.error is not None:
@@ -906,6 +910,17 @@ class KubeflowTrainerBackend:
                         informer.stop()
 
         return unsubscribe
+
+    def close(self) -> None:
+        """Stop the informers (their watches are cut at once) and wake the subscribed watchers,
+        whose next poll then raises BackendClosed."""
+        with self._lock:
+            self._closed = True
+            informers, self._jobs, self._pods = (self._jobs, self._pods), None, None
+        for informer in informers:
+            if informer is not None:
+                informer.stop()
+        self._subscribers.wake_all()
 
     def request_stop(self, job_id: str) -> None:
         """Delete the TrainJob (foreground: its JobSet and pods go first, then its Secret and

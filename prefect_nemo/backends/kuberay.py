@@ -59,6 +59,7 @@ from pydantic import SecretStr
 from prefect_nemo.backends.ray_jobs import OVERRIDE_RUNTIME_ENV, RayJobsBackend
 from prefect_nemo.errors import (
     AuthenticationFailed,
+    BackendClosed,
     BackendUnavailable,
     InvalidJobSpec,
     JobAlreadyExists,
@@ -447,6 +448,7 @@ class KubeRayBackend:
         self._informer: Informer | None = None
         self._subscribers = Subscribers()
         self._lock = threading.Lock()
+        self._closed = False
 
     # -- identity ------------------------------------------------------------------------------
 
@@ -548,6 +550,8 @@ class KubeRayBackend:
 
     def statuses(self, job_ids: Collection[str]) -> dict[str, JobStatus]:
         """From the informer's cache; one GET only for ids the cache has not seen yet."""
+        if self._closed:
+            raise BackendClosed(f"the KubeRay backend of {self.cluster} was closed")
         informer = self._ensure_informer()
         error = informer.error
         if isinstance(error, AuthenticationFailed):  # not transient: the watcher fails at once
@@ -581,6 +585,16 @@ class KubeRayBackend:
                     informer.stop()
 
         return unsubscribe
+
+    def close(self) -> None:
+        """Stop the informer (its watch is cut at once) and wake the subscribed watchers, whose
+        next poll then raises BackendClosed."""
+        with self._lock:
+            self._closed = True
+            informer, self._informer = self._informer, None
+        if informer is not None:
+            informer.stop()
+        self._subscribers.wake_all()
 
     def request_stop(self, job_id: str) -> None:
         """Stop the Ray job if it was submitted, else delete the RayJob (and its cluster).

@@ -321,6 +321,9 @@ class RayJobsBackend:
                 elif message.type is aiohttp.WSMsgType.ERROR:
                     raise BackendUnavailable(f"log stream of {job_id} broke: {ws.exception()}")
 
+    def close(self) -> None:
+        """Nothing to stop: this backend starts no threads (clients are shared per cluster)."""
+
     def _ssl_context(self) -> ssl.SSLContext | bool:
         if self._verify is False:
             return False

@@ -326,6 +326,9 @@ class NemoRunBackend(ABC):
         """The log from its start, then what is appended, read every second until the job ends."""
         return poll_logs(self, job_id)
 
+    def close(self) -> None:  # noqa: B027
+        """Nothing to stop by default: NeMo-Run backends start no threads of their own."""
+
 
 async def poll_logs(backend: Backend, job_id: str) -> AsyncGenerator[str, None]:
     """A backend's whole log re-read every second, yielding what is new, until the job ends (or

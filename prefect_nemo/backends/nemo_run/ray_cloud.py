@@ -233,6 +233,9 @@ class LeptonRayBackend:
         """The log, polled every second (the workspace proxy carries no websocket)."""
         return poll_logs(self, job_id)
 
+    def close(self) -> None:
+        """Nothing to stop: jobs go through the Ray Jobs backend, which starts no threads."""
+
     def _cluster_up(self) -> bool:
         state = self.cluster_state()
         return bool(state and state.get("ray_ready"))
