@@ -1,0 +1,491 @@
+"""The one base of every Kubernetes job kind (KubeRay's RayJob, Kubeflow Trainer's TrainJob).
+
+A job is one object named after the job id, labelled as ours. `KubeJobBackend` owns what does
+not depend on the kind; a subclass adds its manifests, status mapping, stop and log source.
+
+Waiting is served by informers (`kube.Informer`): the job kind, plus the pods of the jobs when
+the kind reads them. They follow these rules:
+
+- created when a watcher subscribes, one set per backend instance; stopped on the last
+  unsubscribe and by `close()`. An instance nobody subscribed to starts no thread: `statuses()`
+  answers from one list request for all ids.
+- an informer whose thread died for any reason other than our own stop is replaced (on the
+  next `statuses()`; on `subscribe()` also one that credentials since fixed may revive).
+- a watch rejected with 401/403 raises `AuthenticationFailed` at once; any other trouble is
+  `BackendUnavailable`, which the watcher retries within the block's unreachable budget.
+- informers wake the subscribers on changes and on errors too, so a failure is seen at once.
+- after `close()`, `statuses()` raises `BackendClosed`.
+
+Also here, because every kind needs them the same way: the memory of jobs we deleted to stop
+them and of their last log; the Secret that carries secret env values; label checks, the job
+object's metadata and API timestamps. No Prefect import.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Mapping
+from datetime import datetime
+from typing import Any, ClassVar
+
+from pydantic import SecretStr
+
+from prefect_nemo.errors import (
+    AuthenticationFailed,
+    BackendClosed,
+    BackendUnavailable,
+    InvalidJobSpec,
+    JobAlreadyExists,
+)
+from prefect_nemo.jobs import RESERVED_PREFIX, JobHandle, JobSpec, JobState, JobStatus
+from prefect_nemo.kube import (
+    FLOW_RUN_LABEL,
+    MANAGED_BY,
+    POD,
+    AlreadyExists,
+    Informer,
+    Invalid,
+    Kind,
+    KubeApi,
+    NotFound,
+    managed_labels,
+)
+from prefect_nemo.names import is_label_key, label_value
+
+ANNOTATION_PREFIX = "prefect-nemo.io/"  # prefect_nemo.<key> job metadata is kept as these
+MAX_OBJECT_BYTES = 1_000_000  # etcd's request limit is ~1.5 MiB; leave room for status
+ENV_SECRET_SUFFIX = "-env"
+MANAGED = f"{MANAGED_BY}=prefect-nemo"
+INFORMER_STOP_WAIT_S = 5.0  # close() waits this long for each informer thread to end
+
+
+# -------------------------------------------------------------------------------------------
+# What every job object carries (pure)
+
+
+def check_labels(labels: Mapping[str, str]) -> None:
+    """Raise InvalidJobSpec for a JobSpec label key Kubernetes refuses or that we set."""
+    for key in labels:
+        if not is_label_key(key):
+            raise InvalidJobSpec(
+                f"JobSpec.labels: '{key}' is not a Kubernetes label key: use [prefix/]name, name "
+                "at most 63 letters, digits, '-', '_', '.', starting and ending alphanumeric"
+            )
+        if key in (MANAGED_BY, FLOW_RUN_LABEL):
+            raise InvalidJobSpec(f"JobSpec.labels: '{key}' is set by prefect-nemo: pick another")
+
+
+def flow_run_of(metadata: Mapping[str, str]) -> str | None:
+    """The flow run id the lifecycle put in a job's metadata, if any."""
+    return metadata.get(f"{RESERVED_PREFIX}flow_run_id") or None
+
+
+def job_object(
+    kind: Kind,
+    job_id: str,
+    spec: JobSpec,
+    metadata: Mapping[str, str],
+    body: dict[str, Any],
+    *,
+    namespace: str,
+    annotations: Mapping[str, str] | None = None,
+    shrink: str,
+) -> dict[str, Any]:
+    """The job's object: `body` as its spec, the JobSpec's labels and ours, the reserved job
+    metadata as annotations. InvalidJobSpec (saying what to `shrink`) past ~1 MB."""
+    labels = {k: label_value(v) for k, v in spec.labels.items()}
+    labels.update(managed_labels(flow_run_of(metadata)))
+    reserved = {
+        f"{ANNOTATION_PREFIX}{k.removeprefix(RESERVED_PREFIX)}": v
+        for k, v in metadata.items()
+        if k.startswith(RESERVED_PREFIX)
+    }
+    manifest = {
+        "apiVersion": kind.api_version,
+        "kind": kind.kind,
+        "metadata": {
+            "name": job_id,
+            "namespace": namespace,
+            "labels": labels,
+            "annotations": {**reserved, **(annotations or {})},
+        },
+        "spec": body,
+    }
+    size = len(json.dumps(manifest))
+    if size > MAX_OBJECT_BYTES:
+        raise InvalidJobSpec(
+            f"the {kind.kind} for this job would be {size} bytes; Kubernetes objects must stay "
+            f"under ~1 MB: shrink {shrink}"
+        )
+    return manifest
+
+
+def reserved_metadata(annotations: Mapping[str, str], skip: Collection[str] = ()) -> dict[str, str]:
+    """The reserved job metadata (prefect_nemo.*) back from a job object's annotations."""
+    return {
+        RESERVED_PREFIX + key.removeprefix(ANNOTATION_PREFIX): value
+        for key, value in annotations.items()
+        if key.startswith(ANNOTATION_PREFIX) and key not in skip
+    }
+
+
+def secret_name(job_id: str) -> str:
+    """The Secret holding a job's secret env values (owned by the job's object)."""
+    return f"{job_id}{ENV_SECRET_SUFFIX}"
+
+
+def secret_manifest(
+    spec: JobSpec, job_id: str, *, namespace: str, flow_run_id: str | None
+) -> dict[str, Any] | None:
+    """The Secret with the job's secret env values, or None when it has none. The values never
+    go into the job object itself (etcd keeps it readable to anyone who may read that kind)."""
+    secrets = {k: v.get_secret_value() for k, v in spec.env.items() if isinstance(v, SecretStr)}
+    if not secrets:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": secret_name(job_id),
+            "namespace": namespace,
+            "labels": managed_labels(flow_run_id),
+        },
+        "type": "Opaque",
+        "stringData": secrets,
+    }
+
+
+def parse_time(value: Any) -> datetime | None:
+    """An API timestamp ("2026-11-21T16:00:00Z"), or None when absent or malformed."""
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+# -------------------------------------------------------------------------------------------
+# What a backend remembers in this process beyond what the API server keeps
+
+
+class JobMemory:
+    """Per (cluster, job id): whether we deleted the job to stop it (so it reads STOPPED once
+    it is gone, not "missing"), and the last log we read (still readable after teardown took
+    the pods or the Ray head away). One per job kind, shared by its backend instances."""
+
+    def __init__(self, max_logs: int = 256) -> None:
+        self._lock = threading.Lock()
+        self._deleted: set[tuple[str, str]] = set()
+        self._logs: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._max_logs = max_logs
+
+    def mark_deleted(self, key: tuple[str, str]) -> None:
+        """Remember that we deleted this job to stop it."""
+        with self._lock:
+            self._deleted.add(key)
+
+    def forget_deleted(self, key: tuple[str, str]) -> None:
+        """Forget it (the id is being submitted anew)."""
+        with self._lock:
+            self._deleted.discard(key)
+
+    def was_deleted(self, key: tuple[str, str]) -> bool:
+        """True when we deleted this job to stop it."""
+        with self._lock:
+            return key in self._deleted
+
+    def remember_log(self, key: tuple[str, str], text: str) -> str:
+        """Keep the longest log read so far; returns it."""
+        with self._lock:
+            if len(text) >= len(self._logs.get(key, "")):
+                self._logs[key] = text
+                self._logs.move_to_end(key)
+            while len(self._logs) > self._max_logs:
+                self._logs.popitem(last=False)
+            return self._logs.get(key, text)
+
+    def last_log(self, key: tuple[str, str]) -> str | None:
+        """The longest log read so far, or None."""
+        with self._lock:
+            return self._logs.get(key)
+
+
+# -------------------------------------------------------------------------------------------
+# The base
+
+
+class KubeJobBackend:
+    """What every Kubernetes job backend shares: identity, access check, find, the informers
+    behind statuses() (see the module docstring), close, the stop-by-delete and the log memory.
+
+    A subclass sets the class attributes and implements `job_status` and `read_log` (plus the
+    Backend methods of its own: validate, submit, request_stop, tail_logs).
+    """
+
+    kind: ClassVar[str]
+    max_job_id_len: ClassVar[int]
+    job_kind: ClassVar[Kind]  # the job's object (RayJob, TrainJob)
+    crd_fix: ClassVar[str]  # what to install when the API server does not serve job_kind
+    deleted_message: ClassVar[str]  # the STOPPED message of a job we deleted to stop it
+    pod_job_label: ClassVar[str | None] = None  # a label naming the job on its pods: watch them
+    log_errors: ClassVar[tuple[type[Exception], ...]] = (BackendUnavailable, NotFound)
+    memory: ClassVar[JobMemory]  # each subclass has its own
+
+    def __init__(self, api: KubeApi, *, namespace: str | None = None) -> None:
+        self.api = api
+        self.namespace = namespace or api.namespace
+        self._lock = threading.Lock()
+        self._informers: tuple[Informer, ...] = ()  # (jobs, pods?) while subscribed
+        self._wakes: list[Callable[[], None]] = []
+        self._closed = False
+
+    # -- to implement ---------------------------------------------------------------------------
+
+    def job_status(self, obj: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
+        """Our JobStatus from the job's object (and its pods, when pod_job_label is set)."""
+        raise NotImplementedError
+
+    def read_log(self, job_id: str) -> str | None:
+        """The job's whole log from its source; None while (or once) there is none to read."""
+        raise NotImplementedError
+
+    # -- identity ------------------------------------------------------------------------------
+
+    @property
+    def cluster(self) -> str:
+        """API server, namespace and kind: one watcher (and one set of informers) each."""
+        return f"{self.api.host}/namespaces/{self.namespace}/{self.job_kind.plural}"
+
+    @property
+    def secrets(self) -> list[str]:
+        """The API credentials, for redaction."""
+        return list(self.api.secrets)
+
+    def object_url(self, job_id: str) -> str:
+        """The job object's path on the API server."""
+        kind = self.job_kind
+        return (
+            f"{self.api.host}/apis/{kind.group}/{kind.version}/namespaces/"
+            f"{self.namespace}/{kind.plural}/{job_id}"
+        )
+
+    def links(self, job_id: str) -> dict[str, str]:
+        """The handle's links: the job object ("rayjob", "trainjob")."""
+        return {self.job_kind.kind.lower(): self.object_url(job_id)}
+
+    def handle(self, job_id: str) -> JobHandle:
+        """The handle with the job object's API path."""
+        return JobHandle(
+            backend=self.kind, cluster=self.cluster, job_id=job_id, links=self.links(job_id)
+        )
+
+    # -- Backend protocol -----------------------------------------------------------------------
+
+    def check_access(self) -> None:
+        """Reach the API server and prove we may list the job kind (its operator installed)."""
+        kind = self.job_kind
+        try:
+            self.api.list(kind, self.namespace, label_selector=MANAGED, limit=1)
+        except NotFound:
+            raise BackendUnavailable(
+                f"the API server at {self.api.host} does not serve {kind.plural}.{kind.group}/"
+                f"{kind.version}: {self.crd_fix}"
+            ) from None
+
+    def find(self, job_id: str) -> JobStatus | None:
+        """The job's status (a GET, and a pod list when the kind reads pods), STOPPED if we
+        deleted it, None if there is no such job."""
+        obj = self.api.get(self.job_kind, job_id, self.namespace)
+        if obj is None:
+            return self._deleted_status(job_id)
+        pods: list[dict[str, Any]] = []
+        if self.pod_job_label:
+            pods, _ = self.api.list(
+                POD, self.namespace, label_selector=f"{self.pod_job_label}={job_id}"
+            )
+        return self.job_status(obj, pods)
+
+    def statuses(self, job_ids: Collection[str]) -> dict[str, JobStatus]:
+        """From the informers' caches while a watcher is subscribed, else from one list; one GET
+        only for an id neither has (gone, or not labelled as ours)."""
+        informers = self._checked_informers()
+        if informers and all(i.synced.is_set() for i in informers):
+            objects = {o["metadata"]["name"]: o for o in informers[0].items()}
+            pods = self._pods_by_job(informers[1].items() if len(informers) > 1 else [])
+        else:
+            objects, pods = self._listed()
+        out: dict[str, JobStatus] = {}
+        for job_id in job_ids:
+            obj = objects.get(job_id)
+            status = (
+                self.find(job_id) if obj is None else self.job_status(obj, pods.get(job_id, []))
+            )
+            if status is not None:
+                out[job_id] = status
+        return out
+
+    def subscribe(self, wake: Callable[[], None]) -> Callable[[], None]:
+        """Wake the watcher on every change of our jobs (and their pods) in the namespace, and
+        on every watch error; the informers start with the first subscriber."""
+        with self._lock:
+            self._wakes.append(wake)
+            if not self._closed:  # closed: statuses() tells the watcher
+                self._ensure_informers(replace_failed=True)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if wake in self._wakes:
+                    self._wakes.remove(wake)
+                if self._wakes:
+                    return
+                informers, self._informers = self._informers, ()
+            for informer in informers:
+                informer.stop()
+
+        return unsubscribe
+
+    def close(self) -> None:
+        """Stop the informers (their watches are cut at once, their threads end) and wake the
+        subscribed watchers, whose next poll then raises BackendClosed. Idempotent."""
+        with self._lock:
+            self._closed = True
+            informers, self._informers = self._informers, ()
+        for informer in informers:
+            informer.stop(wait_s=INFORMER_STOP_WAIT_S)
+        self._wake_all()
+
+    def logs(self, job_id: str) -> str:
+        """The job's whole log; the last read once its source is gone (teardown took it)."""
+        key = (self.cluster, job_id)
+        try:
+            text = self.read_log(job_id)
+        except self.log_errors:
+            cached = self.memory.last_log(key)
+            if cached is None:
+                raise
+            return cached
+        if text is None:
+            return self.memory.last_log(key) or ""
+        return self.memory.remember_log(key, text)
+
+    @property
+    def informers(self) -> tuple[Informer, ...]:
+        """The running informers (the job kind first, then pods); empty while nobody subscribed."""
+        with self._lock:
+            return self._informers
+
+    # -- for subclasses ------------------------------------------------------------------------
+
+    def current_status(self, job_id: str) -> JobStatus | None:
+        """From the informers' cache when they run and have the job (no request), else find()."""
+        informers = self.informers
+        if informers and all(i.synced.is_set() for i in informers):
+            obj = informers[0].get(job_id)
+            if obj is not None:
+                pods = self._pods_by_job(informers[1].items() if len(informers) > 1 else [])
+                return self.job_status(obj, pods.get(job_id, []))
+        return self.find(job_id)
+
+    def create_job(
+        self, manifest: dict[str, Any], *, owned: list[tuple[Kind, dict[str, Any]]], fix: str
+    ) -> dict[str, Any]:
+        """Create the job's object; JobAlreadyExists when its name is taken (attach instead).
+
+        A definite no (rejected, or our credentials refused) deletes the `owned` objects made
+        for it (nothing else will own them); a timeout leaves them, since the job may exist.
+        A rejection becomes InvalidJobSpec with the server's reason and `fix`.
+        """
+        job_id = manifest["metadata"]["name"]
+        self.memory.forget_deleted((self.cluster, job_id))
+        try:
+            return self.api.create(self.job_kind, manifest, self.namespace)
+        except AlreadyExists:
+            raise JobAlreadyExists(f"{self.job_kind.kind} '{job_id}' already exists") from None
+        except (Invalid, AuthenticationFailed) as exc:
+            for kind, obj in owned:
+                self.api.delete(kind, obj["metadata"]["name"], self.namespace)
+            if isinstance(exc, AuthenticationFailed):
+                raise
+            raise InvalidJobSpec(
+                f"the API server rejected {self.job_kind.kind} '{job_id}': {exc}. {fix}"
+            ) from None
+
+    def delete_to_stop(self, job_id: str) -> None:
+        """Delete the job's object (foreground: its dependents go first), remembering that we
+        did, so the job reads STOPPED once it is gone."""
+        self.memory.mark_deleted((self.cluster, job_id))
+        self.api.delete(self.job_kind, job_id, self.namespace, propagation="Foreground")
+
+    # -- informers -------------------------------------------------------------------------------
+
+    def _checked_informers(self) -> tuple[Informer, ...]:
+        """The running informers (none when nobody subscribed), dead ones replaced; raises
+        BackendClosed after close(), AuthenticationFailed at once, BackendUnavailable for a
+        watch that is failing (the watcher retries within its budget)."""
+        with self._lock:
+            if self._closed:
+                raise BackendClosed(f"the {self.kind} backend of {self.cluster} was closed")
+            if not self._informers:
+                return ()
+            for informer in self._informers:
+                informer.raise_rejected()
+            informers = self._ensure_informers(replace_failed=False)
+        for informer in informers:
+            if informer.error is not None:
+                raise BackendUnavailable(
+                    f"watch of {informer.kind.plural} in {self.namespace} on {self.api.host} "
+                    f"broke: {informer.error}"
+                )
+        return informers
+
+    def _ensure_informers(self, *, replace_failed: bool) -> tuple[Informer, ...]:
+        """Start the informers, replacing any whose thread died (and, with replace_failed, any
+        that credentials rejected: they may have been fixed). Call with the lock held."""
+        wanted = [(self.job_kind, MANAGED)]
+        if self.pod_job_label:
+            wanted.append((POD, f"{MANAGED},{self.pod_job_label}"))
+        current = list(self._informers) or [None] * len(wanted)
+        for i, (kind, selector) in enumerate(wanted):
+            old = current[i]
+            rejected = old is not None and isinstance(old.error, AuthenticationFailed)
+            if old is None or (old.dead and (replace_failed or not rejected)):
+                if old is not None:
+                    old.stop()
+                current[i] = Informer(
+                    self.api, kind, self.namespace, label_selector=selector,
+                    on_change=self._wake_all, on_error=self._wake_all,
+                ).start()  # fmt: skip
+        self._informers = tuple(i for i in current if i is not None)
+        return self._informers
+
+    def _listed(self) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+        """Our jobs by name (and their pods by job) from one list request each: no thread."""
+        items, _ = self.api.list(self.job_kind, self.namespace, label_selector=MANAGED)
+        pods: list[dict[str, Any]] = []
+        if self.pod_job_label:
+            pods, _ = self.api.list(
+                POD, self.namespace, label_selector=f"{MANAGED},{self.pod_job_label}"
+            )
+        return {o["metadata"]["name"]: o for o in items}, self._pods_by_job(pods)
+
+    def _pods_by_job(self, pods: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+        by_job: dict[str, list[dict[str, Any]]] = {}
+        for pod in pods:
+            job_id = (pod["metadata"].get("labels") or {}).get(self.pod_job_label or "")
+            if job_id:
+                by_job.setdefault(job_id, []).append(pod)
+        return by_job
+
+    def _wake_all(self, *_event: object) -> None:
+        with self._lock:
+            wakes = list(self._wakes)
+        for wake in wakes:
+            wake()
+
+    def _deleted_status(self, job_id: str) -> JobStatus | None:
+        if not self.memory.was_deleted((self.cluster, job_id)):
+            return None
+        return JobStatus(job_id=job_id, state=JobState.STOPPED, message=self.deleted_message)
