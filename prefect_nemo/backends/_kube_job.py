@@ -58,7 +58,7 @@ ANNOTATION_PREFIX = "prefect-nemo.io/"  # prefect_nemo.<key> job metadata is kep
 MAX_OBJECT_BYTES = 1_000_000  # etcd's request limit is ~1.5 MiB; leave room for status
 ENV_SECRET_SUFFIX = "-env"
 MANAGED = f"{MANAGED_BY}=prefect-nemo"
-INFORMER_STOP_WAIT_S = 5.0  # close() waits this long for each informer thread to end
+INFORMER_STOP_WAIT_S = 5.0  # how long stopping waits for each informer thread to end
 
 
 # -------------------------------------------------------------------------------------------
@@ -343,7 +343,7 @@ class KubeJobBackend:
                     return
                 informers, self._informers = self._informers, ()
             for informer in informers:
-                informer.stop()
+                informer.stop(wait_s=INFORMER_STOP_WAIT_S)
 
         return unsubscribe
 

@@ -193,12 +193,14 @@ class Informer:
     def stop(self, wait_s: float = 0.0) -> None:
         """Stop now: the watch request in flight is cut; wait up to wait_s for the thread."""
         self._stopper.stop()
-        if (
-            wait_s > 0
-            and self._thread.ident is not None
-            and self._thread is not (threading.current_thread())
-        ):
-            self._thread.join(wait_s)
+        if self._thread.ident is None or self._thread is threading.current_thread():
+            return
+        deadline = time.monotonic() + wait_s
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            self._thread.join(0.05)
+            # a stop that came while a watch request was being sent found no response to cut
+            # (the client starts each stream by clearing its stop flag): cut it now
+            self._stopper.stop()
 
     @property
     def dead(self) -> bool:
@@ -236,7 +238,9 @@ class Informer:
             ):  # fmt: skip
                 self._apply(event, payload)
         except Exception as exc:  # rejected credentials, or a failure we cannot retry
-            log.warning("informer for %s stopped: %s", self.kind.describe(), exc)
+            log.warning(
+                "informer for %s stopped: %s: %s", self.kind.describe(), type(exc).__name__, exc
+            )
             self._failed = True
             self._set_error(exc)
 
