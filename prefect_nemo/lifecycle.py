@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 
 from prefect_nemo import names
 from prefect_nemo.errors import (
+    AuthenticationFailed,
     BackendUnavailable,
     JobAlreadyExists,
     JobInterrupted,
@@ -133,6 +134,8 @@ def stop_and_confirm(
             if last is None or last.state.is_terminal():
                 return last
             backend.request_stop(job_id)
+        except AuthenticationFailed:
+            raise  # rejected credentials do not heal by waiting: fail now, not at the deadline
         except BackendUnavailable as exc:
             last_error = exc
         if time.monotonic() >= deadline:
