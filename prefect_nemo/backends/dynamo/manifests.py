@@ -262,40 +262,38 @@ def check_dgd_name(name: Any) -> str:
 def _services(doc: Mapping[str, Any], version: str) -> list[tuple[str, dict[str, Any]]]:
     """(service name, service dict) for every service/component, validated for shape."""
     spec = doc.get("spec")
+    name = _name_of(doc)
     if not isinstance(spec, Mapping):
-        raise InvalidJobSpec(f"DGD {_name_of(doc)!r}: spec is missing")
+        raise InvalidJobSpec(f"DGD {name!r}: spec is missing")
+    ours, theirs, other = (
+        ("services", "components", "v1beta1") if version == "v1alpha1"
+        else ("components", "services", "v1alpha1")
+    )  # fmt: skip
+    if theirs in spec:
+        raise InvalidJobSpec(
+            f"DGD {name!r}: spec.{theirs} is the {other} shape; pass version={other!r} or use "
+            f"spec.{ours}"
+        )
     if version == "v1alpha1":
         services = spec.get("services")
-        if "components" in spec:
-            raise InvalidJobSpec(
-                f"DGD {_name_of(doc)!r}: spec.components is the v1beta1 shape; pass "
-                "version='v1beta1' or use spec.services"
-            )
         if not isinstance(services, Mapping) or not services:
-            raise InvalidJobSpec(f"DGD {_name_of(doc)!r}: spec.services must be a non-empty map")
+            raise InvalidJobSpec(f"DGD {name!r}: spec.services must be a non-empty map")
         for key, svc in services.items():
             if not isinstance(svc, dict):
-                raise InvalidJobSpec(f"DGD {_name_of(doc)!r}: spec.services.{key} must be a map")
+                raise InvalidJobSpec(f"DGD {name!r}: spec.services.{key} must be a map")
         return list(services.items())
     components = spec.get("components")
-    if "services" in spec:
-        raise InvalidJobSpec(
-            f"DGD {_name_of(doc)!r}: spec.services is the v1alpha1 shape; pass "
-            "version='v1alpha1' or use spec.components"
-        )
     if not isinstance(components, list) or not components:
-        raise InvalidJobSpec(f"DGD {_name_of(doc)!r}: spec.components must be a non-empty list")
+        raise InvalidJobSpec(f"DGD {name!r}: spec.components must be a non-empty list")
     out: list[tuple[str, dict[str, Any]]] = []
     for i, comp in enumerate(components):
         if not isinstance(comp, dict) or not isinstance(comp.get("name"), str):
-            raise InvalidJobSpec(
-                f"DGD {_name_of(doc)!r}: spec.components[{i}] must be a map with a name"
-            )
+            raise InvalidJobSpec(f"DGD {name!r}: spec.components[{i}] must be a map with a name")
         out.append((comp["name"], comp))
     names = [n.lower() for n, _ in out]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
-        raise InvalidJobSpec(f"DGD {_name_of(doc)!r}: duplicate component names {dupes}")
+        raise InvalidJobSpec(f"DGD {name!r}: duplicate component names {dupes}")
     return out
 
 
