@@ -28,7 +28,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from pydantic import SecretStr
 
@@ -41,23 +41,30 @@ from prefect_nemo.errors import (
 )
 from prefect_nemo.jobs import RESERVED_PREFIX, JobHandle, JobSpec, JobState, JobStatus
 from prefect_nemo.kube import (
+    CONFIGMAP,
     FLOW_RUN_LABEL,
     MANAGED_BY,
     POD,
+    SECRET,
     AlreadyExists,
     Informer,
     Invalid,
     Kind,
     KubeApi,
     NotFound,
+    add_owner_reference,
     managed_labels,
+    wait_for,
 )
 from prefect_nemo.names import is_label_key, label_value
 
 ANNOTATION_PREFIX = "prefect-nemo.io/"  # prefect_nemo.<key> job metadata is kept as these
 MAX_OBJECT_BYTES = 1_000_000  # etcd's request limit is ~1.5 MiB; leave room for status
+MAX_ANNOTATION_BYTES = 256 * 1024  # Kubernetes' total annotation size limit
 ENV_SECRET_SUFFIX = "-env"
+OWNED_ANNOTATION = "prefect-nemo.io/owned-objects"  # the Secret/ConfigMaps a job's object owns
 MANAGED = f"{MANAGED_BY}=prefect-nemo"
+ConfigT = TypeVar("ConfigT")
 INFORMER_STOP_WAIT_S = 5.0  # how long stopping waits for each informer thread to end
 
 
@@ -91,10 +98,13 @@ def job_object(
     *,
     namespace: str,
     annotations: Mapping[str, str] | None = None,
+    owned: Mapping[str, list[str]] | None = None,
     shrink: str,
 ) -> dict[str, Any]:
     """The job's object: `body` as its spec, the JobSpec's labels and ours, the reserved job
-    metadata as annotations. InvalidJobSpec (saying what to `shrink`) past ~1 MB."""
+    metadata as annotations, and the names of the objects it will own (by plural: "secrets",
+    "configmaps"), to adopt them even after a crash. InvalidJobSpec past Kubernetes' annotation
+    limit, or (saying what to `shrink`) past ~1 MB."""
     labels = {k: label_value(v) for k, v in spec.labels.items()}
     labels.update(managed_labels(flow_run_of(metadata)))
     reserved = {
@@ -102,6 +112,8 @@ def job_object(
         for k, v in metadata.items()
         if k.startswith(RESERVED_PREFIX)
     }
+    if owned:
+        reserved[OWNED_ANNOTATION] = json.dumps(dict(owned))
     manifest = {
         "apiVersion": kind.api_version,
         "kind": kind.kind,
@@ -113,6 +125,8 @@ def job_object(
         },
         "spec": body,
     }
+    if len(json.dumps(manifest["metadata"]["annotations"])) > MAX_ANNOTATION_BYTES:
+        raise InvalidJobSpec("JobSpec.metadata: too large for Kubernetes annotations (256 KiB)")
     size = len(json.dumps(manifest))
     if size > MAX_OBJECT_BYTES:
         raise InvalidJobSpec(
@@ -127,7 +141,7 @@ def reserved_metadata(annotations: Mapping[str, str], skip: Collection[str] = ()
     return {
         RESERVED_PREFIX + key.removeprefix(ANNOTATION_PREFIX): value
         for key, value in annotations.items()
-        if key.startswith(ANNOTATION_PREFIX) and key not in skip
+        if key.startswith(ANNOTATION_PREFIX) and key != OWNED_ANNOTATION and key not in skip
     }
 
 
@@ -217,12 +231,13 @@ class JobMemory:
 # The base
 
 
-class KubeJobBackend:
+class KubeJobBackend(Generic[ConfigT]):
     """What every Kubernetes job backend shares: identity, access check, find, the informers
     behind statuses() (see the module docstring), close, the stop-by-delete and the log memory.
 
     A subclass sets the class attributes and implements `job_status` and `read_log` (plus the
-    Backend methods of its own: validate, submit, request_stop, tail_logs).
+    Backend methods of its own: validate, submit, request_stop, tail_logs); `config` is its
+    block's settings.
     """
 
     kind: ClassVar[str]
@@ -232,10 +247,15 @@ class KubeJobBackend:
     deleted_message: ClassVar[str]  # the STOPPED message of a job we deleted to stop it
     pod_job_label: ClassVar[str | None] = None  # a label naming the job on its pods: watch them
     log_errors: ClassVar[tuple[type[Exception], ...]] = (BackendUnavailable, NotFound)
-    memory: ClassVar[JobMemory]  # each subclass has its own
+    memory: ClassVar[JobMemory]  # one per subclass, shared by its instances
 
-    def __init__(self, api: KubeApi, *, namespace: str | None = None) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.memory = JobMemory()
+
+    def __init__(self, api: KubeApi, config: ConfigT, *, namespace: str | None = None) -> None:
         self.api = api
+        self.config = config
         self.namespace = namespace or api.namespace
         self._lock = threading.Lock()
         self._informers: tuple[Informer, ...] = ()  # (jobs, pods?) while subscribed
@@ -311,12 +331,8 @@ class KubeJobBackend:
     def statuses(self, job_ids: Collection[str]) -> dict[str, JobStatus]:
         """From the informers' caches while a watcher is subscribed, else from one list; one GET
         only for an id neither has (gone, or not labelled as ours)."""
-        informers = self._checked_informers()
-        if informers and all(i.synced.is_set() for i in informers):
-            objects = {o["metadata"]["name"]: o for o in informers[0].items()}
-            pods = self._pods_by_job(informers[1].items() if len(informers) > 1 else [])
-        else:
-            objects, pods = self._listed()
+        cached = self._cached() if self._checked_informers() else None
+        objects, pods = cached or self._listed()
         out: dict[str, JobStatus] = {}
         for job_id in job_ids:
             obj = objects.get(job_id)
@@ -381,29 +397,44 @@ class KubeJobBackend:
 
     def current_status(self, job_id: str) -> JobStatus | None:
         """From the informers' cache when they run and have the job (no request), else find()."""
-        informers = self.informers
-        if informers and all(i.synced.is_set() for i in informers):
-            obj = informers[0].get(job_id)
-            if obj is not None:
-                pods = self._pods_by_job(informers[1].items() if len(informers) > 1 else [])
-                return self.job_status(obj, pods.get(job_id, []))
+        objects, pods = self._cached() or ({}, {})
+        if job_id in objects:
+            return self.job_status(objects[job_id], pods.get(job_id, []))
         return self.find(job_id)
 
     def create_job(
-        self, manifest: dict[str, Any], *, owned: list[tuple[Kind, dict[str, Any]]], fix: str
+        self,
+        manifest: dict[str, Any],
+        owned: list[tuple[Kind, dict[str, Any]]],
+        *,
+        fix: str,
+        prepare: Callable[[], None] = lambda: None,
     ) -> dict[str, Any]:
-        """Create the job's object; JobAlreadyExists when its name is taken (attach instead).
+        """Create the job: `prepare()` (what it needs that outlives it), the `owned` objects its
+        pods read at start (listed in its OWNED_ANNOTATION), then its object, which then owns
+        them, so deleting it deletes them. JobAlreadyExists when the name is taken (attach); an
+        existing job adopts its orphans (a submit that died between the two steps).
 
-        A definite no (rejected, or our credentials refused) deletes the `owned` objects made
-        for it (nothing else will own them); a timeout leaves them, since the job may exist.
-        A rejection becomes InvalidJobSpec with the server's reason and `fix`.
+        A definite no (rejected, or our credentials refused) deletes the `owned` objects again
+        (nothing else will own them); a timeout leaves them, since the job may exist. A
+        rejection becomes InvalidJobSpec with the server's reason and `fix`.
         """
         job_id = manifest["metadata"]["name"]
+        taken = f"{self.job_kind.kind} '{job_id}' already exists"
+        existing = self.api.get(self.job_kind, job_id, self.namespace)
+        if existing is not None:
+            self._adopt(existing)
+            raise JobAlreadyExists(taken)
+        prepare()
+        for kind, obj in owned:
+            self._create_fresh(kind, obj)
         self.memory.forget_deleted((self.cluster, job_id))
         try:
-            return self.api.create(self.job_kind, manifest, self.namespace)
-        except AlreadyExists:
-            raise JobAlreadyExists(f"{self.job_kind.kind} '{job_id}' already exists") from None
+            created = self.api.create(self.job_kind, manifest, self.namespace)
+        except AlreadyExists:  # a concurrent submitter won: its job owns what we re-made
+            if (winner := self.api.get(self.job_kind, job_id, self.namespace)) is not None:
+                self._adopt(winner)
+            raise JobAlreadyExists(taken) from None
         except (Invalid, AuthenticationFailed) as exc:
             for kind, obj in owned:
                 self.api.delete(kind, obj["metadata"]["name"], self.namespace)
@@ -412,6 +443,8 @@ class KubeJobBackend:
             raise InvalidJobSpec(
                 f"the API server rejected {self.job_kind.kind} '{job_id}': {exc}. {fix}"
             ) from None
+        self._adopt(created)
+        return created
 
     def delete_to_stop(self, job_id: str) -> None:
         """Delete the job's object (foreground: its dependents go first), remembering that we
@@ -461,6 +494,14 @@ class KubeJobBackend:
         self._informers = tuple(i for i in current if i is not None)
         return self._informers
 
+    def _cached(self) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict[str, Any]]]] | None:
+        """Our jobs by name and their pods by job from the informers, once they have listed."""
+        informers = self.informers
+        if not informers or not all(i.synced.is_set() for i in informers):
+            return None
+        pods = informers[1].items() if len(informers) > 1 else []
+        return {o["metadata"]["name"]: o for o in informers[0].items()}, self._pods_by_job(pods)
+
     def _listed(self) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict[str, Any]]]]:
         """Our jobs by name (and their pods by job) from one list request each: no thread."""
         items, _ = self.api.list(self.job_kind, self.namespace, label_selector=MANAGED)
@@ -478,6 +519,44 @@ class KubeJobBackend:
             if job_id:
                 by_job.setdefault(job_id, []).append(pod)
         return by_job
+
+    def _create_fresh(self, kind: Kind, obj: dict[str, Any]) -> None:
+        """Create an object the job will own. One left by a submit that died before the job
+        existed is reused if it is a code ConfigMap (immutable, named by its content) and
+        replaced if it is the Secret (its values may have changed); one still owned by an
+        earlier job of this name (being garbage-collected) is waited out and recreated."""
+        name = obj["metadata"]["name"]
+        try:
+            self.api.create(kind, obj, self.namespace)
+            return
+        except AlreadyExists:
+            existing = self.api.get(kind, name, self.namespace) or {}
+        meta = existing.get("metadata") or {}
+        leftover = not meta.get("ownerReferences") and not meta.get("deletionTimestamp")
+        if kind is CONFIGMAP and leftover:
+            return
+        self.api.delete(kind, name, self.namespace)
+        wait_for(
+            self.api, kind, name, lambda o: o is None, namespace=self.namespace,
+            timeout_s=60, what=f"deletion of the leftover {kind.kind} {name}",
+        )  # fmt: skip
+        self.api.create(kind, obj, self.namespace)
+
+    def _adopt(self, job: dict[str, Any]) -> None:
+        """Make the job's object an owner of the objects its OWNED_ANNOTATION names
+        (idempotent), so deleting it deletes them."""
+        annotations = (job.get("metadata") or {}).get("annotations") or {}
+        try:
+            owned = json.loads(annotations.get(OWNED_ANNOTATION) or "{}")
+        except ValueError:
+            return
+        kinds = {"secrets": SECRET, "configmaps": CONFIGMAP}
+        for plural, names in owned.items():
+            for name in names:
+                try:
+                    add_owner_reference(self.api, kinds[plural], name, job, self.namespace)
+                except (NotFound, KeyError):
+                    continue
 
     def _wake_all(self, *_event: object) -> None:
         with self._lock:

@@ -55,7 +55,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from prefect_nemo.backends._kube_job import (
-    JobMemory,
     KubeJobBackend,
     check_labels,
     flow_run_of,
@@ -82,7 +81,7 @@ from prefect_nemo.backends.kubeflow.runtimes import (
     runtime_manifest,
     runtime_name,
 )
-from prefect_nemo.errors import InvalidJobSpec, JobAlreadyExists
+from prefect_nemo.errors import InvalidJobSpec
 from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus
 from prefect_nemo.kube import (
     CONFIGMAP,
@@ -94,11 +93,8 @@ from prefect_nemo.kube import (
     Invalid,
     Kind,
     KubeApi,
-    NotFound,
-    add_owner_reference,
     apply_or_attach,
     managed_labels,
-    wait_for,
 )
 from prefect_nemo.names import is_dns1035_label
 
@@ -108,7 +104,6 @@ if TYPE_CHECKING:
 # JobSet names each pod's hostname <trainjob>-node-0-<index>: keep it a DNS label up to 10^4 nodes
 MAX_TRAINJOB_NAME = 50
 METADATA_ANNOTATION = "prefect-nemo.io/metadata"
-OBJECTS_ANNOTATION = "prefect-nemo.io/owned-objects"  # Secret/ConfigMaps this TrainJob owns
 REPLICATED_JOB = "jobset.sigs.k8s.io/replicatedjob-name"
 JOB_INDEX = "jobset.sigs.k8s.io/job-index"
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
@@ -177,9 +172,6 @@ def trainjob_manifest(
     annotations: dict[str, str] = {}
     if spec.metadata:
         annotations[METADATA_ANNOTATION] = json.dumps(spec.metadata, sort_keys=True)
-    owned = owned_objects(spec, job_id, plan)
-    if owned:
-        annotations[OBJECTS_ANNOTATION] = json.dumps(owned)
     setup = None
     if plan is not None:
         setup = plan.setup_command(config.code_dir, shared=config.code_on_shared_volume)
@@ -211,7 +203,7 @@ def trainjob_manifest(
         body["runtimePatches"] = patches
     return job_object(
         TRAIN_JOB, job_id, spec, metadata, body, namespace=namespace, annotations=annotations,
-        shrink="JobSpec.entrypoint/env/metadata",
+        owned=owned_objects(spec, job_id, plan), shrink="JobSpec.entrypoint/env/metadata",
     )  # fmt: skip
 
 
@@ -295,7 +287,7 @@ def status_from_trainjob(obj: dict[str, Any], pods: list[dict[str, Any]]) -> Job
         metadata.update(json.loads(annotations.get(METADATA_ANNOTATION) or "{}"))
     except ValueError:
         pass
-    metadata.update(reserved_metadata(annotations, skip=(METADATA_ANNOTATION, OBJECTS_ANNOTATION)))
+    metadata.update(reserved_metadata(annotations, skip=(METADATA_ANNOTATION,)))
     return JobStatus(
         job_id=name,
         state=state,
@@ -311,7 +303,7 @@ def status_from_trainjob(obj: dict[str, Any], pods: list[dict[str, Any]]) -> Job
 # The backend
 
 
-class KubeflowTrainerBackend(KubeJobBackend):
+class KubeflowTrainerBackend(KubeJobBackend[TrainerConfig]):
     """Run jobs as Kubeflow Trainer TrainJobs: submit, watch (informers), stop, logs."""
 
     kind: ClassVar[str] = "kubeflow-trainer"
@@ -320,7 +312,6 @@ class KubeflowTrainerBackend(KubeJobBackend):
     crd_fix = "install Kubeflow Trainer (v2.3+) in the cluster"
     deleted_message = "stopped: the TrainJob and its pods were deleted"
     pod_job_label = JOBSET_NAME
-    memory = JobMemory()  # TrainJobs we deleted to stop them; last logs read
 
     def __init__(
         self,
@@ -331,8 +322,7 @@ class KubeflowTrainerBackend(KubeJobBackend):
         chunk_bytes: int | None = None,
         max_code_bytes: int | None = None,
     ) -> None:
-        super().__init__(api, namespace=namespace)
-        self.config = config
+        super().__init__(api, config, namespace=namespace)
         self.chunk_bytes = chunk_bytes
         self.max_code_bytes = max_code_bytes
 
@@ -365,12 +355,6 @@ class KubeflowTrainerBackend(KubeJobBackend):
             spec, job_id, metadata, self.config, namespace=self.namespace, plan=plan
         )
         secret = secret_manifest(spec, job_id, namespace=self.namespace, flow_run_id=flow_run_id)
-        existing = self.api.get(TRAIN_JOB, job_id, self.namespace)
-        if existing is not None:  # attach: leave its objects alone, but adopt any orphan
-            self._adopt(existing)
-            raise JobAlreadyExists(f"TrainJob '{job_id}' already exists")
-        self._ensure_pvcs()
-        self._ensure_runtime()
         owned: list[tuple[Kind, dict[str, Any]]] = []
         if secret is not None:
             owned.append((SECRET, secret))
@@ -381,10 +365,8 @@ class KubeflowTrainerBackend(KubeJobBackend):
             meta["labels"] = {**(meta.get("labels") or {}), **managed_labels(flow_run_id)}
             meta.pop("ownerReferences", None)
             owned.append((CONFIGMAP, cm))
-        for kind, obj in owned:
-            self._create_fresh(kind, obj)
         fix = "Check the KubeflowTrainerCluster fields and the JobSpec fields it names"
-        self._adopt(self.create_job(manifest, owned=owned, fix=fix))
+        self.create_job(manifest, owned, fix=fix, prepare=self._prepare)
         return self.handle(job_id)
 
     def request_stop(self, job_id: str) -> None:
@@ -430,7 +412,9 @@ class KubeflowTrainerBackend(KubeJobBackend):
             chunk_bytes=self.chunk_bytes, max_bytes=self.max_code_bytes,
         )  # fmt: skip
 
-    def _ensure_pvcs(self) -> None:
+    def _prepare(self) -> None:
+        """The PVCs (created if missing, never deleted) and the config's runtime (created, or
+        the one of its name reused: never changed in place)."""
         for mount in self.config.pvc_mounts:
             if self.api.get(PVC, mount.name, self.namespace) is not None:
                 continue
@@ -438,58 +422,14 @@ class KubeflowTrainerBackend(KubeJobBackend):
                 self.api.create(PVC, pvc_manifest(mount, self.namespace), self.namespace)
             except AlreadyExists:
                 pass  # created meanwhile: fine, we only need it to exist
-
-    def _ensure_runtime(self) -> None:
-        """Create the config's runtime or reuse the one of that name (never changed in place)."""
+        manifest = runtime_manifest(self.config, self.namespace)
         try:
-            manifest = runtime_manifest(self.config, self.namespace)
             apply_or_attach(self.api, manifest, namespace=self.namespace)
         except Invalid as exc:
             raise InvalidJobSpec(
                 f"the API server rejected {manifest['kind']} {runtime_name(self.config)}: "
                 f"{exc}. Check the KubeflowTrainerCluster fields it names"
             ) from None
-
-    def _create_fresh(self, kind: Any, obj: dict[str, Any]) -> None:
-        """Create an object the TrainJob will own. One left by a submit that died before the
-        TrainJob existed is reused if it is a code ConfigMap (immutable, named by its content)
-        and replaced if it is the Secret (its values may have changed); one still owned by an
-        earlier TrainJob of this name (being garbage-collected) is waited out and recreated."""
-        name = obj["metadata"]["name"]
-        try:
-            self.api.create(kind, obj, self.namespace)
-            return
-        except AlreadyExists:
-            existing = self.api.get(kind, name, self.namespace) or {}
-        meta = existing.get("metadata") or {}
-        if (
-            kind is CONFIGMAP
-            and not meta.get("ownerReferences")
-            and not meta.get("deletionTimestamp")
-        ):
-            return
-        self.api.delete(kind, name, self.namespace)
-        wait_for(
-            self.api, kind, name, lambda o: o is None, namespace=self.namespace,
-            timeout_s=60, what=f"deletion of the leftover {kind.kind} {name}",
-        )  # fmt: skip
-        self.api.create(kind, obj, self.namespace)
-
-    def _adopt(self, trainjob: dict[str, Any]) -> None:
-        """Make the TrainJob the owner of its Secret and ConfigMaps (idempotent), so deleting
-        it deletes them; also repairs a submit that died between create and this step."""
-        annotations = (trainjob.get("metadata") or {}).get("annotations") or {}
-        try:
-            owned = json.loads(annotations.get(OBJECTS_ANNOTATION) or "{}")
-        except ValueError:
-            return
-        kinds = {"secrets": SECRET, "configmaps": CONFIGMAP}
-        for plural, names in owned.items():
-            for name in names:
-                try:
-                    add_owner_reference(self.api, kinds[plural], name, trainjob, self.namespace)
-                except (NotFound, KeyError):
-                    continue
 
     def _node0(self, job_id: str) -> dict[str, Any] | None:
         """The pod of replicatedJob `node`, job index 0, completion index 0 (torchrun rank 0)."""

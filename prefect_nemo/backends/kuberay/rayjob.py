@@ -35,9 +35,6 @@ Initializing, Waiting  any                             PENDING
 (RayJob gone)          -                               STOPPED if we deleted it, else absent
 =====================  ==============================  ===========================================
 
-Secret env values (SecretStr in JobSpec.env) never go into the RayJob (etcd keeps it readable to
-anyone who may read RayJobs): with an inline cluster they go into a Secret we own and the head
-
 Logs and stop go to the Ray Jobs API of the job's cluster through the API server's service
 proxy (`raycluster.ray_jobs_backend`). Secret env values (SecretStr in JobSpec.env) never go into
 the RayJob: with an inline cluster they go into a Secret we own and the head and worker
@@ -60,7 +57,6 @@ import yaml
 from pydantic import SecretStr
 
 from prefect_nemo.backends._kube_job import (
-    JobMemory,
     KubeJobBackend,
     check_labels,
     flow_run_of,
@@ -77,9 +73,9 @@ from prefect_nemo.backends.kuberay.raycluster import (
     ray_jobs_backend,
 )
 from prefect_nemo.backends.ray_jobs import OVERRIDE_RUNTIME_ENV, RayJobsBackend
-from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec, JobAlreadyExists
+from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec
 from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus
-from prefect_nemo.kube import RAY_CLUSTER, RAY_JOB, SECRET, AlreadyExists, KubeApi, owner_reference
+from prefect_nemo.kube import RAY_CLUSTER, RAY_JOB, SECRET, KubeApi
 from prefect_nemo.names import is_dns1035_label, is_dns1123_subdomain
 from prefect_nemo.packaging import collect_source, stage_source
 from prefect_nemo.placement.spec import to_ray_entrypoint
@@ -87,7 +83,6 @@ from prefect_nemo.placement.spec import to_ray_entrypoint
 SubmissionMode = Literal["K8sJobMode", "HTTPMode", "SidecarMode"]
 SUBMISSION_MODES: tuple[str, ...] = ("K8sJobMode", "HTTPMode", "SidecarMode")
 MAX_RAYJOB_NAME = 47  # KubeRay's MaxRayJobNameLength
-MAX_ANNOTATION_BYTES = 256 * 1024  # Kubernetes' total annotation size limit
 STOP_ESCALATE_S = 10.0  # a Ray stop not confirmed by then is escalated to deleting the RayJob
 
 _EXIT_CODE = re.compile(r"exit code (-?\d+)")
@@ -270,13 +265,11 @@ def rayjob_manifest(
             body["ttlSecondsAfterFinished"] = config.ttl_seconds_after_finished
     else:
         body["clusterSelector"] = {"ray.io/cluster": str(config.ray_cluster_name)}
-    manifest = job_object(
+    return job_object(
         RAY_JOB, job_id, spec, metadata, body, namespace=namespace,
+        owned={"secrets": [secret_name(job_id)]} if spec.secret_values() else None,
         shrink="JobSpec.entrypoint/env/runtime_env/metadata or ray_cluster_spec",
     )  # fmt: skip
-    if len(json.dumps(manifest["metadata"]["annotations"])) > MAX_ANNOTATION_BYTES:
-        raise InvalidJobSpec("JobSpec.metadata: too large for Kubernetes annotations (256 KiB)")
-    return manifest
 
 
 def _mount_secret(cluster_spec: dict[str, Any], name: str) -> None:
@@ -351,7 +344,7 @@ _stops: dict[tuple[str, str], float] = {}  # (cluster, job id) -> when we first 
 _stops_lock = threading.Lock()
 
 
-class KubeRayBackend(KubeJobBackend):
+class KubeRayBackend(KubeJobBackend[RayJobConfig]):
     """Run jobs as KubeRay RayJobs: submit, watch (informers), stop through Ray, logs."""
 
     kind: ClassVar[str] = "kuberay"
@@ -360,7 +353,6 @@ class KubeRayBackend(KubeJobBackend):
     crd_fix = "install the KubeRay operator (its CRDs) in the cluster"
     deleted_message = "stopped by deleting its RayJob (and the RayCluster it brought up)"
     log_errors = (BackendUnavailable, RuntimeError)
-    memory = JobMemory()  # RayJobs we deleted to stop them; last logs read
 
     def __init__(
         self,
@@ -370,8 +362,7 @@ class KubeRayBackend(KubeJobBackend):
         namespace: str | None = None,
         ray_token: str | None = None,
     ) -> None:
-        super().__init__(api, namespace=namespace)
-        self.config = config
+        super().__init__(api, config, namespace=namespace)
         self._ray_token = ray_token
 
     @property
@@ -427,18 +418,9 @@ class KubeRayBackend(KubeJobBackend):
         secret = secret_manifest(
             spec, job_id, namespace=self.namespace, flow_run_id=flow_run_of(metadata)
         )
-        if secret is not None:
-            self._create_secret(secret, job_id)
         owned = [(SECRET, secret)] if secret is not None else []
         fix = "Check KubeRayCluster.ray_cluster_spec and the JobSpec fields it names"
-        try:
-            created = self.create_job(manifest, owned=owned, fix=fix)
-        except JobAlreadyExists:
-            if secret is not None:  # a Secret we just re-made belongs to the RayJob that won
-                self._own_secret(job_id, self.api.get(RAY_JOB, job_id, self.namespace))
-            raise
-        if secret is not None:
-            self._own_secret(job_id, created)
+        self.create_job(manifest, owned, fix=fix)
         return self.handle(job_id)
 
     def request_stop(self, job_id: str) -> None:
@@ -503,30 +485,6 @@ class KubeRayBackend(KubeJobBackend):
     def _ray(self, cluster_name: str) -> RayJobsBackend:
         """The Ray Jobs API of a RayCluster, through the API server's service proxy."""
         return ray_jobs_backend(self.api, cluster_name, self.namespace, ray_token=self._ray_token)
-
-    def _own_secret(self, job_id: str, owner: dict[str, Any] | None) -> None:
-        """Make the RayJob own its Secret, so deleting the RayJob deletes the Secret."""
-        if owner is not None:
-            self.api.patch(
-                SECRET,
-                secret_name(job_id),
-                {"metadata": {"ownerReferences": [owner_reference(owner)]}},
-                self.namespace,
-            )
-
-    def _create_secret(self, secret: dict[str, Any], job_id: str) -> None:
-        """Create the job's Secret before the RayJob, so its pods find it when they start.
-
-        A Secret left over from a submit that died before creating the RayJob is refreshed; if
-        the RayJob exists, this is an attach and the Secret is left alone.
-        """
-        try:
-            self.api.create(SECRET, secret, self.namespace)
-        except AlreadyExists:
-            if self.api.get(RAY_JOB, job_id, self.namespace) is not None:
-                raise JobAlreadyExists(f"RayJob '{job_id}' already exists") from None
-            self.api.delete(SECRET, secret["metadata"]["name"], self.namespace)
-            self.api.create(SECRET, secret, self.namespace)
 
     def _upload_working_dir(self, spec: JobSpec) -> str:
         """Package working_dir and upload it to the target cluster's GCS with Ray's own
