@@ -34,7 +34,7 @@ from prefect.client.schemas.filters import (
 from pydantic import SecretStr
 
 from prefect_nemo import lifecycle
-from prefect_nemo.backends.nemo_run.home import home_files
+from prefect_nemo.backends.nemo_run.isolation import home_files
 from prefect_nemo.blocks.dgx_cloud import DGXCloudCluster
 from prefect_nemo.errors import AuthenticationFailed, InvalidJobSpec
 from prefect_nemo.jobs import JobSpec, JobState, Resources

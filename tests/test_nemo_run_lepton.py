@@ -24,7 +24,7 @@ from prefect import flow
 from pydantic import SecretStr
 
 from prefect_nemo import lifecycle
-from prefect_nemo.backends.nemo_run.home import home_files
+from prefect_nemo.backends.nemo_run.isolation import home_files
 from prefect_nemo.blocks.lepton import LeptonWorkspace
 from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable, InvalidJobSpec
 from prefect_nemo.jobs import JobSpec, JobState, Resources

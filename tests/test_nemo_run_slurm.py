@@ -362,7 +362,7 @@ def _some_other_host_key(tmp_path: Path) -> str:
 
 
 def test_secrets_appear_nowhere(block, slurm, job_root, prefect_api, caplog, capfd):
-    from prefect_nemo.backends.nemo_run.home import home_files
+    from prefect_nemo.backends.nemo_run.isolation import home_files
 
     caplog.set_level(logging.DEBUG)
     since = datetime.now(UTC).isoformat()

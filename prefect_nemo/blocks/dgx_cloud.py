@@ -15,7 +15,7 @@ from prefect_nemo.blocks.base import ClusterBlock
 
 if TYPE_CHECKING:
     from prefect_nemo.backends.nemo_run.dgx_cloud import DGXCloudBackend
-    from prefect_nemo.backends.nemo_run.ray_cloud import DGXCloudRayBackend
+    from prefect_nemo.backends.nemo_run.ray_clusters import DGXCloudRayBackend
 
 
 class DGXCloudCluster(ClusterBlock):
@@ -196,6 +196,6 @@ def rl():
 
     def backend(self) -> DGXCloudRayBackend:
         """The Ray-on-DGX-Cloud backend (needs prefect-nemo[nemo-run])."""
-        from prefect_nemo.backends.nemo_run.ray_cloud import DGXCloudRayBackend
+        from prefect_nemo.backends.nemo_run.ray_clusters import DGXCloudRayBackend
 
         return DGXCloudRayBackend(self.cluster.backend().config)

@@ -14,7 +14,7 @@ from prefect_nemo.blocks.base import ClusterBlock
 
 if TYPE_CHECKING:
     from prefect_nemo.backends.nemo_run.lepton import LeptonBackend
-    from prefect_nemo.backends.nemo_run.ray_cloud import LeptonRayBackend
+    from prefect_nemo.backends.nemo_run.ray_clusters import LeptonRayBackend
 
 
 class LeptonWorkspace(ClusterBlock):
@@ -205,7 +205,7 @@ def rl():
 
     def backend(self) -> LeptonRayBackend:
         """The Ray-on-Lepton backend (needs prefect-nemo[nemo-run])."""
-        from prefect_nemo.backends.nemo_run.ray_cloud import LeptonRayBackend
+        from prefect_nemo.backends.nemo_run.ray_clusters import LeptonRayBackend
 
         return LeptonRayBackend(
             self.workspace.backend().config,

@@ -28,8 +28,8 @@ the same pattern) implements:
   ``request_stop``, ``logs``, ``tail_logs`` (the defaults use the torchx runner, one runner
   per cluster in the process, and poll the log every second).
 
-Everything NeMo-Run does is wrapped in `home.root_logger_kept()`; nemo_run is imported only
-through `home.nemo_run()`, which isolates NEMORUN_HOME first.
+Everything NeMo-Run does is wrapped in `isolation.root_logger_kept()`; nemo_run is imported only
+through `isolation.nemo_run()`, which isolates NEMORUN_HOME first.
 
 Nothing here imports Prefect.
 """
@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from prefect_nemo import names
-from prefect_nemo.backends.nemo_run.home import nemo_run, root_logger_kept
+from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
 from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec, JobAlreadyExists
 from prefect_nemo.jobs import Backend, JobHandle, JobSpec, JobState, JobStatus
 from prefect_nemo.packaging import TransportPlan, build_archive, plan_for

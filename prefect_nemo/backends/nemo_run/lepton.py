@@ -40,7 +40,7 @@ from prefect_nemo.backends.nemo_run.base import (
     nodes_and_gpus,
     refuse_secret_env,
 )
-from prefect_nemo.backends.nemo_run.home import nemo_run, root_logger_kept
+from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
 from prefect_nemo.errors import (
     AuthenticationFailed,
     BackendUnavailable,

@@ -44,7 +44,7 @@ from prefect_nemo.backends.nemo_run.base import (
     plain_env,
     secret_env,
 )
-from prefect_nemo.backends.nemo_run.home import nemo_run
+from prefect_nemo.backends.nemo_run.isolation import nemo_run
 from prefect_nemo.errors import (
     AuthenticationFailed,
     BackendUnavailable,

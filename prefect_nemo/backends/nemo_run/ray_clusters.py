@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 from prefect_nemo import names
 from prefect_nemo.backends.nemo_run.base import code_plan, poll_logs
 from prefect_nemo.backends.nemo_run.dgx_cloud import ARGS_LIMIT, DGXCloudBackend, _quiet
-from prefect_nemo.backends.nemo_run.home import nemo_run, root_logger_kept
+from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
 from prefect_nemo.backends.nemo_run.lepton import LeptonBackend, LeptonConfig, workspace_env
 from prefect_nemo.backends.ray_jobs import RayJobsBackend
 from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec
