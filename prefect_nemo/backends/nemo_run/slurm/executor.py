@@ -1,4 +1,4 @@
-"""Slurm through NeMo-Run's SlurmExecutor and SSH tunnel, with native afterok dependencies.
+"""`SlurmBackend`: Slurm through NeMo-Run's SlurmExecutor, with native afterok dependencies.
 
 Submission is NeMo-Run's: the executor writes the sbatch script and packages the code, its
 torchx scheduler runs ``sbatch`` through the tunnel. Around it this backend adds what NeMo-Run
@@ -22,7 +22,6 @@ Remote layout under `job_dir` (the block's remote job dir)::
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
 import json
 import re
@@ -31,7 +30,6 @@ import shutil
 import tarfile
 import threading
 from collections.abc import AsyncGenerator, Collection, Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -45,8 +43,16 @@ from prefect_nemo.backends.nemo_run.base import (
     secret_env,
 )
 from prefect_nemo.backends.nemo_run.isolation import nemo_run
+from prefect_nemo.backends.nemo_run.slurm.accounting import (
+    ALL_STATES,
+    parse_rows,
+    row_status,
+    sbatch_error,
+    slurm_seconds,
+    status_command,
+)
+from prefect_nemo.backends.nemo_run.slurm.ssh import SafeSSH
 from prefect_nemo.errors import (
-    AuthenticationFailed,
     BackendUnavailable,
     DependencyFailed,
     InvalidJobSpec,
@@ -57,40 +63,10 @@ from prefect_nemo.packaging import build_archive, plan_for
 from prefect_nemo.placement.errors import PlacementError
 from prefect_nemo.placement.spec import to_slurm
 
+#: The file (in the job's remote dir, 0600) the batch script sources the secret env from.
 SECRET_ENV_FILE = ".secret-env"
+#: NeMo-Run's torchx scheduler name for Slurm over SSH (the app handles' scheme).
 SCHEDULER = "slurm_tunnel"
-
-# sacct/squeue state (first word) -> ours
-_SLURM_STATES = {
-    "PENDING": JobState.PENDING,
-    "CONFIGURING": JobState.PENDING,
-    "REQUEUED": JobState.PENDING,
-    "REQUEUE_FED": JobState.PENDING,
-    "REQUEUE_HOLD": JobState.PENDING,
-    "RESV_DEL_HOLD": JobState.PENDING,
-    "RUNNING": JobState.RUNNING,
-    "COMPLETING": JobState.RUNNING,
-    "RESIZING": JobState.RUNNING,
-    "SUSPENDED": JobState.RUNNING,
-    "STOPPED": JobState.RUNNING,
-    "SIGNALING": JobState.RUNNING,
-    "STAGE_OUT": JobState.RUNNING,
-    "COMPLETED": JobState.SUCCEEDED,
-    "CANCELLED": JobState.STOPPED,
-    "PREEMPTED": JobState.STOPPED,
-    "FAILED": JobState.FAILED,
-    "TIMEOUT": JobState.FAILED,
-    "NODE_FAIL": JobState.FAILED,
-    "OUT_OF_MEMORY": JobState.FAILED,
-    "BOOT_FAIL": JobState.FAILED,
-    "DEADLINE": JobState.FAILED,
-    "SPECIAL_EXIT": JobState.FAILED,
-    "REVOKED": JobState.FAILED,
-}
-_NEVER_SATISFIED = "DependencyNeverSatisfied"
-# every sacct state: with -S alone sacct lists only jobs that became eligible (not one
-# cancelled while held or waiting on a dependency)
-_ALL_STATES = "BF,CA,CD,DL,F,NF,OOM,PD,PR,R,RQ,RS,RV,S,TO"
 _ATTEMPT = re.compile(r"(.+)-r(\d+)")
 
 # job id -> Slurm job id, per cluster, for every backend object in this process
@@ -278,7 +254,7 @@ class SlurmBackend(NemoRunBackend):
             raise InvalidJobSpec(
                 f"JobSpec.resources.gpus={res.gpus}: Slurm allocates whole GPUs: use an integer"
             )
-        limit = _slurm_seconds(self.time, f"{self._field}.time")
+        limit = slurm_seconds(self.time, f"{self._field}.time")
         if spec.timeout_s is not None and limit is not None and spec.timeout_s > limit:
             raise InvalidJobSpec(
                 f"JobSpec.timeout_s={spec.timeout_s:g} exceeds {self._field}.time={self.time} "
@@ -293,7 +269,7 @@ class SlurmBackend(NemoRunBackend):
         try:
             return super().submit(spec, job_id, metadata)
         except UnexpectedExit as exc:
-            raise _sbatch_error(exc, self._field) from None
+            raise sbatch_error(exc, self._field) from None
 
     def make_executor(self, spec: JobSpec, job_id: str) -> Any:
         """NeMo-Run's SlurmExecutor for spec: placement/resources over the block's defaults,
@@ -469,7 +445,7 @@ class SlurmBackend(NemoRunBackend):
         meta = q(f"{self.remote_dir(job_id)}/meta.json")
         return (
             f"{{ [ -f {meta} ] && sacct -n -X -P --name={q(job_id)} -o JobID "
-            f"-S $(date -d @$(stat -c %Y {meta}) +%Y-%m-%dT%H:%M:%S) -E now -s {_ALL_STATES} "
+            f"-S $(date -d @$(stat -c %Y {meta}) +%Y-%m-%dT%H:%M:%S) -E now -s {ALL_STATES} "
             "2>/dev/null | tail -1; }"
         )
 
@@ -518,46 +494,11 @@ class SlurmBackend(NemoRunBackend):
         ids = {j: sid for j in job_ids if (sid := self._slurm_id(j))}
         if not ids:
             return {}
-        joined = ",".join(sorted(set(ids.values())))
-        command = (
-            f"export SLURM_TIME_FORMAT=%s; squeue -h -t all -j {joined} -o '%i|%T|%r|%S' "
-            f"2>/dev/null; echo @@; sacct -n -X -P -j {joined} "
-            "-o JobID,State,ExitCode,Start,End,Reason 2>/dev/null"
-        )
-        queue, _, acct = self.run(command, warn=True).stdout.partition("@@")
-        rows: dict[str, dict[str, str]] = {}
-        for line in queue.splitlines():
-            parts = line.strip().split("|")
-            if len(parts) == 4:
-                sid, state, reason, start = parts
-                if _SLURM_STATES.get(state, JobState.PENDING).is_terminal():
-                    # ended, but sacct (exit code, end time) has not caught up: still finishing
-                    state = "COMPLETING" if start.isdigit() else "PENDING"
-                reason = "" if reason in ("None", "(null)") else reason
-                if _SLURM_STATES.get(state) is not JobState.RUNNING:
-                    start = ""  # a pending job's %S is Slurm's estimate, not a start
-                rows[sid] = {"State": state, "Reason": reason, "Start": start}
-        for line in acct.splitlines():
-            parts = line.strip().split("|")
-            if len(parts) == 6 and parts[0] in ids.values():
-                sid, state, exit_code, start, end, reason = parts
-                live = rows.get(sid)
-                ended = _SLURM_STATES.get(state.split()[0], JobState.PENDING).is_terminal()
-                if live is None or ended:  # squeue is current; sacct has the end
-                    rows[sid] = {
-                        "State": state,
-                        "ExitCode": exit_code,
-                        "Start": start,
-                        "End": end,
-                        "Reason": reason
-                        if reason not in ("None", "")
-                        else (live or {}).get("Reason", ""),
-                    }
-        out = {}
-        for job_id, sid in ids.items():
-            row = rows.get(sid)
-            if row is not None:
-                out[job_id] = _status(job_id, sid, row)
+        output = self.run(status_command(ids.values()), warn=True).stdout
+        rows = parse_rows(output, set(ids.values()))
+        out = {
+            job_id: row_status(job_id, sid, rows[sid]) for job_id, sid in ids.items() if sid in rows
+        }
         self._clean_secrets([j for j, s in out.items() if s.state.is_terminal()])
         return out
 
@@ -609,323 +550,3 @@ class SlurmBackend(NemoRunBackend):
             if done:
                 return
             await asyncio.sleep(1.0)
-
-
-_SBATCH_FIELDS = {
-    "account": "account",
-    "partition": "partition",
-    "time limit": "time",
-    "qos": "qos",
-    "constraint": "constraint",
-    "feature": "constraint",
-    "gres": "gpus_per_node or additional_parameters",
-    "node count": "nodes (or JobSpec.placement.nodes)",
-    "node configuration": "nodes, gpus_per_node, cpus_per_task or mem (or the JobSpec's "
-    "placement / resources: more than the partition's nodes have)",
-    "generic resource": "gpus_per_node or additional_parameters['gres']",
-    "memory": "mem (or JobSpec.resources.memory_bytes)",
-}
-
-
-def _sbatch_error(exc: Any, field: str) -> Exception:
-    """sbatch's refusal as InvalidJobSpec naming the block field it is about (else
-    BackendUnavailable with sbatch's message)."""
-    text = (exc.result.stderr or exc.result.stdout or "").strip()
-    reason = text.splitlines()[-1] if text else f"exit {exc.result.exited}"
-    lowered = reason.lower()
-    for needle, name in _SBATCH_FIELDS.items():
-        if needle in lowered:
-            return InvalidJobSpec(
-                f"sbatch refused the job: {reason}. Check {field}.{name} (nothing was submitted)"
-            )
-    return BackendUnavailable(f"sbatch failed: {reason}")
-
-
-def _slurm_seconds(text: str, field: str) -> int | None:
-    """Seconds in a Slurm time limit (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS);
-    None for no limit."""
-    text = text.strip()
-    if text.upper() in ("INFINITE", "UNLIMITED", "-1"):
-        return None
-    days, _, clock = text.rpartition("-")
-    try:
-        parts = [int(p) for p in clock.split(":")]
-        if days:
-            if len(parts) > 3:
-                raise ValueError(text)
-            hours, minutes, seconds = (*parts, 0, 0)[:3]
-            hours += int(days) * 24
-        elif len(parts) == 3:
-            hours, minutes, seconds = parts
-        elif len(parts) in (1, 2):
-            hours, minutes, seconds = 0, parts[0], (parts[1] if len(parts) == 2 else 0)
-        else:
-            raise ValueError(text)
-    except ValueError:
-        raise InvalidJobSpec(
-            f"{field}={text!r} is not a Slurm time: use minutes, HH:MM:SS or D-HH:MM:SS"
-        ) from None
-    return (hours * 60 + minutes) * 60 + seconds
-
-
-def _epoch(text: str) -> datetime | None:
-    return datetime.fromtimestamp(int(text), tz=UTC) if text.isdigit() and text != "0" else None
-
-
-def _status(job_id: str, sid: str, row: dict[str, str]) -> JobStatus:
-    word = row["State"].split()[0] if row["State"] else "PENDING"
-    state = _SLURM_STATES.get(word, JobState.PENDING)
-    reason = row.get("Reason", "")
-    message = f"{row['State']} (Slurm job {sid}" + (f", {reason})" if reason else ")")
-    started = _epoch(row.get("Start", ""))
-    if reason == _NEVER_SATISFIED and not state.is_terminal():
-        message = (
-            f"Slurm job {sid} cannot run: a job it depends on (afterok) did not succeed ({reason})"
-        )
-    elif reason.startswith("Dependency") and state is JobState.STOPPED:
-        started = None  # sacct gives a job cancelled while pending the cancel time as Start
-        message = (
-            f"Slurm job {sid} never ran: it was cancelled while waiting for the jobs it depends "
-            "on (afterok); Slurm cancels it when one of them fails or is cancelled "
-            f"({row['State']}, {reason})"
-        )
-    exit_code = None
-    code = row.get("ExitCode", "")
-    if code and code.split(":")[0].isdigit() and state in (JobState.SUCCEEDED, JobState.FAILED):
-        exit_code = int(code.split(":")[0])
-    return JobStatus(
-        job_id=job_id,
-        state=state,
-        message=message,
-        start_time=started,
-        end_time=_epoch(row.get("End", "")) if state.is_terminal() else None,
-        exit_code=exit_code,
-        metadata={"slurm_job_id": sid},
-    )
-
-
-# -- SSH that never prompts
-
-
-_ssh_pool: dict[str, SafeSSH] = {}
-_ssh_lock = threading.Lock()
-
-
-class SafeSSH:
-    """One SSH connection per backend, key only: a missing, unreadable or rejected key is
-    AuthenticationFailed naming the block field, never a password prompt or sys.exit.
-
-    The key text (when the block holds the key itself) stays in memory: paramiko loads it
-    from a string, and SFTP replaces rsync, so no key file is ever written.
-    """
-
-    def __init__(
-        self,
-        *,
-        host: str,
-        port: int,
-        user: str,
-        identity: str | None,
-        identity_key: str | None,
-        known_hosts: str | None,
-        connect_timeout_s: float,
-        command_timeout_s: float,
-        field_prefix: str,
-    ) -> None:
-        self.host, self.port, self.user = host, port, user
-        self._identity, self._key_text, self._known_hosts = identity, identity_key, known_hosts
-        self._connect_timeout_s, self._command_timeout_s = connect_timeout_s, command_timeout_s
-        self._field = field_prefix
-        self._lock = threading.Lock()
-        self._sftp_lock = threading.Lock()
-        self._session: Any = None
-        self._tunnels: list[Any] = []
-
-    @classmethod
-    def shared(cls, **kwargs: Any) -> SafeSSH:
-        """The process-wide connection for these settings (a block builds a backend per task;
-        they share one SSH connection). Keyed by a hash of the key, never the key itself."""
-        key = names.stable_hash(
-            *(f"{k}={kwargs[k]}" for k in sorted(kwargs) if k != "identity_key"),
-            kwargs.get("identity_key") or "",
-            length=32,
-        )
-        with _ssh_lock:
-            ssh = _ssh_pool.get(key)
-            if ssh is None:
-                ssh = _ssh_pool[key] = cls(**kwargs)
-            return ssh
-
-    @property
-    def secrets(self) -> list[str]:
-        """The key text and each of its lines (a log may show one line of it)."""
-        if not self._key_text:
-            return []
-        lines = [ln.strip() for ln in self._key_text.splitlines() if len(ln.strip()) > 16]
-        return [self._key_text, self._key_text.strip(), *lines]
-
-    def _pkey(self) -> Any:
-        import paramiko
-
-        where = f"{self._field}.identity_key" if self._key_text else f"{self._field}.identity"
-        text = self._key_text
-        if text is None:
-            if not self._identity:
-                raise AuthenticationFailed(
-                    f"{self._field}: no SSH key: set identity (a private key file on this "
-                    "machine) or identity_key (the key itself, kept as a secret)"
-                )
-            try:
-                text = Path(self._identity).expanduser().read_text()
-            except OSError as exc:
-                raise AuthenticationFailed(
-                    f"{where}={self._identity!r} cannot be read ({exc.strerror or exc}): point it "
-                    f"at the private key authorized for {self.user}@{self.host}"
-                ) from None
-        for cls in (paramiko.Ed25519Key, paramiko.ECDSAKey, paramiko.RSAKey):
-            try:
-                return cls.from_private_key(io.StringIO(text))
-            except paramiko.PasswordRequiredException:
-                raise AuthenticationFailed(
-                    f"{where}: the key is encrypted with a passphrase and prefect-nemo never "
-                    "prompts: use a key without a passphrase for this cluster"
-                ) from None
-            except (paramiko.SSHException, ValueError):
-                continue
-        raise AuthenticationFailed(
-            f"{where}: not a private key paramiko can read (OpenSSH ed25519, ECDSA or RSA "
-            "expected): check you gave the private key, not the .pub file"
-        )
-
-    def _open(self) -> Any:
-        import paramiko
-        from fabric import Config, Connection
-
-        conn = Connection(
-            self.host,
-            user=self.user,
-            port=self.port,
-            connect_timeout=self._connect_timeout_s,
-            connect_kwargs={
-                "pkey": self._pkey(),
-                "look_for_keys": False,
-                "allow_agent": False,
-                "auth_timeout": self._connect_timeout_s,
-                "banner_timeout": self._connect_timeout_s,
-            },
-            config=Config(overrides={"run": {"in_stream": False}}),
-        )
-        if self._known_hosts is not None:
-            keys = conn.client.get_host_keys()
-            for line in self._known_hosts.splitlines():
-                entry = paramiko.hostkeys.HostKeyEntry.from_line(line)
-                if entry is not None and entry.key is not None:
-                    for name in entry.hostnames:
-                        keys.add(name, entry.key.get_name(), entry.key)
-            conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
-        else:  # as ssh does: a host listed in ~/.ssh/known_hosts must match (fabric skips it)
-            with contextlib.suppress(OSError):
-                conn.client.load_system_host_keys()
-        target = f"{self.user}@{self.host}:{self.port}"
-        try:
-            conn.open()
-        except paramiko.BadHostKeyException:
-            raise AuthenticationFailed(
-                f"{target} presented a host key that differs from "
-                f"{self._field + '.known_hosts' if self._known_hosts else '~/.ssh/known_hosts'}: "
-                "the host changed or someone is in between; check it and update known_hosts"
-            ) from None
-        except paramiko.AuthenticationException:
-            raise AuthenticationFailed(
-                f"{target} rejected the SSH key in {self._field}."
-                f"{'identity_key' if self._key_text else 'identity'}: add its public key to "
-                f"~{self.user}/.ssh/authorized_keys on the login node"
-            ) from None
-        except paramiko.SSHException as exc:
-            if "known_hosts" in str(exc) or "not found in" in str(exc):
-                raise AuthenticationFailed(
-                    f"{target} is not in {self._field}.known_hosts: add its line (ssh-keyscan "
-                    f"-p {self.port} {self.host} prints it)"
-                ) from None
-            raise BackendUnavailable(f"SSH to {target} failed: {exc}") from None
-        except (TimeoutError, OSError, EOFError) as exc:
-            raise BackendUnavailable(
-                f"cannot reach {target} over SSH ({type(exc).__name__}: {exc}): check "
-                f"{self._field}.host and port and that the login node is up"
-            ) from None
-        transport = conn.client.get_transport()
-        if transport is not None:
-            transport.set_keepalive(30)  # long waits: keep NATs and firewalls from dropping us
-        return conn
-
-    def session(self) -> Any:
-        """The open fabric Connection (reopened if it dropped)."""
-        with self._lock:
-            if self._session is None or not self._session.is_connected:
-                if self._session is not None:
-                    with contextlib.suppress(Exception):  # free its socket and threads
-                        self._session.close()
-                self._session = self._open()
-                for tunnel in self._tunnels:
-                    tunnel.session = self._session
-            return self._session
-
-    def tunnel(self, job_dir: str) -> Any:
-        """A NeMo-Run SSHTunnel on our connection, whose own authentication (prompt, then
-        sys.exit) is replaced on this instance by ours."""
-        run = nemo_run()
-        tunnel = run.SSHTunnel(host=self.host, user=self.user, port=self.port, job_dir=job_dir)
-
-        def authenticate() -> None:
-            tunnel.session = self.session()
-
-        tunnel._authenticate = authenticate  # instance attribute: SSHTunnel stays SSHTunnel
-        with self._lock:
-            self._tunnels = [*self._tunnels[-15:], tunnel]
-        return tunnel
-
-    def run(self, command: str, *, warn: bool = False) -> Any:
-        """Run a command on the login node; BackendUnavailable on transport trouble."""
-        from invoke.exceptions import CommandTimedOut, UnexpectedExit
-
-        session = self.session()
-        try:
-            return session.run(command, hide=True, warn=warn, timeout=self._command_timeout_s)
-        except UnexpectedExit as exc:
-            result = exc.result
-            raise BackendUnavailable(
-                f"command on {self.user}@{self.host} failed (exit {result.exited}): "
-                f"{(result.stderr or result.stdout).strip()[-300:]}"
-            ) from None
-        except CommandTimedOut:
-            raise BackendUnavailable(
-                f"command on {self.user}@{self.host} took over {self._command_timeout_s:g}s"
-            ) from None
-        except (OSError, EOFError) as exc:
-            with self._lock:
-                if self._session is session:  # another thread may have reopened already
-                    self._session = None
-            with contextlib.suppress(Exception):  # free its socket and transport thread
-                session.close()
-            raise BackendUnavailable(f"SSH to {self.user}@{self.host} broke: {exc}") from None
-
-    def put(self, data: io.BytesIO, remote: str) -> None:
-        """Upload bytes to a remote path over SFTP."""
-        session = self.session()
-        try:
-            with self._sftp_lock:  # one SFTP channel per connection, shared by threads
-                session.put(data, remote)
-        except (OSError, EOFError) as exc:
-            raise BackendUnavailable(f"SFTP upload to {self.host}:{remote} failed: {exc}") from None
-
-    def put_private(self, data: bytes, remote: str) -> None:
-        """Upload bytes to a new remote file that is 0600 before anything is written to it."""
-        session = self.session()
-        try:
-            with self._sftp_lock:
-                sftp = session.sftp()
-                with sftp.open(remote, "wx") as handle:
-                    sftp.chmod(remote, 0o600)
-                    handle.write(data)
-        except (OSError, EOFError) as exc:
-            raise BackendUnavailable(f"SFTP upload to {self.host}:{remote} failed: {exc}") from None
