@@ -4,7 +4,12 @@ connection that never prompts (`ssh`), and what squeue, sacct and sbatch answer 
 
 from prefect_nemo.backends.nemo_run.base import STALE_CLAIM_S
 from prefect_nemo.backends.nemo_run.slurm.accounting import slurm_seconds as _slurm_seconds
-from prefect_nemo.backends.nemo_run.slurm.executor import SCHEDULER, SECRET_ENV_FILE, SlurmBackend
+from prefect_nemo.backends.nemo_run.slurm.executor import (
+    SCHEDULER,
+    SECRET_ENV_FILE,
+    SlurmBackend,
+    SlurmConfig,
+)
 from prefect_nemo.backends.nemo_run.slurm.executor import _slurm_ids as _slurm_ids
 from prefect_nemo.backends.nemo_run.slurm.ssh import SafeSSH
 
@@ -14,6 +19,7 @@ __all__ = [
     "STALE_CLAIM_S",
     "SafeSSH",
     "SlurmBackend",
+    "SlurmConfig",
     "_slurm_ids",
     "_slurm_seconds",
 ]

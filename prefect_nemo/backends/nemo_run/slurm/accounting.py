@@ -4,6 +4,7 @@ executor runs the commands this module writes and hands it their output."""
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Collection
 from datetime import UTC, datetime
 from typing import Any
@@ -184,3 +185,28 @@ def parse_rows(output: str, slurm_ids: Collection[str]) -> dict[str, dict[str, s
                     else (live or {}).get("Reason", ""),
                 }
     return rows
+
+
+def sacct_id_command(job_id: str, job_dir: str) -> str:
+    """Shell printing the newest Slurm id of a job named job_id that sacct knows since the
+    job's claim (the time of `job_dir`/meta.json); nothing without a claim. Bounded by the
+    claim so that a job cancelled when an earlier claim was released is not taken for this one."""
+    q = shlex.quote
+    meta = q(f"{job_dir}/meta.json")
+    return (
+        f"{{ [ -f {meta} ] && sacct -n -X -P --name={q(job_id)} -o JobID "
+        f"-S $(date -d @$(stat -c %Y {meta}) +%Y-%m-%dT%H:%M:%S) -E now -s {ALL_STATES} "
+        "2>/dev/null | tail -1; }"
+    )
+
+
+def id_lookup_command(job_id: str, job_dir: str) -> str:
+    """Shell printing '<job id> <Slurm id>': the id in `job_dir`/slurm_job_id, else Slurm's by
+    name (a submitter that died between sbatch and writing it): squeue while queued or
+    running, sacct once the job has left the queue."""
+    q = shlex.quote
+    return (
+        f"s=$(cat {q(job_dir)}/slurm_job_id 2>/dev/null); "
+        f'[ -n "$s" ] || s=$(squeue -h --name={q(job_id)} -o %i | head -1); '
+        f'[ -n "$s" ] || s=$({sacct_id_command(job_id, job_dir)}); echo {q(job_id)} "$s"'
+    )

@@ -21,7 +21,8 @@ Remote layout under `job_dir` (the block's remote job dir)::
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
+import inspect
 import io
 import json
 import re
@@ -30,6 +31,7 @@ import shutil
 import tarfile
 import threading
 from collections.abc import AsyncGenerator, Collection, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -40,13 +42,15 @@ from prefect_nemo.backends.nemo_run.base import (
     NemoRunBackend,
     experiment_id,
     plain_env,
+    poll_logs,
     secret_env,
 )
 from prefect_nemo.backends.nemo_run.isolation import nemo_run
 from prefect_nemo.backends.nemo_run.slurm.accounting import (
-    ALL_STATES,
+    id_lookup_command,
     parse_rows,
     row_status,
+    sacct_id_command,
     sbatch_error,
     slurm_seconds,
     status_command,
@@ -67,6 +71,7 @@ from prefect_nemo.placement.spec import to_slurm
 SECRET_ENV_FILE = ".secret-env"
 #: NeMo-Run's torchx scheduler name for Slurm over SSH (the app handles' scheme).
 SCHEDULER = "slurm_tunnel"
+_SSH_SETTINGS = inspect.signature(SafeSSH).parameters  # the config fields SafeSSH takes
 _ATTEMPT = re.compile(r"(.+)-r(\d+)")
 
 # job id -> Slurm job id, per cluster, for every backend object in this process
@@ -75,76 +80,60 @@ _cleaned: set[tuple[str, str]] = set()  # (cluster, job id) whose secret file we
 _ids_lock = threading.Lock()
 
 
+@dataclass(frozen=True)
+class SlurmConfig:
+    """What the SlurmCluster block hands the backend (its field names; the key text in memory
+    only). `field_prefix` names the block in error messages."""
+
+    host: str
+    user: str
+    job_dir: str
+    account: str
+    port: int = 22
+    identity: str | None = None
+    identity_key: str | None = field(default=None, repr=False)
+    known_hosts: str | None = None
+    partition: str | None = None
+    time: str = "01:00:00"
+    nodes: int = 1
+    ntasks_per_node: int = 1
+    gpus_per_node: int | None = None
+    cpus_per_task: int | None = None
+    mem: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    container_image: str | None = None
+    container_mounts: list[str] = field(default_factory=list)
+    additional_parameters: dict[str, Any] = field(default_factory=dict)
+    setup_lines: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    connect_timeout_s: float = 30.0
+    command_timeout_s: float = 120.0
+    field_prefix: str = "SlurmCluster"
+
+
 class SlurmBackend(NemoRunBackend):
     """Jobs on a Slurm cluster reached over SSH, submitted by NeMo-Run's SlurmExecutor."""
 
     kind: ClassVar[str] = "slurm"
     max_job_id_len: ClassVar[int] = names.MAX_LABEL
 
-    def __init__(
-        self,
-        *,
-        host: str,
-        user: str,
-        job_dir: str,
-        account: str,
-        port: int = 22,
-        identity: str | None = None,
-        identity_key: str | None = None,
-        known_hosts: str | None = None,
-        partition: str | None = None,
-        time: str = "01:00:00",
-        nodes: int = 1,
-        ntasks_per_node: int = 1,
-        gpus_per_node: int | None = None,
-        cpus_per_task: int | None = None,
-        mem: str | None = None,
-        qos: str | None = None,
-        constraint: str | None = None,
-        container_image: str | None = None,
-        container_mounts: Sequence[str] = (),
-        additional_parameters: dict[str, Any] | None = None,
-        setup_lines: str | None = None,
-        env: dict[str, str] | None = None,
-        connect_timeout_s: float = 30.0,
-        command_timeout_s: float = 120.0,
-        field_prefix: str = "SlurmCluster",
-        upstream: Sequence[JobHandle] = (),
-    ) -> None:
+    def __init__(self, config: SlurmConfig, *, upstream: Sequence[JobHandle] = ()) -> None:
         super().__init__()
-        self.host, self.user, self.port = host, user, int(port)
-        self.job_dir = job_dir.rstrip("/") or "/"
-        self.account, self.partition, self.time = account, partition, time
-        self.nodes, self.ntasks_per_node = nodes, ntasks_per_node
-        self.gpus_per_node, self.cpus_per_task, self.mem = gpus_per_node, cpus_per_task, mem
-        self.qos, self.constraint = qos, constraint
-        self.container_image, self.container_mounts = container_image, list(container_mounts)
-        self.additional_parameters = dict(additional_parameters or {})
-        self.setup_lines = setup_lines
-        self._env = dict(env or {})
+        self.config = config
+        self.job_dir = config.job_dir.rstrip("/") or "/"
         self._ssh = SafeSSH.shared(
-            host=host,
-            port=self.port,
-            user=user,
-            identity=identity,
-            identity_key=identity_key,
-            known_hosts=known_hosts,
-            connect_timeout_s=connect_timeout_s,
-            command_timeout_s=command_timeout_s,
-            field_prefix=field_prefix,
+            **{k: v for k, v in dataclasses.asdict(config).items() if k in _SSH_SETTINGS}
         )
-        self._field = field_prefix
+        self._field = config.field_prefix
         self._upstream = tuple(upstream)
-        self._kwargs = dict(locals())  # to rebuild with dependencies (after)
-        for unused in ("self", "__class__", "upstream"):
-            self._kwargs.pop(unused, None)
 
     # -- identity
 
     @property
     def address(self) -> str:
         """The Slurm cluster as SSH sees it: user@host:port (native dependencies need the same)."""
-        return f"{self.user}@{self.host}:{self.port}"
+        return f"{self.config.user}@{self.config.host}:{self.config.port}"
 
     @property
     def cluster(self) -> str:
@@ -177,7 +166,7 @@ class SlurmBackend(NemoRunBackend):
 
     def after(self, upstream: Sequence[JobHandle]) -> SlurmBackend:
         """This backend, whose next submissions wait natively (afterok) for `upstream`."""
-        return type(self)(**self._kwargs, upstream=[*self._upstream, *upstream])
+        return type(self)(self.config, upstream=[*self._upstream, *upstream])
 
     def experiment_jobs(self, experiment: str) -> list[JobHandle]:
         """Handles of the jobs experiment `experiment` submitted to this cluster (remote index)."""
@@ -237,7 +226,7 @@ class SlurmBackend(NemoRunBackend):
         if len(result.stdout.split()) < 4:
             raise BackendUnavailable(
                 f"{self.address}: sbatch, sacct, squeue and scancel must be on the PATH of "
-                f"{self.user}'s login shell (found: {result.stdout.split() or 'none'})"
+                f"{self.config.user}'s login shell (found: {result.stdout.split() or 'none'})"
             )
 
     # -- executor
@@ -254,10 +243,11 @@ class SlurmBackend(NemoRunBackend):
             raise InvalidJobSpec(
                 f"JobSpec.resources.gpus={res.gpus}: Slurm allocates whole GPUs: use an integer"
             )
-        limit = slurm_seconds(self.time, f"{self._field}.time")
+        time = self.config.time
+        limit = slurm_seconds(time, f"{self._field}.time")
         if spec.timeout_s is not None and limit is not None and spec.timeout_s > limit:
             raise InvalidJobSpec(
-                f"JobSpec.timeout_s={spec.timeout_s:g} exceeds {self._field}.time={self.time} "
+                f"JobSpec.timeout_s={spec.timeout_s:g} exceeds {self._field}.time={time} "
                 f"(sbatch --time, {limit}s): raise {self._field}.time or lower timeout_s"
             )
         super().validate(spec)
@@ -276,11 +266,11 @@ class SlurmBackend(NemoRunBackend):
         plain env in the script, secret env sourced from a 0600 file, code via our archive."""
         run = nemo_run()
         alloc: dict[str, Any] = {
-            "nodes": self.nodes,
-            "gpus_per_node": self.gpus_per_node,
-            "cpus_per_task": self.cpus_per_task,
-            "constraint": self.constraint,
-            "mem": self.mem,
+            "nodes": self.config.nodes,
+            "gpus_per_node": self.config.gpus_per_node,
+            "cpus_per_task": self.config.cpus_per_task,
+            "constraint": self.config.constraint,
+            "mem": self.config.mem,
         }
         if spec.placement is not None:
             try:
@@ -296,18 +286,18 @@ class SlurmBackend(NemoRunBackend):
             alloc["mem"] = f"{max(1, -(-res.memory_bytes // (1024 * 1024)))}M"
         if not alloc.get("gpus_per_node"):
             alloc["gpus_per_node"] = None  # 0 means CPU-only: ask for no GPUs at all
-        extra = dict(self.additional_parameters)
+        extra = dict(self.config.additional_parameters)
         deps = self._dependency_ids() if job_id != "validate" else []
         if deps:
             extra["kill_on_invalid_dep"] = "yes"  # a failed upstream cancels us, not a hang
         executor = run.SlurmExecutor(
-            account=self.account,
-            partition=self.partition,
-            time=self.time,
-            ntasks_per_node=self.ntasks_per_node,
-            qos=self.qos,
-            container_image=self.container_image,
-            container_mounts=list(self.container_mounts),
+            account=self.config.account,
+            partition=self.config.partition,
+            time=self.config.time,
+            ntasks_per_node=self.config.ntasks_per_node,
+            qos=self.config.qos,
+            container_image=self.config.container_image,
+            container_mounts=list(self.config.container_mounts),
             additional_parameters=extra or None,
             setup_lines=self._setup_lines(spec, job_id),
             tunnel=self._ssh.tunnel(self.job_dir),
@@ -315,7 +305,7 @@ class SlurmBackend(NemoRunBackend):
             dependencies=[f"{SCHEDULER}://nemo_run/{sid}" for sid in deps],
             dependency_type="afterok",
             poll_estimated_start_time=False,
-            env_vars=dict(self._env),
+            env_vars=dict(self.config.env),
             **{k: v for k, v in alloc.items() if v is not None},
         )
         from nemo_run.core.execution.slurm import SlurmJobDetails
@@ -329,7 +319,7 @@ class SlurmBackend(NemoRunBackend):
 
     def _setup_lines(self, spec: JobSpec, job_id: str) -> str:
         # NeMo-Run writes `export KEY.upper()=value` unquoted; we write the env ourselves.
-        lines = [self.setup_lines] if self.setup_lines else []
+        lines = [self.config.setup_lines] if self.config.setup_lines else []
         lines += [f"export {k}={shlex.quote(v)}" for k, v in plain_env(spec).items()]
         if secret_env(spec):
             path = shlex.quote(f"{self.remote_dir(job_id)}/{SECRET_ENV_FILE}")
@@ -357,7 +347,7 @@ class SlurmBackend(NemoRunBackend):
             f"if [ ! -s {d}/slurm_job_id ] "
             f"&& [ $(( $(date +%s) - $(stat -c %Y {d}) )) -gt {int(STALE_CLAIM_S)} ] "
             f'&& [ -z "$(squeue -h --name={shlex.quote(job_id)} -o %i)" ]; then '
-            f"s=$({self._sacct_id(job_id)}); "
+            f"s=$({sacct_id_command(job_id, self.remote_dir(job_id))}); "
             f'if [ -z "$s" ]; then rm -rf {d} && mkdir -m 700 {d} && {write}; exit 0; fi; '
             f'printf %s "$s" > {d}/slurm_job_id; fi; echo EXISTS'
         )
@@ -437,32 +427,12 @@ class SlurmBackend(NemoRunBackend):
         with _ids_lock:
             return _slurm_ids.get(self.cluster, {}).get(job_id)
 
-    def _sacct_id(self, job_id: str) -> str:
-        """Shell printing the newest Slurm id of a job named job_id that sacct knows since the
-        job's claim (meta.json's time); nothing without a claim. Bounded by the claim so that a
-        job cancelled when an earlier claim was released is not taken for this one."""
-        q = shlex.quote
-        meta = q(f"{self.remote_dir(job_id)}/meta.json")
-        return (
-            f"{{ [ -f {meta} ] && sacct -n -X -P --name={q(job_id)} -o JobID "
-            f"-S $(date -d @$(stat -c %Y {meta}) +%Y-%m-%dT%H:%M:%S) -E now -s {ALL_STATES} "
-            "2>/dev/null | tail -1; }"
-        )
-
     def _lookup(self, job_ids: Collection[str]) -> None:
         """Fill the id cache for jobs submitted elsewhere (another process or a crashed run)."""
         unknown = [j for j in job_ids if self._slurm_id(j) is None]
         if not unknown:
             return
-        q = shlex.quote
-        # the id file, else Slurm by name (a submitter that died between sbatch and writing
-        # it): squeue while queued or running, sacct once it has left the queue
-        reads = "; ".join(
-            f"s=$(cat {q(self.remote_dir(j))}/slurm_job_id 2>/dev/null); "
-            f'[ -n "$s" ] || s=$(squeue -h --name={q(j)} -o %i | head -1); '
-            f'[ -n "$s" ] || s=$({self._sacct_id(j)}); echo {q(j)} "$s"'
-            for j in unknown
-        )
+        reads = "; ".join(id_lookup_command(j, self.remote_dir(j)) for j in unknown)
         found: dict[str, str] = {}
         for line in self.run(reads).stdout.splitlines():
             parts = line.split()
@@ -536,17 +506,7 @@ class SlurmBackend(NemoRunBackend):
         )
         return self.run(command, warn=True).stdout
 
-    async def tail_logs(self, job_id: str) -> AsyncGenerator[str, None]:
+    def tail_logs(self, job_id: str) -> AsyncGenerator[str, None]:
         """The log from its start, then each second what was appended (read from the last
         byte offset, so a long training log is not re-read), until the job ends."""
-        offset = 0
-        while True:
-            status = await asyncio.to_thread(self.statuses, [job_id])
-            done = job_id not in status or status[job_id].state.is_terminal()
-            chunk = await asyncio.to_thread(self._log_from, job_id, offset)
-            if chunk:
-                yield chunk
-                offset += len(chunk.encode())
-            if done:
-                return
-            await asyncio.sleep(1.0)
+        return poll_logs(self, job_id, self._log_from)

@@ -4,12 +4,11 @@ Key only (a missing, unreadable or rejected key is AuthenticationFailed naming t
 never a password prompt or ``sys.exit``), host key checked against the block's `known_hosts`
 when given, SFTP instead of rsync (so no key file is ever written), and a NeMo-Run SSHTunnel
 whose own authentication is replaced by ours. One connection per settings in the process
-(`SafeSSH.shared`); every pooled connection is closed at interpreter exit.
+(`SafeSSH.shared`);
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import io
 import threading
@@ -25,8 +24,8 @@ _ssh_lock = threading.Lock()
 
 
 class SafeSSH:
-    """One SSH connection per backend, key only: a missing, unreadable or rejected key is
-    AuthenticationFailed naming the block field, never a password prompt or sys.exit.
+    """One SSH connection per login node and settings, key only: a missing, unreadable or
+    rejected key is AuthenticationFailed naming the block field, never a prompt or sys.exit.
 
     The key text (when the block holds the key itself) stays in memory: paramiko loads it
     from a string, and SFTP replaces rsync, so no key file is ever written.
@@ -242,21 +241,3 @@ class SafeSSH:
                     handle.write(data)
         except (OSError, EOFError) as exc:
             raise BackendUnavailable(f"SFTP upload to {self.host}:{remote} failed: {exc}") from None
-
-    def close(self) -> None:
-        """Close the connection (its socket, SFTP channel and paramiko's transport thread);
-        idempotent. A later call reconnects: the connection is shared, so a user may come late."""
-        with self._lock:
-            session, self._session = self._session, None
-        if session is not None:
-            with contextlib.suppress(Exception):
-                session.close()
-
-
-@atexit.register
-def close_all() -> None:
-    """Close every pooled connection (at interpreter exit: the owner of the shared ones)."""
-    with _ssh_lock:
-        pool = list(_ssh_pool.values())
-    for ssh in pool:
-        ssh.close()
