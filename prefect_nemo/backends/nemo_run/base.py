@@ -27,7 +27,7 @@ executor's own ``launch()`` instead of torchx) implements:
   ``before_schedule`` (after the dry run wrote the job's files, before submission:
   Slurm ships the job dir and the secret env file there), ``after_schedule``, ``statuses``,
   ``request_stop``, ``logs``, ``tail_logs`` (the defaults use the torchx runner, one runner
-  per cluster in the process, and poll the log every second: `poll_logs`).
+  per cluster in the process, and poll the log every second: `poll_logs`), ``close``.
 
 A block hands its backend a frozen config dataclass built by `config_from` (its fields by name).
 
@@ -339,7 +339,9 @@ class NemoRunBackend(ABC):
         return poll_logs(self, job_id)
 
     def close(self) -> None:  # noqa: B027
-        """Nothing to stop by default: NeMo-Run backends start no threads of their own."""
+        """Nothing to stop by default: NeMo-Run backends start no threads of their own. The
+        torchx runner is not closed: it is shared on purpose by every backend of the cluster
+        in the process (the local scheduler holds the processes it launched)."""
 
 
 async def poll_logs(

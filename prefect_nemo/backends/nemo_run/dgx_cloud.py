@@ -243,7 +243,8 @@ class DGXCloudBackend(ServiceBackend):
         self.client = RunaiClient(config)
 
     def close(self) -> None:
-        """Close the run:ai client's connections (they also close when the backend is dropped)."""
+        """Close the run:ai client's pooled connections (they also close when the backend is
+        dropped); idempotent. Workloads are left running: stopping them is `request_stop`'s."""
         self.client.close()
 
     # -- identity -------------------------------------------------------------------------------

@@ -172,6 +172,13 @@ class LeptonBackend(ServiceBackend):
             self._client._timeout = self.config.request_timeout_s
         return self._client
 
+    def close(self) -> None:
+        """Close the workspace client's pooled connections (a later call opens a new client);
+        idempotent. Lepton jobs and Ray clusters are left running: they outlive the backend."""
+        client, self._client = self._client, None
+        if client is not None:
+            client._session.close()  # leptonai's APIClient has no close() of its own
+
     def _call(self, fn: Callable[[], T], what: str) -> T:
         """One leptonai call; auth and transport failures become our errors."""
         from leptonai.api.v1.api_resource import ClientError, ServerError

@@ -231,7 +231,11 @@ class LeptonRayBackend:
         return poll_logs(self, job_id)
 
     def close(self) -> None:
-        """Nothing to stop: jobs go through the Ray Jobs backend, which starts no threads."""
+        """Close the workspace client and the Ray Jobs backend (no threads: their connections);
+        idempotent. The Ray cluster keeps running: `delete_cluster()` ends it."""
+        self.lepton.close()
+        if self._ray is not None:
+            self._ray.close()
 
     def _cluster_up(self) -> bool:
         state = self.cluster_state()

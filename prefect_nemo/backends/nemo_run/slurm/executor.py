@@ -506,6 +506,12 @@ class SlurmBackend(NemoRunBackend):
         )
         return self.run(command, warn=True).stdout
 
+    def close(self) -> None:
+        """Nothing to stop: this backend starts no threads. The SSH connection is not closed
+        here: `SafeSSH.shared` gives every backend of these settings in the process one
+        connection on purpose (a block builds a backend per task); it is closed at
+        interpreter exit (`ssh.close_all`)."""
+
     def tail_logs(self, job_id: str) -> AsyncGenerator[str, None]:
         """The log from its start, then each second what was appended (read from the last
         byte offset, so a long training log is not re-read), until the job ends."""

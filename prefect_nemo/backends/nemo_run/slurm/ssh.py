@@ -4,11 +4,12 @@ Key only (a missing, unreadable or rejected key is AuthenticationFailed naming t
 never a password prompt or ``sys.exit``), host key checked against the block's `known_hosts`
 when given, SFTP instead of rsync (so no key file is ever written), and a NeMo-Run SSHTunnel
 whose own authentication is replaced by ours. One connection per settings in the process
-(`SafeSSH.shared`);
+(`SafeSSH.shared`); every pooled connection is closed at interpreter exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import threading
@@ -241,3 +242,21 @@ class SafeSSH:
                     handle.write(data)
         except (OSError, EOFError) as exc:
             raise BackendUnavailable(f"SFTP upload to {self.host}:{remote} failed: {exc}") from None
+
+    def close(self) -> None:
+        """Close the connection (its socket, SFTP channel and paramiko's transport thread);
+        idempotent. A later call reconnects: the connection is shared, so a user may come late."""
+        with self._lock:
+            session, self._session = self._session, None
+        if session is not None:
+            with contextlib.suppress(Exception):
+                session.close()
+
+
+@atexit.register
+def close_all() -> None:
+    """Close every pooled connection (at interpreter exit: the owner of the shared ones)."""
+    with _ssh_lock:
+        pool = list(_ssh_pool.values())
+    for ssh in pool:
+        ssh.close()
