@@ -26,7 +26,7 @@ import numpy as np
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from prefect_nemo.serving import serve_replicas
+from prefect_nemo import serve_replicas
 
 SERVER = Path(__file__).parent / "serve_jobs" / "model_server.py"
 COMMON = Path(__file__).parent / "demo_jobs" / "common.py"
