@@ -326,10 +326,6 @@ class KubeflowTrainerBackend(KubeJobBackend[TrainerConfig]):
         self.chunk_bytes = chunk_bytes
         self.max_code_bytes = max_code_bytes
 
-    def trainjob_url(self, job_id: str) -> str:
-        """The TrainJob's path on the API server."""
-        return self.object_url(job_id)
-
     def job_status(self, obj: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
         """The TrainJob's status from it and its pods (the table in the module docstring)."""
         return status_from_trainjob(obj, pods)
