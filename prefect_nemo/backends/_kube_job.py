@@ -317,7 +317,8 @@ class KubeJobBackend(Generic[ConfigT]):
 
     def find(self, job_id: str) -> JobStatus | None:
         """The job's status (a GET, and a pod list when the kind reads pods), STOPPED if we
-        deleted it, None if there is no such job."""
+        deleted it, None if there is no such job; BackendClosed after close()."""
+        self._check_open()
         obj = self.api.get(self.job_kind, job_id, self.namespace)
         if obj is None:
             return self._deleted_status(job_id)
@@ -365,7 +366,8 @@ class KubeJobBackend(Generic[ConfigT]):
 
     def close(self) -> None:
         """Stop the informers (their watches are cut at once, their threads end) and wake the
-        subscribed watchers, whose next poll then raises BackendClosed. Idempotent."""
+        subscribed watchers, whose next poll then raises BackendClosed, as does every later
+        call that would ask the API server (find, logs). Idempotent."""
         with self._lock:
             self._closed = True
             informers, self._informers = self._informers, ()
@@ -375,6 +377,7 @@ class KubeJobBackend(Generic[ConfigT]):
 
     def logs(self, job_id: str) -> str:
         """The job's whole log; the last read once its source is gone (teardown took it)."""
+        self._check_open()
         key = (self.cluster, job_id)
         try:
             text = self.read_log(job_id)
@@ -454,13 +457,17 @@ class KubeJobBackend(Generic[ConfigT]):
 
     # -- informers -------------------------------------------------------------------------------
 
+    def _check_open(self) -> None:
+        """A closed backend asks the API server nothing more: BackendClosed."""
+        if self._closed:
+            raise BackendClosed(f"the {self.kind} backend of {self.cluster} was closed")
+
     def _checked_informers(self) -> tuple[Informer, ...]:
         """The running informers (none when nobody subscribed), dead ones replaced; raises
         BackendClosed after close(), AuthenticationFailed at once, BackendUnavailable for a
         watch that is failing (the watcher retries within its budget)."""
         with self._lock:
-            if self._closed:
-                raise BackendClosed(f"the {self.kind} backend of {self.cluster} was closed")
+            self._check_open()
             if not self._informers:
                 return ()
             for informer in self._informers:
