@@ -2,7 +2,7 @@
 config (`runtimes`), each node running the trainer command under torchrun (`nodes`). No Prefect
 import."""
 
-from prefect_nemo.backends._kube_job import secret_manifest
+from prefect_nemo.backends._kube_objects import secret_manifest
 from prefect_nemo.backends.kubeflow.nodes import (
     PATCH_MANAGER,
     PET_ENV,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import SecretStr
 
-from prefect_nemo.backends._kube_job import secret_name
+from prefect_nemo.backends._kube_objects import secret_name
 from prefect_nemo.backends.kubeflow.runtimes import NODE, TrainerConfig
 from prefect_nemo.jobs import JobSpec
 from prefect_nemo.placement.spec import PlacementSpec, to_kubernetes

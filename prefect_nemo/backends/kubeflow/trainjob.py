@@ -54,8 +54,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from prefect_nemo.backends._kube_job import (
-    KubeJobBackend,
+from prefect_nemo.backends._kube_job import KubeJobBackend
+from prefect_nemo.backends._kube_objects import (
     check_labels,
     flow_run_of,
     job_object,

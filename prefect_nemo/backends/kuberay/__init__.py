@@ -1,7 +1,7 @@
 """The KubeRay backend: jobs as RayJobs (`rayjob`), and RayClusters with the Ray Jobs API behind
 their head Service (`raycluster`). No Prefect import."""
 
-from prefect_nemo.backends._kube_job import secret_manifest
+from prefect_nemo.backends._kube_objects import secret_manifest
 from prefect_nemo.backends.kuberay.raycluster import (
     DASHBOARD_PORT,
     RAY_TOKEN_HEADER,

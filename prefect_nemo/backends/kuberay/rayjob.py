@@ -56,8 +56,8 @@ from typing import Any, ClassVar, Literal
 import yaml
 from pydantic import SecretStr
 
-from prefect_nemo.backends._kube_job import (
-    KubeJobBackend,
+from prefect_nemo.backends._kube_job import KubeJobBackend
+from prefect_nemo.backends._kube_objects import (
     check_labels,
     flow_run_of,
     job_object,
