@@ -61,9 +61,11 @@ def _supervisor(
         raise InvalidJobSpec(f"spec: expected a JobSpec, got {type(spec).__name__}")
     block = resolve_cluster(cluster)
     backend = block.backend()
+    secrets = list(backend.secrets)
     if spec is not None:
         backend.validate(spec)
-    redact = Redactor([*backend.secrets, *(spec.secret_values() if spec else [])])
+        secrets += spec.secret_values()
+    redact = Redactor(secrets)
     run = current_run()
     policy = WaitPolicy(
         timeout_s=spec.timeout_s if spec is not None else timeout_s,
