@@ -26,7 +26,7 @@ from prefect_nemo.errors import (
     PrefectNemoError,
     StopNotConfirmed,
 )
-from prefect_nemo.jobs import JobHandle, JobResult, JobSpec, JobState, JobStatus, Resources
+from prefect_nemo.jobs import DryRun, JobHandle, JobResult, JobSpec, JobState, JobStatus, Resources
 
 # The Prefect-facing parts load on first use, so `prefect_nemo.jobs`, `.packaging` and the
 # backends stay importable (and fast to import) without pulling in Prefect.
@@ -74,6 +74,7 @@ __all__ = [
     "BackendUnavailable",
     "DependencyFailed",
     "DependencyNotFound",
+    "DryRun",
     "InvalidJobSpec",
     "JobAlreadyExists",
     "JobFailed",

@@ -330,6 +330,27 @@ class JobResult(BaseModel):
         return self.state is JobState.SUCCEEDED
 
 
+class DryRun(BaseModel):
+    """What a job would send to its cluster, rendered without submitting anything (secret
+    values masked): returned by `run_job(..., dry_run=True)` and `prefect-nemo render`."""
+
+    model_config = ConfigDict(frozen=True)
+
+    job_id: str = Field(description="The id the job would get (its first attempt).")
+    backend: str = Field(description="Backend kind, e.g. 'kuberay'.")
+    cluster: str = Field(description="Which cluster it would go to.")
+    documents: list[dict[str, Any]] = Field(
+        description="Manifests, request bodies or scripts, in the order they would be sent."
+    )
+
+    @property
+    def yaml(self) -> str:
+        """The documents as one multi-document YAML text."""
+        import yaml
+
+        return yaml.safe_dump_all(self.documents, sort_keys=False)
+
+
 @runtime_checkable
 class Backend(Protocol):
     """What every engine implements; written on the engine's own client, with no Prefect import.
@@ -381,6 +402,12 @@ class Backend(Protocol):
 
     def tail_logs(self, job_id: str) -> AsyncGenerator[str, None]:
         """Stream the job's log as it is written, until the job ends."""
+        ...
+
+    def render(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> list[dict[str, Any]]:
+        """What `submit` would send for this job, as documents (Kubernetes manifests, request
+        bodies, batch scripts), built without a request and without creating anything; secret
+        values may appear in them (the caller redacts what it shows)."""
         ...
 
     def close(self) -> None:

@@ -29,7 +29,15 @@ from prefect_nemo.errors import (
     PrefectNemoError,
     StopNotConfirmed,
 )
-from prefect_nemo.jobs import Backend, JobHandle, JobResult, JobSpec, JobState, JobStatus
+from prefect_nemo.jobs import (
+    Backend,
+    DryRun,
+    JobHandle,
+    JobResult,
+    JobSpec,
+    JobState,
+    JobStatus,
+)
 from prefect_nemo.logs import LogFollower, log_pump
 from prefect_nemo.redaction import Redactor
 from prefect_nemo.watcher import ClusterWatcher, watcher_for
@@ -202,6 +210,24 @@ class Supervisor:
             self.observer.ended(handle)
         return self._outcome(handle, final, attached, logs.whole)
 
+    def render(self, spec: JobSpec, identity: JobIdentity) -> DryRun:
+        """What `run`/`submit` would send for this job (its first attempt), secrets masked;
+        nothing is sent, not even a request to check access."""
+        job_id = names.job_id(
+            identity.scope,
+            identity.key,
+            readable=identity.readable,
+            max_len=self.backend.max_job_id_len,
+        )
+        metadata = job_metadata(spec, identity.scope, identity.key, identity.metadata)
+        documents = self.backend.render(spec, job_id, metadata)
+        return DryRun(
+            job_id=job_id,
+            backend=self.backend.kind,
+            cluster=self.backend.cluster,
+            documents=self.redact.deep(documents),
+        )
+
     def stop(self, handle: JobHandle) -> JobResult:
         """Stop the job and return how it ended once the cluster confirms it."""
         status = stop_and_confirm(self.backend, handle.job_id, timeout_s=self.policy.stop_timeout_s)
@@ -341,8 +367,8 @@ def submit_or_attach(
     next id (`-r1`, `-r2`, ...), so a retry really retries. A live or SUCCEEDED job is attached
     to, never submitted twice: the cluster refuses a taken id (JobAlreadyExists), then we look.
     """
-    fingerprint = spec.fingerprint()
-    meta = {**(metadata or {}), META_KEY: f"{scope}/{key}", META_SPEC: fingerprint}
+    meta = job_metadata(spec, scope, key, metadata)
+    fingerprint = meta[META_SPEC]
     for attempt in range(MAX_ATTEMPTS):
         job_id = names.job_id(
             scope, key, readable=readable, attempt=attempt, max_len=backend.max_job_id_len
@@ -367,6 +393,14 @@ def submit_or_attach(
     raise PrefectNemoError(
         f"{MAX_ATTEMPTS} attempts of '{scope}/{key}' already failed: use a new job name"
     )
+
+
+def job_metadata(
+    spec: JobSpec, scope: str, key: str, metadata: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The metadata written on every job: the caller's, its (scope, key) and the spec's
+    fingerprint (to spot drift when attaching)."""
+    return {**(metadata or {}), META_KEY: f"{scope}/{key}", META_SPEC: spec.fingerprint()}
 
 
 def wait_until_terminal(

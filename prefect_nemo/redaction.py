@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 MASK = "**********"
 _MIN_SECRET = 4  # shorter values would mask ordinary text; blocks reject them anyway
@@ -21,3 +22,13 @@ class Redactor:
             if secret in text:
                 text = text.replace(secret, MASK)
         return text
+
+    def deep(self, value: Any) -> Any:
+        """A copy of a document (dicts, lists, strings) with every string redacted."""
+        if isinstance(value, str):
+            return self(value)
+        if isinstance(value, dict):
+            return {self(k) if isinstance(k, str) else k: self.deep(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.deep(v) for v in value]
+        return value

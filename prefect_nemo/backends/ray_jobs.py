@@ -213,6 +213,32 @@ class RayJobsBackend:
 
     def submit(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> JobHandle:
         """Submit the spec under job_id; JobAlreadyExists if someone took the id first."""
+        head = self.head_node_id() if spec.placement and spec.placement.exclude_head else None
+        request = self._request(spec, job_id, metadata, head_node_id=head)
+        try:
+            self._call(lambda: self.client.submit_job(**request))
+        except RuntimeError as exc:
+            if "already exists" in str(exc):
+                raise JobAlreadyExists(f"Ray job '{job_id}' already exists") from None
+            raise
+        return self.handle(job_id)
+
+    def render(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> list[dict[str, Any]]:
+        """The submission `submit` would send (JobSubmissionClient.submit_job's arguments); the
+        head node's id, which excluding the head needs, is left as a placeholder."""
+        head = "<the head node's id>" if spec.placement and spec.placement.exclude_head else None
+        request = self._request(spec, job_id, metadata, head_node_id=head)
+        return [{"kind": "RayJobSubmission", "address": self.address, "request": request}]
+
+    def _request(
+        self,
+        spec: JobSpec,
+        job_id: str,
+        metadata: dict[str, str],
+        *,
+        head_node_id: str | None,
+    ) -> dict[str, Any]:
+        """The keyword arguments of `submit_job` for this job."""
         runtime_env = {**self._runtime_env, **spec.runtime_env}
         runtime_env["env_vars"] = {
             **self._runtime_env.get("env_vars", {}),
@@ -224,39 +250,29 @@ class RayJobsBackend:
             # Content-addressed staging: an unchanged tree maps to the same directory, whose
             # package Ray finds already uploaded (its client checks before uploading).
             runtime_env["working_dir"] = str(stage_source(tree))
-        kwargs: dict[str, Any] = {}
+        request: dict[str, Any] = {
+            "entrypoint": spec.entrypoint,
+            "submission_id": job_id,
+            "runtime_env": runtime_env,
+            "metadata": {**spec.metadata, **metadata},
+        }
         res = spec.resources
         if res.cpus is not None:
-            kwargs["entrypoint_num_cpus"] = res.cpus
+            request["entrypoint_num_cpus"] = res.cpus
         if res.gpus is not None:
-            kwargs["entrypoint_num_gpus"] = res.gpus
+            request["entrypoint_num_gpus"] = res.gpus
         if res.memory_bytes is not None:
-            kwargs["entrypoint_memory"] = res.memory_bytes
+            request["entrypoint_memory"] = res.memory_bytes
         if res.custom:
-            kwargs["entrypoint_resources"] = dict(res.custom)
+            request["entrypoint_resources"] = dict(res.custom)
         if spec.label_selector:  # older clients raise TypeError even for None: send only when set
-            kwargs["entrypoint_label_selector"] = dict(spec.label_selector)
+            request["entrypoint_label_selector"] = dict(spec.label_selector)
         if spec.placement is not None:  # JobSpec refuses it together with cpus/gpus/selector
-            head = self.head_node_id() if spec.placement.exclude_head else None
-            placed, selector = _entrypoint_placement(spec.placement, head)
-            kwargs.update(placed)
+            placed, selector = _entrypoint_placement(spec.placement, head_node_id)
+            request.update(placed)
             if selector:
-                kwargs["entrypoint_label_selector"] = selector
-        try:
-            self._call(
-                lambda: self.client.submit_job(
-                    entrypoint=spec.entrypoint,
-                    submission_id=job_id,
-                    runtime_env=runtime_env,
-                    metadata={**spec.metadata, **metadata},
-                    **kwargs,
-                )
-            )
-        except RuntimeError as exc:
-            if "already exists" in str(exc):
-                raise JobAlreadyExists(f"Ray job '{job_id}' already exists") from None
-            raise
-        return self.handle(job_id)
+                request["entrypoint_label_selector"] = selector
+        return request
 
     def head_node_id(self) -> str:
         """The Ray id of the cluster's head node, from the dashboard's state API (which lists

@@ -29,6 +29,7 @@ from prefect_nemo.errors import DependencyFailed, InvalidJobSpec
 from prefect_nemo.jobs import (
     META_EXPERIMENT,
     Backend,
+    DryRun,
     JobHandle,
     JobResult,
     JobSpec,
@@ -40,7 +41,7 @@ from prefect_nemo.redaction import Redactor
 from prefect_nemo.tasks._blocks import ClusterLike, resolve_cluster
 from prefect_nemo.tasks._run import RunContext, current_run
 from prefect_nemo.tasks.experiments import Experiment
-from prefect_nemo.tasks.reporting import JobReporter
+from prefect_nemo.tasks.reporting import JobReporter, dry_run_reported
 
 #: What a job may wait for: a job (its handle, or its result once ended) or an upstream
 #: experiment (the Experiment that start_experiment returned: the jobs its upstreams ran).
@@ -194,16 +195,21 @@ def run_job(
     *,
     stream_logs: bool = True,
     after: Iterable[Upstream] = (),
-) -> JobResult:
+    dry_run: bool = False,
+) -> JobResult | DryRun:
     """Run a job to the end: submit (or re-attach), stream its logs, return its JobResult.
 
     Raises JobFailed / JobStopped / JobTimedOut (with `.result`) unless it succeeded; stops the
     job if the task is cancelled or crashes. Holds a slot of the cluster's concurrency cap.
     `after`: upstream jobs or experiments to wait for first (natively where the scheduler can,
-    e.g. Slurm afterok; else here); DependencyFailed if one failed.
+    e.g. Slurm afterok; else here); DependencyFailed if one failed. `dry_run`: return what
+    would be sent (a DryRun: manifests, request body or script, secrets masked) and send
+    nothing.
     """
     block, run, supervisor = _supervisor(spec, cluster, stream_logs=stream_logs)
     identity = _identity(spec, run)
+    if dry_run:
+        return dry_run_reported(run, supervisor.render(spec, identity))
     supervisor = _after(supervisor, after, run)
     with _cluster_slot(block, supervisor.backend):
         return supervisor.run(spec, identity)
@@ -211,16 +217,22 @@ def run_job(
 
 @task(name="submit_job", cache_policy=NO_CACHE)
 def submit_job(
-    spec: JobSpec, cluster: ClusterLike = None, *, after: Iterable[Upstream] = ()
-) -> JobHandle:
+    spec: JobSpec,
+    cluster: ClusterLike = None,
+    *,
+    after: Iterable[Upstream] = (),
+    dry_run: bool = False,
+) -> JobHandle | DryRun:
     """Submit a job (or re-attach to the one this run already submitted) and return its handle.
 
     The concurrency cap is not held across tasks: use run_job where the cap matters. `after`
     as in run_job: with native dependencies the job is queued at once and starts only after
-    its upstream jobs succeed.
+    its upstream jobs succeed. `dry_run` as in run_job.
     """
     _, run, supervisor = _supervisor(spec, cluster)
     identity = _identity(spec, run)
+    if dry_run:
+        return dry_run_reported(run, supervisor.render(spec, identity))
     supervisor = _after(supervisor, after, run)
     return supervisor.submit(spec, identity).handle
 

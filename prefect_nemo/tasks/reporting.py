@@ -19,7 +19,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
 from prefect.events import emit_event
 
-from prefect_nemo.jobs import JobHandle, JobState, JobStatus
+from prefect_nemo.jobs import DryRun, JobHandle, JobState, JobStatus
 from prefect_nemo.redaction import Redactor
 from prefect_nemo.tasks._run import RunContext, fallback_logger
 
@@ -231,3 +231,33 @@ class JobReporter:
 
 def _work_key(handle: JobHandle) -> str:
     return f"job {handle.job_id}"
+
+
+def dry_run_reported(run: RunContext, dry: DryRun) -> DryRun:
+    """Log what a dry run rendered and show it as a markdown artifact of the run."""
+    text = dry.yaml
+    run.logger.info(
+        f"dry run: job {dry.job_id} would be sent to {dry.cluster} ({dry.backend}); nothing "
+        f"was submitted:\n{text}"
+    )
+    if run.flow_run_id is None:
+        return dry
+    markdown = (
+        f"## Dry run of job `{dry.job_id}`\n\nNothing was submitted to {dry.cluster} "
+        f"({dry.backend}). What would be sent:\n\n```yaml\n{text}```\n"
+    )
+    try:
+        with get_client(sync_client=True) as client:
+            client.create_artifact(
+                ArtifactCreate(
+                    type="markdown",
+                    data=markdown,
+                    description=f"Dry run of {dry.job_id} (prefect-nemo)",
+                    flow_run_id=UUID(run.flow_run_id),
+                )
+            )
+    except Exception as exc:
+        _artifacts.failed(exc)
+    else:
+        _artifacts.worked()
+    return dry
