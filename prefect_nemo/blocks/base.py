@@ -49,6 +49,12 @@ class ClusterBlock(Block):
     def backend(self) -> Backend:
         """Build the backend that talks to this cluster."""
 
+    def cleanup(self) -> list[str]:
+        """Remove what prefect-nemo created on this cluster that no run needs any more (shared
+        runtimes no job uses, clusters a crashed run left behind); returns what was removed.
+        Nothing by default. `prefect-nemo cleanup <block>` calls it."""
+        return []
+
     def concurrency_limit_name(self, backend: Backend) -> str:
         """The Prefect global concurrency limit that caps this cluster's running jobs."""
         return f"prefect-nemo-{dns_label(backend.cluster, 50)}"
