@@ -159,7 +159,7 @@ def _print_summary(outputs: dict[str, dict[str, Any]], elapsed: float) -> None:
 
 def apply_blocks(files: list[Path]) -> int:
     """Create or update the block documents of YAML files; report each, never its values."""
-    from prefect_nemo.block_documents import apply_document, check_file
+    from prefect_nemo.blocks.documents import apply_document, check_file
     from prefect_nemo.errors import PrefectNemoError
 
     try:  # every document of every file is checked before the server is even asked
