@@ -1,19 +1,17 @@
-"""The demo pipeline end to end, and the embedded default cluster's start / reuse / stop."""
+"""The demo pipeline end to end, and the embedded default cluster's start / reuse / stop.
+
+(`prefect-nemo demo` itself runs from the installed wheel in test_wheel.py.)"""
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from prefect_nemo import JobState, local_ray
-from tests.conftest import subprocess_env
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).parent.parent
 
 
 def test_demo_pipeline_runs_three_experiments(ray_head, prefect_api, tmp_path, monkeypatch):
@@ -58,19 +56,3 @@ def _live_processes_in_group(pgid: int) -> list[str]:
                         text=True)
     return [line for line in ps.stdout.splitlines() if line.strip() and line.split()[0][0] != "Z"]
 
-
-def test_cli_demo_runs_on_a_fresh_embedded_cluster(prefect_api, tmp_path):
-    """`prefect-nemo demo` as the README runs it (against the session's Prefect API)."""
-    env = subprocess_env(prefect_api)
-    for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
-        env.pop(var, None)
-    result = subprocess.run(
-        [sys.executable, "-m", "prefect_nemo.cli", "demo", "--run-dir", str(tmp_path)],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=420,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "demo pipeline finished" in result.stdout
-    assert result.stdout.count("SUCCEEDED") == 9
-    assert "accuracy=" in result.stdout and "/runs/flow-run/" in result.stdout
-    pid = int(result.stdout.split("stopped the local Ray cluster (pid ")[1].split(")")[0])
-    assert _live_processes_in_group(pid) == [], "the demo left its Ray cluster running"
