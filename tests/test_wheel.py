@@ -1,4 +1,5 @@
-"""The package as pip installs it: the wheel and its demo."""
+"""The package as pip installs it: the wheel's requirements, its demo, and the testing kit's
+import check (the extra it needs is named, not a random failure deep inside)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ import sys
 import venv
 import zipfile
 from collections.abc import Iterator
+from email.parser import Parser
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
+from prefect_nemo.testing import REQUIRES
 from tests.conftest import subprocess_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,6 +39,26 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return built
 
 
+def _metadata(wheel: Path) -> list[Requirement]:
+    with zipfile.ZipFile(wheel) as zf:
+        name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        message = Parser().parsestr(zf.read(name).decode())
+    return [Requirement(line) for line in message.get_all("Requires-Dist") or []]
+
+
+@pytest.mark.slow
+def test_core_requires_none_of_the_testing_kits_packages(wheel: Path):
+    requires = _metadata(wheel)
+    core = {r.name for r in requires if r.marker is None}
+    assert "prefect" in core and "ray" in core
+    assert not core & set(REQUIRES), "the testing kit's packages are core requirements"
+    for req in requires:
+        if req.name in REQUIRES:
+            assert str(req.marker) == 'extra == "testing"', req
+    testing = {r.name for r in requires if r.marker and r.marker.evaluate({"extra": "testing"})}
+    assert testing == set(REQUIRES), "the extra and the kit's import check name the same packages"
+
+
 @pytest.mark.slow
 def test_wheel_ships_the_demo_and_its_job_scripts(wheel: Path):
     with zipfile.ZipFile(wheel) as zf:
@@ -43,6 +67,28 @@ def test_wheel_ships_the_demo_and_its_job_scripts(wheel: Path):
     jobs = {n for n in names if n.startswith(f"{JOBS}/")}
     local = {f"{JOBS}/{p.name}" for p in (ROOT / JOBS).glob("*.py")}
     assert jobs == local and len(jobs) == 6
+
+
+def _import_testing_without(*blocked: str) -> subprocess.CompletedProcess[str]:
+    """`import prefect_nemo.testing` in a fresh interpreter where `blocked` cannot be imported."""
+    code = (
+        "import sys\n"
+        f"for name in {blocked!r}:\n"
+        "    sys.modules[name] = None  # what an uninstalled package looks like to import\n"
+        "import prefect_nemo.testing\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("blocked", [REQUIRES, ("cryptography",)])
+def test_testing_kit_without_its_extra_names_the_extra(blocked: tuple[str, ...]):
+    result = _import_testing_without(*blocked)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: prefect_nemo.testing needs "), result.stderr[-2000:]
+    assert "pip install 'prefect-nemo[testing]'" in last
+    assert all(name in last for name in blocked)
 
 
 # -- `prefect-nemo demo` from the wheel, installed in a fresh venv, run outside the repo ----------
