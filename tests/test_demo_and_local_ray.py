@@ -1,6 +1,8 @@
-"""The demo pipeline end to end, and the embedded default cluster's start / reuse / stop.
+"""The embedded default cluster's start / reuse / stop.
 
-(`prefect-nemo demo` itself runs from the installed wheel in test_wheel.py.)"""
+The demo pipeline itself runs end to end from the installed wheel (`prefect-nemo demo`,
+test_wheel.py), in the notebook (test_notebook.py) and on every backend
+(test_one_flow_any_backend.py)."""
 
 from __future__ import annotations
 
@@ -9,26 +11,9 @@ import subprocess
 
 import pytest
 
-from prefect_nemo import JobState, local_ray
+from prefect_nemo import local_ray
 
 pytestmark = pytest.mark.slow
-
-
-def test_demo_pipeline_runs_three_experiments(ray_head, prefect_api, tmp_path, monkeypatch):
-    from flows.demo import demo_pipeline
-
-    # The embedded default finds the session's cluster instead of starting another one.
-    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", ray_head.dashboard_url)
-    monkeypatch.setenv("RAY_AUTH_TOKEN", ray_head.token or "")
-    monkeypatch.setattr(local_ray, "_default", None)
-    outputs = demo_pipeline(run_dir=str(tmp_path), name="demo-test")
-    assert list(outputs) == ["demo-test-data-prep", "demo-test-train", "demo-test-eval"]
-    jobs = [job for out in outputs.values() for job in out["jobs"]]
-    assert len(jobs) == 2 + 2 + 5
-    assert {job["state"] for job in jobs} == {JobState.SUCCEEDED.value}
-    assert outputs["demo-test-eval"]["accuracy"] > 0.8, "the trained model learned something"
-    assert outputs["demo-test-train"]["train_loss"] < 0.5
-    assert local_ray._default is not None and not local_ray._default.owned, "reused, not started"
 
 
 def test_default_cluster_reuses_a_running_one(ray_head, monkeypatch):

@@ -4,6 +4,7 @@ import check (the extra it needs is named, not a random failure deep inside)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -175,7 +176,10 @@ def test_demo_runs_from_the_installed_wheel(installed: Path, run_outside_repo: P
     assert cli.returncode == 0, out[-3000:] + err[-3000:]
     assert "demo pipeline finished" in out
     assert out.count("SUCCEEDED") == 9, out[-4000:]
-    assert "accuracy=" in out and "/runs/flow-run/" in out
+    assert "/runs/flow-run/" in out
+    metrics = dict(re.findall(r"(accuracy|train_loss)=([\d.]+)", out))
+    assert float(metrics["accuracy"]) > 0.8, "the trained model learned something"
+    assert float(metrics["train_loss"]) < 0.5
     assert "stopped the local Ray cluster" in out
     assert _processes_of(installed) == set(), "the demo left processes running"
     assert not (run_outside_repo / ".prefect-nemo").exists(), "it started its own Prefect server"
