@@ -35,7 +35,7 @@ from pathlib import Path
 
 import ray
 
-from prefect_nemo.serving import poll_intervals, serve_replicas
+from prefect_nemo.tasks.replicas import poll_intervals, serve_replicas
 
 Report = Callable[[str, object], None]
 

@@ -24,7 +24,10 @@ from prefect_nemo import JobSpec, lifecycle, start_experiment, stop_job, submit_
 from prefect_nemo.backends.kuberay import rayjob_manifest, resolve_ray_cluster_name
 from prefect_nemo.blocks.kuberay import KubeRayCluster
 from prefect_nemo.blocks.kubernetes import KubernetesCluster
-from prefect_nemo.dynamo_tasks import (
+from prefect_nemo.errors import InvalidJobSpec
+from prefect_nemo.names import job_id as make_job_id
+from prefect_nemo.packaging import tee_command
+from prefect_nemo.tasks.dgd import (
     DeployedDgd,
     deploy_dgd,
     deployed_from,
@@ -35,9 +38,6 @@ from prefect_nemo.dynamo_tasks import (
     teardown_now,
     wait_dgd_ready,
 )
-from prefect_nemo.errors import InvalidJobSpec
-from prefect_nemo.names import job_id as make_job_id
-from prefect_nemo.packaging import tee_command
 
 DEFAULT_URL_ARG = "++policy.generation.dynamo.url={url}"
 DEFAULT_URL_ENV = "DYNAMO_FRONTEND_URL"

@@ -26,8 +26,8 @@ import numpy as np
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
+from prefect_nemo import serve_replicas
 from prefect_nemo.demo import JOB_CODE
-from prefect_nemo.serving import serve_replicas
 
 SERVER = Path(__file__).parent / "serve_jobs" / "model_server.py"
 COMMON = JOB_CODE / "common.py"

@@ -1,30 +1,45 @@
-"""The backend-neutral life of a job: submit-or-attach, wait, stop-and-confirm. No Prefect here;
-tasks.py adds logging, events, artifacts and cancellation on top."""
+"""The backend-neutral life of a job: submit-or-attach, wait (streaming its log), and stop it
+whenever the wait ends any other way than with the job ended. No Prefect here.
+
+A caller hands a job to a `Supervisor` once (`run`, or `submit` + `wait`, or `stop`); what
+happens is pushed to a `JobObserver` as it happens (submitted, live, each state change, each log
+line, ended), so the Prefect side (tasks/) only reports and keeps teardown hooks: it is never
+called back for a decision.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
+from typing import Protocol
 
 from prefect_nemo import names
 from prefect_nemo.errors import (
+    AuthenticationFailed,
+    BackendClosed,
     BackendUnavailable,
     JobAlreadyExists,
+    JobFailed,
     JobInterrupted,
+    JobStopped,
     JobTimedOut,
     PrefectNemoError,
     StopNotConfirmed,
 )
-from prefect_nemo.jobs import Backend, JobHandle, JobSpec, JobState, JobStatus
-from prefect_nemo.watcher import ClusterWatcher
+from prefect_nemo.jobs import Backend, JobHandle, JobResult, JobSpec, JobState, JobStatus
+from prefect_nemo.logs import LogFollower, log_pump
+from prefect_nemo.redaction import Redactor
+from prefect_nemo.watcher import ClusterWatcher, watcher_for
 
 # Metadata keys written on every job (string values: Ray requires them).
 META_KEY = "prefect_nemo.key"
 META_SPEC = "prefect_nemo.spec"
 META_FLOW_RUN = "prefect_nemo.flow_run_id"
 MAX_ATTEMPTS = 100
+LOG_TAIL_LINES = 40
 
 
 @dataclass(frozen=True)
@@ -35,6 +50,280 @@ class Submission:
     attached: bool
     status: JobStatus | None = None
     drift: str | None = None
+
+
+@dataclass(frozen=True)
+class JobIdentity:
+    """Who a job is: its (scope, key) pair names it (the job id is derived from it), `readable`
+    makes the id easier to read, `metadata` is written on the job (owner flow run, ...)."""
+
+    scope: str
+    key: str
+    readable: str = ""
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WaitPolicy:
+    """How a job is waited for: the cluster block's limits plus the job's own timeout."""
+
+    timeout_s: float | None = None
+    stream_logs: bool = True
+    max_poll_interval_s: float = 2.0
+    unreachable_budget_s: float = 120.0
+    stop_timeout_s: float = 60.0
+
+
+class JobObserver(Protocol):
+    """Told what happens to jobs as it happens. Must not raise."""
+
+    def submitted(self, handle: JobHandle, *, attached: bool, drift: str | None) -> None:
+        """The job was submitted (or an existing one attached to)."""
+
+    def live(self, handle: JobHandle, stop: Callable[[], str]) -> None:
+        """From now until `ended`, `stop()` must run if the caller goes away (it returns how
+        the job ended and never raises)."""
+
+    def changed(self, handle: JobHandle, status: JobStatus) -> None:
+        """A new observation of the job (maybe the same state again)."""
+
+    def log(self, handle: JobHandle, line: str) -> None:
+        """One line of the job's own log."""
+
+    def ended(self, handle: JobHandle) -> None:
+        """The wait is over: nobody needs to stop the job on the caller's behalf any more."""
+
+    def problem(self, message: str) -> None:
+        """Something went wrong that does not end the wait (a stop that was not confirmed)."""
+
+
+class QuietObserver:
+    """An observer that reports nothing (library use outside Prefect)."""
+
+    def submitted(self, handle: JobHandle, *, attached: bool, drift: str | None) -> None:
+        """Nothing."""
+
+    def live(self, handle: JobHandle, stop: Callable[[], str]) -> None:
+        """Nothing."""
+
+    def changed(self, handle: JobHandle, status: JobStatus) -> None:
+        """Nothing."""
+
+    def log(self, handle: JobHandle, line: str) -> None:
+        """Nothing."""
+
+    def ended(self, handle: JobHandle) -> None:
+        """Nothing."""
+
+    def problem(self, message: str) -> None:
+        """Nothing."""
+
+
+def _never() -> bool:
+    return False
+
+
+@dataclass
+class Supervisor:
+    """Carries jobs through their life on one backend: submit or attach, wait, stop."""
+
+    backend: Backend
+    policy: WaitPolicy = field(default_factory=WaitPolicy)
+    observer: JobObserver = field(default_factory=QuietObserver)
+    interrupted: Callable[[], bool] = _never
+    redact: Redactor = field(default_factory=Redactor)
+
+    @property
+    def watcher(self) -> ClusterWatcher:
+        """The process-wide watcher of this backend's cluster."""
+        return watcher_for(
+            self.backend,
+            max_interval_s=self.policy.max_poll_interval_s,
+            unreachable_budget_s=self.policy.unreachable_budget_s,
+        )
+
+    def run(self, spec: JobSpec, identity: JobIdentity) -> JobResult:
+        """Submit (or attach) and wait: the JobResult, or JobFailed/JobStopped/JobTimedOut."""
+        submission = self.submit(spec, identity)
+        return self.wait(submission.handle, attached=submission.attached)
+
+    def submit(self, spec: JobSpec, identity: JobIdentity) -> Submission:
+        """Check access, then submit the job under its deterministic id or attach to it."""
+        self.backend.check_access()  # auth and reachability fail here, before any submit
+        submission = submit_or_attach(
+            self.backend,
+            spec,
+            scope=identity.scope,
+            key=identity.key,
+            readable=identity.readable,
+            metadata=identity.metadata,
+        )
+        self.observer.submitted(
+            submission.handle, attached=submission.attached, drift=submission.drift
+        )
+        return submission
+
+    def wait(self, handle: JobHandle, *, attached: bool = False) -> JobResult:
+        """Wait for the job to end, streaming its log; stop it if we leave any other way.
+        Returns the result of a job that SUCCEEDED; raises JobFailed/JobStopped otherwise."""
+        stop = partial(self._stop_quietly, handle)
+        self.observer.live(handle, stop)
+        logs = _LogStream(self, handle)
+        final: JobStatus | None = None
+        stopped = False  # set once we have stopped the job ourselves
+
+        def on_change(status: JobStatus) -> None:
+            logs.update(status)
+            self.observer.changed(handle, status)
+
+        try:
+            final = wait_until_terminal(
+                self.watcher,
+                handle,
+                timeout_s=self.policy.timeout_s,
+                on_change=on_change,
+                interrupted=self.interrupted,
+            )
+        except JobTimedOut as exc:
+            final, stopped = self._stop(handle), True
+            result = self._result(handle, final, attached)
+            raise JobTimedOut(self.redact(str(exc)), result) from None
+        except JobInterrupted:
+            final, stopped = self._stop(handle), True
+            result = self._result(handle, final, attached)
+            raise JobStopped(
+                f"job {handle.job_id} {result.state.value}: the flow run is being cancelled",
+                result,
+            ) from None
+        finally:
+            logs.close()
+            if final is None and not stopped:  # cancelled, crashed or lost the cluster
+                self._stop(handle)
+            self.observer.ended(handle)
+        return self._outcome(handle, final, attached, logs.whole)
+
+    def stop(self, handle: JobHandle) -> JobResult:
+        """Stop the job and return how it ended once the cluster confirms it."""
+        status = stop_and_confirm(self.backend, handle.job_id, timeout_s=self.policy.stop_timeout_s)
+        if status is not None:
+            self.observer.changed(handle, status)
+        return self._result(handle, status, attached=False)
+
+    def wait_for_upstream(self, handle: JobHandle) -> JobStatus:
+        """Wait (without logs, timeout or stop) until an upstream job is terminal."""
+        return wait_until_terminal(self.watcher, handle, interrupted=self.interrupted)
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _stop(self, handle: JobHandle) -> JobStatus | None:
+        try:
+            status = stop_and_confirm(
+                self.backend, handle.job_id, timeout_s=self.policy.stop_timeout_s
+            )
+        except Exception as exc:
+            self.observer.problem(self.redact(f"could not stop job {handle.job_id}: {exc}"))
+            return None
+        if status is not None:
+            self.observer.changed(handle, status)
+        return status
+
+    def _stop_quietly(self, handle: JobHandle) -> str:
+        try:
+            status = stop_and_confirm(
+                self.backend, handle.job_id, timeout_s=self.policy.stop_timeout_s
+            )
+            return status.state.value if status else "gone"
+        except Exception as exc:
+            return self.redact(f"stop not confirmed: {exc}")
+
+    def _outcome(
+        self, handle: JobHandle, final: JobStatus, attached: bool, whole_log: str | None
+    ) -> JobResult:
+        if final.state is JobState.SUCCEEDED:
+            return self._result(handle, final, attached)
+        tail = self._log_tail(handle, whole_log) if final.state is JobState.FAILED else ""
+        result = self._result(handle, final, attached, log_tail=self.redact(tail))
+        exit_code = f" (exit code {final.exit_code})" if final.exit_code is not None else ""
+        message = self.redact(
+            f"job {handle.job_id} {final.state.value}{exit_code}: {final.message}".rstrip(": ")
+        )
+        if tail and tail.strip() not in final.message:
+            message += "\n--- last log lines ---\n" + self.redact(tail)
+        if final.state is JobState.STOPPED:
+            raise JobStopped(message, result)
+        raise JobFailed(message, result)
+
+    def _log_tail(self, handle: JobHandle, whole_log: str | None) -> str:
+        """The last lines of the job's log, from the read already made if there was one."""
+        try:
+            whole = whole_log if whole_log is not None else self.backend.logs(handle.job_id)
+        except Exception:
+            return ""
+        return "\n".join(whole.rstrip().splitlines()[-LOG_TAIL_LINES:])
+
+    def _result(
+        self,
+        handle: JobHandle,
+        status: JobStatus | None,
+        attached: bool,
+        log_tail: str = "",
+    ) -> JobResult:
+        if status is None:
+            return JobResult(
+                handle=handle,
+                state=JobState.STOPPED,
+                message="stop not confirmed",
+                attached=attached,
+            )
+        return JobResult(
+            handle=handle,
+            state=status.state,
+            message=self.redact(status.message),
+            start_time=status.start_time,
+            end_time=status.end_time,
+            exit_code=status.exit_code,
+            log_tail=log_tail,
+            attached=attached,
+        )
+
+
+class _LogStream:
+    """A job's log while it is waited on: followed once it runs, read whole once it ended
+    (its lines come before the line that says how it ended)."""
+
+    def __init__(self, supervisor: Supervisor, handle: JobHandle) -> None:
+        self._supervisor = supervisor
+        self._handle = handle
+        self._follower: LogFollower | None = None
+        self.whole: str | None = None  # the whole log, read once when the job ended
+
+    def _sink(self, line: str) -> None:
+        self._supervisor.observer.log(self._handle, line)
+
+    def update(self, status: JobStatus) -> None:
+        if not self._supervisor.policy.stream_logs:
+            return
+        backend, job_id = self._supervisor.backend, self._handle.job_id
+        if status.state.is_terminal():
+            self.whole = (self._follower or LogFollower(backend, job_id, self._sink)).finish()
+            self._follower = None
+        elif self._follower is None and status.state is JobState.RUNNING:
+            watcher = self._supervisor.watcher
+            self._follower = log_pump.follow(
+                backend,
+                job_id,
+                self._sink,
+                is_done=lambda: (s := watcher.latest(job_id)) is None or s.state.is_terminal(),
+            )
+
+    def close(self) -> None:
+        if self._follower is not None:
+            self._follower.finish()
+            self._follower = None
+
+
+# -------------------------------------------------------------------------------------------------
+# The steps, for callers that drive a backend themselves
 
 
 def submit_or_attach(
@@ -86,7 +375,7 @@ def wait_until_terminal(
     *,
     timeout_s: float | None = None,
     on_change: Callable[[JobStatus], None] = lambda status: None,
-    interrupted: Callable[[], bool] = lambda: False,
+    interrupted: Callable[[], bool] = _never,
     tick_s: float = 1.0,
 ) -> JobStatus:
     """Block until the job is terminal, calling on_change once per observed change.
@@ -107,7 +396,9 @@ def wait_until_terminal(
             if seen is not None and seen.state.is_terminal():
                 return seen
             if interrupted():
-                raise JobInterrupted(f"stopped waiting for job '{handle.job_id}': shutting down")
+                raise JobInterrupted(
+                    f"stopped waiting for job '{handle.job_id}': the run is being cancelled"
+                )
             started = (seen.start_time if seen else None) or waited_from
             if timeout_s is not None and (datetime.now(UTC) - started).total_seconds() > timeout_s:
                 raise JobTimedOut(
@@ -122,7 +413,8 @@ def stop_and_confirm(
 
     The stop request is re-sent every round: Ray accepts a stop on a PENDING job but acts on it
     only once the job is scheduled. Transient outages are retried until the deadline. Raises
-    StopNotConfirmed if the job is still live at the deadline.
+    StopNotConfirmed if the job is still live at the deadline, and at once when the cluster
+    rejects our credentials or the backend was closed.
     """
     deadline = time.monotonic() + timeout_s
     last: JobStatus | None = None
@@ -133,6 +425,10 @@ def stop_and_confirm(
             if last is None or last.state.is_terminal():
                 return last
             backend.request_stop(job_id)
+        except (AuthenticationFailed, BackendClosed) as exc:  # asking again cannot help
+            raise StopNotConfirmed(
+                f"job '{job_id}' on {backend.cluster} could not be stopped: {exc}"
+            ) from None
         except BackendUnavailable as exc:
             last_error = exc
         if time.monotonic() >= deadline:

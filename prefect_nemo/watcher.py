@@ -1,4 +1,4 @@
-"""One poller per cluster serves every job waited on in this process, plus one log pump.
+"""One poller per cluster serves every job waited on in this process.
 
 A waiting task registers its job with the cluster's watcher and blocks on a condition; the
 watcher's thread asks the backend for all watched jobs in one call per tick (Ray: one
@@ -9,14 +9,12 @@ for long-running ones. No Prefect import here.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import contextlib
+import atexit
 import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from prefect_nemo.errors import AuthenticationFailed, BackendClosed, BackendUnavailable
@@ -100,6 +98,11 @@ class ClusterWatcher:
                     return current
                 self._cond.wait(remaining)
 
+    def close(self) -> None:
+        """Stop polling: waiters get BackendClosed at once and the thread ends."""
+        self._fail(BackendClosed(f"stopped watching {self.backend.cluster}: the watcher closed"))
+        self._wake.set()
+
     # -- the polling thread -----------------------------------------------------------------
 
     def _run(self) -> None:
@@ -121,6 +124,8 @@ class ClusterWatcher:
         failures = 0
         while True:
             with self._cond:
+                if self._thread is not threading.current_thread():  # closed, or failed
+                    return
                 job_ids = list(self._refs)
                 if not job_ids:
                     self._thread = None
@@ -214,6 +219,17 @@ _watchers: dict[str, ClusterWatcher] = {}
 _watchers_lock = threading.Lock()
 
 
+def close_watchers() -> None:
+    """Close every watcher of this process (at interpreter exit: no thread outlives its owner)."""
+    with _watchers_lock:
+        watchers = list(_watchers.values())
+    for watcher in watchers:
+        watcher.close()
+
+
+atexit.register(close_watchers)
+
+
 def watcher_for(
     backend: Backend, *, max_interval_s: float = 2.0, unreachable_budget_s: float = 120.0
 ) -> ClusterWatcher:
@@ -226,104 +242,3 @@ def watcher_for(
             )
             _watchers[backend.cluster] = watcher
         return watcher
-
-
-class LogFollower:
-    """Sends a job's log lines to a sink as they stream; `finish` completes it exactly once."""
-
-    def __init__(self, backend: Backend, job_id: str, sink: Callable[[str], None]) -> None:
-        self.backend = backend
-        self.job_id = job_id
-        self._sink = sink
-        self._lock = threading.Lock()
-        self._emitted = 0  # characters of the log whose lines reached the sink
-        self._closed = False
-        self._future: concurrent.futures.Future[None] | None = None
-
-    def deliver(self, line: str, upto: int) -> None:
-        """Pass one streamed line on (ignored once finished); `upto` = log offset after it."""
-        with self._lock:
-            if not self._closed:
-                self._sink(line)
-                self._emitted = upto
-
-    def finish(self) -> str | None:
-        """Stop streaming and send the rest of the log from one full read (nothing lost).
-
-        Returns that whole log (None if it could not be read), so callers need not read it again.
-        """
-        with self._lock:
-            self._closed = True
-            emitted = self._emitted
-        if self._future is not None:
-            self._future.cancel()
-        try:
-            whole = self.backend.logs(self.job_id)
-        except Exception as exc:
-            log.debug("could not read the rest of the log of %s: %s", self.job_id, exc)
-            return None
-        for line in whole[emitted:].splitlines():
-            self._sink(line)
-        return whole
-
-
-class LogPump:
-    """Streams the logs of every followed job on one asyncio loop thread."""
-
-    def __init__(self) -> None:
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._lock = threading.Lock()
-
-    def _ensure_loop(self) -> asyncio.AbstractEventLoop:
-        with self._lock:
-            if self._loop is None:
-                loop = asyncio.new_event_loop()
-                threading.Thread(
-                    target=loop.run_forever, name="prefect-nemo-logs", daemon=True
-                ).start()
-                self._loop = loop
-            return self._loop
-
-    def follow(
-        self,
-        backend: Backend,
-        job_id: str,
-        sink: Callable[[str], None],
-        is_done: Callable[[], bool],
-    ) -> LogFollower:
-        """Start streaming job_id's log lines into sink; call `finish()` when the job ended."""
-        follower = LogFollower(backend, job_id, sink)
-        follower._future = asyncio.run_coroutine_threadsafe(
-            _pump(follower, is_done), self._ensure_loop()
-        )
-        return follower
-
-
-async def _pump(follower: LogFollower, is_done: Callable[[], bool]) -> None:
-    delivered = 0  # characters received: a re-tail starts from the top of the log
-    line_start = 0  # log offset where `pending` begins
-    pending = ""
-    while True:
-        offset = 0
-        try:
-            async with contextlib.aclosing(follower.backend.tail_logs(follower.job_id)) as stream:
-                async for chunk in stream:
-                    end = offset + len(chunk)
-                    if end > delivered:
-                        pending += chunk[max(0, delivered - offset) :]
-                        delivered = end
-                        *lines, pending = pending.split("\n")
-                        for line in lines:
-                            line_start += len(line) + 1
-                            follower.deliver(line, line_start)
-                    offset = end
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the stream broke; the watcher decides whether the job is over
-            log.debug("log stream of %s broke: %s", follower.job_id, exc)
-        if is_done():
-            return  # the partial last line is sent by finish() from a full read
-        await asyncio.sleep(1.0)  # Ray may close the stream while the job still runs: re-tail
-
-
-log_pump = LogPump()

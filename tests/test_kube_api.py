@@ -107,6 +107,26 @@ def test_requires_bearer_token(server: LoopbackKubeServer) -> None:
     assert exc.status == 401 and body["reason"] == "Unauthorized"
 
 
+def test_revoked_token_ends_watches_and_answers_401() -> None:
+    """revoke_token() acts like an API server restarted with a rotated key: an open watch ends
+    (a clean end of stream) and every later request with the old token gets a 401 Status."""
+    with LoopbackKubeServer() as fresh:
+        old = fresh.api_client()
+        core = client.CoreV1Api(old)
+        stream = watch.Watch().stream(core.list_namespace, timeout_seconds=30)
+        assert next(stream)["type"] == "ADDED"
+        started = time.monotonic()
+        new_token = fresh.revoke_token()
+        assert list(stream) == [] and time.monotonic() - started < 5
+        exc, body = error_of(core.list_namespace)
+        assert exc.status == 401
+        assert body == {
+            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": "Unauthorized", "reason": "Unauthorized", "code": 401,
+        }  # fmt: skip
+        assert new_token == fresh.token and client.CoreV1Api(fresh.api_client()).list_namespace()
+
+
 def test_discovery(server: LoopbackKubeServer, core: client.CoreV1Api) -> None:
     api = server.api_client()
     groups = {g.name for g in client.ApisApi(api).get_api_versions().groups}

@@ -109,8 +109,15 @@ def test_wrong_token_and_forbidden_are_authentication_errors(
 ) -> None:
     config = server.kubeconfig()
     config["users"][0]["user"]["token"] = "wrong-token"
-    with pytest.raises(AuthenticationFailed, match="rejected our credentials"):
-        KubernetesCluster(kubeconfig=config).api().list(kube.POD)
+    block = KubernetesCluster(kubeconfig=config)
+    with pytest.raises(AuthenticationFailed, match="rejected our credentials") as info:
+        block.api().list(kube.POD)
+    # the message says which block and field to fix, never the token
+    assert "the kubeconfig field of KubernetesCluster" in str(info.value)
+    assert "wrong-token" not in str(info.value)
+    block._block_document_name, block._is_anonymous = "prod", False  # as when saved or loaded
+    with pytest.raises(AuthenticationFailed, match="kubeconfig field of KubernetesCluster 'prod'"):
+        block.api().list(kube.POD)
     server.forbid("list", "secrets")
     with pytest.raises(AuthenticationFailed, match="not allowed to list secrets"):
         api.list(kube.SECRET)

@@ -542,7 +542,7 @@ def test_stop_of_a_job_pending_in_ray_escalates_to_delete(
 ):
     """Ray holds a stop of a job that waits for resources; the backend then deletes the RayJob,
     which takes the job's cluster with it."""
-    from prefect_nemo.backends import kuberay as kuberay_backend
+    from prefect_nemo.backends.kuberay import rayjob as kuberay_backend
     from prefect_nemo.lifecycle import stop_and_confirm
 
     monkeypatch.setattr(kuberay_backend, "STOP_ESCALATE_S", 1.0)
@@ -596,7 +596,8 @@ def test_watcher_makes_no_per_job_requests(kube_server, kuberay, kube_block, ray
     tag = uuid.uuid4().hex[:6]
     handles = [backend.submit(JobSpec(entrypoint="sleep 2"), f"w{tag}-{i}", META)
                for i in range(3)]  # fmt: skip
-    informer = backend._ensure_informer()
+    unsubscribe = backend.subscribe(lambda: None)  # the informers start with a subscriber
+    informer = backend.informers[0]
     assert wait_until(lambda: all(informer.get(h.job_id) for h in handles), 5)
     calls: list[str] = []
 
@@ -616,6 +617,7 @@ def test_watcher_makes_no_per_job_requests(kube_server, kuberay, kube_block, ray
     assert [f.state for f in finals] == [JobState.SUCCEEDED] * 3
     assert calls == [], "the watcher read the informer's cache only"
     assert informer.error is None
+    unsubscribe()
 
 
 @pytest.mark.slow
@@ -628,7 +630,7 @@ def test_forbidden_watch_fails_fast(kube_server, kuberay, kube_block, ray_head):
     kube_server.forbid("list", "rayjobs", "ray.io")
     try:
         unsubscribe = backend.subscribe(lambda: None)
-        informer = backend._ensure_informer()
+        informer = backend.informers[0]
         assert wait_until(lambda: informer.error is not None, 5)
         with pytest.raises(AuthenticationFailed, match="list"):
             backend.statuses(["any"])

@@ -135,7 +135,7 @@ def test_a_second_start_attaches_and_its_stop_leaves_the_cluster_running(
 def test_nemo_run_ssh_tunnel_connects_with_the_key_and_no_prompt(
     slurm: LocalSlurm, tmp_path: Path
 ) -> None:
-    from prefect_nemo.backends.nemo_run.home import nemo_run
+    from prefect_nemo.backends.nemo_run.isolation import nemo_run
 
     run = nemo_run()  # the one way in: NEMORUN_HOME is set before NeMo-Run reads it
     from nemo_run.core.tunnel.rsync import rsync

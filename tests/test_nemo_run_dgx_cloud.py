@@ -20,8 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
+import psutil
 import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
@@ -34,7 +36,7 @@ from prefect.client.schemas.filters import (
 from pydantic import SecretStr
 
 from prefect_nemo import lifecycle
-from prefect_nemo.backends.nemo_run.home import home_files
+from prefect_nemo.backends.nemo_run.isolation import home_files
 from prefect_nemo.blocks.dgx_cloud import DGXCloudCluster
 from prefect_nemo.errors import AuthenticationFailed, InvalidJobSpec
 from prefect_nemo.jobs import JobSpec, JobState, Resources
@@ -109,6 +111,16 @@ def files_text(*roots: Path) -> str:
             if path.is_file():
                 texts.append(path.read_bytes().decode(errors="ignore"))
     return "\n".join(texts)
+
+
+def open_connections(url: str) -> int:
+    """This process's established TCP connections to the server at `url`."""
+    port = urlsplit(url).port
+    return sum(
+        1
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+    )
 
 
 @pytest.fixture
@@ -400,3 +412,17 @@ def test_ray_on_dgx_cloud_is_a_bootstrapped_distributed_workload(
         ray_block = DGXCloudRayCluster(cluster=cluster, max_poll_interval_s=0.2)
         result = rl()  # through Prefect's task: deploy, workload, phases to Completed
         assert result.state is JobState.SUCCEEDED and result.handle.backend == "dgx-cloud-ray"
+
+
+def assert_close_ends_connections(backend: Any, url: str) -> None:
+    """backend.close() ends its pooled connections to `url`, and a second close is harmless."""
+    backend.check_access()
+    assert open_connections(url) >= 1
+    backend.close()
+    backend.close()
+    wait_for(lambda: open_connections(url) == 0)
+
+
+def test_close_ends_the_client_connections(runai: RunaiServer, block: DGXCloudCluster) -> None:
+    """close() closes the run:ai client's pooled connections; workloads are left alone."""
+    assert_close_ends_connections(block.backend(), runai.base_url)

@@ -24,7 +24,7 @@ from prefect import flow
 from pydantic import SecretStr
 
 from prefect_nemo import lifecycle
-from prefect_nemo.backends.nemo_run.home import home_files
+from prefect_nemo.backends.nemo_run.isolation import home_files
 from prefect_nemo.blocks.lepton import LeptonWorkspace
 from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable, InvalidJobSpec
 from prefect_nemo.jobs import JobSpec, JobState, Resources
@@ -32,7 +32,13 @@ from prefect_nemo.packaging import TransportTooLarge
 from prefect_nemo.placement import PlacementSpec
 from prefect_nemo.tasks import run_job
 from prefect_nemo.testing.lepton import LeptonServer
-from tests.test_nemo_run_dgx_cloud import files_text, prefect_haystacks, sample_source, wait_for
+from tests.test_nemo_run_dgx_cloud import (
+    assert_close_ends_connections,
+    files_text,
+    prefect_haystacks,
+    sample_source,
+    wait_for,
+)
 
 pytestmark = pytest.mark.nemo_run
 
@@ -363,3 +369,10 @@ def test_logs_of_a_running_job_return_while_lepton_keeps_streaming(
     assert text.startswith("step 1\n") and "Running" in text
     lifecycle.stop_and_confirm(backend, job_id, timeout_s=10)
     assert backend.logs(job_id) == "step 1\n"  # an ended job's log is sent whole, at once
+
+
+def test_close_ends_the_workspace_connections(lepton: LeptonServer, block: LeptonWorkspace) -> None:
+    """close() closes the workspace client's connections; a later call opens a new client."""
+    backend = block.backend()
+    assert_close_ends_connections(backend, lepton.api_url)
+    backend.check_access()

@@ -13,7 +13,7 @@ from prefect import flow
 from pydantic import SecretStr
 
 from prefect_nemo import DependencyFailed, InvalidJobSpec, JobFailed, JobSpec, JobState, run_job
-from prefect_nemo.backends.nemo_run.home import home_files, nemo_run, root_logger_kept
+from prefect_nemo.backends.nemo_run.isolation import home_files, nemo_run, root_logger_kept
 from prefect_nemo.backends.nemo_run.local import NemoRunLocalBackend
 from prefect_nemo.blocks.base import ClusterBlock
 from prefect_nemo.lifecycle import stop_and_confirm, submit_or_attach
@@ -102,7 +102,7 @@ def test_bad_input_names_the_field():
 
 
 def test_nemo_run_home_is_isolated_and_the_root_logger_kept():
-    from prefect_nemo.backends.nemo_run.home import nemorun_home
+    from prefect_nemo.backends.nemo_run.isolation import nemorun_home
 
     nr = nemo_run()
     assert os.path.abspath(nr.config.get_nemorun_home()) == str(nemorun_home())

@@ -37,6 +37,7 @@ from prefect_nemo import (
     wait_for_job,
 )
 from prefect_nemo.backends.nemo_run import slurm as slurm_backend
+from prefect_nemo.backends.nemo_run.slurm import ssh
 from prefect_nemo.blocks.slurm import SlurmCluster
 from prefect_nemo.placement import PlacementSpec
 from tests.test_secrets import _events_of_flow_run, _logs_of_flow_run
@@ -362,7 +363,7 @@ def _some_other_host_key(tmp_path: Path) -> str:
 
 
 def test_secrets_appear_nowhere(block, slurm, job_root, prefect_api, caplog, capfd):
-    from prefect_nemo.backends.nemo_run.home import home_files
+    from prefect_nemo.backends.nemo_run.isolation import home_files
 
     caplog.set_level(logging.DEBUG)
     since = datetime.now(UTC).isoformat()
@@ -548,3 +549,20 @@ def test_release_cancels_a_job_sbatch_already_took(block, slurm, job_root):
     backend.release(job_id)
     assert not Path(backend.remote_dir(job_id)).exists()
     assert [r["State"].split()[0] for r in wait_rows(slurm, job_id, "CANCELLED")] == ["CANCELLED"]
+
+
+def test_close_keeps_the_shared_connection_which_closes_at_exit(block):
+    """A backend's close() leaves the SSH connection the block's other backends share on
+    purpose; the pool's close (registered for interpreter exit) ends it and paramiko's
+    transport thread, and a later call reconnects."""
+    first, second = block.backend(), block.backend()
+    first.check_access()
+    transport = first._ssh.session().client.get_transport()
+    first.close()
+    first.close()
+    second.check_access()
+    assert transport.is_alive(), "closing one backend keeps the shared connection"
+    ssh.close_all()
+    transport.join(5)
+    assert not transport.is_alive()
+    second.check_access()

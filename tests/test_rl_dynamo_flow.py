@@ -17,8 +17,8 @@ from kubernetes import client as k8s
 from flows.rl_dynamo import rl_with_dynamo
 from prefect_nemo import JobFailed, JobStopped
 from prefect_nemo.backends.dynamo import DgdFailed, DgdNotReady, dgd_kind
-from prefect_nemo.dynamo_tasks import dgd_rows
 from prefect_nemo.kube import RAY_CLUSTER, RAY_JOB
+from prefect_nemo.tasks.dgd import dgd_rows
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,7 @@ from prefect_nemo import (
     submit_job,
     wait_for_job,
 )
-from prefect_nemo.reporting import job_rows
+from prefect_nemo.tasks.reporting import job_rows
 
 pytestmark = pytest.mark.slow
 

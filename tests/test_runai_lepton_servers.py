@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import requests
 
-from prefect_nemo.backends.nemo_run.home import nemo_run
+from prefect_nemo.backends.nemo_run.isolation import nemo_run
 from prefect_nemo.packaging import build_archive, plan_for
 from prefect_nemo.testing.lepton import LeptonServer
 from prefect_nemo.testing.runai import ARGS_LIMIT, ENV_VALUE_LIMIT, RunaiServer
@@ -410,7 +410,7 @@ def test_lepton_single_argument_tarball_breaks_like_a_real_pod(
 def test_lepton_ray_cluster_lifecycle(lepton: LeptonServer) -> None:
     from nemo_run.run.ray.lepton import LeptonRayCluster
 
-    from prefect_nemo.backends.nemo_run.home import root_logger_kept
+    from prefect_nemo.backends.nemo_run.isolation import root_logger_kept
 
     with root_logger_kept():
         cluster = LeptonRayCluster(name="rl-cluster", executor=lepton_executor(nodes=2))

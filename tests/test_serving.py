@@ -29,7 +29,7 @@ from prefect_nemo.placement import (
     wait_ready,
 )
 from prefect_nemo.placement.process import MARKER_ENV
-from prefect_nemo.serving import SERVE_PREFIX, serve_replicas
+from prefect_nemo.tasks.replicas import SERVE_PREFIX, serve_replicas
 
 # Ray vendors psutil (ray/thirdparty_files goes on sys.path when ray is imported).
 psutil = importlib.import_module("psutil")
@@ -210,7 +210,7 @@ DRIVER = textwrap.dedent(
     import sys, time, ray
     ray.init(address=sys.argv[1], namespace="prefect-nemo", log_to_driver=False)
     from prefect import flow
-    from prefect_nemo.serving import serve_replicas
+    from prefect_nemo.tasks.replicas import serve_replicas
 
     def serve():
         with serve_replicas(sys.argv[2], replicas=2, tp_size=1, health_path="/") as rs:
@@ -341,8 +341,8 @@ def test_serve_and_evaluate_flow(cluster, prefect_api):
 def test_start_and_stop_replicas_tasks(cluster, prefect_api):
     from prefect import flow
 
-    from prefect_nemo.serving import start_replicas, stop_replicas
-    from prefect_nemo.tasks import live_work
+    from prefect_nemo.tasks._run import live_work
+    from prefect_nemo.tasks.replicas import start_replicas, stop_replicas
 
     @flow
     def pair() -> tuple[list[int], str, list]:

@@ -15,7 +15,7 @@ from prefect_nemo.blocks.base import ClusterBlock
 
 if TYPE_CHECKING:
     from prefect_nemo.backends.nemo_run.dgx_cloud import DGXCloudBackend
-    from prefect_nemo.backends.nemo_run.ray_cloud import DGXCloudRayBackend
+    from prefect_nemo.backends.nemo_run.ray_clusters import DGXCloudRayBackend
 
 
 class DGXCloudCluster(ClusterBlock):
@@ -141,28 +141,10 @@ def train():
 
     def backend(self) -> DGXCloudBackend:
         """The NeMo-Run DGX Cloud backend for this cluster (needs prefect-nemo[nemo-run])."""
+        from prefect_nemo.backends.nemo_run.base import config_from
         from prefect_nemo.backends.nemo_run.dgx_cloud import DGXCloudBackend, DGXCloudConfig
 
-        return DGXCloudBackend(
-            DGXCloudConfig(
-                base_url=self.base_url,
-                kube_apiserver_url=self.kube_apiserver_url,
-                client_id=self.client_id,
-                client_secret=self.client_secret.get_secret_value(),
-                project_name=self.project_name,
-                container_image=self.container_image,
-                pvc_nemo_run_dir=self.pvc_nemo_run_dir,
-                pvcs=[dict(p) for p in self.pvcs],
-                nodes=self.nodes,
-                gpus_per_node=self.gpus_per_node,
-                nprocs_per_node=self.nprocs_per_node,
-                distributed_framework=self.distributed_framework,
-                custom_spec=dict(self.custom_spec),
-                env_vars=dict(self.env_vars),
-                secret_env=dict(self.secret_env),
-                request_timeout_s=self.request_timeout_s,
-            )
-        )
+        return DGXCloudBackend(config_from(DGXCloudConfig, dict(self)))
 
 
 class DGXCloudRayCluster(ClusterBlock):
@@ -196,6 +178,8 @@ def rl():
 
     def backend(self) -> DGXCloudRayBackend:
         """The Ray-on-DGX-Cloud backend (needs prefect-nemo[nemo-run])."""
-        from prefect_nemo.backends.nemo_run.ray_cloud import DGXCloudRayBackend
+        from prefect_nemo.backends.nemo_run.base import config_from
+        from prefect_nemo.backends.nemo_run.dgx_cloud import DGXCloudConfig
+        from prefect_nemo.backends.nemo_run.ray_clusters import DGXCloudRayBackend
 
-        return DGXCloudRayBackend(self.cluster.backend().config)
+        return DGXCloudRayBackend(config_from(DGXCloudConfig, dict(self.cluster)))

@@ -76,14 +76,33 @@ api = k8s.api()  # prefect_nemo.kube.KubeApi
             client = _clients.get(key)
             if client is None:
                 client = _clients[key] = _api_client(document, self.context)
-        return KubeApi(client, namespace=self.namespace, request_timeout_s=self.request_timeout_s)
+        return KubeApi(
+            client,
+            namespace=self.namespace,
+            request_timeout_s=self.request_timeout_s,
+            credentials=self.credentials_source(),
+        )
+
+    def describe(self) -> str:
+        """This block for messages: "KubernetesCluster 'prod'" once saved or loaded by name."""
+        name = self._block_document_name if not self._is_anonymous else None
+        return f"{type(self).__name__} '{name}'" if name else type(self).__name__
+
+    def credentials_source(self) -> str:
+        """Where the credentials come from (block and field; never the credentials), so a 401
+        or 403 says what to fix."""
+        if self.in_cluster:
+            return f"the pod's service account ({self.describe()} has in_cluster set)"
+        if self.kubeconfig is not None:
+            return f"the kubeconfig field of {self.describe()}"
+        return f"the kubeconfig file {_kubeconfig_path()} ({self.describe()}.kubeconfig is empty)"
 
     def _kubeconfig_document(self) -> dict | None:
         if self.in_cluster:
             return None
         if self.kubeconfig is not None:
             return self.kubeconfig.get_secret_value()
-        path = Path(os.environ.get("KUBECONFIG", "~/.kube/config").split(os.pathsep)[0])
+        path = _kubeconfig_path()
         try:
             return yaml.safe_load(path.expanduser().read_text())
         except OSError as exc:
@@ -91,6 +110,11 @@ api = k8s.api()  # prefect_nemo.kube.KubeApi
                 f"KubernetesCluster.kubeconfig: empty and {path} cannot be read ({exc}); paste "
                 "the kubeconfig into the block or set in_cluster=true inside a pod"
             ) from None
+
+
+def _kubeconfig_path() -> Path:
+    """The kubeconfig file the client would read: the first of $KUBECONFIG, else ~/.kube/config."""
+    return Path(os.environ.get("KUBECONFIG", "~/.kube/config").split(os.pathsep)[0])
 
 
 _clients: dict[str, ApiClient] = {}

@@ -14,7 +14,7 @@ from prefect_nemo.blocks.base import ClusterBlock
 
 if TYPE_CHECKING:
     from prefect_nemo.backends.nemo_run.lepton import LeptonBackend
-    from prefect_nemo.backends.nemo_run.ray_cloud import LeptonRayBackend
+    from prefect_nemo.backends.nemo_run.ray_clusters import LeptonRayBackend
 
 
 class LeptonWorkspace(ClusterBlock):
@@ -132,29 +132,10 @@ def train():
 
     def backend(self) -> LeptonBackend:
         """The NeMo-Run Lepton backend for this workspace (needs prefect-nemo[nemo-run])."""
+        from prefect_nemo.backends.nemo_run.base import config_from
         from prefect_nemo.backends.nemo_run.lepton import LeptonBackend, LeptonConfig
 
-        return LeptonBackend(
-            LeptonConfig(
-                workspace_id=self.workspace_id,
-                workspace_url=self.workspace_url,
-                token=self.token.get_secret_value(),
-                node_group=self.node_group,
-                resource_shape=self.resource_shape,
-                cpu_resource_shape=self.cpu_resource_shape,
-                container_image=self.container_image,
-                nemo_run_dir=self.nemo_run_dir,
-                mounts=[dict(m) for m in self.mounts],
-                nodes=self.nodes,
-                gpus_per_node=self.gpus_per_node,
-                shared_memory_size=self.shared_memory_size,
-                image_pull_secrets=list(self.image_pull_secrets),
-                node_reservation=self.node_reservation,
-                env_vars=dict(self.env_vars),
-                secret_vars=dict(self.secret_vars),
-                request_timeout_s=self.request_timeout_s,
-            )
-        )
+        return LeptonBackend(config_from(LeptonConfig, dict(self)))
 
 
 class LeptonRayCluster(ClusterBlock):
@@ -205,10 +186,12 @@ def rl():
 
     def backend(self) -> LeptonRayBackend:
         """The Ray-on-Lepton backend (needs prefect-nemo[nemo-run])."""
-        from prefect_nemo.backends.nemo_run.ray_cloud import LeptonRayBackend
+        from prefect_nemo.backends.nemo_run.base import config_from
+        from prefect_nemo.backends.nemo_run.lepton import LeptonConfig
+        from prefect_nemo.backends.nemo_run.ray_clusters import LeptonRayBackend
 
         return LeptonRayBackend(
-            self.workspace.backend().config,
+            config_from(LeptonConfig, dict(self.workspace)),
             cluster_name=self.ray_cluster_name,
             head_resource_shape=self.head_resource_shape,
             ray_version=self.ray_version,

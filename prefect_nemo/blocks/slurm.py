@@ -155,31 +155,7 @@ def train():
 
     def backend(self) -> SlurmBackend:
         """The NeMo-Run Slurm backend for this cluster (imports nemo_run on first use)."""
-        from prefect_nemo.backends.nemo_run.slurm import SlurmBackend
+        from prefect_nemo.backends.nemo_run.base import config_from
+        from prefect_nemo.backends.nemo_run.slurm import SlurmBackend, SlurmConfig
 
-        return SlurmBackend(
-            host=self.host,
-            port=self.port,
-            user=self.user,
-            identity=self.identity,
-            identity_key=self.identity_key.get_secret_value() if self.identity_key else None,
-            known_hosts=self.known_hosts,
-            job_dir=self.job_dir,
-            account=self.account,
-            partition=self.partition,
-            time=self.time,
-            nodes=self.nodes,
-            ntasks_per_node=self.ntasks_per_node,
-            gpus_per_node=self.gpus_per_node,
-            cpus_per_task=self.cpus_per_task,
-            mem=self.mem,
-            qos=self.qos,
-            constraint=self.constraint,
-            container_image=self.container_image,
-            container_mounts=self.container_mounts,
-            additional_parameters=self.additional_parameters,
-            setup_lines=self.setup_lines,
-            env=self.env,
-            connect_timeout_s=self.connect_timeout_s,
-            command_timeout_s=self.command_timeout_s,
-        )
+        return SlurmBackend(config_from(SlurmConfig, dict(self)))

@@ -96,11 +96,19 @@ class KubeApi:
     """Get, list, create, replace, patch, delete and watch any known Kind, as plain dicts."""
 
     def __init__(
-        self, api_client: ApiClient, *, namespace: str = "default", request_timeout_s: float = 30.0
+        self,
+        api_client: ApiClient,
+        *,
+        namespace: str = "default",
+        request_timeout_s: float = 30.0,
+        credentials: str = "the kubeconfig",
     ) -> None:
         self.api_client = api_client
         self.namespace = namespace
         self.request_timeout_s = request_timeout_s
+        # where the credentials come from (a block and its field), for 401/403 messages; never
+        # the credentials themselves
+        self.credentials = credentials
         self._dyn = DynamicClient(api_client, discoverer=_StaticResources)
         self._resources: dict[tuple[Kind, str | None], Resource] = {}
 
@@ -398,12 +406,12 @@ class KubeApi:
         if code == 401:
             return AuthenticationFailed(
                 f"the Kubernetes API at {self.host} rejected our credentials ({verb} {what}): "
-                f"{message}; check the kubeconfig's token or client certificate"
+                f"{message}; fix the token or client certificate in {self.credentials}"
             )
         if code == 403:
             return Forbidden(
-                f"not allowed to {verb} {what}: {message}; grant the service account this verb "
-                "on this resource (RBAC)"
+                f"not allowed to {verb} {what}: {message}; grant the account of "
+                f"{self.credentials} this verb on this resource (RBAC)"
             )
         if code == 404:
             return NotFound(code, reason, message)

@@ -32,14 +32,15 @@ def _list_watch(
     *,
     label_selector: str | None = None,
     field_selector: str | None = None,
-    until: Callable[[], bool],
+    stopped: threading.Event,
     deadline: float | None = None,
     on_error: Callable[[Exception | None], None] = lambda exc: None,
     new_watch: Callable[[], k8s_watch.Watch] = k8s_watch.Watch,
 ) -> Iterator[tuple[str, dict | list[dict]]]:
     """Yield ("LIST", items) and then watch events ("ADDED"/"MODIFIED"/"DELETED", obj) until
-    `until()` or the deadline. Dropped streams resume from the last resourceVersion seen; 410
-    lists again; transport errors are retried with backoff (reported through on_error)."""
+    `stopped` is set or the deadline. Dropped streams resume from the last resourceVersion seen;
+    410 lists again; transport errors are retried with backoff (reported through on_error)."""
+    until = stopped.is_set
     version: str | None = None
     failures = 0
     while not until():
@@ -85,7 +86,7 @@ def _list_watch(
             pause = min(0.2 * 2**failures, _BACKOFF_MAX_S)
             if deadline is not None:
                 pause = min(pause, max(0.0, deadline - time.monotonic()))
-            time.sleep(pause)
+            stopped.wait(pause)  # a stop ends the backoff at once
 
 
 def wait_for(
@@ -108,7 +109,7 @@ def wait_for(
     last: dict | None = None
     for event, payload in _list_watch(
         api, kind, namespace, field_selector=f"metadata.name={name}",
-        until=lambda: False, deadline=deadline,
+        stopped=threading.Event(), deadline=deadline,
     ):  # fmt: skip
         if event == "LIST":
             last = next(iter(payload), None)  # type: ignore[arg-type]
@@ -153,8 +154,9 @@ class _Stopper:
 
 class Informer:
     """A live cache of the objects of one kind (in one namespace, matching a selector), kept by
-    one list+watch in a daemon thread, with a callback on every change. Reading it makes no
-    request, so many waiters cost one watch."""
+    one list+watch in a daemon thread, with a callback on every change and on every error (a
+    watch that fails, credentials rejected, the thread ending). Reading it makes no request, so
+    many waiters cost one watch."""
 
     def __init__(
         self,
@@ -164,32 +166,52 @@ class Informer:
         *,
         label_selector: str | None = None,
         on_change: Callable[[str, dict], None] | None = None,
+        on_error: Callable[[Exception | None], None] | None = None,
     ) -> None:
         self.api = api
         self.kind = kind
         self.namespace = namespace
         self.label_selector = label_selector
         self.on_change = on_change or (lambda event, obj: None)
+        self.on_error = on_error or (lambda exc: None)
         self.synced = threading.Event()
         self.error: Exception | None = None
         self._objects: dict[str, dict] = {}
         self._lock = threading.Lock()
         self._stopper = _Stopper()
-        self._thread: threading.Thread | None = None
+        self._failed = False  # the thread ended on an error, not by stop()
+        self._thread = threading.Thread(
+            target=self._run, name=f"prefect-nemo-informer {kind.plural}", daemon=True
+        )
 
     def start(self) -> Informer:
-        """Start listing and watching (idempotent)."""
-        if self._thread is None or not self._thread.is_alive():
-            self._stopper = _Stopper()
-            self._thread = threading.Thread(
-                target=self._run, name=f"prefect-nemo-informer {self.kind.plural}", daemon=True
-            )
+        """Start listing and watching (once; a dead informer is replaced, not restarted)."""
+        if self._thread.ident is None:
             self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Stop now: the watch request in flight is cut."""
+    def stop(self, wait_s: float = 0.0) -> None:
+        """Stop now: the watch request in flight is cut; wait up to wait_s for the thread."""
         self._stopper.stop()
+        if self._thread.ident is None or self._thread is threading.current_thread():
+            return
+        deadline = time.monotonic() + wait_s
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            self._thread.join(0.05)
+            # a stop that came while a watch request was being sent found no response to cut
+            # (the client starts each stream by clearing its stop flag): cut it now
+            self._stopper.stop()
+
+    @property
+    def dead(self) -> bool:
+        """True once the thread has given up on an error (see .error), not ended by stop()."""
+        return self._failed and not self._stopper.stopped.is_set()
+
+    def raise_rejected(self) -> None:
+        """Raise the AuthenticationFailed (401/403) that ended this informer, if one did:
+        waiting cannot heal rejected credentials."""
+        if isinstance(self.error, AuthenticationFailed):
+            raise type(self.error)(str(self.error))
 
     def get(self, name: str) -> dict | None:
         """The cached object, or None if the cache does not have it."""
@@ -202,19 +224,25 @@ class Informer:
             return list(self._objects.values())
 
     def _set_error(self, exc: Exception | None) -> None:
+        changed = (exc is None) != (self.error is None)
         self.error = exc
+        if changed or exc is not None:
+            self.on_error(exc)
 
     def _run(self) -> None:
         try:
             for event, payload in _list_watch(
                 self.api, self.kind, self.namespace, label_selector=self.label_selector,
-                until=self._stopper.stopped.is_set, on_error=self._set_error,
+                stopped=self._stopper.stopped, on_error=self._set_error,
                 new_watch=self._stopper.new_watch,
             ):  # fmt: skip
                 self._apply(event, payload)
-        except Exception as exc:  # credentials rejected: readers see it through .error
-            self.error = exc
-            log.warning("informer for %s stopped: %s", self.kind.describe(), exc)
+        except Exception as exc:  # rejected credentials, or a failure we cannot retry
+            log.warning(
+                "informer for %s stopped: %s: %s", self.kind.describe(), type(exc).__name__, exc
+            )
+            self._failed = True
+            self._set_error(exc)
 
     def _apply(self, event: str, payload: dict | list[dict]) -> None:
         changes: list[tuple[str, dict]] = []

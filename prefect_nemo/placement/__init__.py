@@ -1,7 +1,7 @@
 """Placement on Ray: plan replica bundles, hold detached placement groups, run managed
 subprocesses in them that die with their actor, and sweep up after crashed drivers.
 
-A plain library (no Prefect): `prefect_nemo.serving` is the Prefect side. `PlacementSpec` and
+A plain library (no Prefect): `prefect_nemo.tasks.replicas` is the Prefect side. `PlacementSpec` and
 its translators are the backend-neutral way to say where work runs.
 """
 

@@ -158,8 +158,8 @@ class RayClusterRecord:
 class LeptonServer(LoopbackHttpServer):
     """A loopback Lepton workspace; `env()` gives the LEPTON_WORKSPACE_* variables for it.
 
-    Knobs: `start_s` / `running_s` (state durations), `outcome`, `set_outcome(id_prefix, state)`,
-    `hold(id_prefix)` (runs until stopped or deleted), `stopping_s`, `set_log(job_id, text)`,
+    Knobs: `start_s` / `running_s` (state durations), `outcome`, `set_outcome(prefix, state)`,
+    `hold(prefix)` (runs until stopped or deleted), `stopping_s`, `set_log(job_id, text)`,
     `ray_dashboard(url, token)` (where Ray cluster dashboards are proxied to),
     `data_mover_s` (NeMo-Run's ``data-mover-*`` jobs complete after this long; 0 = already
     Completed when first read, so NeMo-Run's 5 s poll sleep is skipped in tests).
@@ -199,8 +199,6 @@ class LeptonServer(LoopbackHttpServer):
         self.jobs: dict[str, Job] = {}
         self.deleted: list[str] = []
         self.rayclusters: dict[str, RayClusterRecord] = {}
-        self._outcomes: dict[str, str] = {}
-        self._held: set[str] = set()
         self._ray_target: tuple[str, str | None] | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -218,16 +216,6 @@ class LeptonServer(LoopbackHttpServer):
         }
 
     # knobs ------------------------------------------------------------------------------------
-
-    def set_outcome(self, id_prefix: str, state: str) -> None:
-        """Jobs whose id starts with `id_prefix` end in `state` ("Completed" or "Failed")."""
-        with self.lock:
-            self._outcomes[id_prefix] = state
-
-    def hold(self, id_prefix: str) -> None:
-        """Jobs whose id starts with `id_prefix` keep running until stopped or deleted."""
-        with self.lock:
-            self._held.add(id_prefix)
 
     def set_log(self, job_id: str, text: str) -> None:
         """What the job's replicas print."""
@@ -350,14 +338,12 @@ class LeptonServer(LoopbackHttpServer):
         return web.json_response(record.as_json(now))
 
     def _schedule(self, job_id: str, now: float) -> list[tuple[float, str]]:
-        outcome = next(
-            (s for prefix, s in self._outcomes.items() if job_id.startswith(prefix)), self.outcome
-        )
         if job_id.startswith("data-mover-"):
             return [(now, "Starting"), (now + self.data_mover_s, "Completed")]
+        end = self.end_of(job_id)
         phases = [(now, "Starting"), (now + self.start_s, "Running")]
-        if not any(job_id.startswith(prefix) for prefix in self._held):
-            phases.append((now + self.start_s + self.running_s, outcome))
+        if end is not None:
+            phases.append((now + self.start_s + self.running_s, end))
         return phases
 
     def _job(self, request: web.Request) -> Job:

@@ -106,13 +106,34 @@ class LoopbackHttpServer:
     """
 
     thread_name = "loopback-http"
+    #: How a job ends unless `set_outcome` says otherwise (a state or phase of the service).
+    outcome = "Completed"
 
     def __init__(self) -> None:
         self.url = ""
         self.requests = RequestRecord()
         self.lock = threading.RLock()
         self._faults: list[tuple[str, str, int, str]] = []
+        self._outcomes: dict[str, str] = {}
+        self._held: set[str] = set()
         self._server = AppThread(self.thread_name)
+
+    def set_outcome(self, prefix: str, end: str) -> None:
+        """Jobs whose name starts with `prefix` end in `end` (e.g. "Completed" or "Failed")."""
+        with self.lock:
+            self._outcomes[prefix] = end
+
+    def hold(self, prefix: str) -> None:
+        """Jobs whose name starts with `prefix` keep running until stopped."""
+        with self.lock:
+            self._held.add(prefix)
+
+    def end_of(self, name: str) -> str | None:
+        """How a job of this name ends: its `set_outcome`, else `outcome`; None when held."""
+        with self.lock:
+            if any(name.startswith(prefix) for prefix in self._held):
+                return None
+            return next((e for p, e in self._outcomes.items() if name.startswith(p)), self.outcome)
 
     def routes(self, app: web.Application) -> None:
         """Add the server's routes to `app`."""
@@ -272,8 +293,8 @@ class RunaiServer(LoopbackHttpServer):
 
     Knobs: `token_ttl_s` (tokens expire, then 401 until a new one is fetched),
     `expire_tokens()`, `creating_s` / `initializing_s` / `running_s` (phase durations),
-    `outcome` ("Completed" or "Failed") or `set_outcome(name_prefix, phase)` per workload,
-    `hold(name_prefix)` (stays Running until suspended), `stopping_s`.
+    `outcome` ("Completed" or "Failed") or `set_outcome(prefix, phase)` per workload,
+    `hold(prefix)` (stays Running until suspended), `stopping_s`.
 
     With `execute=True` the pods really run, as local processes: once Initializing is over,
     each replica's ``command`` + ``args`` runs with `pod_env` (paths as in the spec, so point
@@ -312,8 +333,6 @@ class RunaiServer(LoopbackHttpServer):
         self.tokens: dict[str, float] = {}  # token -> expiry (monotonic clock)
         self.issued_tokens: list[str] = []  # every token ever handed out, for leak scans
         self.workloads: dict[str, Workload] = {}
-        self._outcomes: dict[str, str] = {}
-        self._held: set[str] = set()
 
     @property
     def base_url(self) -> str:
@@ -326,16 +345,6 @@ class RunaiServer(LoopbackHttpServer):
         """Every token issued so far stops working (401) until the client fetches a new one."""
         with self.lock:
             self.tokens.clear()
-
-    def set_outcome(self, name_prefix: str, phase: str) -> None:
-        """Workloads whose requested name starts with `name_prefix` end in `phase`."""
-        with self.lock:
-            self._outcomes[name_prefix] = phase
-
-    def hold(self, name_prefix: str) -> None:
-        """Workloads whose requested name starts with `name_prefix` run until suspended."""
-        with self.lock:
-            self._held.add(name_prefix)
 
     def by_name(self, requested_name: str) -> list[Workload]:
         """Workloads created with this requested name (prefix names get a random suffix)."""
@@ -521,17 +530,12 @@ class RunaiServer(LoopbackHttpServer):
         )
 
     def _schedule(self, name: str, now: float) -> list[tuple[float, str]]:
-        with self.lock:
-            outcome = next(
-                (p for prefix, p in self._outcomes.items() if name.startswith(prefix)),
-                self.outcome,
-            )
-            held = any(name.startswith(prefix) for prefix in self._held)
+        end = self.end_of(name)
         t_init = now + self.creating_s
         t_run = t_init + self.initializing_s
         phases = [(now, "Creating"), (t_init, "Initializing"), (t_run, "Running")]
-        if not held:
-            phases.append((t_run + self.running_s, outcome))
+        if end is not None:
+            phases.append((t_run + self.running_s, end))
         return phases
 
     def _workload(self, request: web.Request) -> Workload:

@@ -1,8 +1,10 @@
-"""NeMo-Run executors behind the Backend protocol: Slurm and local here; Lepton and DGX Cloud
-build on the same base (`base.NemoRunBackend`). Importing this package does not import
-nemo_run: `home.nemo_run()` does, on first use, with NEMORUN_HOME isolated."""
+"""NeMo-Run executors behind the Backend protocol, one module each: `local`, `slurm` (a
+package: executor, ssh, accounting), `lepton` and `dgx_cloud` (on `service.ServiceBackend`),
+and Ray on those clouds (`ray_clusters`); all on `base.NemoRunBackend`. Importing this package
+does not import nemo_run: `isolation.nemo_run()` does, on first use, with NEMORUN_HOME
+isolated."""
 
 from prefect_nemo.backends.nemo_run.base import NemoRunBackend
-from prefect_nemo.backends.nemo_run.home import HOME_ENV, nemorun_home
+from prefect_nemo.backends.nemo_run.isolation import HOME_ENV, nemorun_home
 
 __all__ = ["HOME_ENV", "NemoRunBackend", "nemorun_home"]

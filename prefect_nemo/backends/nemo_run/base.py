@@ -8,8 +8,9 @@ handle (``slurm_tunnel://nemo_run/<id>``, ``local_persistent://nemo_run/<id>``, 
 Status, stop and logs go through the same runner (``status``/``cancel``/``log_lines``)
 unless a subclass answers them more directly.
 
-A subclass (one per NeMo-Run executor: slurm.py, local.py; lepton.py and dgx_cloud.py follow
-the same pattern) implements:
+A subclass (one per NeMo-Run executor: `slurm.SlurmBackend`, `local.NemoRunLocalBackend`; the
+Lepton and DGX Cloud backends extend `service.ServiceBackend`, which submits through the
+executor's own ``launch()`` instead of torchx) implements:
 
 - ``kind``, ``cluster`` and ``secrets``: the Backend identity.
 - ``make_executor(spec, job_id)``: the NeMo-Run executor for this spec, with every secret kept
@@ -26,10 +27,12 @@ the same pattern) implements:
   ``before_schedule`` (after the dry run wrote the job's files, before submission:
   Slurm ships the job dir and the secret env file there), ``after_schedule``, ``statuses``,
   ``request_stop``, ``logs``, ``tail_logs`` (the defaults use the torchx runner, one runner
-  per cluster in the process, and poll the log every second).
+  per cluster in the process, and poll the log every second: `poll_logs`), ``close``.
 
-Everything NeMo-Run does is wrapped in `home.root_logger_kept()`; nemo_run is imported only
-through `home.nemo_run()`, which isolates NEMORUN_HOME first.
+A block hands its backend a frozen config dataclass built by `config_from` (its fields by name).
+
+Everything NeMo-Run does is wrapped in `isolation.root_logger_kept()`; nemo_run is imported only
+through `isolation.nemo_run()`, which isolates NEMORUN_HOME first.
 
 Nothing here imports Prefect.
 """
@@ -38,6 +41,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import dataclasses
+import functools
 import json
 import logging
 import os
@@ -45,16 +51,16 @@ import shutil
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, Collection
+from collections.abc import AsyncGenerator, Callable, Collection, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
+
+from pydantic import SecretStr
 
 from prefect_nemo import names
-from prefect_nemo.backends.nemo_run.home import nemo_run, root_logger_kept
+from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
 from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec, JobAlreadyExists
 from prefect_nemo.jobs import Backend, JobHandle, JobSpec, JobState, JobStatus
-from prefect_nemo.packaging import TransportPlan, build_archive, plan_for
-from prefect_nemo.packaging.transport import Backend as Transport
 
 #: NeMo-Run experiment title of every job we launch: its files live under
 #: ``<NEMORUN_HOME>/experiments/prefect-nemo/prefect-nemo_<job id>/``.
@@ -74,6 +80,7 @@ _APP_STATES = {
 }
 
 
+C = TypeVar("C")
 log = logging.getLogger(__name__)
 _runners: dict[tuple[str, str], Any] = {}
 _runners_lock = threading.Lock()
@@ -251,12 +258,8 @@ class NemoRunBackend(ABC):
         meta = {**spec.metadata, **metadata}
         self.claim(job_id, meta)
         try:
-            executor = self.make_executor(spec, job_id)
+            executor = self.assigned_executor(spec, job_id)
             task = self.make_task(spec, job_id)
-            exp_dir = self.local_experiment_dir(job_id)
-            shutil.rmtree(exp_dir, ignore_errors=True)  # a released attempt's leftovers
-            executor.assign(experiment_id(job_id), str(exp_dir), job_id, job_id)
-            executor.create_job_dir()
             self.before_launch(spec, job_id, executor)
             with root_logger_kept():
                 app = package(job_id, task, executor=executor, serialize_metadata_for_scripts=False)
@@ -275,6 +278,15 @@ class NemoRunBackend(ABC):
         except Exception as exc:  # the job runs: watch it; a re-run finds it by its name
             log.warning("job %s is submitted (%s) but not recorded: %s", job_id, app_handle, exc)
         return self.handle(job_id)
+
+    def assigned_executor(self, spec: JobSpec, job_id: str) -> Any:
+        """`make_executor`, assigned its experiment and a fresh local job dir."""
+        executor = self.make_executor(spec, job_id)
+        exp_dir = self.local_experiment_dir(job_id)
+        shutil.rmtree(exp_dir, ignore_errors=True)  # a released attempt's leftovers
+        executor.assign(experiment_id(job_id), str(exp_dir), job_id, job_id)
+        executor.create_job_dir()
+        return executor
 
     def local_experiment_dir(self, job_id: str) -> Path:
         """Where NeMo-Run writes the job's files on this machine."""
@@ -327,24 +339,49 @@ class NemoRunBackend(ABC):
         return poll_logs(self, job_id)
 
     def close(self) -> None:  # noqa: B027
-        """Nothing to stop by default: NeMo-Run backends start no threads of their own."""
+        """Nothing to stop by default: NeMo-Run backends start no threads of their own. The
+        torchx runner is not closed: it is shared on purpose by every backend of the cluster
+        in the process (the local scheduler holds the processes it launched)."""
 
 
-async def poll_logs(backend: Backend, job_id: str) -> AsyncGenerator[str, None]:
-    """A backend's whole log re-read every second, yielding what is new, until the job ends (or
-    is gone); a read that fails (BackendUnavailable, RuntimeError) is tried again next second."""
-    sent = 0
+async def poll_logs(
+    backend: Backend, job_id: str, read_from: Callable[[str, int], str] | None = None
+) -> AsyncGenerator[str, None]:
+    """A job's log every second, yielding what is new, until the job ends (or is gone).
+
+    `read_from(job_id, offset)` returns the log from byte `offset` on (a backend that can
+    read only the new part passes it); by default the whole log is re-read through
+    `backend.logs` and cut. A read that fails (BackendUnavailable, RuntimeError) is tried
+    again next second."""
+    read = read_from or functools.partial(_log_after, backend)
+    offset = 0
     while True:
         status = await asyncio.to_thread(backend.statuses, [job_id])
         done = job_id not in status or status[job_id].state.is_terminal()
+        chunk = ""
         with contextlib.suppress(BackendUnavailable, RuntimeError):
-            text = await asyncio.to_thread(backend.logs, job_id)
-            if len(text) > sent:
-                yield text[sent:]
-                sent = len(text)
+            chunk = await asyncio.to_thread(read, job_id, offset)
+        if chunk:
+            yield chunk
+            offset += len(chunk.encode())
         if done:
             return
         await asyncio.sleep(1.0)
+
+
+def _log_after(backend: Backend, job_id: str, offset: int) -> str:
+    return backend.logs(job_id).encode()[offset:].decode(errors="replace")
+
+
+def config_from(config_type: type[C], values: Mapping[str, Any]) -> C:
+    """A backend's config dataclass from a block's field values of the same names (secrets
+    revealed, lists and dicts copied); what the block lacks keeps the config's default."""
+    wanted = {f.name for f in dataclasses.fields(config_type)}  # type: ignore[arg-type]
+    return config_type(**{k: _plain(v) for k, v in values.items() if k in wanted})
+
+
+def _plain(value: Any) -> Any:
+    return value.get_secret_value() if isinstance(value, SecretStr) else copy.deepcopy(value)
 
 
 def plain_env(spec: JobSpec) -> dict[str, str]:
@@ -356,48 +393,6 @@ def secret_env(spec: JobSpec) -> dict[str, str]:
     """Only the spec's secret env values, revealed (for delivery to the job, never to disk)."""
     plain = spec.plain_env()
     return {k: plain[k] for k, v in spec.env.items() if not isinstance(v, str)}
-
-
-def nodes_and_gpus(
-    spec: JobSpec, nodes: int, gpus_per_node: int, *, service: str, pick_nodes: str
-) -> tuple[int, int]:
-    """(nodes, GPUs per node) for a spec: its placement, else resources.gpus on the block's
-    nodes, else the block's own; node labels and fractions of a GPU are refused."""
-    if spec.placement is not None:
-        p = spec.placement
-        if p.node_labels or p.exclude_head:
-            raise InvalidJobSpec(
-                f"JobSpec.placement: node_labels and exclude_head have no {service} meaning: "
-                f"{pick_nodes}"
-            )
-        return p.nodes, p.gpus_per_node
-    gpus = spec.resources.gpus
-    if gpus is None:
-        return nodes, gpus_per_node
-    if gpus != int(gpus):
-        raise InvalidJobSpec(
-            f"JobSpec.resources.gpus={gpus}: {service} takes whole GPUs: set a whole number "
-            "(0 runs on CPU only)"
-        )
-    return nodes, int(gpus)
-
-
-def refuse_secret_env(spec: JobSpec, *, stored_in: str, fix: str) -> None:
-    """InvalidJobSpec naming the secret env values, which `stored_in` would keep in plain text."""
-    secret = sorted(k for k, v in spec.env.items() if not isinstance(v, str))
-    if secret:
-        raise InvalidJobSpec(
-            f"JobSpec.env {secret}: secret values would be stored in {stored_in} in plain "
-            f"text; {fix}"
-        )
-
-
-def code_plan(spec: JobSpec, transport: Transport) -> TransportPlan | None:
-    """How spec.working_dir travels in env-var chunks over `transport` (None: no code)."""
-    if spec.working_dir is None:
-        return None
-    archive = build_archive(spec.working_dir, exclude=spec.exclude)
-    return plan_for(transport, archive, name=spec.name or "job")
 
 
 def _age_s(path: Path) -> float:

@@ -34,26 +34,15 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import requests
 
-from prefect_nemo.backends.nemo_run.base import (
-    EXPERIMENT_TITLE,
-    NemoRunBackend,
-    code_plan,
-    experiment_id,
-    nodes_and_gpus,
-    refuse_secret_env,
-)
-from prefect_nemo.backends.nemo_run.home import nemo_run, root_logger_kept
-from prefect_nemo.errors import (
-    AuthenticationFailed,
-    BackendUnavailable,
-    InvalidJobSpec,
-    JobAlreadyExists,
-)
-from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus
+from prefect_nemo.backends.nemo_run.base import EXPERIMENT_TITLE, experiment_id
+from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
+from prefect_nemo.backends.nemo_run.service import ServiceBackend, nodes_and_gpus
+from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable, InvalidJobSpec
+from prefect_nemo.jobs import JobSpec, JobState, JobStatus
 from prefect_nemo.packaging import TransportPlan
 from prefect_nemo.packaging.transport import RUNAI_ENV_VALUE_LIMIT
 
@@ -237,19 +226,25 @@ class RunaiClient:
             )
 
 
-class DGXCloudBackend(NemoRunBackend):
+class DGXCloudBackend(ServiceBackend):
     """Jobs as run:ai trainings / distributed workloads, submitted by NeMo-Run's executor."""
 
-    kind: ClassVar[str] = "dgx-cloud"
-    max_job_id_len: ClassVar[int] = 34  # NeMo-Run cuts longer workload names to 34
+    kind = "dgx-cloud"
+    max_job_id_len = 34  # NeMo-Run cuts longer workload names to 34
+    transport, noun = "dgx_cloud", "run:ai workload"
+    secret_env_fix = (
+        "keep them in a Kubernetes secret and map them with "
+        "DGXCloudCluster.secret_env={'NAME': '<secret name>/<key>'}"
+    )
+    config: DGXCloudConfig
 
     def __init__(self, config: DGXCloudConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.client = RunaiClient(config)
 
     def close(self) -> None:
-        """Close the run:ai client's connections (they also close when the backend is dropped)."""
+        """Close the run:ai client's pooled connections (they also close when the backend is
+        dropped); idempotent. Workloads are left running: stopping them is `request_stop`'s."""
         self.client.close()
 
     # -- identity -------------------------------------------------------------------------------
@@ -276,24 +271,13 @@ class DGXCloudBackend(NemoRunBackend):
         self.client.token(refresh=True)
         self.client.project()
 
-    def validate(self, spec: JobSpec) -> None:
-        """What run:ai would refuse, found before anything is sent."""
-        super().validate(spec)  # Ray-only fields; builds the executor
-        refuse_secret_env(
-            spec,
-            stored_in="the run:ai workload",
-            fix="keep them in a Kubernetes secret and map them with "
-            "DGXCloudCluster.secret_env={'NAME': '<secret name>/<key>'}",
-        )
-        for key, value in spec.plain_env().items():
-            if len(value) > RUNAI_ENV_VALUE_LIMIT:
-                raise InvalidJobSpec(
-                    f"JobSpec.env['{key}'] is {len(value)} characters; run:ai takes at most "
-                    f"{RUNAI_ENV_VALUE_LIMIT} per value: ship large inputs through working_dir"
-                )
-        self._check_command(spec, code_plan(spec, "dgx_cloud"))
+    def env_refusal(self, key: str, value: str) -> str | None:
+        """run:ai takes env values up to `RUNAI_ENV_VALUE_LIMIT` characters."""
+        if len(value) > RUNAI_ENV_VALUE_LIMIT:
+            return f"run:ai takes at most {RUNAI_ENV_VALUE_LIMIT} per value"
+        return None
 
-    def _check_command(self, spec: JobSpec, plan: TransportPlan | None) -> None:
+    def check_code(self, spec: JobSpec, plan: TransportPlan | None) -> None:
         """The pod command must fit run:ai's args limit (for the longest job dir)."""
         longest = "x" * self.max_job_id_len
         pvc_job_dir = Path(
@@ -355,31 +339,15 @@ class DGXCloudBackend(NemoRunBackend):
 
     # -- submit-or-attach -----------------------------------------------------------------------
 
-    def submit(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> JobHandle:
-        """Create the workload for job_id; JobAlreadyExists if run:ai already has one."""
-        meta = {**spec.metadata, **metadata}
-        self.claim(job_id, meta)  # this machine's submitters, one at a time
-        try:
-            existing = self.client.named(job_id)  # any machine's
-            if existing is not None:
-                self.record(job_id, _handle(existing["type"], existing["id"]), meta)
-                raise JobAlreadyExists(f"DGX Cloud workload for '{job_id}' already exists")
-            kind, workload_id = self._launch(spec, job_id)
-        except JobAlreadyExists:
-            raise
-        except BaseException:
-            self.release(job_id)
-            raise
-        self.record(job_id, _handle(kind, workload_id), meta)
-        return self.handle(job_id)
+    def find_app(self, job_id: str) -> str | None:
+        """The handle of the live workload run:ai created for job_id (found by name)."""
+        item = self.client.named(job_id)
+        return _handle(item["type"], item["id"]) if item is not None else None
 
-    def _launch(self, spec: JobSpec, job_id: str) -> tuple[str, str]:
-        executor = self.make_executor(spec, job_id)
-        exp_dir = self.local_experiment_dir(job_id)
-        executor.assign(experiment_id(job_id), str(exp_dir), job_id, job_id)
-        executor.create_job_dir()
-        plan = code_plan(spec, "dgx_cloud")
-        executor.env_vars = {**executor.env_vars, **spec.plain_env(), **(plan.env if plan else {})}
+    def launch_app(self, spec: JobSpec, job_id: str) -> str | None:
+        """Create the workload through the DGXCloudExecutor, with our pod command."""
+        executor = self.assigned_executor(spec, job_id)
+        plan = self.add_code_env(spec, executor)
         custom = {
             **executor.custom_spec,
             "command": "/bin/bash -c",
@@ -399,21 +367,19 @@ class DGXCloudBackend(NemoRunBackend):
                 workload_id, _ = executor.launch(name=job_id, cmd=["true"])
             except RuntimeError as exc:
                 raise BackendUnavailable(f"DGX Cloud refused the workload: {exc}") from None
-        return ("distributed" if executor.nodes > 1 else "trainings"), workload_id
+        return _handle("distributed" if executor.nodes > 1 else "trainings", workload_id)
 
     # -- status, stop, logs ---------------------------------------------------------------------
 
     def _locate(self, job_id: str) -> tuple[str, str] | None:
         """(kind, workload id) of job_id: from this machine's record, else by name."""
         handle = self.app_handle(job_id)
-        if handle:
-            kind, _, workload_id = handle.removeprefix("dgx_cloud://").partition("/")
-            return kind, workload_id
-        item = self.client.named(job_id)
-        if item is None:
-            return None
-        self.record(job_id, _handle(item["type"], item["id"]), self.job_metadata(job_id))
-        return _KINDS[item["type"]], str(item["id"])
+        if not handle:
+            handle = self.find_app(job_id)
+            if handle is None:
+                return None
+            self.record(job_id, handle, self.job_metadata(job_id))
+        return _parse(handle)
 
     def job_status(self, job_id: str) -> JobStatus | None:
         """One workload's status by GET (run:ai cannot filter several names in one list call)."""
@@ -435,8 +401,7 @@ class DGXCloudBackend(NemoRunBackend):
     def _app_status(self, entry: dict[str, Any]) -> Any:
         """For the base's claim: is the recorded workload still there? (not the torchx runner:
         our handles are ``dgx_cloud://<kind>/<workload id>``)."""
-        kind, _, workload_id = str(entry["app_handle"]).removeprefix("dgx_cloud://").partition("/")
-        return self.client.workload(kind, workload_id)
+        return self.client.workload(*_parse(str(entry["app_handle"])))
 
     def request_stop(self, job_id: str) -> None:
         """Suspend the workload the way run:ai documents it (POST .../<kind>/<id>/suspend)."""
@@ -460,6 +425,11 @@ class DGXCloudBackend(NemoRunBackend):
 
 def _handle(kind: str, workload_id: str) -> str:
     return f"dgx_cloud://{_KINDS.get(kind, kind)}/{workload_id}"
+
+
+def _parse(handle: str) -> tuple[str, str]:
+    kind, _, workload_id = handle.removeprefix("dgx_cloud://").partition("/")
+    return kind, workload_id
 
 
 def _secret_ref(ref: str) -> dict[str, str]:

@@ -29,25 +29,14 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 import requests
 
-from prefect_nemo.backends.nemo_run.base import (
-    NemoRunBackend,
-    code_plan,
-    experiment_id,
-    nodes_and_gpus,
-    refuse_secret_env,
-)
-from prefect_nemo.backends.nemo_run.home import nemo_run, root_logger_kept
-from prefect_nemo.errors import (
-    AuthenticationFailed,
-    BackendUnavailable,
-    InvalidJobSpec,
-    JobAlreadyExists,
-)
-from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus
+from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
+from prefect_nemo.backends.nemo_run.service import ServiceBackend, nodes_and_gpus
+from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable, InvalidJobSpec
+from prefect_nemo.jobs import JobSpec, JobState, JobStatus
 from prefect_nemo.packaging.transport import ARG_STRLEN_LIMIT
 
 T = TypeVar("T")
@@ -128,16 +117,18 @@ def workspace_env(config: LeptonConfig) -> Iterator[None]:
                     os.environ[key] = value
 
 
-class LeptonBackend(NemoRunBackend):
+class LeptonBackend(ServiceBackend):
     """Jobs as Lepton jobs in one workspace, launched by NeMo-Run's LeptonExecutor."""
 
-    kind: ClassVar[str] = "lepton"
-    max_job_id_len: ClassVar[int] = 35  # NeMo-Run cuts longer job names to 34
-
-    def __init__(self, config: LeptonConfig) -> None:
-        super().__init__()
-        self.config = config
-        self._client: Any = None
+    kind = "lepton"
+    max_job_id_len = 35  # NeMo-Run cuts longer job names to 34
+    transport, noun = "lepton", "Lepton job"
+    secret_env_fix = (
+        "store them as workspace secrets and map them with "
+        "LeptonWorkspace.secret_vars={'NAME': '<secret name>'}"
+    )
+    config: LeptonConfig
+    _client: Any = None  # leptonai's APIClient, made on first use
 
     # -- identity -------------------------------------------------------------------------------
 
@@ -181,6 +172,13 @@ class LeptonBackend(NemoRunBackend):
             self._client._timeout = self.config.request_timeout_s
         return self._client
 
+    def close(self) -> None:
+        """Close the workspace client's pooled connections (a later call opens a new client);
+        idempotent. Lepton jobs and Ray clusters are left running: they outlive the backend."""
+        client, self._client = self._client, None
+        if client is not None:
+            client._session.close()  # leptonai's APIClient has no close() of its own
+
     def _call(self, fn: Callable[[], T], what: str) -> T:
         """One leptonai call; auth and transport failures become our errors."""
         from leptonai.api.v1.api_resource import ClientError, ServerError
@@ -217,22 +215,11 @@ class LeptonBackend(NemoRunBackend):
                 f"in workspace '{self.config.workspace_id}' (there are: {names})"
             )
 
-    def validate(self, spec: JobSpec) -> None:
-        """What Lepton or the pod would refuse, found before anything is sent."""
-        super().validate(spec)  # Ray-only fields; builds the executor
-        refuse_secret_env(
-            spec,
-            stored_in="the Lepton job",
-            fix="store them as workspace secrets and map them with "
-            "LeptonWorkspace.secret_vars={'NAME': '<secret name>'}",
-        )
-        for key, value in spec.plain_env().items():
-            if len(f"{key}={value}".encode()) >= ARG_STRLEN_LIMIT:
-                raise InvalidJobSpec(
-                    f"JobSpec.env['{key}'] is {len(value)} characters; a pod cannot start with "
-                    "an env string over 128 KiB: ship large inputs through working_dir"
-                )
-        code_plan(spec, "lepton")  # TransportTooLarge before anything is submitted
+    def env_refusal(self, key: str, value: str) -> str | None:
+        """A pod cannot start with one env string (KEY=value) of 128 KiB or more."""
+        if len(f"{key}={value}".encode()) >= ARG_STRLEN_LIMIT:
+            return "a pod cannot start with an env string over 128 KiB"
+        return None
 
     # -- NeMo-Run executor ----------------------------------------------------------------------
 
@@ -280,44 +267,29 @@ class LeptonBackend(NemoRunBackend):
         """For the base's claim: does the recorded job still exist?"""
         return self._get(str(entry["app_handle"]).removeprefix("lepton://"))
 
-    def submit(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> JobHandle:
-        """Launch job_id through NeMo-Run; JobAlreadyExists if the workspace has it."""
+    def find_app(self, job_id: str) -> str | None:
+        """``lepton://<job id>`` when the workspace has a job by that id."""
+        return f"lepton://{job_id}" if self._get(job_id) is not None else None
+
+    def launch_app(self, spec: JobSpec, job_id: str) -> str | None:
+        """Launch through the LeptonExecutor, the code unpacked by a pre-launch command on
+        rank 0; None when Lepton answers 409 (another machine created the job first)."""
         from leptonai.api.v1.api_resource import ClientError
 
-        meta = {**spec.metadata, **metadata}
-        self.claim(job_id, meta)
-        try:
-            if self._get(job_id) is not None:
-                self.record(job_id, f"lepton://{job_id}", meta)
-                raise JobAlreadyExists(f"Lepton job '{job_id}' already exists")
-            try:
-                self._launch(spec, job_id)
-            except ClientError as exc:
-                if exc.response.status_code == 409:  # another machine won the race
-                    self.record(job_id, f"lepton://{job_id}", meta)
-                    raise JobAlreadyExists(f"Lepton job '{job_id}' already exists") from None
-                raise BackendUnavailable(f"Lepton refused job '{job_id}': {exc}") from None
-        except JobAlreadyExists:
-            raise
-        except BaseException:
-            self.release(job_id)
-            raise
-        self.record(job_id, f"lepton://{job_id}", meta)
-        return self.handle(job_id)
-
-    def _launch(self, spec: JobSpec, job_id: str) -> None:
-        executor = self.make_executor(spec, job_id)
-        exp_dir = self.local_experiment_dir(job_id)
-        executor.assign(experiment_id(job_id), str(exp_dir), job_id, job_id)
-        executor.create_job_dir()
-        plan = code_plan(spec, "lepton")
-        executor.env_vars = {**executor.env_vars, **spec.plain_env(), **(plan.env if plan else {})}
+        executor = self.assigned_executor(spec, job_id)
+        plan = self.add_code_env(spec, executor)
         if plan is not None:
             dest = f"{executor.lepton_job_dir}/code"  # where NeMo-Run's script cd's
             setup = plan.setup_command(dest, shared=True, rank_env=RANK_ENV)
             executor.pre_launch_commands = [*executor.pre_launch_commands, f"{setup} || exit 1"]
-        with workspace_env(self.config), root_logger_kept():
-            self._call(lambda: executor.launch(name=job_id, cmd=[spec.entrypoint]), "launching")
+        try:
+            with workspace_env(self.config), root_logger_kept():
+                self._call(lambda: executor.launch(name=job_id, cmd=[spec.entrypoint]), "launching")
+        except ClientError as exc:
+            if exc.response.status_code == 409:
+                return None
+            raise BackendUnavailable(f"Lepton refused job '{job_id}': {exc}") from None
+        return f"lepton://{job_id}"
 
     # -- status, stop, logs ---------------------------------------------------------------------
 

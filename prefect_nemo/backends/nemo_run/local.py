@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from prefect_nemo.backends.nemo_run.base import NemoRunBackend
-from prefect_nemo.backends.nemo_run.home import nemo_run
+from prefect_nemo.backends.nemo_run.isolation import nemo_run
 from prefect_nemo.errors import InvalidJobSpec
 from prefect_nemo.jobs import JobSpec
 from prefect_nemo.packaging import collect_source, stage_source

@@ -325,6 +325,32 @@ class LoopbackKubeServer:
             for watcher in list(self._store.watchers):
                 watcher.push(_DROP)
 
+    def revoke_token(self) -> str:
+        """Rotate the bearer token, as a real API server restarted with a new signing key (or
+        token file) behaves: every open watch ends, and every later request that still carries
+        the old token answers 401 with a `kind: Status` body. Returns the new token.
+
+        Open watches end because a real apiserver checks credentials only when a request
+        starts: it never re-authenticates an open stream, so a revocation alone would leave
+        them flowing; the restart that brings the new key in is what ends them.
+        """
+        self.token = secrets.token_urlsafe(24)
+        with self._store.lock:
+            for watcher in list(self._store.watchers):
+                watcher.push(_STOP)
+        return self.token
+
+    def inject_watch_event(self, event: dict[str, Any], plural: str | None = None) -> int:
+        """Write `event` as is, as one line, into every open watch (of `plural` only, if
+        given), for tests of clients that must survive a stream they cannot digest. Returns
+        how many watches got it."""
+        line = json.dumps(event).encode() + b"\n"
+        with self._store.lock:
+            hit = [w for w in self._store.watchers if plural in (None, w.key[1])]
+            for watcher in hit:
+                watcher.push(line)
+        return len(hit)
+
     def compact(self) -> None:
         """Forget the event history: watches from an older resourceVersion get 410 Gone."""
         self._store.compact()
@@ -607,6 +633,9 @@ class LoopbackKubeServer:
                     break
                 if item is _STOP:
                     break
+                if isinstance(item, bytes):  # inject_watch_event
+                    await resp.write(item)
+                    continue
                 if item is _DROP:
                     if request.transport is not None:
                         request.transport.abort()

@@ -3,45 +3,35 @@ own_dgds_by_raycluster and teardown_dgds.
 
 Each DGD a flow run brings up is recorded for that run, so that teardown deletes exactly what
 the run created and never a DGD it only attached to. Whenever the run ends another way than
-its own teardown (failure, crash, cancellation by a runner or through the API), the shared
-`tasks.register_teardown` mechanism (flow hooks plus the one cancel watch) deletes the run's
-DGDs; the readiness wait also asks the API, so a cancelled run stops waiting at once. Logs go
-to the run logger, every DGD gets a row in one table artifact per flow run, and
+its own teardown (failure, crash, cancellation by a runner or through the API), the run
+context's teardown (flow hooks plus the one cancel watch) deletes the run's DGDs; the
+readiness wait is watched for cancellation too, so a cancelled run stops waiting at once. Logs
+go to the run logger, every DGD gets a row in the run's DGD table artifact, and
 `prefect-nemo.dgd.<what>` events are emitted for ready, failed and deleted.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import uuid
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from prefect import get_run_logger, task
-from prefect.artifacts import create_table_artifact
+from prefect import task
 from prefect.cache_policies import NO_CACHE
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.actions import ArtifactUpdate
-from prefect.client.schemas.objects import StateType
-from prefect.context import FlowRunContext, TaskRunContext
-from prefect.events import emit_event
-from prefect.logging import get_logger
 from pydantic import BaseModel, ConfigDict, Field
 
-from prefect_nemo import experiments, kube
+from prefect_nemo import kube
 from prefect_nemo.backends import dynamo
-from prefect_nemo.blocks.kubernetes import KubernetesCluster
-from prefect_nemo.errors import InvalidJobSpec
 from prefect_nemo.names import label_value
 from prefect_nemo.redaction import Redactor
-from prefect_nemo.tasks import _cancel_signal, live_work, register_teardown
+from prefect_nemo.tasks._blocks import KubeLike, resolve_kube
+from prefect_nemo.tasks._run import RunContext, current_run, fallback_logger, live_work
+from prefect_nemo.tasks.reporting import RunTable, emit
 
 EVENT_PREFIX = "prefect-nemo.dgd"
-KubeLike = KubernetesCluster | str
 EXPERIMENT_LABEL = "prefect-nemo.io/experiment"
 
 
@@ -107,8 +97,8 @@ def _teardown_key(run: str) -> str:
 
 
 def _teardown_run_quietly(run: str) -> str:
-    """What register_teardown calls when the run is cancelled, crashes or fails."""
-    deleted = _delete_owned(run, "flow run ended", get_logger("prefect_nemo"))
+    """What the run's teardown calls when the run is cancelled, crashes or fails."""
+    deleted = _delete_owned(run, "flow run ended", fallback_logger())
     return f"deleted DGD(s) {', '.join(deleted)}" if deleted else "no DGD left to delete"
 
 
@@ -135,57 +125,29 @@ def _delete_owned(
             else f"DGD {dgd.namespace}/{dgd.name} was already gone"
         )
         _emit("deleted", dgd, {"already_gone": not gone})
-        _table.update(run, dgd, state="deleted")
+        _row(run, dgd, state="deleted")
     return deleted
 
 
 # ---------------------------------------------------------------------------------------------
-# Reporting: one table artifact per flow run, events
+# Reporting: the run's DGD table, events
 
 
-class _DgdTable:
-    """The DGD rows of each flow run and the table artifact that shows them."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._rows: dict[str, dict[str, dict[str, Any]]] = {}
-        self._artifacts: dict[str, uuid.UUID] = {}
-
-    def rows(self, run: str) -> list[dict[str, Any]]:
-        with self._lock:
-            return [dict(r) for r in self._rows.get(run, {}).values()]
-
-    def update(self, run: str | None, dgd: DeployedDgd, **fields: Any) -> None:
-        if run is None:
-            return
-        with self._lock:
-            row = self._rows.setdefault(run, {}).setdefault(
-                f"{dgd.namespace}/{dgd.name}",
-                {
-                    "name": dgd.name,
-                    "namespace": dgd.namespace,
-                    "outcome": dgd.outcome,
-                    "state": "",
-                    "frontend_url": dgd.frontend_url,
-                },
-            )
-            row.update(fields)
-            rows = list(self._rows[run].values())
-            try:
-                if run not in self._artifacts:
-                    self._artifacts[run] = create_table_artifact(
-                        rows, description="Dynamo inference graphs of this flow run (prefect-nemo)."
-                    )
-                else:
-                    with get_client(sync_client=True) as client:
-                        client.update_artifact(
-                            self._artifacts[run], ArtifactUpdate(data=json.dumps(rows))
-                        )
-            except Exception as exc:  # reporting must never break the deployment itself
-                get_logger("prefect_nemo").debug(f"could not update the DGD table: {exc}")
+_table = RunTable("Dynamo inference graphs of this flow run (prefect-nemo).")
 
 
-_table = _DgdTable()
+def _row(run: str | None, dgd: DeployedDgd, **fields: Any) -> None:
+    _table.update(
+        run,
+        {f"{dgd.namespace}/{dgd.name}": fields},
+        defaults=lambda: {
+            "name": dgd.name,
+            "namespace": dgd.namespace,
+            "outcome": dgd.outcome,
+            "state": "",
+            "frontend_url": dgd.frontend_url,
+        },
+    )
 
 
 def dgd_rows(flow_run_id: str) -> list[dict[str, Any]]:
@@ -194,99 +156,19 @@ def dgd_rows(flow_run_id: str) -> list[dict[str, Any]]:
 
 
 def _emit(what: str, dgd: DeployedDgd, payload: dict[str, Any] | None = None) -> None:
-    try:
-        emit_event(
-            event=f"{EVENT_PREFIX}.{what}",
-            resource={
-                "prefect.resource.id": dgd.resource_id,
-                "prefect.resource.name": dgd.name,
-                "prefect-nemo.namespace": dgd.namespace,
-            },
-            payload={
-                "name": dgd.name,
-                "namespace": dgd.namespace,
-                "frontend_url": dgd.frontend_url,
-                **(payload or {}),
-            },
-        )
-    except Exception as exc:
-        get_logger("prefect_nemo").debug(f"could not emit event: {exc}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Context
-
-
-@dataclass
-class _Ctx:
-    flow_run_id: str | None
-    experiment: str | None
-    logger: Any
-    interrupted: Callable[..., bool] = field(default=lambda force=False: False)
-
-
-def _ctx() -> _Ctx:
-    flow_ctx = FlowRunContext.get()
-    task_ctx = TaskRunContext.get()
-    run = None
-    if flow_ctx is not None and flow_ctx.flow_run is not None:
-        run = str(flow_ctx.flow_run.id)
-    elif task_ctx is not None and task_ctx.task_run.flow_run_id:
-        run = str(task_ctx.task_run.flow_run_id)
-    try:
-        logger = get_run_logger()
-    except Exception:
-        logger = get_logger("prefect_nemo")
-    return _Ctx(
-        run, experiments.current_experiment(run), logger, _cancelled(flow_ctx, task_ctx, run)
-    )
-
-
-def _cancelled(flow_ctx: Any, task_ctx: Any, run: str | None) -> Callable[[], bool]:
-    """True once the run is being cancelled: the task runner's cancel event (SIGTERM), or the
-    run's state in the API (cancelled from the UI with no runner to signal us), asked at most
-    every few seconds."""
-    signal = _cancel_signal(flow_ctx, task_ctx.task_run if task_ctx else None)
-    last = [0.0]
-
-    def check(force: bool = False) -> bool:
-        if signal():
-            return True
-        if run is None or (not force and time.monotonic() - last[0] < 2.0):
-            return False
-        last[0] = time.monotonic()
-        try:
-            with get_client(sync_client=True) as client:
-                state = client.read_flow_run(uuid.UUID(run)).state
-        except Exception:
-            return False
-        return state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED)
-
-    return check
-
-
-def resolve_kube(kube_block: KubeLike) -> KubernetesCluster:
-    """A KubernetesCluster from a block or a saved block's name ('kubernetes-cluster/prod')."""
-    if isinstance(kube_block, KubernetesCluster):
-        return kube_block
-    if isinstance(kube_block, str) and "/" in kube_block:
-        from prefect.blocks.core import Block
-
-        try:
-            block = Block.load(kube_block)
-        except Exception as exc:
-            raise InvalidJobSpec(f"kube={kube_block!r}: no such block ({exc})") from None
-        if isinstance(block, KubernetesCluster):
-            return block
-        kubernetes = getattr(block, "kubernetes", None)  # e.g. a KubeRayCluster
-        if isinstance(kubernetes, KubernetesCluster):
-            return kubernetes
-        raise InvalidJobSpec(
-            f"kube={kube_block!r} is a {type(block).__name__}, not a KubernetesCluster"
-        )
-    raise InvalidJobSpec(
-        "kube: pass a KubernetesCluster block or a saved block name such as "
-        f"'kubernetes-cluster/prod', got {kube_block!r}"
+    emit(
+        f"{EVENT_PREFIX}.{what}",
+        {
+            "prefect.resource.id": dgd.resource_id,
+            "prefect.resource.name": dgd.name,
+            "prefect-nemo.namespace": dgd.namespace,
+        },
+        {
+            "name": dgd.name,
+            "namespace": dgd.namespace,
+            "frontend_url": dgd.frontend_url,
+            **(payload or {}),
+        },
     )
 
 
@@ -378,7 +260,7 @@ def deploy_dgd(
     so that teardown_dgds (and the flow's failure/crash/cancel hooks) delete it; one it only
     attached to is left alone.
     """
-    ctx = _ctx()
+    ctx = current_run()
     block = resolve_kube(kube_block)
     api = block.api()
     ns = namespace or api.namespace
@@ -410,9 +292,7 @@ def deploy_dgd(
     if mine and ctx.flow_run_id is not None:
         run_dgds.add(ctx.flow_run_id, _Owned(api, dgd))
         # deleted with the run if it is cancelled (runner or API), crashes or fails
-        register_teardown(
-            _teardown_key(ctx.flow_run_id), partial(_teardown_run_quietly, ctx.flow_run_id)
-        )
+        ctx.track(_teardown_key(ctx.flow_run_id), partial(_teardown_run_quietly, ctx.flow_run_id))
     verb = {"created": "created", "recreated": "recreated"}.get(applied.outcome, "attached to")
     ctx.logger.info(f"{verb} DGD {ns}/{dgd.name}; frontend {dgd.frontend_url}")
     if applied.drift:
@@ -421,11 +301,13 @@ def deploy_dgd(
         ctx.logger.info(
             f"DGD {dgd.name} was not created by this flow run: it is left running when the run ends"
         )
-    _table.update(ctx.flow_run_id, dgd, state=(applied.obj.get("status") or {}).get("state", ""))
+    _row(ctx.flow_run_id, dgd, state=(applied.obj.get("status") or {}).get("state", ""))
     return dgd
 
 
-def _keep_creator_label(doc: dict[str, Any], existing: Mapping[str, Any], ctx: _Ctx) -> None:
+def _keep_creator_label(
+    doc: dict[str, Any], existing: Mapping[str, Any], ctx: RunContext
+) -> None:
     """Attach to a DGD an earlier run of the same experiment created as if we had created it:
     the flow-run label is the only difference, and it must not read as drift."""
     labels = (existing.get("metadata") or {}).get("labels") or {}
@@ -442,7 +324,7 @@ def wait_dgd_ready(
     """Wait until the DGD serves (state successful, all its pods Ready, the frontend answers
     HTTP through the service proxy). Raises DgdFailed at once if the operator reports failure
     and DgdNotReady (naming the unmet gates) on timeout or cancellation."""
-    ctx = _ctx()
+    ctx = current_run()
     api = resolve_kube(kube_block).api()
     redact = Redactor(api.secrets)
 
@@ -452,22 +334,23 @@ def wait_dgd_ready(
             f"DGD {dgd.name}: state={seen.state or 'unset'} pods "
             f"{seen.pods_ready}/{seen.pods_total} Ready, frontend HTTP {front}"
         )
-        _table.update(ctx.flow_run_id, dgd, state=seen.state or "")
+        _row(ctx.flow_run_id, dgd, state=seen.state or "")
 
     start = time.monotonic()
     try:
-        dynamo.wait_dgd_ready(
-            api,
-            dgd.name,
-            dgd.namespace,
-            timeout_s,
-            version=dgd.version,
-            service=dgd.frontend_service,
-            on_change=changed,
-            interrupted=ctx.interrupted,
-        )
+        with ctx.cancellation_watched():
+            dynamo.wait_dgd_ready(
+                api,
+                dgd.name,
+                dgd.namespace,
+                timeout_s,
+                version=dgd.version,
+                service=dgd.frontend_service,
+                on_change=changed,
+                interrupted=ctx.interrupted,
+            )
     except Exception as exc:
-        if isinstance(exc, dynamo.DgdFailed) and ctx.interrupted(force=True):
+        if isinstance(exc, dynamo.DgdFailed) and ctx.interrupted(ask_now=True):
             # the run's teardown deleted it: report the cancellation, not a vanished DGD
             exc = dynamo.DgdNotReady(
                 f"waiting for DGD {dgd.name} was interrupted: the flow run is being cancelled"
@@ -475,7 +358,7 @@ def wait_dgd_ready(
         message = redact(str(exc))
         ctx.logger.error(message)
         _emit("failed", dgd, {"message": message[:300]})
-        _table.update(
+        _row(
             ctx.flow_run_id,
             dgd,
             state="failed" if isinstance(exc, dynamo.DgdFailed) else "not ready",
@@ -484,7 +367,7 @@ def wait_dgd_ready(
     took = round(time.monotonic() - start, 2)
     ctx.logger.info(f"DGD {dgd.name} is ready ({took}s): {dgd.frontend_url}")
     _emit("ready", dgd, {"seconds": took})
-    _table.update(ctx.flow_run_id, dgd, state="ready")
+    _row(ctx.flow_run_id, dgd, state="ready")
     return dgd
 
 
@@ -505,7 +388,7 @@ def own_dgds_by_raycluster(
     for it to exist. If the RayJob `rayjob_name` has already finished and its cluster is gone,
     there is nothing to own. Returns the names patched.
     """
-    ctx = _ctx()
+    ctx = current_run()
     api = resolve_kube(kube_block).api()
     ns = namespace or api.namespace
     owner = api.get(kube.RAY_CLUSTER, ray_cluster_name, ns)
@@ -538,7 +421,7 @@ def own_dgds_by_raycluster(
             f"DGD {dgd.name} is now owned by RayCluster {ray_cluster_name}: it goes "
             "when the RayCluster goes"
         )
-        _table.update(ctx.flow_run_id, dgd, owner=f"RayCluster/{ray_cluster_name}")
+        _row(ctx.flow_run_id, dgd, owner=f"RayCluster/{ray_cluster_name}")
     return patched
 
 
@@ -546,7 +429,7 @@ def own_dgds_by_raycluster(
 def teardown_dgds(dgds: Sequence[DeployedDgd] | None = None) -> list[str]:
     """Delete the DGDs this flow run created (all of them, or those of `dgds` it created).
     DGDs it attached to are never deleted. Returns the names deleted."""
-    ctx = _ctx()
+    ctx = current_run()
     if ctx.flow_run_id is None:
         return []
     only = None if dgds is None else {(d.namespace, d.name) for d in dgds}
@@ -557,7 +440,7 @@ def teardown_now(flow_run_id: str | None, why: str) -> list[str]:
     """Delete this run's DGDs outside any task (while the flow is being torn down)."""
     if flow_run_id is None:
         return []
-    return _delete_owned(flow_run_id, why, get_logger("prefect_nemo"))
+    return _delete_owned(flow_run_id, why, fallback_logger())
 
 
 __all__ = [

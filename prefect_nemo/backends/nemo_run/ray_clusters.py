@@ -28,9 +28,9 @@ from collections.abc import AsyncGenerator, Collection
 from typing import Any, ClassVar
 
 from prefect_nemo import names
-from prefect_nemo.backends.nemo_run.base import code_plan, poll_logs
-from prefect_nemo.backends.nemo_run.dgx_cloud import ARGS_LIMIT, DGXCloudBackend, _quiet
-from prefect_nemo.backends.nemo_run.home import nemo_run, root_logger_kept
+from prefect_nemo.backends.nemo_run.base import poll_logs
+from prefect_nemo.backends.nemo_run.dgx_cloud import ARGS_LIMIT, DGXCloudBackend, _handle, _quiet
+from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
 from prefect_nemo.backends.nemo_run.lepton import LeptonBackend, LeptonConfig, workspace_env
 from prefect_nemo.backends.ray_jobs import RayJobsBackend
 from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec
@@ -105,12 +105,9 @@ class LeptonRayBackend:
         return self._ray
 
     def handle(self, job_id: str) -> JobHandle:
-        """The job's handle on this Ray cluster."""
-        return JobHandle(
-            backend=self.kind,
-            cluster=self.cluster,
-            job_id=job_id,
-            links={"dashboard": f"{self.dashboard_url}/#/jobs/{job_id}"},
+        """The job's handle on this Ray cluster (the Ray backend's, with its dashboard link)."""
+        return self.ray.handle(job_id).model_copy(
+            update={"backend": self.kind, "cluster": self.cluster}
         )
 
     # -- the Ray cluster ------------------------------------------------------------------------
@@ -234,7 +231,11 @@ class LeptonRayBackend:
         return poll_logs(self, job_id)
 
     def close(self) -> None:
-        """Nothing to stop: jobs go through the Ray Jobs backend, which starts no threads."""
+        """Close the workspace client and the Ray Jobs backend (no threads: their connections);
+        idempotent. The Ray cluster keeps running: `delete_cluster()` ends it."""
+        self.lepton.close()
+        if self._ray is not None:
+            self._ray.close()
 
     def _cluster_up(self) -> bool:
         state = self.cluster_state()
@@ -254,7 +255,7 @@ class DGXCloudRayBackend(DGXCloudBackend):
         dest = f"{self.config.pvc_nemo_run_dir}/code/{job_id}"
         return f"{plan.setup_command(dest)} && cd {shlex.quote(dest)} && {spec.entrypoint}"
 
-    def _check_command(self, spec: JobSpec, plan: TransportPlan | None) -> None:
+    def check_code(self, spec: JobSpec, plan: TransportPlan | None) -> None:
         """The bootstrap script travels gzip'd + base64 in one workspace's args."""
         nemo_run()
         from nemo_run.run.ray.dgxcloud import build_ray_bootstrap_script
@@ -270,17 +271,17 @@ class DGXCloudRayBackend(DGXCloudBackend):
                 f"run:ai takes at most {ARGS_LIMIT}: move the long part into working_dir"
             )
 
-    def _launch(self, spec: JobSpec, job_id: str) -> tuple[str, str]:
+    def launch_app(self, spec: JobSpec, job_id: str) -> str | None:
+        """Start NeMo-Run's DGXCloudRayJob: one distributed workload that bootstraps Ray."""
         nemo_run()
         from nemo_run.run.ray.dgxcloud import DGXCloudRayJob  # NeMo-Run's, unchanged
 
         executor = self.make_executor(spec, job_id)
-        plan = code_plan(spec, "dgx_cloud")
-        executor.env_vars = {**executor.env_vars, **spec.plain_env(), **(plan.env if plan else {})}
+        plan = self.add_code_env(spec, executor)
         job = DGXCloudRayJob(name=job_id, executor=executor)
         with root_logger_kept(), _quiet():
             try:
                 workload_id = job.start(command=self._command(spec, plan, job_id), workdir="")
             except RuntimeError as exc:
                 raise BackendUnavailable(f"DGX Cloud refused the Ray workload: {exc}") from None
-        return "distributed", str(workload_id)
+        return _handle("distributed", str(workload_id))

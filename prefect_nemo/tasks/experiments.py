@@ -9,7 +9,6 @@ satisfied, FAILED/CRASHED/CANCELLED fails this flow at once, anything else is wa
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -21,15 +20,13 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowR
 from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.client.schemas.sorting import FlowRunSort
 from prefect.context import FlowRunContext
-from prefect.events import emit_event
 
 from prefect_nemo.errors import DependencyFailed, DependencyNotFound, InvalidJobSpec
+from prefect_nemo.tasks._run import declare_experiment
+from prefect_nemo.tasks.reporting import emit
 
 FAILED_STATES = {StateType.FAILED, StateType.CRASHED, StateType.CANCELLED}
 EXPERIMENT_TAG = "prefect-nemo.experiment"
-
-_experiments: dict[str, str] = {}  # flow run id -> experiment name, for job ids
-_lock = threading.Lock()
 
 
 class Experiment:
@@ -60,21 +57,15 @@ class Experiment:
 
     def emit(self, what: str, payload: dict[str, Any] | None = None) -> None:
         """Emit `prefect-nemo.experiment.<what>` about this experiment (outputs in payload)."""
-        emit_event(
-            event=f"prefect-nemo.experiment.{what}",
-            resource={
+        emit(
+            f"prefect-nemo.experiment.{what}",
+            {
                 "prefect.resource.id": self.resource_id,
                 "prefect.resource.name": self.name,
                 "prefect-nemo.flow-run-id": self.flow_run_id,
             },
-            payload=payload or {},
+            payload,
         )
-
-
-def current_experiment(flow_run_id: str | None) -> str | None:
-    """The experiment name declared by this flow run, if any."""
-    with _lock:
-        return _experiments.get(flow_run_id or "")
 
 
 def start_experiment(
@@ -92,8 +83,7 @@ def start_experiment(
     _check_name(name)
     flow_run = ctx.flow_run
     flow_run_id = str(flow_run.id)
-    with _lock:
-        _experiments[flow_run_id] = name
+    declare_experiment(flow_run_id, name)
     if flow_run.name != name or EXPERIMENT_TAG not in (flow_run.tags or []):
         with get_client(sync_client=True) as client:
             client.update_flow_run(

@@ -1,11 +1,6 @@
-"""NVIDIA Dynamo inference graphs (DynamoGraphDeployment, "DGD") on Kubernetes.
-
-Everything the nrl-k8s source PR does for DGDs, on our shared `kube` helpers: load a manifest
-(multi-document files: pick the DGD), render it (name, namespace, labels, deep-merged
-overrides, image as a default only, imagePullSecrets; never `serviceAccountName`, which the
-operator sets per DGD), probe that the CRD is installed, apply-or-attach, wait until it really
-serves (operator state, pod readiness and an HTTP answer from the frontend), tie its lifetime to
-a RayCluster with a non-controller owner reference, and delete it. No Prefect import.
+"""DynamoGraphDeployment (DGD) manifests, pure: load one from a (multi-document) file, render it
+(name, namespace, labels, deep-merged overrides, image as a default only, imagePullSecrets; never
+`serviceAccountName`, which the operator sets per DGD), validate it, and derive its frontend.
 
 Both stored shapes are handled: v1alpha1 keeps `spec.services` (a map of service name to
 config, the container under `extraPodSpec.mainContainer`); v1beta1 keeps `spec.components`
@@ -15,12 +10,7 @@ config, the container under `extraPodSpec.mainContainer`); v1beta1 keeps `spec.c
 from __future__ import annotations
 
 import copy
-import logging
-import re
-import threading
-import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -28,36 +18,17 @@ from urllib.parse import urlsplit
 import yaml
 
 from prefect_nemo import kube
-from prefect_nemo.errors import AuthenticationFailed, InvalidJobSpec, PrefectNemoError
+from prefect_nemo.errors import InvalidJobSpec
 from prefect_nemo.names import is_dns1035_label, resource_name
 
 DGD_KIND = "DynamoGraphDeployment"
 DGD_GROUP = "nvidia.com"
 VERSIONS = ("v1alpha1", "v1beta1")
-GRAPH_LABEL = "nvidia.com/dynamo-graph-deployment-name"
 FRONTEND_TYPE = "frontend"
 FRONTEND_PORT = 8000
-FRONTEND_PROBE_PATH = "/v1/models"
 MAIN_CONTAINER = "main"  # v1beta1: the container the operator treats as the workload
-STATE_READY = "successful"
-STATE_FAILED = "failed"
 
-_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # RFC 1123 label
 _MAX_NAME = 63
-
-log = logging.getLogger("prefect_nemo.dynamo")
-
-
-class DgdFailed(PrefectNemoError):
-    """The Dynamo operator reported the DGD as failed (its message is in ours)."""
-
-
-class DgdNotReady(PrefectNemoError, TimeoutError):
-    """The DGD did not pass every readiness gate in time; the message names the gates."""
-
-
-class DgdCrdMissing(PrefectNemoError):
-    """The DynamoGraphDeployment CRD is not installed on the cluster."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,40 +262,38 @@ def check_dgd_name(name: Any) -> str:
 def _services(doc: Mapping[str, Any], version: str) -> list[tuple[str, dict[str, Any]]]:
     """(service name, service dict) for every service/component, validated for shape."""
     spec = doc.get("spec")
+    name = _name_of(doc)
     if not isinstance(spec, Mapping):
-        raise InvalidJobSpec(f"DGD {_name_of(doc)!r}: spec is missing")
+        raise InvalidJobSpec(f"DGD {name!r}: spec is missing")
+    ours, theirs, other = (
+        ("services", "components", "v1beta1") if version == "v1alpha1"
+        else ("components", "services", "v1alpha1")
+    )  # fmt: skip
+    if theirs in spec:
+        raise InvalidJobSpec(
+            f"DGD {name!r}: spec.{theirs} is the {other} shape; pass version={other!r} or use "
+            f"spec.{ours}"
+        )
     if version == "v1alpha1":
         services = spec.get("services")
-        if "components" in spec:
-            raise InvalidJobSpec(
-                f"DGD {_name_of(doc)!r}: spec.components is the v1beta1 shape; pass "
-                "version='v1beta1' or use spec.services"
-            )
         if not isinstance(services, Mapping) or not services:
-            raise InvalidJobSpec(f"DGD {_name_of(doc)!r}: spec.services must be a non-empty map")
+            raise InvalidJobSpec(f"DGD {name!r}: spec.services must be a non-empty map")
         for key, svc in services.items():
             if not isinstance(svc, dict):
-                raise InvalidJobSpec(f"DGD {_name_of(doc)!r}: spec.services.{key} must be a map")
+                raise InvalidJobSpec(f"DGD {name!r}: spec.services.{key} must be a map")
         return list(services.items())
     components = spec.get("components")
-    if "services" in spec:
-        raise InvalidJobSpec(
-            f"DGD {_name_of(doc)!r}: spec.services is the v1alpha1 shape; pass "
-            "version='v1alpha1' or use spec.components"
-        )
     if not isinstance(components, list) or not components:
-        raise InvalidJobSpec(f"DGD {_name_of(doc)!r}: spec.components must be a non-empty list")
+        raise InvalidJobSpec(f"DGD {name!r}: spec.components must be a non-empty list")
     out: list[tuple[str, dict[str, Any]]] = []
     for i, comp in enumerate(components):
         if not isinstance(comp, dict) or not isinstance(comp.get("name"), str):
-            raise InvalidJobSpec(
-                f"DGD {_name_of(doc)!r}: spec.components[{i}] must be a map with a name"
-            )
+            raise InvalidJobSpec(f"DGD {name!r}: spec.components[{i}] must be a map with a name")
         out.append((comp["name"], comp))
     names = [n.lower() for n, _ in out]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
-        raise InvalidJobSpec(f"DGD {_name_of(doc)!r}: duplicate component names {dupes}")
+        raise InvalidJobSpec(f"DGD {name!r}: duplicate component names {dupes}")
     return out
 
 
@@ -408,264 +377,3 @@ def resolve_frontend_url(
                 f"frontend is {derived}: drop frontend_url to use the DGD's frontend, or fix it"
             )
     return explicit
-
-
-# ---------------------------------------------------------------------------------------------
-# API calls
-
-
-def check_crd_installed(
-    api: kube.KubeApi, version: str = "v1alpha1", namespace: str | None = None
-) -> bool:
-    """Raise DgdCrdMissing unless the DGD CRD serves `version`; False = unknown (no list right).
-
-    Probes with a namespaced list of at most one DGD (cluster-scoped CRD reads need rights
-    most users lack). 403 means the CRD is there but we may not list: go on, and let the apply
-    report any remaining permission problem.
-    """
-    kind = dgd_kind(version)
-    try:
-        api.list(kind, namespace, limit=1)
-    except kube.NotFound:
-        raise DgdCrdMissing(
-            f"{DGD_KIND} CRD ({DGD_GROUP}/{version}) is not installed on {api.host}: install "
-            "the Dynamo platform Helm chart (dynamo-crds and dynamo-platform, see "
-            "https://docs.nvidia.com/dynamo/latest/kubernetes/installation_guide.html), or "
-            "pass the version your operator serves"
-        ) from None
-    except kube.Forbidden as exc:  # a 401 (wrong credentials) is raised as it is
-        log.info(
-            f"cannot list {kind.plural} in {namespace or api.namespace} ({exc}); assuming the "
-            "CRD is installed and going on"
-        )
-        return False
-    return True
-
-
-def apply_dgd(
-    api: kube.KubeApi, manifest: Mapping[str, Any], *, recreate: bool = False
-) -> kube.Applied:
-    """Create the DGD, or attach to the one already there (drift is reported, not fixed,
-    unless `recreate`)."""
-    return kube.apply_or_attach(
-        api, dict(manifest), namespace=_namespace_of(manifest), recreate=recreate
-    )
-
-
-def delete_dgd(api: kube.KubeApi, name: str, namespace: str, *, version: str = "v1alpha1") -> bool:
-    """Delete a DGD (its pods and Services go with it); False if it was already gone."""
-    return api.delete(dgd_kind(version), name, namespace)
-
-
-def own_by(
-    api: kube.KubeApi,
-    dgd_name: str,
-    namespace: str,
-    owner: Mapping[str, Any],
-    *,
-    version: str = "v1alpha1",
-) -> dict[str, Any]:
-    """Make `owner` (e.g. the training RayCluster) an owner of the DGD, so deleting it cascades.
-
-    `controller: false`: the Dynamo operator is the DGD's controller; we only want GC.
-    """
-    return kube.add_owner_reference(
-        api, dgd_kind(version), dgd_name, dict(owner), namespace, controller=False
-    )
-
-
-def _namespace_of(manifest: Mapping[str, Any]) -> str | None:
-    meta = manifest.get("metadata") or {}
-    return meta.get("namespace")
-
-
-# ---------------------------------------------------------------------------------------------
-# Readiness
-
-
-@dataclass
-class DgdReadiness:
-    """One look at the three readiness gates of a DGD."""
-
-    name: str
-    namespace: str
-    state: str | None = None
-    message: str = ""
-    pods_total: int = 0
-    pods_ready: int = 0
-    frontend_status: int | None = None  # HTTP status through the service proxy; 0 = refused
-    exists: bool = True
-    errors: list[str] = field(default_factory=list)
-
-    @property
-    def state_ok(self) -> bool:
-        """The operator reports the graph as deployed."""
-        return self.state == STATE_READY
-
-    @property
-    def pods_ok(self) -> bool:
-        """At least one pod, and every pod Ready."""
-        return self.pods_total > 0 and self.pods_ready == self.pods_total
-
-    @property
-    def frontend_ok(self) -> bool:
-        """The frontend answered HTTP (404 included: the listener is up)."""
-        return self.frontend_status is not None and 0 < self.frontend_status < 500
-
-    @property
-    def ready(self) -> bool:
-        """All three gates are met."""
-        return self.state_ok and self.pods_ok and self.frontend_ok
-
-    def unmet(self) -> list[str]:
-        """Each gate not yet met, described for an error message."""
-        gates = []
-        if not self.exists:
-            return [f"DGD {self.name} does not exist"]
-        if not self.state_ok:
-            gates.append(f"status.state is {self.state or 'unset'!r}, not {STATE_READY!r}")
-        if not self.pods_ok:
-            gates.append(
-                f"{self.pods_ready}/{self.pods_total} pods Ready"
-                if self.pods_total
-                else f"no pods labelled {GRAPH_LABEL}={self.name}"
-            )
-        if not self.frontend_ok:
-            if self.frontend_status is None:
-                gates.append("frontend not probed yet (waits for the gates above)")
-            elif self.frontend_status == 0:
-                gates.append("frontend refused the connection")
-            else:
-                gates.append(f"frontend answered HTTP {self.frontend_status}")
-        return gates + self.errors
-
-
-def pod_ready(pod: Mapping[str, Any]) -> bool:
-    """A pod is Ready by its Ready condition (or, without conditions, all containers ready)."""
-    status = pod.get("status") or {}
-    if (pod.get("metadata") or {}).get("deletionTimestamp"):
-        return False
-    for cond in status.get("conditions") or []:
-        if cond.get("type") == "Ready":
-            return cond.get("status") == "True"
-    containers = status.get("containerStatuses") or []
-    return bool(containers) and all(c.get("ready") for c in containers)
-
-
-def _failure_message(dgd: Mapping[str, Any]) -> str:
-    status = dgd.get("status") or {}
-    parts = [str(status["message"])] if status.get("message") else []
-    for cond in status.get("conditions") or []:
-        if cond.get("status") != "True" and (cond.get("message") or cond.get("reason")):
-            parts.append(
-                f"{cond.get('type')}: {cond.get('reason', '')} {cond.get('message', '')}".strip()
-            )
-    return "; ".join(parts) or "no message from the operator"
-
-
-def wait_dgd_ready(
-    api: kube.KubeApi,
-    name: str,
-    namespace: str,
-    timeout_s: float,
-    *,
-    version: str = "v1alpha1",
-    service: str | None = None,
-    probe_interval_s: float = 1.0,
-    on_change: Callable[[DgdReadiness], None] | None = None,
-    interrupted: Callable[[], bool] | None = None,
-) -> DgdReadiness:
-    """Wait until the DGD serves: state successful, every DGD pod Ready, frontend answers.
-
-    The DGD and its pods are followed by watch (one Informer each); only the HTTP probe of the
-    frontend, through the API server's service proxy, is polled, and only once the first two
-    gates hold. Any HTTP answer below 500 counts (404: the listener is up; 403: the proxy verb
-    is not ours, so the other gates decide, as in the source PR); 502, 503 and refused do not.
-    State `failed` raises DgdFailed at once; the timeout (or `interrupted()`) raises DgdNotReady
-    listing the gates still unmet. `on_change` sees each new combination of gate values.
-    """
-    kind = dgd_kind(version)
-    service = service or f"{name}-frontend"
-    changed = threading.Event()
-    wake: Callable[[str, dict[str, Any]], None] = lambda *_: changed.set()  # noqa: E731
-    dgds = kube.Informer(api, kind, namespace, on_change=wake)
-    pods = kube.Informer(
-        api, kube.POD, namespace, label_selector=f"{GRAPH_LABEL}={name}", on_change=wake
-    )
-    deadline = time.monotonic() + timeout_s
-    last_key: tuple[Any, ...] | None = None
-    seen = DgdReadiness(name, namespace)
-    dgds.start()
-    pods.start()
-    try:
-        for informer in (dgds, pods):  # the first list; an error shows as .error meanwhile
-            while not informer.synced.wait(0.1) and time.monotonic() < deadline:
-                _raise_rejected(dgds, pods)
-        while True:
-            changed.clear()
-            _raise_rejected(dgds, pods)
-            seen = _look(dgds, pods, name, namespace)
-            if not seen.exists:
-                raise DgdFailed(
-                    f"DGD {name} in {namespace} does not exist (deleted while we waited for it?)"
-                )
-            if seen.state == STATE_FAILED:
-                raise DgdFailed(f"DGD {name} in {namespace} failed: {seen.message}")
-            if seen.state_ok and seen.pods_ok:
-                status, _ = api.proxy(namespace, service, FRONTEND_PORT, FRONTEND_PROBE_PATH)
-                seen.frontend_status = status
-            key = (
-                seen.exists,
-                seen.state,
-                seen.pods_total,
-                seen.pods_ready,
-                seen.frontend_ok,
-                seen.frontend_status,
-            )
-            if key != last_key and on_change is not None:
-                on_change(seen)
-            last_key = key
-            if seen.ready:
-                return seen
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DgdNotReady(
-                    f"DGD {name} in {namespace} not ready after {timeout_s:g}s: "
-                    + "; ".join(seen.unmet())
-                )
-            if interrupted is not None and interrupted():
-                raise DgdNotReady(
-                    f"waiting for DGD {name} was interrupted: " + "; ".join(seen.unmet())
-                )
-            # Watch events wake us at once; the frontend probe needs a poll.
-            pause = probe_interval_s if seen.state_ok and seen.pods_ok else 5.0
-            changed.wait(min(pause, remaining))
-    finally:
-        dgds.stop()
-        pods.stop()
-
-
-def _raise_rejected(*informers: kube.Informer) -> None:
-    """Rejected credentials (401/403 on list or watch) will not heal by waiting: raise them."""
-    for informer in informers:
-        if isinstance(informer.error, AuthenticationFailed):
-            raise informer.error
-
-
-def _look(dgds: kube.Informer, pods: kube.Informer, name: str, namespace: str) -> DgdReadiness:
-    seen = DgdReadiness(name, namespace)
-    for informer, what in ((dgds, "DGD"), (pods, "pod")):
-        if informer.error is not None:
-            seen.errors.append(f"{what} watch failing: {informer.error}")
-    obj = dgds.get(name)
-    if obj is None:
-        seen.exists = not dgds.synced.is_set()
-        return seen
-    status = obj.get("status") or {}
-    seen.state = status.get("state")
-    if seen.state == STATE_FAILED:
-        seen.message = _failure_message(obj)
-    items = pods.items()
-    seen.pods_total = len(items)
-    seen.pods_ready = sum(1 for p in items if pod_ready(p))
-    return seen

@@ -1,0 +1,407 @@
+"""The one base of every Kubernetes job kind (KubeRay's RayJob, Kubeflow Trainer's TrainJob).
+
+A job is one object named after the job id, labelled as ours. `KubeJobBackend` owns what does
+not depend on the kind; a subclass adds its manifests, status mapping, stop and log source.
+
+Waiting is served by informers (`kube.Informer`): the job kind, plus the pods of the jobs when
+the kind reads them. They follow these rules:
+
+- created when a watcher subscribes, one set per backend instance; stopped on the last
+  unsubscribe and by `close()`. An instance nobody subscribed to starts no thread: `statuses()`
+  answers from one list request for all ids.
+- an informer whose thread died for any reason other than our own stop is replaced (on the
+  next `statuses()`; on `subscribe()` also one that credentials since fixed may revive).
+- a watch rejected with 401/403 raises `AuthenticationFailed` at once; any other trouble is
+  `BackendUnavailable`, which the watcher retries within the block's unreachable budget.
+- informers wake the subscribers on changes and on errors too, so a failure is seen at once.
+- after `close()`, `statuses()` raises `BackendClosed`.
+
+What every kind writes and reads the same way without the API (the job object's metadata, the
+Secret of secret env values, label checks, timestamps, the memory of deleted jobs and last
+logs) is in `_kube_objects.py`. No Prefect import.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Collection
+from typing import Any, ClassVar, Generic, TypeVar
+
+from prefect_nemo.backends._kube_objects import OWNED_ANNOTATION, JobMemory
+from prefect_nemo.errors import (
+    AuthenticationFailed,
+    BackendClosed,
+    BackendUnavailable,
+    InvalidJobSpec,
+    JobAlreadyExists,
+)
+from prefect_nemo.jobs import JobHandle, JobState, JobStatus
+from prefect_nemo.kube import (
+    CONFIGMAP,
+    MANAGED_BY,
+    POD,
+    SECRET,
+    AlreadyExists,
+    Informer,
+    Invalid,
+    Kind,
+    KubeApi,
+    NotFound,
+    add_owner_reference,
+    wait_for,
+)
+
+MANAGED = f"{MANAGED_BY}=prefect-nemo"
+ConfigT = TypeVar("ConfigT")
+INFORMER_STOP_WAIT_S = 5.0  # how long stopping waits for each informer thread to end
+
+
+# -------------------------------------------------------------------------------------------
+# The base
+
+
+class KubeJobBackend(Generic[ConfigT]):
+    """What every Kubernetes job backend shares: identity, access check, find, the informers
+    behind statuses() (see the module docstring), close, the stop-by-delete and the log memory.
+
+    A subclass sets the class attributes and implements `job_status` and `read_log` (plus the
+    Backend methods of its own: validate, submit, request_stop, tail_logs); `config` is its
+    block's settings.
+    """
+
+    kind: ClassVar[str]
+    max_job_id_len: ClassVar[int]
+    job_kind: ClassVar[Kind]  # the job's object (RayJob, TrainJob)
+    crd_fix: ClassVar[str]  # what to install when the API server does not serve job_kind
+    deleted_message: ClassVar[str]  # the STOPPED message of a job we deleted to stop it
+    pod_job_label: ClassVar[str | None] = None  # a label naming the job on its pods: watch them
+    log_errors: ClassVar[tuple[type[Exception], ...]] = (BackendUnavailable, NotFound)
+    memory: ClassVar[JobMemory]  # one per subclass, shared by its instances
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.memory = JobMemory()
+
+    def __init__(self, api: KubeApi, config: ConfigT, *, namespace: str | None = None) -> None:
+        self.api = api
+        self.config = config
+        self.namespace = namespace or api.namespace
+        self._lock = threading.Lock()
+        self._informers: tuple[Informer, ...] = ()  # (jobs, pods?) while subscribed
+        self._wakes: list[Callable[[], None]] = []
+        self._closed = False
+
+    # -- to implement ---------------------------------------------------------------------------
+
+    def job_status(self, obj: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
+        """Our JobStatus from the job's object (and its pods, when pod_job_label is set)."""
+        raise NotImplementedError
+
+    def read_log(self, job_id: str) -> str | None:
+        """The job's whole log from its source; None while (or once) there is none to read."""
+        raise NotImplementedError
+
+    # -- identity ------------------------------------------------------------------------------
+
+    @property
+    def cluster(self) -> str:
+        """API server, namespace and kind: one watcher (and one set of informers) each."""
+        return f"{self.api.host}/namespaces/{self.namespace}/{self.job_kind.plural}"
+
+    @property
+    def secrets(self) -> list[str]:
+        """The API credentials, for redaction."""
+        return list(self.api.secrets)
+
+    def object_url(self, job_id: str) -> str:
+        """The job object's path on the API server."""
+        kind = self.job_kind
+        return (
+            f"{self.api.host}/apis/{kind.group}/{kind.version}/namespaces/"
+            f"{self.namespace}/{kind.plural}/{job_id}"
+        )
+
+    def links(self, job_id: str) -> dict[str, str]:
+        """The handle's links: the job object ("rayjob", "trainjob")."""
+        return {self.job_kind.kind.lower(): self.object_url(job_id)}
+
+    def handle(self, job_id: str) -> JobHandle:
+        """The handle with the job object's API path."""
+        return JobHandle(
+            backend=self.kind, cluster=self.cluster, job_id=job_id, links=self.links(job_id)
+        )
+
+    # -- Backend protocol -----------------------------------------------------------------------
+
+    def check_access(self) -> None:
+        """Reach the API server and prove we may list the job kind (its operator installed)."""
+        kind = self.job_kind
+        try:
+            self.api.list(kind, self.namespace, label_selector=MANAGED, limit=1)
+        except NotFound:
+            raise BackendUnavailable(
+                f"the API server at {self.api.host} does not serve {kind.plural}.{kind.group}/"
+                f"{kind.version}: {self.crd_fix}"
+            ) from None
+
+    def find(self, job_id: str) -> JobStatus | None:
+        """The job's status (a GET, and a pod list when the kind reads pods), STOPPED if we
+        deleted it, None if there is no such job; BackendClosed after close()."""
+        self._check_open()
+        obj = self.api.get(self.job_kind, job_id, self.namespace)
+        if obj is None:
+            return self._deleted_status(job_id)
+        pods: list[dict[str, Any]] = []
+        if self.pod_job_label:
+            pods, _ = self.api.list(
+                POD, self.namespace, label_selector=f"{self.pod_job_label}={job_id}"
+            )
+        return self.job_status(obj, pods)
+
+    def statuses(self, job_ids: Collection[str]) -> dict[str, JobStatus]:
+        """From the informers' caches while a watcher is subscribed, else from one list; one GET
+        only for an id neither has (gone, or not labelled as ours)."""
+        cached = self._cached() if self._checked_informers() else None
+        objects, pods = cached or self._listed()
+        out: dict[str, JobStatus] = {}
+        for job_id in job_ids:
+            obj = objects.get(job_id)
+            status = (
+                self.find(job_id) if obj is None else self.job_status(obj, pods.get(job_id, []))
+            )
+            if status is not None:
+                out[job_id] = status
+        return out
+
+    def subscribe(self, wake: Callable[[], None]) -> Callable[[], None]:
+        """Wake the watcher on every change of our jobs (and their pods) in the namespace, and
+        on every watch error; the informers start with the first subscriber."""
+        with self._lock:
+            self._wakes.append(wake)
+            if not self._closed:  # closed: statuses() tells the watcher
+                self._ensure_informers(replace_failed=True)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if wake in self._wakes:
+                    self._wakes.remove(wake)
+                if self._wakes:
+                    return
+                informers, self._informers = self._informers, ()
+            for informer in informers:
+                informer.stop(wait_s=INFORMER_STOP_WAIT_S)
+
+        return unsubscribe
+
+    def close(self) -> None:
+        """Stop the informers (their watches are cut at once, their threads end) and wake the
+        subscribed watchers, whose next poll then raises BackendClosed, as does every later
+        call that would ask the API server (find, logs). Idempotent."""
+        with self._lock:
+            self._closed = True
+            informers, self._informers = self._informers, ()
+        for informer in informers:
+            informer.stop(wait_s=INFORMER_STOP_WAIT_S)
+        self._wake_all()
+
+    def logs(self, job_id: str) -> str:
+        """The job's whole log; the last read once its source is gone (teardown took it)."""
+        self._check_open()
+        key = (self.cluster, job_id)
+        try:
+            text = self.read_log(job_id)
+        except self.log_errors:
+            cached = self.memory.last_log(key)
+            if cached is None:
+                raise
+            return cached
+        if text is None:
+            return self.memory.last_log(key) or ""
+        return self.memory.remember_log(key, text)
+
+    @property
+    def informers(self) -> tuple[Informer, ...]:
+        """The running informers (the job kind first, then pods); empty while nobody subscribed."""
+        with self._lock:
+            return self._informers
+
+    # -- for subclasses ------------------------------------------------------------------------
+
+    def current_status(self, job_id: str) -> JobStatus | None:
+        """From the informers' cache when they run and have the job (no request), else find()."""
+        objects, pods = self._cached() or ({}, {})
+        if job_id in objects:
+            return self.job_status(objects[job_id], pods.get(job_id, []))
+        return self.find(job_id)
+
+    def create_job(
+        self,
+        manifest: dict[str, Any],
+        owned: list[tuple[Kind, dict[str, Any]]],
+        *,
+        fix: str,
+        prepare: Callable[[], None] = lambda: None,
+    ) -> dict[str, Any]:
+        """Create the job: `prepare()` (what it needs that outlives it), the `owned` objects its
+        pods read at start (listed in its OWNED_ANNOTATION), then its object, which then owns
+        them, so deleting it deletes them. JobAlreadyExists when the name is taken (attach); an
+        existing job adopts its orphans (a submit that died between the two steps).
+
+        A definite no (rejected, or our credentials refused) deletes the `owned` objects again
+        (nothing else will own them); a timeout leaves them, since the job may exist. A
+        rejection becomes InvalidJobSpec with the server's reason and `fix`.
+        """
+        job_id = manifest["metadata"]["name"]
+        taken = f"{self.job_kind.kind} '{job_id}' already exists"
+        existing = self.api.get(self.job_kind, job_id, self.namespace)
+        if existing is not None:
+            self._adopt(existing)
+            raise JobAlreadyExists(taken)
+        prepare()
+        for kind, obj in owned:
+            self._create_fresh(kind, obj)
+        self.memory.forget_deleted((self.cluster, job_id))
+        try:
+            created = self.api.create(self.job_kind, manifest, self.namespace)
+        except AlreadyExists:  # a concurrent submitter won: its job owns what we re-made
+            if (winner := self.api.get(self.job_kind, job_id, self.namespace)) is not None:
+                self._adopt(winner)
+            raise JobAlreadyExists(taken) from None
+        except (Invalid, AuthenticationFailed) as exc:
+            for kind, obj in owned:
+                self.api.delete(kind, obj["metadata"]["name"], self.namespace)
+            if isinstance(exc, AuthenticationFailed):
+                raise
+            raise InvalidJobSpec(
+                f"the API server rejected {self.job_kind.kind} '{job_id}': {exc}. {fix}"
+            ) from None
+        self._adopt(created)
+        return created
+
+    def delete_to_stop(self, job_id: str) -> None:
+        """Delete the job's object (foreground: its dependents go first), remembering that we
+        did, so the job reads STOPPED once it is gone."""
+        self.memory.mark_deleted((self.cluster, job_id))
+        self.api.delete(self.job_kind, job_id, self.namespace, propagation="Foreground")
+
+    # -- informers -------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        """A closed backend asks the API server nothing more: BackendClosed."""
+        if self._closed:
+            raise BackendClosed(f"the {self.kind} backend of {self.cluster} was closed")
+
+    def _checked_informers(self) -> tuple[Informer, ...]:
+        """The running informers (none when nobody subscribed), dead ones replaced; raises
+        BackendClosed after close(), AuthenticationFailed at once, BackendUnavailable for a
+        watch that is failing (the watcher retries within its budget)."""
+        with self._lock:
+            self._check_open()
+            if not self._informers:
+                return ()
+            for informer in self._informers:
+                informer.raise_rejected()
+            informers = self._ensure_informers(replace_failed=False)
+        for informer in informers:
+            if informer.error is not None:
+                raise BackendUnavailable(
+                    f"watch of {informer.kind.plural} in {self.namespace} on {self.api.host} "
+                    f"broke: {informer.error}"
+                )
+        return informers
+
+    def _ensure_informers(self, *, replace_failed: bool) -> tuple[Informer, ...]:
+        """Start the informers, replacing any whose thread died (and, with replace_failed, any
+        that credentials rejected: they may have been fixed). Call with the lock held."""
+        wanted = [(self.job_kind, MANAGED)]
+        if self.pod_job_label:
+            wanted.append((POD, f"{MANAGED},{self.pod_job_label}"))
+        current = list(self._informers) or [None] * len(wanted)
+        for i, (kind, selector) in enumerate(wanted):
+            old = current[i]
+            rejected = old is not None and isinstance(old.error, AuthenticationFailed)
+            if old is None or (old.dead and (replace_failed or not rejected)):
+                if old is not None:
+                    old.stop()
+                current[i] = Informer(
+                    self.api, kind, self.namespace, label_selector=selector,
+                    on_change=self._wake_all, on_error=self._wake_all,
+                ).start()  # fmt: skip
+        self._informers = tuple(i for i in current if i is not None)
+        return self._informers
+
+    def _cached(self) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict[str, Any]]]] | None:
+        """Our jobs by name and their pods by job from the informers, once they have listed."""
+        informers = self.informers
+        if not informers or not all(i.synced.is_set() for i in informers):
+            return None
+        pods = informers[1].items() if len(informers) > 1 else []
+        return {o["metadata"]["name"]: o for o in informers[0].items()}, self._pods_by_job(pods)
+
+    def _listed(self) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+        """Our jobs by name (and their pods by job) from one list request each: no thread."""
+        items, _ = self.api.list(self.job_kind, self.namespace, label_selector=MANAGED)
+        pods: list[dict[str, Any]] = []
+        if self.pod_job_label:
+            pods, _ = self.api.list(
+                POD, self.namespace, label_selector=f"{MANAGED},{self.pod_job_label}"
+            )
+        return {o["metadata"]["name"]: o for o in items}, self._pods_by_job(pods)
+
+    def _pods_by_job(self, pods: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+        by_job: dict[str, list[dict[str, Any]]] = {}
+        for pod in pods:
+            job_id = (pod["metadata"].get("labels") or {}).get(self.pod_job_label or "")
+            if job_id:
+                by_job.setdefault(job_id, []).append(pod)
+        return by_job
+
+    def _create_fresh(self, kind: Kind, obj: dict[str, Any]) -> None:
+        """Create an object the job will own. One left by a submit that died before the job
+        existed is reused if it is a code ConfigMap (immutable, named by its content) and
+        replaced if it is the Secret (its values may have changed); one still owned by an
+        earlier job of this name (being garbage-collected) is waited out and recreated."""
+        name = obj["metadata"]["name"]
+        try:
+            self.api.create(kind, obj, self.namespace)
+            return
+        except AlreadyExists:
+            existing = self.api.get(kind, name, self.namespace) or {}
+        meta = existing.get("metadata") or {}
+        leftover = not meta.get("ownerReferences") and not meta.get("deletionTimestamp")
+        if kind is CONFIGMAP and leftover:
+            return
+        self.api.delete(kind, name, self.namespace)
+        wait_for(
+            self.api, kind, name, lambda o: o is None, namespace=self.namespace,
+            timeout_s=60, what=f"deletion of the leftover {kind.kind} {name}",
+        )  # fmt: skip
+        self.api.create(kind, obj, self.namespace)
+
+    def _adopt(self, job: dict[str, Any]) -> None:
+        """Make the job's object an owner of the objects its OWNED_ANNOTATION names
+        (idempotent), so deleting it deletes them."""
+        annotations = (job.get("metadata") or {}).get("annotations") or {}
+        try:
+            owned = json.loads(annotations.get(OWNED_ANNOTATION) or "{}")
+        except ValueError:
+            return
+        kinds = {"secrets": SECRET, "configmaps": CONFIGMAP}
+        for plural, names in owned.items():
+            for name in names:
+                try:
+                    add_owner_reference(self.api, kinds[plural], name, job, self.namespace)
+                except (NotFound, KeyError):
+                    continue
+
+    def _wake_all(self, *_event: object) -> None:
+        with self._lock:
+            wakes = list(self._wakes)
+        for wake in wakes:
+            wake()
+
+    def _deleted_status(self, job_id: str) -> JobStatus | None:
+        if not self.memory.was_deleted((self.cluster, job_id)):
+            return None
+        return JobStatus(job_id=job_id, state=JobState.STOPPED, message=self.deleted_message)

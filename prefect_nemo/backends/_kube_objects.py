@@ -1,0 +1,185 @@
+"""What every Kubernetes job kind writes and reads the same way (pure, no API call): label
+checks, the job object's metadata and size limits, the Secret that carries secret env values,
+API timestamps; and what a backend remembers in this process beyond what the API server keeps.
+No Prefect import."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Collection, Mapping
+from datetime import datetime
+from typing import Any
+
+from pydantic import SecretStr
+
+from prefect_nemo.errors import InvalidJobSpec
+from prefect_nemo.jobs import RESERVED_PREFIX, JobSpec
+from prefect_nemo.kube import FLOW_RUN_LABEL, MANAGED_BY, Kind, managed_labels
+from prefect_nemo.names import is_label_key, label_value
+
+ANNOTATION_PREFIX = "prefect-nemo.io/"  # prefect_nemo.<key> job metadata is kept as these
+MAX_OBJECT_BYTES = 1_000_000  # etcd's request limit is ~1.5 MiB; leave room for status
+MAX_ANNOTATION_BYTES = 256 * 1024  # Kubernetes' total annotation size limit
+ENV_SECRET_SUFFIX = "-env"
+OWNED_ANNOTATION = "prefect-nemo.io/owned-objects"  # the Secret/ConfigMaps a job's object owns
+
+
+# -------------------------------------------------------------------------------------------
+# What every job object carries (pure)
+
+
+def check_labels(labels: Mapping[str, str]) -> None:
+    """Raise InvalidJobSpec for a JobSpec label key Kubernetes refuses or that we set."""
+    for key in labels:
+        if not is_label_key(key):
+            raise InvalidJobSpec(
+                f"JobSpec.labels: '{key}' is not a Kubernetes label key: use [prefix/]name, name "
+                "at most 63 letters, digits, '-', '_', '.', starting and ending alphanumeric"
+            )
+        if key in (MANAGED_BY, FLOW_RUN_LABEL):
+            raise InvalidJobSpec(f"JobSpec.labels: '{key}' is set by prefect-nemo: pick another")
+
+
+def flow_run_of(metadata: Mapping[str, str]) -> str | None:
+    """The flow run id the lifecycle put in a job's metadata, if any."""
+    return metadata.get(f"{RESERVED_PREFIX}flow_run_id") or None
+
+
+def job_object(
+    kind: Kind,
+    job_id: str,
+    spec: JobSpec,
+    metadata: Mapping[str, str],
+    body: dict[str, Any],
+    *,
+    namespace: str,
+    annotations: Mapping[str, str] | None = None,
+    owned: Mapping[str, list[str]] | None = None,
+    shrink: str,
+) -> dict[str, Any]:
+    """The job's object: `body` as its spec, the JobSpec's labels and ours, the reserved job
+    metadata as annotations, and the names of the objects it will own (by plural: "secrets",
+    "configmaps"), to adopt them even after a crash. InvalidJobSpec past Kubernetes' annotation
+    limit, or (saying what to `shrink`) past ~1 MB."""
+    labels = {k: label_value(v) for k, v in spec.labels.items()}
+    labels.update(managed_labels(flow_run_of(metadata)))
+    reserved = {
+        f"{ANNOTATION_PREFIX}{k.removeprefix(RESERVED_PREFIX)}": v
+        for k, v in metadata.items()
+        if k.startswith(RESERVED_PREFIX)
+    }
+    if owned:
+        reserved[OWNED_ANNOTATION] = json.dumps(dict(owned))
+    manifest = {
+        "apiVersion": kind.api_version,
+        "kind": kind.kind,
+        "metadata": {
+            "name": job_id,
+            "namespace": namespace,
+            "labels": labels,
+            "annotations": {**reserved, **(annotations or {})},
+        },
+        "spec": body,
+    }
+    if len(json.dumps(manifest["metadata"]["annotations"])) > MAX_ANNOTATION_BYTES:
+        raise InvalidJobSpec("JobSpec.metadata: too large for Kubernetes annotations (256 KiB)")
+    size = len(json.dumps(manifest))
+    if size > MAX_OBJECT_BYTES:
+        raise InvalidJobSpec(
+            f"the {kind.kind} for this job would be {size} bytes; Kubernetes objects must stay "
+            f"under ~1 MB: shrink {shrink}"
+        )
+    return manifest
+
+
+def reserved_metadata(annotations: Mapping[str, str], skip: Collection[str] = ()) -> dict[str, str]:
+    """The reserved job metadata (prefect_nemo.*) back from a job object's annotations."""
+    return {
+        RESERVED_PREFIX + key.removeprefix(ANNOTATION_PREFIX): value
+        for key, value in annotations.items()
+        if key.startswith(ANNOTATION_PREFIX) and key != OWNED_ANNOTATION and key not in skip
+    }
+
+
+def secret_name(job_id: str) -> str:
+    """The Secret holding a job's secret env values (owned by the job's object)."""
+    return f"{job_id}{ENV_SECRET_SUFFIX}"
+
+
+def secret_manifest(
+    spec: JobSpec, job_id: str, *, namespace: str, flow_run_id: str | None
+) -> dict[str, Any] | None:
+    """The Secret with the job's secret env values, or None when it has none. The values never
+    go into the job object itself (etcd keeps it readable to anyone who may read that kind)."""
+    secrets = {k: v.get_secret_value() for k, v in spec.env.items() if isinstance(v, SecretStr)}
+    if not secrets:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": secret_name(job_id),
+            "namespace": namespace,
+            "labels": managed_labels(flow_run_id),
+        },
+        "type": "Opaque",
+        "stringData": secrets,
+    }
+
+
+def parse_time(value: Any) -> datetime | None:
+    """An API timestamp ("2026-11-21T16:00:00Z"), or None when absent or malformed."""
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+# -------------------------------------------------------------------------------------------
+# What a backend remembers in this process beyond what the API server keeps
+
+
+class JobMemory:
+    """Per (cluster, job id): whether we deleted the job to stop it (so it reads STOPPED once
+    it is gone, not "missing"), and the last log we read (still readable after teardown took
+    the pods or the Ray head away). One per job kind, shared by its backend instances."""
+
+    def __init__(self, max_logs: int = 256) -> None:
+        self._lock = threading.Lock()
+        self._deleted: set[tuple[str, str]] = set()
+        self._logs: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._max_logs = max_logs
+
+    def mark_deleted(self, key: tuple[str, str]) -> None:
+        """Remember that we deleted this job to stop it."""
+        with self._lock:
+            self._deleted.add(key)
+
+    def forget_deleted(self, key: tuple[str, str]) -> None:
+        """Forget it (the id is being submitted anew)."""
+        with self._lock:
+            self._deleted.discard(key)
+
+    def was_deleted(self, key: tuple[str, str]) -> bool:
+        """True when we deleted this job to stop it."""
+        with self._lock:
+            return key in self._deleted
+
+    def remember_log(self, key: tuple[str, str], text: str) -> str:
+        """Keep the longest log read so far; returns it."""
+        with self._lock:
+            if len(text) >= len(self._logs.get(key, "")):
+                self._logs[key] = text
+                self._logs.move_to_end(key)
+            while len(self._logs) > self._max_logs:
+                self._logs.popitem(last=False)
+            return self._logs.get(key, text)
+
+    def last_log(self, key: tuple[str, str]) -> str | None:
+        """The longest log read so far, or None."""
+        with self._lock:
+            return self._logs.get(key)

@@ -1,0 +1,137 @@
+"""`ServiceBackend`: the NeMo-Run backends on a service that names each job by our job id
+(Lepton, DGX Cloud): submit-or-attach across machines, the checks both make before anything is
+sent (secret env values, env sizes, the code's transport), and the code's env-var chunks.
+
+Nothing here imports Prefect.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Any, ClassVar
+
+from prefect_nemo.backends.nemo_run.base import NemoRunBackend
+from prefect_nemo.errors import InvalidJobSpec, JobAlreadyExists
+from prefect_nemo.jobs import JobHandle, JobSpec
+from prefect_nemo.packaging import TransportPlan, build_archive, plan_for
+from prefect_nemo.packaging.transport import Backend as Transport
+
+
+class ServiceBackend(NemoRunBackend):
+    """A NeMo-Run backend on a service that names each job by our job id (Lepton, DGX Cloud):
+    the executor's own ``launch()`` submits (not torchx), and a job is found again by its
+    name from any machine, so submit-or-attach holds across machines.
+
+    A subclass implements ``find_app`` (the service's job of that name), ``launch_app`` (create
+    it: `assigned_executor` and `add_code_env` prepare the executor) and ``env_refusal``, may
+    extend ``check_code``, and sets ``transport`` (`packaging.plan_for`), ``noun`` and
+    ``secret_env_fix``.
+    """
+
+    #: How the job's code travels to this service (env-var chunks within its limits).
+    transport: ClassVar[Transport]
+    #: What the service calls a job, in messages ("Lepton job").
+    noun: ClassVar[str]
+    #: How the block passes secret env values instead (the job would keep them in plain text).
+    secret_env_fix: ClassVar[str]
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config  # the block's settings (a frozen dataclass; see `config_from`)
+
+    def validate(self, spec: JobSpec) -> None:
+        """What the service or its pods would refuse, found before anything is sent."""
+        super().validate(spec)  # Ray-only fields; builds the executor
+        refuse_secret_env(spec, stored_in=f"the {self.noun}", fix=self.secret_env_fix)
+        for key, value in spec.plain_env().items():
+            why = self.env_refusal(key, value)
+            if why:
+                raise InvalidJobSpec(
+                    f"JobSpec.env['{key}'] is {len(value)} characters; {why}: ship large "
+                    "inputs through working_dir"
+                )
+        self.check_code(spec, code_plan(spec, self.transport))  # TransportTooLarge first
+
+    @abstractmethod
+    def env_refusal(self, key: str, value: str) -> str | None:
+        """Why the service would refuse this plain env value (None: it takes it)."""
+
+    def check_code(self, spec: JobSpec, plan: TransportPlan | None) -> None:
+        """Refuse a spec whose pod command, with the code's plan, the service would refuse."""
+
+    @abstractmethod
+    def find_app(self, job_id: str) -> str | None:
+        """The app handle of the service's job named job_id (any machine's), or None."""
+
+    @abstractmethod
+    def launch_app(self, spec: JobSpec, job_id: str) -> str | None:
+        """Create the job on the service: its app handle, or None when the service answers
+        that the name is taken (another machine won the race)."""
+
+    def submit(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> JobHandle:
+        """Launch job_id unless the service has it already: JobAlreadyExists then."""
+        meta = {**spec.metadata, **metadata}
+        self.claim(job_id, meta)  # this machine's submitters, one at a time
+        try:
+            found = self.find_app(job_id)  # any machine's
+            launched = None if found else self.launch_app(spec, job_id)
+            if not found and not launched:
+                found = self.find_app(job_id)
+        except BaseException:
+            self.release(job_id)
+            raise
+        app_handle = launched or found
+        if app_handle:
+            self.record(job_id, app_handle, meta)
+        if not launched:
+            raise JobAlreadyExists(f"{self.noun} '{job_id}' already exists")
+        return self.handle(job_id)
+
+    def add_code_env(self, spec: JobSpec, executor: Any) -> TransportPlan | None:
+        """Add the spec's plain env and the code's env-var chunks to the executor's env; the
+        code's plan (None: no working_dir), whose setup command unpacks it in the pod."""
+        plan = code_plan(spec, self.transport)
+        executor.env_vars = {**executor.env_vars, **spec.plain_env(), **(plan.env if plan else {})}
+        return plan
+
+
+def nodes_and_gpus(
+    spec: JobSpec, nodes: int, gpus_per_node: int, *, service: str, pick_nodes: str
+) -> tuple[int, int]:
+    """(nodes, GPUs per node) for a spec: its placement, else resources.gpus on the block's
+    nodes, else the block's own; node labels and fractions of a GPU are refused."""
+    if spec.placement is not None:
+        p = spec.placement
+        if p.node_labels or p.exclude_head:
+            raise InvalidJobSpec(
+                f"JobSpec.placement: node_labels and exclude_head have no {service} meaning: "
+                f"{pick_nodes}"
+            )
+        return p.nodes, p.gpus_per_node
+    gpus = spec.resources.gpus
+    if gpus is None:
+        return nodes, gpus_per_node
+    if gpus != int(gpus):
+        raise InvalidJobSpec(
+            f"JobSpec.resources.gpus={gpus}: {service} takes whole GPUs: set a whole number "
+            "(0 runs on CPU only)"
+        )
+    return nodes, int(gpus)
+
+
+def refuse_secret_env(spec: JobSpec, *, stored_in: str, fix: str) -> None:
+    """InvalidJobSpec naming the secret env values, which `stored_in` would keep in plain text."""
+    secret = sorted(k for k, v in spec.env.items() if not isinstance(v, str))
+    if secret:
+        raise InvalidJobSpec(
+            f"JobSpec.env {secret}: secret values would be stored in {stored_in} in plain "
+            f"text; {fix}"
+        )
+
+
+def code_plan(spec: JobSpec, transport: Transport) -> TransportPlan | None:
+    """How spec.working_dir travels in env-var chunks over `transport` (None: no code)."""
+    if spec.working_dir is None:
+        return None
+    archive = build_archive(spec.working_dir, exclude=spec.exclude)
+    return plan_for(transport, archive, name=spec.name or "job")

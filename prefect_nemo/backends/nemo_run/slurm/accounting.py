@@ -1,0 +1,212 @@
+"""What Slurm answers, read: the squeue/sacct rows of a poll, the state table, Slurm time
+formats, and sbatch's refusals mapped to the block field they are about. No SSH here: the
+executor runs the commands this module writes and hands it their output."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Collection
+from datetime import UTC, datetime
+from typing import Any
+
+from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec
+from prefect_nemo.jobs import JobState, JobStatus
+
+#: sacct/squeue state (first word) -> ours.
+SLURM_STATES = {
+    "PENDING": JobState.PENDING,
+    "CONFIGURING": JobState.PENDING,
+    "REQUEUED": JobState.PENDING,
+    "REQUEUE_FED": JobState.PENDING,
+    "REQUEUE_HOLD": JobState.PENDING,
+    "RESV_DEL_HOLD": JobState.PENDING,
+    "RUNNING": JobState.RUNNING,
+    "COMPLETING": JobState.RUNNING,
+    "RESIZING": JobState.RUNNING,
+    "SUSPENDED": JobState.RUNNING,
+    "STOPPED": JobState.RUNNING,
+    "SIGNALING": JobState.RUNNING,
+    "STAGE_OUT": JobState.RUNNING,
+    "COMPLETED": JobState.SUCCEEDED,
+    "CANCELLED": JobState.STOPPED,
+    "PREEMPTED": JobState.STOPPED,
+    "FAILED": JobState.FAILED,
+    "TIMEOUT": JobState.FAILED,
+    "NODE_FAIL": JobState.FAILED,
+    "OUT_OF_MEMORY": JobState.FAILED,
+    "BOOT_FAIL": JobState.FAILED,
+    "DEADLINE": JobState.FAILED,
+    "SPECIAL_EXIT": JobState.FAILED,
+    "REVOKED": JobState.FAILED,
+}
+#: The reason Slurm gives a job whose afterok dependency failed.
+NEVER_SATISFIED = "DependencyNeverSatisfied"
+# every sacct state: with -S alone sacct lists only jobs that became eligible (not one
+# cancelled while held or waiting on a dependency)
+ALL_STATES = "BF,CA,CD,DL,F,NF,OOM,PD,PR,R,RQ,RS,RV,S,TO"
+
+#: Words in sbatch's refusal -> the block field (under the block's name) it is about.
+SBATCH_FIELDS = {
+    "account": "account",
+    "partition": "partition",
+    "time limit": "time",
+    "qos": "qos",
+    "constraint": "constraint",
+    "feature": "constraint",
+    "gres": "gpus_per_node or additional_parameters",
+    "node count": "nodes (or JobSpec.placement.nodes)",
+    "node configuration": "nodes, gpus_per_node, cpus_per_task or mem (or the JobSpec's "
+    "placement / resources: more than the partition's nodes have)",
+    "generic resource": "gpus_per_node or additional_parameters['gres']",
+    "memory": "mem (or JobSpec.resources.memory_bytes)",
+}
+
+
+def sbatch_error(exc: Any, field: str) -> Exception:
+    """sbatch's refusal as InvalidJobSpec naming the block field it is about (else
+    BackendUnavailable with sbatch's message)."""
+    text = (exc.result.stderr or exc.result.stdout or "").strip()
+    reason = text.splitlines()[-1] if text else f"exit {exc.result.exited}"
+    lowered = reason.lower()
+    for needle, name in SBATCH_FIELDS.items():
+        if needle in lowered:
+            return InvalidJobSpec(
+                f"sbatch refused the job: {reason}. Check {field}.{name} (nothing was submitted)"
+            )
+    return BackendUnavailable(f"sbatch failed: {reason}")
+
+
+def slurm_seconds(text: str, field: str) -> int | None:
+    """Seconds in a Slurm time limit (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS);
+    None for no limit."""
+    text = text.strip()
+    if text.upper() in ("INFINITE", "UNLIMITED", "-1"):
+        return None
+    days, _, clock = text.rpartition("-")
+    try:
+        parts = [int(p) for p in clock.split(":")]
+        if days:
+            if len(parts) > 3:
+                raise ValueError(text)
+            hours, minutes, seconds = (*parts, 0, 0)[:3]
+            hours += int(days) * 24
+        elif len(parts) == 3:
+            hours, minutes, seconds = parts
+        elif len(parts) in (1, 2):
+            hours, minutes, seconds = 0, parts[0], (parts[1] if len(parts) == 2 else 0)
+        else:
+            raise ValueError(text)
+    except ValueError:
+        raise InvalidJobSpec(
+            f"{field}={text!r} is not a Slurm time: use minutes, HH:MM:SS or D-HH:MM:SS"
+        ) from None
+    return (hours * 60 + minutes) * 60 + seconds
+
+
+def _epoch(text: str) -> datetime | None:
+    return datetime.fromtimestamp(int(text), tz=UTC) if text.isdigit() and text != "0" else None
+
+
+def row_status(job_id: str, sid: str, row: dict[str, str]) -> JobStatus:
+    """Our status of job_id from its Slurm row (`parse_rows`), with a message that says why
+    a job that waits on or was cancelled for a dependency did not run."""
+    word = row["State"].split()[0] if row["State"] else "PENDING"
+    state = SLURM_STATES.get(word, JobState.PENDING)
+    reason = row.get("Reason", "")
+    message = f"{row['State']} (Slurm job {sid}" + (f", {reason})" if reason else ")")
+    started = _epoch(row.get("Start", ""))
+    if reason == NEVER_SATISFIED and not state.is_terminal():
+        message = (
+            f"Slurm job {sid} cannot run: a job it depends on (afterok) did not succeed ({reason})"
+        )
+    elif reason.startswith("Dependency") and state is JobState.STOPPED:
+        started = None  # sacct gives a job cancelled while pending the cancel time as Start
+        message = (
+            f"Slurm job {sid} never ran: it was cancelled while waiting for the jobs it depends "
+            "on (afterok); Slurm cancels it when one of them fails or is cancelled "
+            f"({row['State']}, {reason})"
+        )
+    exit_code = None
+    code = row.get("ExitCode", "")
+    if code and code.split(":")[0].isdigit() and state in (JobState.SUCCEEDED, JobState.FAILED):
+        exit_code = int(code.split(":")[0])
+    return JobStatus(
+        job_id=job_id,
+        state=state,
+        message=message,
+        start_time=started,
+        end_time=_epoch(row.get("End", "")) if state.is_terminal() else None,
+        exit_code=exit_code,
+        metadata={"slurm_job_id": sid},
+    )
+
+
+def status_command(slurm_ids: Collection[str]) -> str:
+    """One shell line for a poll: squeue (current, never lags a just-submitted job), '@@',
+    then sacct (exit code and end of jobs that left the queue), with epoch times."""
+    joined = ",".join(sorted(set(slurm_ids)))
+    return (
+        f"export SLURM_TIME_FORMAT=%s; squeue -h -t all -j {joined} -o '%i|%T|%r|%S' "
+        f"2>/dev/null; echo @@; sacct -n -X -P -j {joined} "
+        "-o JobID,State,ExitCode,Start,End,Reason 2>/dev/null"
+    )
+
+
+def parse_rows(output: str, slurm_ids: Collection[str]) -> dict[str, dict[str, str]]:
+    """The row of each Slurm id in `status_command`'s output: squeue's while the job is
+    queued or running, sacct's once it ended (sacct has the exit code and the end)."""
+    queue, _, acct = output.partition("@@")
+    rows: dict[str, dict[str, str]] = {}
+    for line in queue.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) == 4:
+            sid, state, reason, start = parts
+            if SLURM_STATES.get(state, JobState.PENDING).is_terminal():
+                # ended, but sacct (exit code, end time) has not caught up: still finishing
+                state = "COMPLETING" if start.isdigit() else "PENDING"
+            reason = "" if reason in ("None", "(null)") else reason
+            if SLURM_STATES.get(state) is not JobState.RUNNING:
+                start = ""  # a pending job's %S is Slurm's estimate, not a start
+            rows[sid] = {"State": state, "Reason": reason, "Start": start}
+    for line in acct.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) == 6 and parts[0] in slurm_ids:
+            sid, state, exit_code, start, end, reason = parts
+            live = rows.get(sid)
+            ended = SLURM_STATES.get(state.split()[0], JobState.PENDING).is_terminal()
+            if live is None or ended:  # squeue is current; sacct has the end
+                rows[sid] = {
+                    "State": state,
+                    "ExitCode": exit_code,
+                    "Start": start,
+                    "End": end,
+                    "Reason": reason
+                    if reason not in ("None", "")
+                    else (live or {}).get("Reason", ""),
+                }
+    return rows
+
+
+def sacct_id_command(job_id: str, job_dir: str) -> str:
+    """Shell printing the newest Slurm id of a job named job_id that sacct knows since the
+    job's claim (the time of `job_dir`/meta.json); nothing without a claim. Bounded by the
+    claim so that a job cancelled when an earlier claim was released is not taken for this one."""
+    q = shlex.quote
+    meta = q(f"{job_dir}/meta.json")
+    return (
+        f"{{ [ -f {meta} ] && sacct -n -X -P --name={q(job_id)} -o JobID "
+        f"-S $(date -d @$(stat -c %Y {meta}) +%Y-%m-%dT%H:%M:%S) -E now -s {ALL_STATES} "
+        "2>/dev/null | tail -1; }"
+    )
+
+
+def id_lookup_command(job_id: str, job_dir: str) -> str:
+    """Shell printing '<job id> <Slurm id>': the id in `job_dir`/slurm_job_id, else Slurm's by
+    name (a submitter that died between sbatch and writing it): squeue while queued or
+    running, sacct once the job has left the queue."""
+    q = shlex.quote
+    return (
+        f"s=$(cat {q(job_dir)}/slurm_job_id 2>/dev/null); "
+        f'[ -n "$s" ] || s=$(squeue -h --name={q(job_id)} -o %i | head -1); '
+        f'[ -n "$s" ] || s=$({sacct_id_command(job_id, job_dir)}); echo {q(job_id)} "$s"'
+    )

@@ -1,0 +1,518 @@
+"""`SlurmBackend`: Slurm through NeMo-Run's SlurmExecutor, with native afterok dependencies.
+
+Submission is NeMo-Run's: the executor writes the sbatch script and packages the code, its
+torchx scheduler runs ``sbatch`` through the tunnel. Around it this backend adds what NeMo-Run
+lacks: an SSH connection that never prompts or exits (key only, host key checked when
+`known_hosts` is given), the job dir shipped over SFTP (no rsync, no key file on disk), a
+race-safe claim of the job id on the cluster, secret env values in a 0600 file that the
+batch script sources and deletes, batched status (one ``squeue`` + ``sacct`` per poll for all
+jobs), and ``sbatch --dependency=afterok:`` for upstream jobs on the same cluster.
+
+Remote layout under `job_dir` (the block's remote job dir)::
+
+    prefect-nemo/prefect-nemo_<job id>/        claimed with mkdir (atomic): the job exists
+        meta.json, slurm_job_id                 what we submitted, Slurm's id for it
+        <job id>_sbatch.sh, <job id>/code, <job id>/log-<job id>_<slurm id>_0.out
+        .secret-env                             0600; deleted by the job once sourced
+                                                (so a job Slurm requeues after it started,
+                                                e.g. on a node failure, runs without it)
+    prefect-nemo/experiments/<experiment>/<job id>   index for cross-experiment afterok
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import io
+import json
+import re
+import shlex
+import shutil
+import tarfile
+import threading
+from collections.abc import AsyncGenerator, Collection, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from prefect_nemo import names
+from prefect_nemo.backends.nemo_run.base import (
+    EXPERIMENT_TITLE,
+    STALE_CLAIM_S,
+    NemoRunBackend,
+    experiment_id,
+    plain_env,
+    poll_logs,
+    secret_env,
+)
+from prefect_nemo.backends.nemo_run.isolation import nemo_run
+from prefect_nemo.backends.nemo_run.slurm.accounting import (
+    id_lookup_command,
+    parse_rows,
+    row_status,
+    sacct_id_command,
+    sbatch_error,
+    slurm_seconds,
+    status_command,
+)
+from prefect_nemo.backends.nemo_run.slurm.ssh import SafeSSH
+from prefect_nemo.errors import (
+    BackendUnavailable,
+    DependencyFailed,
+    InvalidJobSpec,
+    JobAlreadyExists,
+)
+from prefect_nemo.jobs import META_EXPERIMENT, JobHandle, JobSpec, JobState, JobStatus
+from prefect_nemo.packaging import build_archive, plan_for
+from prefect_nemo.placement.errors import PlacementError
+from prefect_nemo.placement.spec import to_slurm
+
+#: The file (in the job's remote dir, 0600) the batch script sources the secret env from.
+SECRET_ENV_FILE = ".secret-env"
+#: NeMo-Run's torchx scheduler name for Slurm over SSH (the app handles' scheme).
+SCHEDULER = "slurm_tunnel"
+_SSH_SETTINGS = inspect.signature(SafeSSH).parameters  # the config fields SafeSSH takes
+_ATTEMPT = re.compile(r"(.+)-r(\d+)")
+
+# job id -> Slurm job id, per cluster, for every backend object in this process
+_slurm_ids: dict[str, dict[str, str]] = {}
+_cleaned: set[tuple[str, str]] = set()  # (cluster, job id) whose secret file we removed
+_ids_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class SlurmConfig:
+    """What the SlurmCluster block hands the backend (its field names; the key text in memory
+    only). `field_prefix` names the block in error messages."""
+
+    host: str
+    user: str
+    job_dir: str
+    account: str
+    port: int = 22
+    identity: str | None = None
+    identity_key: str | None = field(default=None, repr=False)
+    known_hosts: str | None = None
+    partition: str | None = None
+    time: str = "01:00:00"
+    nodes: int = 1
+    ntasks_per_node: int = 1
+    gpus_per_node: int | None = None
+    cpus_per_task: int | None = None
+    mem: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    container_image: str | None = None
+    container_mounts: list[str] = field(default_factory=list)
+    additional_parameters: dict[str, Any] = field(default_factory=dict)
+    setup_lines: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    connect_timeout_s: float = 30.0
+    command_timeout_s: float = 120.0
+    field_prefix: str = "SlurmCluster"
+
+
+class SlurmBackend(NemoRunBackend):
+    """Jobs on a Slurm cluster reached over SSH, submitted by NeMo-Run's SlurmExecutor."""
+
+    kind: ClassVar[str] = "slurm"
+    max_job_id_len: ClassVar[int] = names.MAX_LABEL
+
+    def __init__(self, config: SlurmConfig, *, upstream: Sequence[JobHandle] = ()) -> None:
+        super().__init__()
+        self.config = config
+        self.job_dir = config.job_dir.rstrip("/") or "/"
+        self._ssh = SafeSSH.shared(
+            **{k: v for k, v in dataclasses.asdict(config).items() if k in _SSH_SETTINGS}
+        )
+        self._field = config.field_prefix
+        self._upstream = tuple(upstream)
+
+    # -- identity
+
+    @property
+    def address(self) -> str:
+        """The Slurm cluster as SSH sees it: user@host:port (native dependencies need the same)."""
+        return f"{self.config.user}@{self.config.host}:{self.config.port}"
+
+    @property
+    def cluster(self) -> str:
+        """The cluster and the remote job dir (job ids are claimed in that dir)."""
+        return f"slurm://{self.address}{self.job_dir}"
+
+    @property
+    def secrets(self) -> list[str]:
+        """The SSH key text, when the block holds it."""
+        return self._ssh.secrets
+
+    def links(self, job_id: str) -> dict[str, str]:
+        """Where the job's files and logs are on the cluster."""
+        return {"job_dir": f"ssh://{self.address}{self.remote_dir(job_id)}/{job_id}"}
+
+    def remote_root(self) -> str:
+        """Our directory under the remote job dir."""
+        return f"{self.job_dir}/{EXPERIMENT_TITLE}"
+
+    def remote_dir(self, job_id: str) -> str:
+        """The job's directory on the cluster (NeMo-Run's tunnel job dir)."""
+        return f"{self.remote_root()}/{experiment_id(job_id)}"
+
+    # -- dependencies
+
+    def depends_natively_on(self, handle: JobHandle) -> bool:
+        """True for a job on this same Slurm cluster and job dir: afterok can name it (its
+        Slurm id is found in this job dir)."""
+        return handle.backend == self.kind and handle.cluster == self.cluster
+
+    def after(self, upstream: Sequence[JobHandle]) -> SlurmBackend:
+        """This backend, whose next submissions wait natively (afterok) for `upstream`."""
+        return type(self)(self.config, upstream=[*self._upstream, *upstream])
+
+    def experiment_jobs(self, experiment: str) -> list[JobHandle]:
+        """Handles of the jobs experiment `experiment` submitted to this cluster (remote index)."""
+        index = self._experiment_index(experiment)
+        out = self.run(f"ls -1 {shlex.quote(index)} 2>/dev/null || true").stdout.split()
+        latest: dict[str, tuple[int, str]] = {}  # a retry (-r<n>) supersedes earlier attempts
+        for job_id in out:
+            match = _ATTEMPT.fullmatch(job_id)
+            base, attempt = (match[1], int(match[2])) if match else (job_id, 0)
+            if attempt >= latest.get(base, (-1, ""))[0]:
+                latest[base] = (attempt, job_id)
+        return [self.handle(job_id) for _, job_id in sorted(latest.values(), key=lambda x: x[1])]
+
+    def _experiment_index(self, experiment: str) -> str:
+        label = names.dns_label(experiment, 40)
+        return f"{self.remote_root()}/experiments/{label}-{names.stable_hash(experiment)}"
+
+    def _dependency_ids(self) -> list[str]:
+        """Slurm ids to wait for; DependencyFailed now if an upstream job already failed."""
+        if not self._upstream:
+            return []
+        for handle in self._upstream:
+            if not self.depends_natively_on(handle):
+                raise InvalidJobSpec(
+                    f"upstream job '{handle.job_id}' is on {handle.cluster}, not on this Slurm "
+                    f"cluster and job dir ({self.cluster}): wait for it in Prefect instead"
+                )
+        ids = [h.job_id for h in self._upstream]
+        statuses = self.statuses(ids)
+        waiting = []
+        for job_id in ids:
+            status = statuses.get(job_id)
+            if status is None:
+                raise DependencyFailed(
+                    f"upstream job '{job_id}' is not on {self.address} (no such job in "
+                    f"{self.remote_root()}): submit it first"
+                )
+            if status.state in (JobState.FAILED, JobState.STOPPED):
+                raise DependencyFailed(
+                    f"upstream job '{job_id}' ended {status.state.value}"
+                    + (f" ({status.message})" if status.message else "")
+                    + ": nothing was submitted. Re-run the upstream job first."
+                )
+            if status.state is not JobState.SUCCEEDED:
+                waiting.append(self._slurm_id(job_id))
+        return [sid for sid in waiting if sid]
+
+    # -- SSH
+
+    def run(self, command: str, *, warn: bool = False) -> Any:
+        """Run a shell command on the login node (our connection; never prompts)."""
+        return self._ssh.run(command, warn=warn)
+
+    def check_access(self) -> None:
+        """Connect and authenticate now, and check that sbatch is on the login node's PATH."""
+        result = self.run("command -v sbatch sacct squeue scancel", warn=True)
+        if len(result.stdout.split()) < 4:
+            raise BackendUnavailable(
+                f"{self.address}: sbatch, sacct, squeue and scancel must be on the PATH of "
+                f"{self.config.user}'s login shell (found: {result.stdout.split() or 'none'})"
+            )
+
+    # -- executor
+
+    def validate(self, spec: JobSpec) -> None:
+        """What sbatch would refuse, before anything is sent."""
+        res = spec.resources
+        if res.custom:
+            raise InvalidJobSpec(
+                "JobSpec.resources.custom: Slurm has no custom resources: request GRES with "
+                f"{self._field}.additional_parameters={{'gres': 'name:count'}}"
+            )
+        if res.gpus is not None and res.gpus != int(res.gpus):
+            raise InvalidJobSpec(
+                f"JobSpec.resources.gpus={res.gpus}: Slurm allocates whole GPUs: use an integer"
+            )
+        time = self.config.time
+        limit = slurm_seconds(time, f"{self._field}.time")
+        if spec.timeout_s is not None and limit is not None and spec.timeout_s > limit:
+            raise InvalidJobSpec(
+                f"JobSpec.timeout_s={spec.timeout_s:g} exceeds {self._field}.time={time} "
+                f"(sbatch --time, {limit}s): raise {self._field}.time or lower timeout_s"
+            )
+        super().validate(spec)
+
+    def submit(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> JobHandle:
+        """NeMo-Run's launch; sbatch refusing the job is an error naming the block field."""
+        from invoke.exceptions import UnexpectedExit
+
+        try:
+            return super().submit(spec, job_id, metadata)
+        except UnexpectedExit as exc:
+            raise sbatch_error(exc, self._field) from None
+
+    def make_executor(self, spec: JobSpec, job_id: str) -> Any:
+        """NeMo-Run's SlurmExecutor for spec: placement/resources over the block's defaults,
+        plain env in the script, secret env sourced from a 0600 file, code via our archive."""
+        run = nemo_run()
+        alloc: dict[str, Any] = {
+            "nodes": self.config.nodes,
+            "gpus_per_node": self.config.gpus_per_node,
+            "cpus_per_task": self.config.cpus_per_task,
+            "constraint": self.config.constraint,
+            "mem": self.config.mem,
+        }
+        if spec.placement is not None:
+            try:
+                alloc.update(to_slurm(spec.placement))
+            except PlacementError as exc:
+                raise InvalidJobSpec(f"JobSpec.placement: {exc}") from None
+        res = spec.resources
+        if res.gpus is not None:
+            alloc["gpus_per_node"] = int(res.gpus)
+        if res.cpus is not None:
+            alloc["cpus_per_task"] = max(1, round(res.cpus))
+        if res.memory_bytes is not None:
+            alloc["mem"] = f"{max(1, -(-res.memory_bytes // (1024 * 1024)))}M"
+        if not alloc.get("gpus_per_node"):
+            alloc["gpus_per_node"] = None  # 0 means CPU-only: ask for no GPUs at all
+        extra = dict(self.config.additional_parameters)
+        deps = self._dependency_ids() if job_id != "validate" else []
+        if deps:
+            extra["kill_on_invalid_dep"] = "yes"  # a failed upstream cancels us, not a hang
+        executor = run.SlurmExecutor(
+            account=self.config.account,
+            partition=self.config.partition,
+            time=self.config.time,
+            ntasks_per_node=self.config.ntasks_per_node,
+            qos=self.config.qos,
+            container_image=self.config.container_image,
+            container_mounts=list(self.config.container_mounts),
+            additional_parameters=extra or None,
+            setup_lines=self._setup_lines(spec, job_id),
+            tunnel=self._ssh.tunnel(self.job_dir),
+            packager=run.Packager(),
+            dependencies=[f"{SCHEDULER}://nemo_run/{sid}" for sid in deps],
+            dependency_type="afterok",
+            poll_estimated_start_time=False,
+            env_vars=dict(self.config.env),
+            **{k: v for k, v in alloc.items() if v is not None},
+        )
+        from nemo_run.core.execution.slurm import SlurmJobDetails
+
+        executor.job_details = SlurmJobDetails(job_name=job_id)
+        return executor
+
+    def make_task(self, spec: JobSpec, job_id: str) -> Any:
+        """The entrypoint as an inline script; env goes through setup_lines (quoted, case kept)."""
+        return nemo_run().Script(inline=spec.entrypoint)
+
+    def _setup_lines(self, spec: JobSpec, job_id: str) -> str:
+        # NeMo-Run writes `export KEY.upper()=value` unquoted; we write the env ourselves.
+        lines = [self.config.setup_lines] if self.config.setup_lines else []
+        lines += [f"export {k}={shlex.quote(v)}" for k, v in plain_env(spec).items()]
+        if secret_env(spec):
+            path = shlex.quote(f"{self.remote_dir(job_id)}/{SECRET_ENV_FILE}")
+            # the script runs with `set -vx`: silence it so no secret is echoed to the log
+            lines += [
+                "{ set +vx; } 2>/dev/null",
+                f"if [ -f {path} ]; then set -a; . {path}; set +a; rm -f {path}; fi",
+                "set -x",
+            ]
+        return "\n".join(lines)
+
+    # -- the job registry on the cluster
+
+    def claim(self, job_id: str, metadata: dict[str, str]) -> None:
+        """mkdir the job's remote dir (atomic) or raise JobAlreadyExists; a claim left by a
+        submitter that died before sbatch is taken over after STALE_CLAIM_S."""
+        d = shlex.quote(self.remote_dir(job_id))
+        meta = shlex.quote(json.dumps(metadata, sort_keys=True))
+        write = f"printf %s {meta} > {d}/meta.json && echo CLAIMED"
+        # no id file, old, not queued: stale unless sacct knows a job submitted under this
+        # claim (the submitter died before writing its id): then the job exists; keep its id
+        script = (
+            f"mkdir -p {shlex.quote(self.remote_root())} || exit 3; "
+            f"if mkdir -m 700 {d} 2>/dev/null; then {write}; exit 0; fi; "
+            f"if [ ! -s {d}/slurm_job_id ] "
+            f"&& [ $(( $(date +%s) - $(stat -c %Y {d}) )) -gt {int(STALE_CLAIM_S)} ] "
+            f'&& [ -z "$(squeue -h --name={shlex.quote(job_id)} -o %i)" ]; then '
+            f"s=$({sacct_id_command(job_id, self.remote_dir(job_id))}); "
+            f'if [ -z "$s" ]; then rm -rf {d} && mkdir -m 700 {d} && {write}; exit 0; fi; '
+            f'printf %s "$s" > {d}/slurm_job_id; fi; echo EXISTS'
+        )
+        out = self.run(script).stdout.strip()
+        if out.endswith("EXISTS"):
+            raise JobAlreadyExists(f"Slurm job '{job_id}' already exists on {self.address}")
+        if not out.endswith("CLAIMED"):
+            raise BackendUnavailable(f"could not claim {self.remote_dir(job_id)}: {out[-200:]}")
+
+    def release(self, job_id: str) -> None:
+        """Remove the claim of a launch that failed or was interrupted. sbatch may have taken
+        the job already (a cancel or an SSH timeout mid-launch): scancel it by name first (the
+        Slurm job name is our job id), so no job is left queued on a removed dir."""
+        q = shlex.quote
+        try:
+            self.run(
+                f'scancel -u "$(id -un)" --name={q(job_id)} 2>/dev/null; '
+                f"rm -rf {q(self.remote_dir(job_id))}",
+                warn=True,
+            )
+        except Exception:  # the original error matters more; a stale claim expires
+            pass
+
+    def before_launch(self, spec: JobSpec, job_id: str, executor: Any) -> None:
+        """The native code transport: our archive of working_dir unpacked into the job's
+        `code` dir (srun's --chdir), which ships with the job dir. NeMo-Run's own packaging
+        step is marked done: it shells out through invoke, which reads this process's stdin."""
+        from nemo_run.core.execution.slurm import get_packaging_job_key
+        from nemo_run.core.tunnel.client import PackagingJob
+
+        code = Path(executor.job_dir) / "code"
+        code.mkdir(parents=True, exist_ok=True)
+        if spec.working_dir is not None:
+            archive = build_archive(spec.working_dir, exclude=spec.exclude)
+            plan_for("slurm", archive, name=job_id)  # the native plan: checks a size cap if set
+            with tarfile.open(fileobj=io.BytesIO(archive.data), mode="r:gz") as tar:
+                tar.extractall(code, filter="data")
+        key = get_packaging_job_key(executor.experiment_id, job_id)
+        executor.tunnel.packaging_jobs[key] = PackagingJob(symlink=False)
+
+    def before_schedule(self, spec: JobSpec, job_id: str, executor: Any, dryrun_info: Any) -> None:
+        """Ship the local job dir (script, code) over SFTP, and the secret env file (0600)."""
+        local = Path(executor.experiment_dir)
+        remote = self.remote_dir(job_id)
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+            for path in sorted(local.iterdir()):
+                tar.add(path, arcname=path.name)
+        buf.seek(0)
+        upload = f"{remote}/.upload.tgz"
+        self._ssh.put(buf, upload)
+        secrets = secret_env(spec)
+        if secrets:
+            body = "".join(f"{k}={shlex.quote(v)}\n" for k, v in secrets.items())
+            self._ssh.put_private(body.encode(), f"{remote}/{SECRET_ENV_FILE}")
+        q = shlex.quote
+        self.run(f"tar -xzf {q(upload)} -C {q(remote)} && rm -f {q(upload)}")
+
+    def after_schedule(self, spec: JobSpec, job_id: str, app_handle: str) -> None:
+        """The local copy of the job dir served its purpose (the cluster has it): drop it."""
+        shutil.rmtree(self.local_experiment_dir(job_id), ignore_errors=True)
+
+    def record(self, job_id: str, app_handle: str, metadata: dict[str, str]) -> None:
+        """Write Slurm's id beside the claim, and index the job under its experiment."""
+        sid = app_handle.rsplit("/", 1)[-1]
+        with _ids_lock:
+            _slurm_ids.setdefault(self.cluster, {})[job_id] = sid
+        q = shlex.quote
+        commands = [f"printf %s {q(sid)} > {q(self.remote_dir(job_id))}/slurm_job_id"]
+        experiment = metadata.get(META_EXPERIMENT)
+        if experiment:
+            index = self._experiment_index(experiment)
+            commands.append(f"mkdir -p {q(index)} && printf %s {q(sid)} > {q(index)}/{q(job_id)}")
+        self.run(" && ".join(commands))
+
+    def _slurm_id(self, job_id: str) -> str | None:
+        with _ids_lock:
+            return _slurm_ids.get(self.cluster, {}).get(job_id)
+
+    def _lookup(self, job_ids: Collection[str]) -> None:
+        """Fill the id cache for jobs submitted elsewhere (another process or a crashed run)."""
+        unknown = [j for j in job_ids if self._slurm_id(j) is None]
+        if not unknown:
+            return
+        reads = "; ".join(id_lookup_command(j, self.remote_dir(j)) for j in unknown)
+        found: dict[str, str] = {}
+        for line in self.run(reads).stdout.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[1].isdigit():
+                found[parts[0]] = parts[1]
+        with _ids_lock:
+            _slurm_ids.setdefault(self.cluster, {}).update(found)
+
+    def app_handle(self, job_id: str) -> str | None:
+        """slurm_tunnel://nemo_run/<slurm id>, or None if no such job."""
+        self._lookup([job_id])
+        sid = self._slurm_id(job_id)
+        return f"{SCHEDULER}://nemo_run/{sid}" if sid else None
+
+    def job_metadata(self, job_id: str) -> dict[str, str]:
+        """The metadata written with the claim."""
+        out = self.run(f"cat {shlex.quote(self.remote_dir(job_id))}/meta.json", warn=True)
+        try:
+            return dict(json.loads(out.stdout or "{}"))
+        except ValueError:
+            return {}
+
+    # -- status, stop, logs
+
+    def statuses(self, job_ids: Collection[str]) -> dict[str, JobStatus]:
+        """One squeue + sacct round trip for all the jobs (sacct may lag a just-submitted job;
+        squeue never does)."""
+        self._lookup(job_ids)
+        ids = {j: sid for j in job_ids if (sid := self._slurm_id(j))}
+        if not ids:
+            return {}
+        output = self.run(status_command(ids.values()), warn=True).stdout
+        rows = parse_rows(output, set(ids.values()))
+        out = {
+            job_id: row_status(job_id, sid, rows[sid]) for job_id, sid in ids.items() if sid in rows
+        }
+        self._clean_secrets([j for j, s in out.items() if s.state.is_terminal()])
+        return out
+
+    def _clean_secrets(self, ended: list[str]) -> None:
+        """Delete the secret env file of jobs that ended without running (cancelled while
+        pending, or never satisfied): the job deletes it itself once it starts."""
+        with _ids_lock:
+            todo = [j for j in ended if (self.cluster, j) not in _cleaned]
+            _cleaned.update((self.cluster, j) for j in todo)
+        if todo:
+            files = " ".join(shlex.quote(f"{self.remote_dir(j)}/{SECRET_ENV_FILE}") for j in todo)
+            self.run(f"rm -f {files}", warn=True)
+
+    def request_stop(self, job_id: str) -> None:
+        """scancel the job (pending or running); its secret file goes with it."""
+        sid = self._slurm_id(job_id) or (self._lookup([job_id]) or self._slurm_id(job_id))
+        if sid:
+            secret = shlex.quote(f"{self.remote_dir(job_id)}/{SECRET_ENV_FILE}")
+            self.run(f"scancel {sid}; rm -f {secret}", warn=True)
+
+    def logs(self, job_id: str) -> str:
+        """The job's output (its srun log; the batch log when srun never started)."""
+        return self._log_from(job_id, 0)
+
+    def _log_from(self, job_id: str, offset: int) -> str:
+        """The job's output from byte `offset` on (only the new part crosses the network)."""
+        sid = self._slurm_id(job_id) or (self._lookup([job_id]) or self._slurm_id(job_id))
+        if not sid:
+            return ""
+        d = shlex.quote(f"{self.remote_dir(job_id)}/{job_id}")
+        j = shlex.quote(job_id)
+        command = (
+            f"{{ ls {d}/log-{j}_{sid}_*.out >/dev/null 2>&1 && cat {d}/log-{j}_{sid}_*.out "
+            f"|| cat {d}/sbatch_{j}_{sid}.out 2>/dev/null; }} | tail -c +{offset + 1}; true"
+        )
+        return self.run(command, warn=True).stdout
+
+    def close(self) -> None:
+        """Nothing to stop: this backend starts no threads. The SSH connection is not closed
+        here: `SafeSSH.shared` gives every backend of these settings in the process one
+        connection on purpose (a block builds a backend per task); it is closed at
+        interpreter exit (`ssh.close_all`)."""
+
+    def tail_logs(self, job_id: str) -> AsyncGenerator[str, None]:
+        """The log from its start, then each second what was appended (read from the last
+        byte offset, so a long training log is not re-read), until the job ends."""
+        return poll_logs(self, job_id, self._log_from)

@@ -1,0 +1,262 @@
+"""`SafeSSH`: the SSH connection to a Slurm login node that never prompts or exits.
+
+Key only (a missing, unreadable or rejected key is AuthenticationFailed naming the block field,
+never a password prompt or ``sys.exit``), host key checked against the block's `known_hosts`
+when given, SFTP instead of rsync (so no key file is ever written), and a NeMo-Run SSHTunnel
+whose own authentication is replaced by ours. One connection per settings in the process
+(`SafeSSH.shared`); every pooled connection is closed at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import io
+import threading
+from pathlib import Path
+from typing import Any
+
+from prefect_nemo import names
+from prefect_nemo.backends.nemo_run.isolation import nemo_run
+from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable
+
+_ssh_pool: dict[str, SafeSSH] = {}
+_ssh_lock = threading.Lock()
+
+
+class SafeSSH:
+    """One SSH connection per login node and settings, key only: a missing, unreadable or
+    rejected key is AuthenticationFailed naming the block field, never a prompt or sys.exit.
+
+    The key text (when the block holds the key itself) stays in memory: paramiko loads it
+    from a string, and SFTP replaces rsync, so no key file is ever written.
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        user: str,
+        identity: str | None,
+        identity_key: str | None,
+        known_hosts: str | None,
+        connect_timeout_s: float,
+        command_timeout_s: float,
+        field_prefix: str,
+    ) -> None:
+        self.host, self.port, self.user = host, port, user
+        self._identity, self._key_text, self._known_hosts = identity, identity_key, known_hosts
+        self._connect_timeout_s, self._command_timeout_s = connect_timeout_s, command_timeout_s
+        self._field = field_prefix
+        self._lock = threading.Lock()
+        self._sftp_lock = threading.Lock()
+        self._session: Any = None
+        self._tunnels: list[Any] = []
+
+    @classmethod
+    def shared(cls, **kwargs: Any) -> SafeSSH:
+        """The process-wide connection for these settings (a block builds a backend per task;
+        they share one SSH connection). Keyed by a hash of the key, never the key itself."""
+        key = names.stable_hash(
+            *(f"{k}={kwargs[k]}" for k in sorted(kwargs) if k != "identity_key"),
+            kwargs.get("identity_key") or "",
+            length=32,
+        )
+        with _ssh_lock:
+            ssh = _ssh_pool.get(key)
+            if ssh is None:
+                ssh = _ssh_pool[key] = cls(**kwargs)
+            return ssh
+
+    @property
+    def secrets(self) -> list[str]:
+        """The key text and each of its lines (a log may show one line of it)."""
+        if not self._key_text:
+            return []
+        lines = [ln.strip() for ln in self._key_text.splitlines() if len(ln.strip()) > 16]
+        return [self._key_text, self._key_text.strip(), *lines]
+
+    def _pkey(self) -> Any:
+        import paramiko
+
+        where = f"{self._field}.identity_key" if self._key_text else f"{self._field}.identity"
+        text = self._key_text
+        if text is None:
+            if not self._identity:
+                raise AuthenticationFailed(
+                    f"{self._field}: no SSH key: set identity (a private key file on this "
+                    "machine) or identity_key (the key itself, kept as a secret)"
+                )
+            try:
+                text = Path(self._identity).expanduser().read_text()
+            except OSError as exc:
+                raise AuthenticationFailed(
+                    f"{where}={self._identity!r} cannot be read ({exc.strerror or exc}): point it "
+                    f"at the private key authorized for {self.user}@{self.host}"
+                ) from None
+        for cls in (paramiko.Ed25519Key, paramiko.ECDSAKey, paramiko.RSAKey):
+            try:
+                return cls.from_private_key(io.StringIO(text))
+            except paramiko.PasswordRequiredException:
+                raise AuthenticationFailed(
+                    f"{where}: the key is encrypted with a passphrase and prefect-nemo never "
+                    "prompts: use a key without a passphrase for this cluster"
+                ) from None
+            except (paramiko.SSHException, ValueError):
+                continue
+        raise AuthenticationFailed(
+            f"{where}: not a private key paramiko can read (OpenSSH ed25519, ECDSA or RSA "
+            "expected): check you gave the private key, not the .pub file"
+        )
+
+    def _open(self) -> Any:
+        import paramiko
+        from fabric import Config, Connection
+
+        conn = Connection(
+            self.host,
+            user=self.user,
+            port=self.port,
+            connect_timeout=self._connect_timeout_s,
+            connect_kwargs={
+                "pkey": self._pkey(),
+                "look_for_keys": False,
+                "allow_agent": False,
+                "auth_timeout": self._connect_timeout_s,
+                "banner_timeout": self._connect_timeout_s,
+            },
+            config=Config(overrides={"run": {"in_stream": False}}),
+        )
+        if self._known_hosts is not None:
+            keys = conn.client.get_host_keys()
+            for line in self._known_hosts.splitlines():
+                entry = paramiko.hostkeys.HostKeyEntry.from_line(line)
+                if entry is not None and entry.key is not None:
+                    for name in entry.hostnames:
+                        keys.add(name, entry.key.get_name(), entry.key)
+            conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        else:  # as ssh does: a host listed in ~/.ssh/known_hosts must match (fabric skips it)
+            with contextlib.suppress(OSError):
+                conn.client.load_system_host_keys()
+        target = f"{self.user}@{self.host}:{self.port}"
+        try:
+            conn.open()
+        except paramiko.BadHostKeyException:
+            raise AuthenticationFailed(
+                f"{target} presented a host key that differs from "
+                f"{self._field + '.known_hosts' if self._known_hosts else '~/.ssh/known_hosts'}: "
+                "the host changed or someone is in between; check it and update known_hosts"
+            ) from None
+        except paramiko.AuthenticationException:
+            raise AuthenticationFailed(
+                f"{target} rejected the SSH key in {self._field}."
+                f"{'identity_key' if self._key_text else 'identity'}: add its public key to "
+                f"~{self.user}/.ssh/authorized_keys on the login node"
+            ) from None
+        except paramiko.SSHException as exc:
+            if "known_hosts" in str(exc) or "not found in" in str(exc):
+                raise AuthenticationFailed(
+                    f"{target} is not in {self._field}.known_hosts: add its line (ssh-keyscan "
+                    f"-p {self.port} {self.host} prints it)"
+                ) from None
+            raise BackendUnavailable(f"SSH to {target} failed: {exc}") from None
+        except (TimeoutError, OSError, EOFError) as exc:
+            raise BackendUnavailable(
+                f"cannot reach {target} over SSH ({type(exc).__name__}: {exc}): check "
+                f"{self._field}.host and port and that the login node is up"
+            ) from None
+        transport = conn.client.get_transport()
+        if transport is not None:
+            transport.set_keepalive(30)  # long waits: keep NATs and firewalls from dropping us
+        return conn
+
+    def session(self) -> Any:
+        """The open fabric Connection (reopened if it dropped)."""
+        with self._lock:
+            if self._session is None or not self._session.is_connected:
+                if self._session is not None:
+                    with contextlib.suppress(Exception):  # free its socket and threads
+                        self._session.close()
+                self._session = self._open()
+                for tunnel in self._tunnels:
+                    tunnel.session = self._session
+            return self._session
+
+    def tunnel(self, job_dir: str) -> Any:
+        """A NeMo-Run SSHTunnel on our connection, whose own authentication (prompt, then
+        sys.exit) is replaced on this instance by ours."""
+        run = nemo_run()
+        tunnel = run.SSHTunnel(host=self.host, user=self.user, port=self.port, job_dir=job_dir)
+
+        def authenticate() -> None:
+            tunnel.session = self.session()
+
+        tunnel._authenticate = authenticate  # instance attribute: SSHTunnel stays SSHTunnel
+        with self._lock:
+            self._tunnels = [*self._tunnels[-15:], tunnel]
+        return tunnel
+
+    def run(self, command: str, *, warn: bool = False) -> Any:
+        """Run a command on the login node; BackendUnavailable on transport trouble."""
+        from invoke.exceptions import CommandTimedOut, UnexpectedExit
+
+        session = self.session()
+        try:
+            return session.run(command, hide=True, warn=warn, timeout=self._command_timeout_s)
+        except UnexpectedExit as exc:
+            result = exc.result
+            raise BackendUnavailable(
+                f"command on {self.user}@{self.host} failed (exit {result.exited}): "
+                f"{(result.stderr or result.stdout).strip()[-300:]}"
+            ) from None
+        except CommandTimedOut:
+            raise BackendUnavailable(
+                f"command on {self.user}@{self.host} took over {self._command_timeout_s:g}s"
+            ) from None
+        except (OSError, EOFError) as exc:
+            with self._lock:
+                if self._session is session:  # another thread may have reopened already
+                    self._session = None
+            with contextlib.suppress(Exception):  # free its socket and transport thread
+                session.close()
+            raise BackendUnavailable(f"SSH to {self.user}@{self.host} broke: {exc}") from None
+
+    def put(self, data: io.BytesIO, remote: str) -> None:
+        """Upload bytes to a remote path over SFTP."""
+        session = self.session()
+        try:
+            with self._sftp_lock:  # one SFTP channel per connection, shared by threads
+                session.put(data, remote)
+        except (OSError, EOFError) as exc:
+            raise BackendUnavailable(f"SFTP upload to {self.host}:{remote} failed: {exc}") from None
+
+    def put_private(self, data: bytes, remote: str) -> None:
+        """Upload bytes to a new remote file that is 0600 before anything is written to it."""
+        session = self.session()
+        try:
+            with self._sftp_lock:
+                sftp = session.sftp()
+                with sftp.open(remote, "wx") as handle:
+                    sftp.chmod(remote, 0o600)
+                    handle.write(data)
+        except (OSError, EOFError) as exc:
+            raise BackendUnavailable(f"SFTP upload to {self.host}:{remote} failed: {exc}") from None
+
+    def close(self) -> None:
+        """Close the connection (its socket, SFTP channel and paramiko's transport thread);
+        idempotent. A later call reconnects: the connection is shared, so a user may come late."""
+        with self._lock:
+            session, self._session = self._session, None
+        if session is not None:
+            with contextlib.suppress(Exception):
+                session.close()
+
+
+@atexit.register
+def close_all() -> None:
+    """Close every pooled connection (at interpreter exit: the owner of the shared ones)."""
+    with _ssh_lock:
+        pool = list(_ssh_pool.values())
+    for ssh in pool:
+        ssh.close()

@@ -1,0 +1,337 @@
+"""The one run context: which flow run (and experiment) we are in, how its jobs are named, and the
+guarantee that remote work a run started is stopped whenever the run ends another way than
+success.
+
+Every piece of remote work (a job being waited on, a replica set, an inference graph) is tracked
+with the callable that stops it. Three things call those: the flow hooks installed on any flow
+that uses our tasks (cancellation, crash, failure: Prefect runs them in the flow's process, e.g.
+on SIGTERM), the cancel watch (a run cancelled through the API that no runner supervises, one
+started from a script or a notebook, gets no signal: one thread asks the API every few seconds),
+and nothing else. A run killed with SIGKILL re-attaches to its jobs when it runs again
+(deterministic ids).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from prefect import get_run_logger
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterId,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+)
+from prefect.client.schemas.objects import StateType
+from prefect.context import FlowRunContext, SettingsContext, TaskRunContext
+from prefect.logging import get_logger
+
+LOGGER_NAME = "prefect_nemo"
+
+
+def fallback_logger() -> Any:
+    """The logger for code that runs outside a task or flow (hooks, the cancel watch)."""
+    return get_logger(LOGGER_NAME)
+
+
+# ---------------------------------------------------------------------------------------------
+# Where we are
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """The flow run (and task run, and experiment) a call is made in."""
+
+    flow_run_id: str | None
+    flow_run_name: str
+    task_run_id: str | None
+    task_key: str | None  # "<task name>-<dynamic key>": the default job name of a task call
+    experiment: str | None
+    logger: Any
+    cancel_event: threading.Event | None = None
+
+    @property
+    def scope(self) -> str:
+        """What job ids are stable within: the experiment, else the flow run, else the task."""
+        if self.experiment:
+            return f"experiment:{self.experiment}"
+        if self.flow_run_id:
+            return f"flow-run:{self.flow_run_id}"
+        return f"task-run:{self.task_run_id or 'none'}"
+
+    @property
+    def readable(self) -> str:
+        """The readable head of job ids: the experiment or flow run name."""
+        return self.experiment or (self.flow_run_name if self.flow_run_id else "")
+
+    def interrupted(self, *, ask_now: bool = False) -> bool:
+        """True once this run is being cancelled: its task runner cancelled the task (SIGTERM
+        to a served run), or the cancel watch saw the run CANCELLING in the API (`ask_now`:
+        ask the API at once instead of waiting for the watch's next round)."""
+        if self.cancel_event is not None and self.cancel_event.is_set():
+            return True
+        if self.flow_run_id is None:
+            return False
+        return cancel_watch.saw_cancelled(self.flow_run_id, ask_now=ask_now)
+
+    @contextlib.contextmanager
+    def cancellation_watched(self) -> Iterator[None]:
+        """Have the cancel watch ask about this run while the block runs (a wait that has
+        nothing of its own to stop, e.g. for a graph it only attached to)."""
+        if self.flow_run_id is None:
+            yield
+            return
+        with cancel_watch.watching(self.flow_run_id):
+            yield
+
+    def track(self, key: str, stop: Callable[[], str]) -> None:
+        """Have stop() called if this run is cancelled, crashes or fails while the work is
+        live; stop() must not raise and returns how the work ended. No-op outside a run."""
+        if self.flow_run_id is None:
+            return
+        live_work.add(self.flow_run_id, key, stop)
+        cancel_watch.ensure_running()
+
+    def untrack(self, key: str) -> None:
+        """The work ended normally: nothing to stop for it any more."""
+        live_work.discard(self.flow_run_id, key)
+
+
+def current_run() -> RunContext:
+    """The run context of the calling task or flow (installing the stop hooks on its flow)."""
+    task_ctx = TaskRunContext.get()
+    flow_ctx = FlowRunContext.get()
+    flow_run = flow_ctx.flow_run if flow_ctx else None
+    task_run = task_ctx.task_run if task_ctx else None
+    flow_run_id = (
+        str(flow_run.id)
+        if flow_run
+        else (str(task_run.flow_run_id) if task_run and task_run.flow_run_id else None)
+    )
+    if flow_ctx is not None and flow_ctx.flow is not None:
+        _install_stop_hooks(flow_ctx.flow)
+    try:
+        logger = get_run_logger()
+    except Exception:
+        logger = fallback_logger()
+    return RunContext(
+        flow_run_id=flow_run_id,
+        flow_run_name=flow_run.name if flow_run else "",
+        task_run_id=str(task_run.id) if task_run else None,
+        task_key=f"{task_ctx.task.name}-{task_run.dynamic_key}" if task_ctx and task_run else None,
+        experiment=experiment_of(flow_run_id),
+        logger=logger,
+        cancel_event=_runner_cancel_event(flow_ctx, task_run),
+    )
+
+
+def _runner_cancel_event(flow_ctx: FlowRunContext | None, task_run: Any) -> threading.Event | None:
+    """The event Prefect's task runner sets when it cancels this task (the flow got SIGTERM).
+
+    On SIGTERM the main thread gets the exception, but a task in a worker thread only sees its
+    task runner's cancel event, and the engine then waits for those threads. Prefect keeps the
+    events private (`ThreadPoolTaskRunner._cancel_events`, 3.x): read it defensively.
+    """
+    runner = getattr(flow_ctx, "task_runner", None)
+    events = getattr(runner, "_cancel_events", None)
+    event = events.get(task_run.id) if isinstance(events, dict) and task_run else None
+    return event if isinstance(event, threading.Event) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Experiments: the names flow runs declared (start_experiment), for job ids
+
+
+_experiments: dict[str, str] = {}
+_experiments_lock = threading.Lock()
+
+
+def declare_experiment(flow_run_id: str, name: str) -> None:
+    """Record that this flow run is experiment `name` (job ids become stable per name)."""
+    with _experiments_lock:
+        _experiments[flow_run_id] = name
+
+
+def experiment_of(flow_run_id: str | None) -> str | None:
+    """The experiment name declared by this flow run, if any."""
+    with _experiments_lock:
+        return _experiments.get(flow_run_id or "")
+
+
+# ---------------------------------------------------------------------------------------------
+# Live work, and what stops it
+
+
+class _LiveWork:
+    """What each flow run started in this process and has not ended yet, each piece with the
+    callable that stops it (and says how it ended)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_run: dict[str, dict[str, Callable[[], str]]] = {}
+
+    def add(self, flow_run_id: str, key: str, stop: Callable[[], str]) -> None:
+        with self._lock:
+            self._by_run.setdefault(flow_run_id, {})[key] = stop
+
+    def discard(self, flow_run_id: str | None, key: str) -> None:
+        with self._lock:
+            self._by_run.get(flow_run_id or "", {}).pop(key, None)
+
+    def take(self, flow_run_id: str) -> list[tuple[str, Callable[[], str]]]:
+        with self._lock:
+            return list(self._by_run.pop(flow_run_id, {}).items())
+
+    def flow_run_ids(self) -> list[str]:
+        with self._lock:
+            return [run_id for run_id, work in self._by_run.items() if work]
+
+
+live_work = _LiveWork()
+
+
+def stop_run_work(flow_run_id: str, why: str) -> None:
+    """Stop (in parallel, each confirmed) every piece of work this process tracks for the run."""
+    work = live_work.take(flow_run_id)
+    if not work:
+        return
+    logger = fallback_logger()
+    logger.warning(f"{why}: stopping {len(work)} piece(s) of remote work")
+    with ThreadPoolExecutor(max_workers=min(16, len(work))) as pool:
+        outcomes = pool.map(lambda item: item[1](), work)
+        for (key, _), outcome in zip(work, outcomes, strict=True):
+            logger.warning(f"{key}: {outcome}")
+
+
+class _CancelWatch:
+    """Sees flow runs cancelled through the API and stops their work.
+
+    One thread per process, alive while any run has live work here (or a wait asked for it):
+    every few seconds one API request asks whether any of those runs is CANCELLING or
+    CANCELLED. It notes the run as
+    cancelled (`RunContext.interrupted` reads that) and then stops its work, so waiting tasks
+    end with JobStopped.
+    """
+
+    interval_s = 2.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = False
+        self._cancelled: set[str] = set()
+        self._watched: Counter[str] = Counter()  # runs asked about without live work
+
+    def saw_cancelled(self, flow_run_id: str, *, ask_now: bool = False) -> bool:
+        """True once this watch has seen the run cancelled (`ask_now`: ask the API first)."""
+        if ask_now:
+            try:
+                for run_id in self._cancelled_among([flow_run_id]):
+                    with self._lock:
+                        self._cancelled.add(run_id)
+            except Exception as exc:
+                fallback_logger().debug(f"cancel watch: {exc}")
+        with self._lock:
+            return flow_run_id in self._cancelled
+
+    @contextlib.contextmanager
+    def watching(self, flow_run_id: str) -> Iterator[None]:
+        """Ask about this run while the block runs, live work or not."""
+        with self._lock:
+            self._watched[flow_run_id] += 1
+        self.ensure_running()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._watched[flow_run_id] -= 1
+                if self._watched[flow_run_id] <= 0:
+                    del self._watched[flow_run_id]
+
+    def ensure_running(self) -> None:
+        """Start the thread if it is not running (it ends when no work is live)."""
+        with self._lock:
+            if self._running:
+                return
+            self._running = True
+        # Carry Prefect's settings (API URL, ...) over, but not the run context of whichever task
+        # started us: its client closes when that run ends.
+        settings = SettingsContext.get()
+        threading.Thread(
+            target=self._run,
+            args=(settings.model_copy() if settings else None,),
+            daemon=True,
+            name="prefect-nemo-cancel-watch",
+        ).start()
+
+    def _run(self, settings: SettingsContext | None) -> None:
+        try:
+            with settings or contextlib.nullcontext():
+                self._loop()
+        finally:
+            with self._lock:
+                self._running = False
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.interval_s)
+            with self._lock:
+                run_ids = sorted({*live_work.flow_run_ids(), *self._watched})
+                if not run_ids:
+                    self._running = False
+                    return
+            try:
+                cancelled = self._cancelled_among(run_ids)
+            except Exception as exc:  # the API may be briefly away: try again next round
+                fallback_logger().debug(f"cancel watch: {exc}")
+                continue
+            for run_id in cancelled:
+                with self._lock:
+                    self._cancelled.add(run_id)
+                stop_run_work(run_id, f"flow run {run_id} was cancelled")
+
+    @staticmethod
+    def _cancelled_among(run_ids: list[str]) -> list[str]:
+        cancelled = FlowRunFilter(
+            id=FlowRunFilterId(any_=[uuid.UUID(r) for r in run_ids]),
+            state=FlowRunFilterState(
+                type=FlowRunFilterStateType(any_=[StateType.CANCELLING, StateType.CANCELLED])
+            ),
+        )
+        with get_client(sync_client=True) as client:
+            return [str(run.id) for run in client.read_flow_runs(flow_run_filter=cancelled)]
+
+
+cancel_watch = _CancelWatch()
+
+
+# ---------------------------------------------------------------------------------------------
+# Flow hooks (installed automatically on any flow that uses our tasks)
+
+
+def stop_flow_run_work(flow: Any, flow_run: Any, state: Any) -> None:
+    """Flow hook (cancellation, crash, failure): stop every piece of work this process still
+    runs for the flow run."""
+    stop_run_work(str(flow_run.id), f"flow run {flow_run.name} ended {state.type.value}")
+
+
+def forget_flow_run_work(flow: Any, flow_run: Any, state: Any) -> None:
+    """Flow hook on completion: what is still tracked was left running on purpose (a job
+    submitted and not waited for, graphs kept with keep_dgds): forget it, stop nothing."""
+    live_work.take(str(flow_run.id))
+
+
+def _install_stop_hooks(flow: Any) -> None:
+    for hooks in (flow.on_cancellation_hooks, flow.on_crashed_hooks, flow.on_failure_hooks):
+        if stop_flow_run_work not in hooks:
+            hooks.append(stop_flow_run_work)
+    if forget_flow_run_work not in flow.on_completion_hooks:
+        flow.on_completion_hooks.append(forget_flow_run_work)

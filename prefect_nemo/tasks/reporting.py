@@ -1,0 +1,233 @@
+"""How work shows up in Prefect: one event emitter, one table artifact writer, and the job
+reporter that the lifecycle pushes each job's life to. Every text passes the redactor first.
+
+One failure policy for all of it: reporting never fails the work it reports on. An events or
+artifacts outage logs one warning (and is retried with the next report), nothing more.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from typing import Any
+from uuid import UUID
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
+from prefect.events import emit_event
+
+from prefect_nemo.jobs import JobHandle, JobState, JobStatus
+from prefect_nemo.redaction import Redactor
+from prefect_nemo.tasks._run import RunContext, fallback_logger
+
+JOB_EVENT_PREFIX = "prefect-nemo.job"
+MESSAGE_CHARS = 300
+
+
+class _Outage:
+    """Says once that a reporting channel is down, and once that it is back."""
+
+    def __init__(self, channel: str) -> None:
+        self.channel = channel
+        self._down = False
+        self._lock = threading.Lock()
+
+    def failed(self, exc: Exception) -> None:
+        with self._lock:
+            first, self._down = not self._down, True
+        log = fallback_logger()
+        if first:
+            log.warning(f"could not report to Prefect ({self.channel}): {exc}; the work goes on")
+        else:
+            log.debug(f"{self.channel} still failing: {exc}")
+
+    def worked(self) -> None:
+        with self._lock:
+            was_down, self._down = self._down, False
+        if was_down:
+            fallback_logger().info(f"reporting to Prefect ({self.channel}) works again")
+
+
+_events = _Outage("events")
+_artifacts = _Outage("artifacts")
+
+
+def emit(event: str, resource: Mapping[str, str], payload: Mapping[str, Any] | None = None) -> None:
+    """Emit a Prefect event; an events outage never fails the caller (one warning)."""
+    try:
+        emit_event(event=event, resource=dict(resource), payload=dict(payload or {}))
+    except Exception as exc:
+        _events.failed(exc)
+    else:
+        _events.worked()
+
+
+class RunTable:
+    """One table artifact per flow run, rewritten in place as its rows change."""
+
+    def __init__(self, description: str) -> None:
+        self.description = description
+        self._lock = threading.Lock()
+        self._rows: dict[str, dict[str, dict[str, Any]]] = {}  # flow run -> row id -> row
+        self._artifacts: dict[str, UUID] = {}
+
+    def rows(self, flow_run_id: str) -> list[dict[str, Any]]:
+        """The rows recorded in this process for a flow run (for summaries and tests)."""
+        with self._lock:
+            return [dict(row) for row in self._rows.get(flow_run_id, {}).values()]
+
+    def update(
+        self,
+        flow_run_id: str | None,
+        changes: Mapping[str, Mapping[str, Any]],
+        *,
+        defaults: Callable[[], dict[str, Any]] = dict,
+    ) -> None:
+        """Merge each row's fields (by row id) into the table, a new row starting from
+        `defaults()`, and rewrite the artifact once. No-op outside a flow run."""
+        if flow_run_id is None:
+            return
+        with self._lock:
+            table = self._rows.setdefault(flow_run_id, {})
+            for row_id, fields in changes.items():
+                table.setdefault(row_id, defaults()).update(fields)
+            try:
+                self._write(flow_run_id, list(table.values()))
+            except Exception as exc:
+                _artifacts.failed(exc)
+            else:
+                _artifacts.worked()
+
+    def _write(self, flow_run_id: str, rows: list[dict[str, Any]]) -> None:
+        data = json.dumps(rows, default=str)
+        with get_client(sync_client=True) as client:
+            artifact_id = self._artifacts.get(flow_run_id)
+            if artifact_id is None:
+                # the flow run's artifact, not one task's: it lists everything of the run
+                artifact = client.create_artifact(
+                    ArtifactCreate(
+                        type="table",
+                        data=data,
+                        description=self.description,
+                        flow_run_id=UUID(flow_run_id),
+                    )
+                )
+                self._artifacts[flow_run_id] = artifact.id
+            else:
+                client.update_artifact(artifact_id, ArtifactUpdate(data=data))
+
+
+# ---------------------------------------------------------------------------------------------
+# Jobs
+
+
+_job_table = RunTable("Jobs started by this flow run (prefect-nemo).")
+
+
+def job_rows(flow_run_id: str) -> list[dict[str, Any]]:
+    """The job table rows recorded in this process for a flow run."""
+    return _job_table.rows(flow_run_id)
+
+
+def job_resource(handle: JobHandle) -> dict[str, str]:
+    """The Prefect event resource that stands for a job."""
+    return {
+        "prefect.resource.id": handle.resource_id,
+        "prefect.resource.name": handle.job_id,
+        "prefect-nemo.backend": handle.backend,
+        "prefect-nemo.cluster": handle.cluster,
+    }
+
+
+class JobReporter:
+    """Reports jobs into the current Prefect run: the `lifecycle.JobObserver` of our tasks.
+
+    One log line and one `prefect-nemo.job.<state>` event per state change, a row per job in
+    the run's job table, the job's log lines in the task's log, and its teardown tracked by
+    the run while it is live.
+    """
+
+    def __init__(self, run: RunContext, redact: Redactor) -> None:
+        self.run = run
+        self.redact = redact
+        self._last_state: dict[str, JobState] = {}
+
+    def submitted(self, handle: JobHandle, *, attached: bool, drift: str | None) -> None:
+        """Log, emit `submitted`/`attached`, add the job's row."""
+        verb = "attached to existing" if attached else "submitted"
+        link = handle.links.get("dashboard", "")
+        self.run.logger.info(f"{verb} job {handle.job_id} on {handle.cluster} {link}")
+        if drift:
+            self.run.logger.warning(self.redact(drift))
+        self._emit(handle, "attached" if attached else "submitted", {"attached": attached})
+        self._row(handle, {"state": "PENDING", "attached": attached})
+
+    def live(self, handle: JobHandle, stop: Callable[[], str]) -> None:
+        """The run stops the job if it ends another way than success while we wait."""
+        self.run.track(_work_key(handle), stop)
+
+    def changed(self, handle: JobHandle, status: JobStatus) -> None:
+        """Log and emit only when the state actually changed; update the row."""
+        if self._last_state.get(handle.job_id) is status.state:
+            return
+        self._last_state[handle.job_id] = status.state
+        message = self.redact(status.message)[:MESSAGE_CHARS]
+        line = f"job {handle.job_id} is {status.state.value}"
+        if status.state.is_terminal() and message:
+            line += f": {message.splitlines()[0]}"
+        level = logging.ERROR if status.state is JobState.FAILED else logging.INFO
+        self.run.logger.log(level, line)
+        self._emit(
+            handle,
+            status.state.value.lower(),
+            {"state": status.state.value, "message": message, "exit_code": status.exit_code},
+        )
+        fields: dict[str, Any] = {
+            "state": status.state.value,
+            "message": message.splitlines()[0] if message else "",
+        }
+        if status.start_time is not None:
+            end = status.end_time or datetime.now(UTC)
+            fields["duration_s"] = round((end - status.start_time).total_seconds(), 2)
+        self._row(handle, fields)
+
+    def log(self, handle: JobHandle, line: str) -> None:
+        """One line of the job's log, into the task's log."""
+        self.run.logger.info(self.redact(f"[{handle.job_id}] {line}"))
+
+    def ended(self, handle: JobHandle) -> None:
+        """The wait is over: nothing to stop on the run's behalf any more."""
+        self.run.untrack(_work_key(handle))
+
+    def problem(self, message: str) -> None:
+        """Something went wrong that the task survives (a stop not confirmed)."""
+        self.run.logger.error(self.redact(message))
+
+    def _emit(self, handle: JobHandle, what: str, payload: dict[str, Any]) -> None:
+        emit(
+            f"{JOB_EVENT_PREFIX}.{what}",
+            job_resource(handle),
+            {"job_id": handle.job_id, "links": handle.links, **payload},
+        )
+
+    def _row(self, handle: JobHandle, fields: dict[str, Any]) -> None:
+        _job_table.update(
+            self.run.flow_run_id,
+            {handle.job_id: fields},
+            defaults=lambda: {
+                "job_id": handle.job_id,
+                "backend": handle.backend,
+                "state": "",
+                "duration_s": None,
+                "dashboard": handle.links.get("dashboard", ""),
+                "attached": False,
+                "message": "",
+            },
+        )
+
+
+def _work_key(handle: JobHandle) -> str:
+    return f"job {handle.job_id}"

@@ -1,0 +1,410 @@
+"""The rules of the one Kubernetes job base (backends/_kube_job.py), asserted for BOTH job
+backends: RayJob (the KubeRay simulator, jobs on the session's real local Ray) and TrainJob (the
+Trainer simulator, pods as local processes), on a loopback API server driven by the real
+`kubernetes` client, through `run_job` in a Prefect flow where the issue speaks of the task.
+
+Each test gets its own API server (so its own watcher: the registry is keyed by the server's
+address) and reaches it through a TcpProxy, which can take the API away; the simulators talk to
+the server directly, as a cluster's operators keep running while the flow loses the API.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from prefect import flow  # at import time: Prefect configures logging when `flow` is first imported
+
+from prefect_nemo import AuthenticationFailed, BackendUnavailable, JobSpec, JobState
+from prefect_nemo.errors import BackendClosed
+from prefect_nemo.kube import POD, RAY_JOB, TRAIN_JOB, Kind, KubeApi
+
+LOOPBACK_RAY_CLUSTER = {  # the KubeRay simulator runs every cluster's jobs on the one real Ray
+    "headGroupSpec": {
+        "rayStartParams": {},
+        "template": {"spec": {"containers": [{"name": "ray-head", "image": "rayproject/ray"}]}},
+    },
+}
+
+
+@dataclass
+class JobKind:
+    """What differs between the two job backends, for these tests."""
+
+    name: str
+    kind: Kind
+    running: Callable[[KubeApi, dict[str, Any]], bool]  # the job's object says it runs
+    stopped: Callable[[dict[str, Any] | None], bool]  # ... that it was stopped (or is gone)
+    done: dict[str, Any]  # a status patch that completes the job (no operator needed)
+
+
+def _rayjob_running(api: KubeApi, obj: dict[str, Any]) -> bool:
+    return (obj.get("status") or {}).get("jobStatus") == "RUNNING"
+
+
+def _trainjob_running(api: KubeApi, obj: dict[str, Any]) -> bool:
+    job = obj["metadata"]["name"]
+    pods, _ = api.list(POD, label_selector=f"jobset.sigs.k8s.io/jobset-name={job}")
+    return any((p.get("status") or {}).get("phase") == "Running" for p in pods)
+
+
+KINDS = {
+    "rayjob": JobKind(
+        "rayjob", RAY_JOB, _rayjob_running,
+        stopped=lambda obj: obj is None or obj["status"].get("jobStatus") == "STOPPED",
+        done={"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED", "jobId": "x"},
+    ),
+    "trainjob": JobKind(
+        "trainjob", TRAIN_JOB, _trainjob_running,
+        stopped=lambda obj: obj is None,  # stopped by deleting it
+        done={"conditions": [{"type": "Complete", "status": "True", "reason": "Done",
+                              "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"}]},
+    ),
+}  # fmt: skip
+
+
+@dataclass
+class Env:
+    """A loopback API server (behind a proxy), its operator simulator and how to make blocks."""
+
+    job: JobKind
+    server: Any
+    proxy: Any
+    ray_head: Any = None
+    kube: Any = None  # the KubernetesCluster block (through the proxy)
+    logs: list[logging.LogRecord] = field(default_factory=list)
+
+    def block(self, **kw: Any) -> Any:
+        """The job kind's cluster block on `kube`."""
+        from prefect_nemo.blocks import KubeflowTrainerCluster, KubeRayCluster
+
+        kw.setdefault("max_poll_interval_s", 0.5)
+        if self.job.name == "rayjob":
+            return KubeRayCluster(
+                kubernetes=self.kube, ray_cluster_spec=LOOPBACK_RAY_CLUSTER,
+                ray_token=self.ray_head.token, ttl_seconds_after_finished=30, **kw,
+            )  # fmt: skip
+        return KubeflowTrainerCluster(kubernetes=self.kube, image="python:3.11-slim", **kw)
+
+    def api(self) -> KubeApi:
+        """A client straight to the server (with its current token), to look behind our back."""
+        return KubeApi(self.server.api_client())
+
+    def objects(self) -> list[dict[str, Any]]:
+        """Every object of the job kind on the server."""
+        return self.api().list(self.job.kind)[0]
+
+    def get(self, job_id: str) -> dict[str, Any] | None:
+        """The job's object on the server, or None."""
+        return self.api().get(self.job.kind, job_id)
+
+    def our_watches(self) -> int:
+        """Watch requests of our informers (labelled selector) on the job kind so far."""
+        return sum(
+            1
+            for e in self.server.requests.entries
+            if e.is_watch and f"/{self.job.kind.plural}" in e.path
+            and "managed-by=prefect-nemo" in e.query.get("labelSelector", "")
+        )  # fmt: skip
+
+
+@pytest.fixture(params=sorted(KINDS))
+def env(request: pytest.FixtureRequest, prefect_api: str) -> Iterator[Env]:
+    from prefect_nemo.blocks.kubernetes import KubernetesCluster
+    from prefect_nemo.testing.kube_api import LoopbackKubeServer, crd_dir
+    from prefect_nemo.testing.operators import KubeRaySimulator, TrainJobSimulator
+    from prefect_nemo.testing.proxy import TcpProxy
+
+    job = KINDS[request.param]
+    server = LoopbackKubeServer(crds=[crd_dir()]).start()
+    host, port = server.url.removeprefix("http://").split(":")
+    proxy = TcpProxy(host, int(port)).start()
+    ray_head = request.getfixturevalue("ray_head") if job.name == "rayjob" else None
+    sim = (
+        KubeRaySimulator(server, ray_head.dashboard_url, ray_head.token)
+        if ray_head is not None
+        else TrainJobSimulator(server)
+    )
+    sim.start()
+    config = server.kubeconfig()
+    config["clusters"][0]["cluster"]["server"] = proxy.url
+    kube = KubernetesCluster(kubeconfig=config)
+    kube.save(f"kube-{job.name}-{uuid.uuid4().hex[:8]}")  # its name goes into auth errors
+    out = Env(job, server, proxy, ray_head, kube)
+    handler = _Collect(out.logs)
+    logging.getLogger("prefect_nemo").addHandler(handler)
+    try:
+        yield out
+    finally:
+        logging.getLogger("prefect_nemo").removeHandler(handler)
+        ray_jobs = [(o.get("status") or {}).get("jobId") for o in out.objects()]
+        sim.stop()
+        proxy.stop()
+        server.stop()
+        if ray_head is not None:  # a job left running (token revoked) must not hold Ray's CPUs
+            _stop_ray_jobs(ray_head, [j for j in ray_jobs if j])
+
+
+class _Collect(logging.Handler):
+    def __init__(self, records: list[logging.LogRecord]) -> None:
+        super().__init__(logging.DEBUG)
+        self.records = records
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def _stop_ray_jobs(ray_head: Any, job_ids: list[str]) -> None:
+    client = ray_head.block().backend().client
+    for job_id in job_ids:
+        if not client.get_job_status(job_id).is_terminal():
+            client.stop_job(job_id)
+
+
+def wait_until(predicate: Callable[[], Any], timeout_s: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.1)
+    return predicate()
+
+
+class FlowInThread:
+    """Runs `run_job(spec, block)` in a flow on a thread; keeps its result or error and when."""
+
+    def __init__(self, spec: JobSpec, block: Any) -> None:
+        from prefect_nemo import run_job
+
+        @flow
+        def job_flow() -> Any:
+            return run_job(spec, block, stream_logs=False)
+
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.ended_at: float | None = None
+
+        def run() -> None:
+            try:
+                self.result = job_flow()
+            except BaseException as exc:  # the test asserts on it
+                self.error = exc
+            self.ended_at = time.monotonic()
+
+        self.thread = threading.Thread(
+            target=contextvars.copy_context().run, args=(run,), daemon=True
+        )
+        self.thread.start()
+
+    def join(self, timeout_s: float) -> None:
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), f"the flow is still running after {timeout_s:g}s"
+
+
+def running_job(env: Env, timeout_s: float = 60.0) -> str:
+    """The job id once the job runs (each test's server holds that one job)."""
+    api = env.api()
+    found = wait_until(
+        lambda: next((o for o in env.objects() if env.job.running(api, o)), None), timeout_s
+    )
+    assert found, f"the {env.job.kind.kind} never ran"
+    return str(found["metadata"]["name"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Through run_job in a flow
+
+
+@pytest.mark.slow
+def test_a_revoked_token_fails_the_task_at_once_naming_the_block(env: Env) -> None:
+    """Issue 13 (3a): "the token is revoked mid-wait (the server starts answering 401): the task
+    fails within 5 s with `AuthenticationFailed` naming the block". The block gives the API five
+    minutes of unreachable budget, so failing within 5 s shows the 401 is final at once, not
+    retried as an outage (the Kubeflow backend used to retry it for the whole budget)."""
+    block = env.block(unreachable_budget_s=300)
+    running = FlowInThread(JobSpec(entrypoint="sleep 60", name="revoked"), block)
+    running_job(env)
+    revoked_at = time.monotonic()
+    env.server.revoke_token()
+    running.join(60)
+    assert isinstance(running.error, AuthenticationFailed), running.error
+    assert running.ended_at is not None and running.ended_at - revoked_at < 5
+    message = str(running.error)
+    assert f"KubernetesCluster '{env.kube._block_document_name}'" in message
+    assert "kubeconfig field" in message
+    assert env.server.token not in message and "Bearer" not in message
+
+
+@pytest.mark.slow
+def test_a_dead_informer_thread_is_replaced_and_the_wait_completes(env: Env) -> None:
+    """Issue 13 (3b): "the informer's watch thread dies: it is replaced and the wait completes".
+    The server writes an event our informer cannot digest (an object without a name) into its
+    watch: a real failure on the real stream, which ends the informer's thread. The base replaces
+    it (a new list+watch) and the job's end is still seen: SUCCEEDED. The budget is short, so a
+    dead informer left in place (statuses() failing on it) would fail the task instead."""
+    block = env.block(unreachable_budget_s=20)
+    running = FlowInThread(JobSpec(entrypoint="sleep 5", name="replaced"), block)
+    running_job(env)
+    assert wait_until(env.our_watches, 15), "our informer never watched"
+    watches = env.our_watches()
+    garbled = {"type": "ADDED", "object": {"kind": "Garbled"}}
+    assert env.server.inject_watch_event(garbled, plural=env.job.kind.plural)
+
+    def died() -> bool:
+        return any(r.getMessage().startswith("informer for") for r in env.logs)
+
+    assert wait_until(died, 10), "the informer's thread did not die"
+    running.join(90)
+    assert running.error is None, running.error
+    assert running.result.state is JobState.SUCCEEDED
+    assert env.our_watches() > watches, "no new informer watched"
+
+
+@pytest.mark.slow
+def test_an_outage_shorter_than_the_budget_is_survived(env: Env) -> None:
+    """Issue 13 (3c): "an API outage shorter than `unreachable_budget_s` is survived": the API
+    goes away for 3 s of a 30 s budget while the job runs; the wait goes on to SUCCEEDED."""
+    block = env.block(unreachable_budget_s=30)
+    running = FlowInThread(JobSpec(entrypoint="sleep 8", name="outage"), block)
+    running_job(env)
+    env.proxy.go_down()
+    time.sleep(3)
+    env.proxy.come_back()
+    running.join(90)
+    assert running.error is None, running.error
+    assert running.result.state is JobState.SUCCEEDED
+    assert any("down for" in r.getMessage() for r in env.logs), "the outage was not noticed"
+
+
+@pytest.mark.slow
+def test_a_longer_outage_fails_clearly_and_the_job_is_stopped_when_the_api_returns(
+    env: Env,
+) -> None:
+    """Issue 13 (3c): "a longer one fails with a clear error and the job is stopped when the API
+    returns": the API stays away past a 2 s budget; the task fails with BackendUnavailable that
+    says so and names the field to raise, and once the API is back the job is stopped (the
+    RayJob's Ray job STOPPED, the TrainJob deleted), as seen on the server."""
+    block = env.block(unreachable_budget_s=2, stop_timeout_s=60)
+    running = FlowInThread(JobSpec(entrypoint="sleep 120", name="lost"), block)
+    job_id = running_job(env)
+    env.proxy.go_down()
+    time.sleep(10)  # past the budget: the watcher gave up and the task is trying to stop the job
+    assert running.thread.is_alive(), "the stop must wait for the API"
+    env.proxy.come_back()
+    running.join(90)
+    assert isinstance(running.error, BackendUnavailable), running.error
+    assert not isinstance(running.error, AuthenticationFailed)
+    assert "unreachable" in str(running.error) and "unreachable_budget_s" in str(running.error)
+    assert wait_until(lambda: env.job.stopped(env.get(job_id)), 30), env.get(job_id)
+
+
+# ---------------------------------------------------------------------------------------------
+# The backend alone: who starts threads, and who stops them
+
+
+def _ours(before: set[threading.Thread]) -> list[threading.Thread]:
+    return [t for t in threading.enumerate()
+            if t not in before and t.name.startswith("prefect-nemo")]  # fmt: skip
+
+
+def _submitted(env: Env, backend: Any) -> str:
+    job_id = f"unit-{uuid.uuid4().hex[:8]}"
+    backend.submit(JobSpec(entrypoint="sleep 30"), job_id, {})
+    return job_id
+
+
+@pytest.fixture(params=sorted(KINDS))
+def bare(request: pytest.FixtureRequest) -> Iterator[Env]:
+    """A loopback API server with no operator: the tests drive the job's status themselves."""
+    from prefect_nemo.blocks.kubernetes import KubernetesCluster
+    from prefect_nemo.testing.kube_api import LoopbackKubeServer, crd_dir
+
+    with LoopbackKubeServer(crds=[crd_dir()]) as server:
+        yield Env(KINDS[request.param], server, proxy=None,
+                  kube=KubernetesCluster(kubeconfig=server.kubeconfig()))  # fmt: skip
+
+
+def _backend(env: Env) -> Any:
+    from prefect_nemo.backends.kubeflow import KubeflowTrainerBackend, TrainerConfig
+    from prefect_nemo.backends.kuberay import KubeRayBackend, RayJobConfig
+
+    if env.job.name == "rayjob":
+        return KubeRayBackend(env.kube.api(), RayJobConfig(ray_cluster_name="c"))
+    return KubeflowTrainerBackend(env.kube.api(), TrainerConfig(image="python:3.11-slim"))
+
+
+def test_an_unsubscribed_backend_starts_no_thread(bare: Env) -> None:
+    """An instance that nobody subscribed starts no thread: statuses() answers from one list
+    request (of the jobs, and of their pods where the kind reads them), with no watch."""
+    backend = _backend(bare)
+    job_id = _submitted(bare, backend)
+    before = set(threading.enumerate())
+    bare.server.requests.clear()
+    statuses = backend.statuses([job_id, "no-such-job"])
+    assert statuses[job_id].state is JobState.PENDING and "no-such-job" not in statuses
+    assert backend.informers == () and not _ours(before)
+    assert bare.server.requests.count(watch=True) == 0
+    lists = bare.server.requests.count("GET", f"/{bare.job.kind.plural}", watch=False)
+    assert lists == 2  # the one list, and the GET that says the missing id is absent
+
+
+def test_close_stops_every_informer_and_later_statuses_raise_backend_closed(bare: Env) -> None:
+    """close() stops every informer thread it started (none is left alive when it returns);
+    afterwards statuses() raises BackendClosed and a new subscriber starts nothing."""
+    backend = _backend(bare)
+    job_id = _submitted(bare, backend)
+    before = set(threading.enumerate())
+    woken = threading.Event()
+    backend.subscribe(woken.set)
+    assert wait_until(lambda: all(i.synced.is_set() for i in backend.informers), 10)
+    assert [t.name for t in _ours(before)], "subscribing starts the informers"
+    backend.close()
+    assert not _ours(before), [t.name for t in _ours(before)]
+    assert woken.is_set(), "close() wakes the subscribers so they see BackendClosed"
+    with pytest.raises(BackendClosed):
+        backend.statuses([job_id])
+    backend.subscribe(lambda: None)
+    assert backend.informers == () and not _ours(before)
+    backend.close()  # idempotent
+
+
+def test_nothing_runs_on_after_the_server_stops_and_the_backend_closes(bare: Env) -> None:
+    """Issue 13 (must hold 4): "wait a job on a loopback API server, stop the server, close the
+    backend: within 2 s no thread started by prefect-nemo is alive and nothing more is logged".
+    A watcher waits the job to its end; statuses() is asked once more (as the bench did, which
+    used to leave an informer retrying every ~5 s); a subscriber is still there when the server
+    stops, so close() must end informers that are retrying against a dead server."""
+    from prefect_nemo.lifecycle import wait_until_terminal
+    from prefect_nemo.watcher import ClusterWatcher
+
+    backend = _backend(bare)
+    before = set(threading.enumerate())
+    job_id = _submitted(bare, backend)
+    watcher = ClusterWatcher(backend, max_interval_s=0.5)
+    threading.Timer(
+        1.0, lambda: bare.api().patch(bare.job.kind, job_id, {"status": bare.job.done},
+                                      subresource="status"),
+    ).start()  # fmt: skip
+    final = wait_until_terminal(watcher, backend.handle(job_id), timeout_s=60)
+    assert final.state is JobState.SUCCEEDED
+    assert backend.statuses([job_id])[job_id].state is JobState.SUCCEEDED
+    backend.subscribe(lambda: None)
+    assert wait_until(lambda: all(i.synced.is_set() for i in backend.informers), 10)
+    bare.server.stop()
+    backend.close()
+    assert wait_until(lambda: not _ours(before), 2), [t.name for t in _ours(before)]
+    records: list[logging.LogRecord] = []
+    handler = _Collect(records)
+    logging.getLogger("prefect_nemo").addHandler(handler)
+    try:
+        time.sleep(1.0)
+    finally:
+        logging.getLogger("prefect_nemo").removeHandler(handler)
+    assert not records, [r.getMessage() for r in records]
