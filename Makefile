@@ -8,7 +8,7 @@ NR_VENV := .venv-nemo-run
 NR_BIN := $(NR_VENV)/bin
 NR_STAMP := $(NR_VENV)/.installed-nemo-run
 
-.PHONY: demo test test-fast bench lint install system clean
+.PHONY: demo test test-core test-extras test-fast bench lint install system clean
 
 # The virtualenv, installed with the pinned versions of constraints/core.txt.
 $(STAMP): pyproject.toml constraints/core.txt
@@ -24,7 +24,9 @@ $(NR_STAMP): pyproject.toml constraints/nemo-run.txt
 	$(NR_BIN)/python -m pip install --quiet -c constraints/nemo-run.txt -e '.[nemo-run,test]'
 	touch $(NR_STAMP)
 
-install: $(STAMP) $(NR_STAMP)
+## Both virtualenvs, side by side (pip spends its time unpacking and compiling: two cores help).
+install:
+	@$(MAKE) --no-print-directory -j2 $(STAMP) $(NR_STAMP)
 
 ## Debian packages and services the real-engine tests need (Slurm + sshd, Chromium); as root.
 system:
@@ -34,10 +36,18 @@ system:
 demo: $(STAMP)
 	$(BIN)/prefect-nemo demo
 
-## Lint and run every test twice: the core environment (newest Prefect), then all extras.
-test: $(STAMP) $(NR_STAMP) system lint
-	$(BIN)/python -m pytest -q -m "not nemo_run"
-	$(NR_BIN)/python -m pytest -q
+## Install, lint and test, printing each phase's time: the whole suite in the core environment
+## (newest Prefect), then in the extras environment (Prefect 3.5) what needs the extras plus
+## the Prefect 3.5 smoke of the core (tests marked `compat`, chosen in tests/conftest.py).
+test:
+	@MAKE="$(MAKE)" scripts/timed-phases install system lint test-core test-extras
+
+# --durations: CI's log names the slowest tests of each phase (the budget is 20 minutes in all)
+test-core: $(STAMP)
+	$(BIN)/python -m pytest -q --durations=15 -m "not nemo_run"
+
+test-extras: $(NR_STAMP)
+	$(NR_BIN)/python -m pytest -q --durations=15 -m "nemo_run or compat"
 
 ## The quick subset: no cluster, no server.
 test-fast: $(STAMP)

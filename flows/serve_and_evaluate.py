@@ -27,9 +27,10 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from prefect_nemo import serve_replicas
+from prefect_nemo.demo import JOB_CODE
 
 SERVER = Path(__file__).parent / "serve_jobs" / "model_server.py"
-COMMON = Path(__file__).parent / "demo_jobs" / "common.py"
+COMMON = JOB_CODE / "common.py"
 BATCH = 250
 
 

@@ -4,6 +4,7 @@ apply block documents (`blocks apply`) and deployments (`deploy`)."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -109,6 +110,10 @@ def stop_prefect_server() -> None:
 
 def run_demo(run_dir: Path | None) -> int:
     """Run the demo pipeline on the embedded local Ray cluster and print what happened."""
+    if importlib.util.find_spec("numpy") is None:  # the embedded cluster's jobs run this Python
+        print("error: the demo's jobs need numpy: pip install 'prefect-nemo[demo]'",
+              file=sys.stderr)
+        return 2
     api_url, ui_url = ensure_prefect_server()
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -116,8 +121,7 @@ def run_demo(run_dir: Path | None) -> int:
 
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="prefect-nemo-demo-"))
     with temporary_settings({PREFECT_API_URL: api_url}):
-        sys.path.insert(0, str(Path.cwd()))
-        from flows.demo import demo_pipeline
+        from prefect_nemo.demo import demo_pipeline
 
         local_ray.default_cluster()  # start (or find) the cluster before the clock starts
         started = time.monotonic()
@@ -159,7 +163,7 @@ def _print_summary(outputs: dict[str, dict[str, Any]], elapsed: float) -> None:
 
 def apply_blocks(files: list[Path]) -> int:
     """Create or update the block documents of YAML files; report each, never its values."""
-    from prefect_nemo.block_documents import apply_document, check_file
+    from prefect_nemo.blocks.documents import apply_document, check_file
     from prefect_nemo.errors import PrefectNemoError
 
     try:  # every document of every file is checked before the server is even asked

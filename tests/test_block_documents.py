@@ -16,7 +16,7 @@ from prefect.client.orchestration import get_client
 from pydantic import Field, SecretStr
 
 import prefect_nemo.blocks
-from prefect_nemo.block_documents import (
+from prefect_nemo.blocks.documents import (
     BlockDocumentSpec,
     apply_file,
     block_class,

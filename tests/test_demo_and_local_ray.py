@@ -1,36 +1,19 @@
-"""The demo pipeline end to end, and the embedded default cluster's start / reuse / stop."""
+"""The embedded default cluster's start / reuse / stop.
+
+The demo pipeline itself runs end to end from the installed wheel (`prefect-nemo demo`,
+test_wheel.py), in the notebook (test_notebook.py) and on every backend
+(test_one_flow_any_backend.py)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from prefect_nemo import JobState, local_ray
-from tests.conftest import subprocess_env
+from prefect_nemo import local_ray
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).parent.parent
-
-
-def test_demo_pipeline_runs_three_experiments(ray_head, prefect_api, tmp_path, monkeypatch):
-    from flows.demo import demo_pipeline
-
-    # The embedded default finds the session's cluster instead of starting another one.
-    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", ray_head.dashboard_url)
-    monkeypatch.setenv("RAY_AUTH_TOKEN", ray_head.token or "")
-    monkeypatch.setattr(local_ray, "_default", None)
-    outputs = demo_pipeline(run_dir=str(tmp_path), name="demo-test")
-    assert list(outputs) == ["demo-test-data-prep", "demo-test-train", "demo-test-eval"]
-    jobs = [job for out in outputs.values() for job in out["jobs"]]
-    assert len(jobs) == 2 + 2 + 5
-    assert {job["state"] for job in jobs} == {JobState.SUCCEEDED.value}
-    assert outputs["demo-test-eval"]["accuracy"] > 0.8, "the trained model learned something"
-    assert outputs["demo-test-train"]["train_loss"] < 0.5
-    assert local_ray._default is not None and not local_ray._default.owned, "reused, not started"
 
 
 def test_default_cluster_reuses_a_running_one(ray_head, monkeypatch):
@@ -58,19 +41,3 @@ def _live_processes_in_group(pgid: int) -> list[str]:
                         text=True)
     return [line for line in ps.stdout.splitlines() if line.strip() and line.split()[0][0] != "Z"]
 
-
-def test_cli_demo_runs_on_a_fresh_embedded_cluster(prefect_api, tmp_path):
-    """`prefect-nemo demo` as the README runs it (against the session's Prefect API)."""
-    env = subprocess_env(prefect_api)
-    for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
-        env.pop(var, None)
-    result = subprocess.run(
-        [sys.executable, "-m", "prefect_nemo.cli", "demo", "--run-dir", str(tmp_path)],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=420,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "demo pipeline finished" in result.stdout
-    assert result.stdout.count("SUCCEEDED") == 9
-    assert "accuracy=" in result.stdout and "/runs/flow-run/" in result.stdout
-    pid = int(result.stdout.split("stopped the local Ray cluster (pid ")[1].split(")")[0])
-    assert _live_processes_in_group(pid) == [], "the demo left its Ray cluster running"

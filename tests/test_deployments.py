@@ -20,7 +20,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
 from prefect.client.schemas.objects import FlowRun, StateType
 
-from prefect_nemo.block_documents import load_documents
+from prefect_nemo.blocks.documents import load_documents
 from prefect_nemo.deployments import check_deployments, read_deployments
 from prefect_nemo.errors import InvalidJobSpec
 from tests.conftest import subprocess_env

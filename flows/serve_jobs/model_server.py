@@ -18,7 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "demo_jobs"))
+# the demo jobs' data module (prefect_nemo/demo/jobs), found by path: importing the package
+# would import Prefect, which this server does not need
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "prefect_nemo" / "demo" / "jobs"))
 from common import FEATURES, sample
 
 

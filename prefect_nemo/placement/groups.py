@@ -153,12 +153,3 @@ def bundle_node(pg: PlacementGroup, index: int) -> tuple[str, str]:
             return node_id, node["NodeManagerAddress"]
     raise PlacementTimeout(f"bundle {index} of the group is on node {node_id}, which is gone")
 
-
-def node_ip_and_free_port(pg: PlacementGroup, index: int) -> tuple[str, int]:
-    """(IP, free port) on the node of bundle `index`, asked on that node."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from prefect_nemo.placement.process import ip_and_free_port  # imports this module
-
-    strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
-    return ray.get(ip_and_free_port.options(scheduling_strategy=strategy).remote())

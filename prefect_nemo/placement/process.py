@@ -139,6 +139,12 @@ def ip_and_free_port() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), free_port()
 
 
+def node_ip_and_free_port(pg: PlacementGroup, index: int) -> tuple[str, int]:
+    """(IP, free port) on the node of bundle `index`, asked on that node."""
+    strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
+    return ray.get(ip_and_free_port.options(scheduling_strategy=strategy).remote())
+
+
 def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while True:

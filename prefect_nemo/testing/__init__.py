@@ -12,9 +12,19 @@ run:ai (DGX Cloud) and Lepton APIs as NeMo-Run and leptonai call them.
 
 from __future__ import annotations
 
+from importlib.util import find_spec
 from typing import TYPE_CHECKING, Any
 
-from prefect_nemo.testing.proxy import TcpProxy
+#: What the `testing` extra installs (module names = distribution names).
+REQUIRES = ("jsonschema", "jsonpatch", "cryptography")
+
+if _missing := [name for name in REQUIRES if find_spec(name) is None]:
+    raise ImportError(
+        f"prefect_nemo.testing needs {', '.join(_missing)}: pip install 'prefect-nemo[testing]'",
+        name=_missing[0],
+    )
+
+from prefect_nemo.testing.proxy import TcpProxy  # noqa: E402 (only once the extra is there)
 
 if TYPE_CHECKING:
     from prefect_nemo.testing.kube_api import LoopbackKubeServer
@@ -23,7 +33,7 @@ __all__ = ["LoopbackKubeServer", "TcpProxy"]
 
 
 def __getattr__(name: str) -> Any:
-    # imported lazily: aiohttp and jsonschema are not needed by users of TcpProxy alone
+    # imported lazily: the Kubernetes API server's imports are not needed by TcpProxy alone
     if name == "LoopbackKubeServer":
         from prefect_nemo.testing.kube_api import LoopbackKubeServer
 
