@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import ray
 from prefect_nemo.placement import (
     InsufficientCapacity,
     PlacementError,
+    ReplicaFailed,
     Topology,
     create_group,
     sweep,
@@ -56,6 +58,14 @@ def alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
+        return False
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
         return False
 
 
@@ -193,16 +203,48 @@ def test_stubborn_server_is_killed_within_the_bound(cluster):
 
 
 def test_killing_the_actor_process_kills_the_server(cluster):
-    with serve_replicas(SERVER, replicas=1, tp_size=1, health_path="/") as rs:
-        (replica,) = rs.replicas
-        server = replica.pids[0]
-        assert alive(server)
-        os.kill(replica.actor_pids[0], signal.SIGKILL)
-        t0 = time.monotonic()
-        wait_until(lambda: not alive(server), 5, "the reaper to kill the server")
-        reaped_in = time.monotonic() - t0
+    """The reaper kills a server whose actor died, and the set says so: "never a silently
+    shrunken pool" (issue 14, item 9)."""
+    with pytest.raises(ReplicaFailed, match="lost its Ray actor"):
+        with serve_replicas(
+            SERVER, replicas=1, tp_size=1, health_path="/", watch_interval_s=0.2
+        ) as rs:
+            (replica,) = rs.replicas
+            server = replica.pids[0]
+            assert alive(server)
+            os.kill(replica.actor_pids[0], signal.SIGKILL)
+            t0 = time.monotonic()
+            wait_until(lambda: not alive(server), 5, "the reaper to kill the server")
+            reaped_in = time.monotonic() - t0
+            wait_until(lambda: rs.failure is not None, 10, "the watch to see the lost actor")
     assert reaped_in < 2
     assert not marked_processes(rs.name)
+
+
+def test_a_replica_that_dies_when_healthy_is_restarted_then_fails_the_block(cluster):
+    """Issue 14, item 9: "Replicas stay watched after they are healthy: a replica process that
+    dies later is restarted up to the block's limit or fails the task with its exit code and log
+    tail; never a silently shrunken pool." """
+    with pytest.raises(ReplicaFailed) as failed:
+        with serve_replicas(
+            SERVER, replicas=2, tp_size=1, health_path="/", max_restarts=1, watch_interval_s=0.2
+        ) as rs:
+            replica = rs.replicas[0]
+            first = replica.pids[0]
+            os.kill(first, signal.SIGKILL)
+            wait_until(lambda: replica.restarts == 1, 60, "the replica to be restarted")
+            assert replica.pids[0] != first and alive(replica.pids[0])
+            assert healthy(replica.health_url), "the restarted replica serves again"
+            assert rs.failure is None
+            rs.check()  # whole again: nothing to raise
+            os.kill(replica.pids[0], signal.SIGKILL)  # past max_restarts: the set fails
+            wait_until(lambda: rs.failure is not None, 30, "the set to fail")
+            with pytest.raises(ReplicaFailed):
+                rs.check()
+    message = str(failed.value)
+    assert "replica 0" in message and "exited with code -9 after 1 restart(s)" in message
+    assert "CVD=" in message, "the log tail comes with it"
+    assert not marked_processes(rs.name), "the other replica was torn down too"
 
 
 DRIVER = textwrap.dedent(

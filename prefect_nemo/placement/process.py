@@ -184,9 +184,13 @@ class ManagedProcess:
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
     ) -> dict[str, Any]:
-        """Spawn the command (a shell string or an argv list) with this actor's GPUs."""
-        if self.popen is not None:
-            raise RuntimeError(f"{self.name}: already started (pid {self.popen.pid})")
+        """Spawn the command (a shell string or an argv list) with this actor's GPUs; again
+        (a restart) once the previous child has ended and been stopped."""
+        if self.popen is not None and self.popen.poll() is None:
+            raise RuntimeError(f"{self.name}: already running (pid {self.popen.pid})")
+        if self.reaper is not None and self.reaper.poll() is None:  # the ended child's reaper
+            self.reaper.kill()
+            self.reaper.wait(2)
         info = self.node()
         info.pop("free_port")
         child_env = {**os.environ, **(env or {}), MARKER_ENV: self.name}

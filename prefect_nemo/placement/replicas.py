@@ -88,6 +88,11 @@ class ReplicaOptions:
     """Seconds between SIGTERM and SIGKILL when replicas stop."""
     sweep_orphans: bool = True
     """First remove replica groups whose creating process on this host is dead."""
+    max_restarts: int = 2
+    """How often a replica whose process dies after it was healthy is restarted (its health
+    waited for again) before the replica set fails; 0: fail at the first death."""
+    watch_interval_s: float = 2.0
+    """Seconds between two checks that every healthy replica's process still runs."""
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -100,6 +105,12 @@ class ReplicaOptions:
             raise PlacementError(
                 "tp_size=0 and cpus_per_replica=0: a replica must reserve something"
             )
+        if self.max_restarts < 0:
+            raise PlacementError(
+                f"max_restarts={self.max_restarts}: pass 0 (fail at the first death) or more"
+            )
+        if self.watch_interval_s <= 0:
+            raise PlacementError(f"watch_interval_s={self.watch_interval_s}: pass seconds > 0")
 
     @classmethod
     def of(cls, options: Mapping[str, Any]) -> ReplicaOptions:
@@ -128,6 +139,9 @@ class Replica:
     port: int
     endpoint: str
     health_url: str
+    commands: list[str | list[str]] = field(default_factory=list, repr=False)
+    envs: list[dict[str, str]] = field(default_factory=list, repr=False)
+    restarts: int = 0
 
 
 @dataclass
@@ -140,6 +154,7 @@ class ReplicaSet:
     groups: list[str] = field(default_factory=list)
     ranks: int = 1
     shape: BundleShape | None = None
+    failure: ReplicaFailed | None = field(default=None, repr=False, compare=False)
     stopped: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
     torn_down: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
 
@@ -148,10 +163,17 @@ class ReplicaSet:
         """Base URLs (http://ip:port) of the replicas, in replica order."""
         return [r.endpoint for r in self.replicas]
 
+    def check(self) -> None:
+        """Raise ReplicaFailed if a replica died for good since the set was healthy (its
+        restarts used up): the pool is never silently smaller than asked."""
+        if self.failure is not None:
+            raise self.failure
+
     def __getstate__(self) -> dict[str, Any]:  # Events do not pickle: results may be persisted
         state = dict(self.__dict__)
         for flag in ("stopped", "torn_down"):
             state[flag] = getattr(self, flag).is_set()
+        state.pop("_watch", None)  # the watch thread stays with the process that started it
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -246,7 +268,7 @@ def launch(
         for i, pg in enumerate(pgs)
     ]
     rs.replicas = _start_processes(rs, actors, command, options)
-    _wait_healthy(rs, actors, options.readiness_timeout_s)
+    wait_healthy(rs.replicas, dict(enumerate(actors)), options.readiness_timeout_s)
 
 
 def _slug(name: str) -> str:
@@ -277,7 +299,7 @@ def _start_processes(
         rank_ports = [n["free_port"] for n in infos]
         k += len(ranks)
         master_ip, port = infos[0]["ip"], rank_ports[0]
-        refs = []
+        refs, commands, envs = [], [], []
         for rank, actor in enumerate(ranks):
             values = {
                 "port": rank_ports[rank],
@@ -304,9 +326,11 @@ def _start_processes(
                 "MASTER_PORT": str(port),
             }
             refs.append(actor.start.remote(argv, env=child_env, cwd=options.cwd))
-        started.append((i, infos, port, refs))
+            commands.append(argv)
+            envs.append(child_env)
+        started.append((i, infos, port, refs, commands, envs))
     replicas = []
-    for i, infos, port, refs in started:
+    for i, infos, port, refs, commands, envs in started:
         records = ray.get(refs)
         endpoint = f"http://{infos[0]['ip']}:{port}"
         url = (
@@ -327,6 +351,8 @@ def _start_processes(
                 port=port,
                 endpoint=endpoint,
                 health_url=url,
+                commands=commands,
+                envs=envs,
             )
         )
     return replicas
@@ -351,10 +377,13 @@ def poll_intervals(
         interval = min(most_s, interval * factor)
 
 
-def _wait_healthy(rs: ReplicaSet, actors: list[list[Any]], timeout_s: float) -> None:
-    """Poll every replica's health URL; fail at once if a replica's process exits."""
+def wait_healthy(
+    replicas: Sequence[Replica], actors: Mapping[int, list[Any]], timeout_s: float
+) -> None:
+    """Poll every replica's health URL; fail at once if a replica's process exits. `actors`
+    are each replica's actors by replica index."""
     deadline = time.monotonic() + timeout_s
-    waiting = {r.index: r for r in rs.replicas}
+    waiting = {r.index: r for r in replicas}
     next_liveness = time.monotonic() + 1.0
     intervals = poll_intervals()
     with ThreadPoolExecutor(max_workers=min(16, len(waiting))) as pool:
@@ -367,7 +396,7 @@ def _wait_healthy(rs: ReplicaSet, actors: list[list[Any]], timeout_s: float) -> 
                 return
             if time.monotonic() >= next_liveness:
                 next_liveness = time.monotonic() + 1.0
-                _check_alive(rs, {i: actors[i] for i in waiting})
+                _check_alive(waiting, actors)
             if time.monotonic() >= deadline:
                 urls = ", ".join(r.health_url for r in waiting.values())
                 raise PlacementTimeout(
@@ -377,16 +406,16 @@ def _wait_healthy(rs: ReplicaSet, actors: list[list[Any]], timeout_s: float) -> 
             time.sleep(next(intervals))
 
 
-def _check_alive(rs: ReplicaSet, actors: Mapping[int, list[Any]]) -> None:
+def _check_alive(waiting: Mapping[int, Replica], actors: Mapping[int, list[Any]]) -> None:
     """Raise ReplicaFailed, with its log tail, for the first replica whose process exited (one
     round trip to all actors at once)."""
-    pairs = [(index, actor) for index, ranks in actors.items() for actor in ranks]
+    pairs = [(index, actor) for index in waiting for actor in actors[index]]
     alive = ray.get([actor.is_alive.remote() for _, actor in pairs], timeout=30)
     for (index, actor), up in zip(pairs, alive, strict=True):
         if not up:
             tail = ray.get(actor.read_log_tail.remote(), timeout=30)
             raise ReplicaFailed(
-                f"replica {index} ({rs.replicas[index].endpoint}) exited before it was healthy; "
+                f"replica {index} ({waiting[index].endpoint}) exited before it was healthy; "
                 f"last log lines:\n{tail}"
             )
 
@@ -411,6 +440,9 @@ def teardown(
         rs.torn_down.wait(stop_timeout_s + 60)
         return []
     try:
+        watch = rs.__dict__.get("_watch")
+        if watch is not None:
+            watch.stop()
         actors = []
         for group in rs.groups:
             for b in range(rs.ranks):

@@ -37,6 +37,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect_nemo.local_ray import LocalRayCluster
 from prefect_nemo.placement import connect
 from prefect_nemo.placement import replicas as engine
+from prefect_nemo.placement.replica_watch import ReplicaWatch
 from prefect_nemo.placement.replicas import (
     SERVE_PREFIX,
     STOP_TIMEOUT_S,
@@ -112,7 +113,20 @@ def start(command: str | Sequence[str], options: ReplicaOptions | None = None) -
                     f"{rs.endpoints}")  # fmt: skip
     _report(rs, run)
     _emit(rs, "ready", {"endpoints": rs.endpoints, "startup_s": round(elapsed, 3)})
+    ReplicaWatch(rs, options, report=partial(_watched, rs, run)).start()
     return rs
+
+
+def _watched(rs: ReplicaSet, run: RunContext, what: str, payload: dict[str, Any]) -> None:
+    """What the replica watch saw: a replica restarted, or the set failed for good."""
+    if what == "restarted":
+        run.logger.warning(
+            f"{rs.name}: replica {payload['replica']} died and was restarted "
+            f"({payload['restarts']} restart(s) so far)"
+        )
+    else:
+        run.logger.error(f"{rs.name}: {rs.failure}")
+    _emit(rs, what, payload)
 
 
 def teardown(rs: ReplicaSet, *, stop_timeout_s: float = STOP_TIMEOUT_S) -> list[dict | None]:
@@ -182,8 +196,11 @@ def serve_replicas(command: str | Sequence[str], **options: Any) -> Iterator[Rep
     STRICT_SPREAD split; tp_size=0 for CPU-only replicas) and its own port: the command sees it
     as `{port}` (and `{host}`, `{replica}`, `{rank}`, `{nnodes}`, `{master_addr}`,
     `{master_port}`) and as $PORT. Yields a ReplicaSet once every `health_path` (or `health_url`
-    template) answers 2xx; tears everything down when the block ends, however it ends. With
-    sweep_orphans, first removes replica groups whose creating process on this host is dead.
+    template) answers 2xx; tears everything down when the block ends, however it ends. While
+    the block runs, a replica whose process dies is restarted up to `max_restarts` times; past
+    that the block raises ReplicaFailed (exit code, log tail) when it ends, and
+    `ReplicaSet.check()` raises it at once. With sweep_orphans, first removes replica groups
+    whose creating process on this host is dead.
     """
     opts = ReplicaOptions.of(options)
     rs = start(command, opts)
@@ -192,6 +209,7 @@ def serve_replicas(command: str | Sequence[str], **options: Any) -> Iterator[Rep
     finally:
         teardown(rs, stop_timeout_s=opts.stop_timeout_s)
         current_run().logger.info(f"{rs.name}: stopped")
+    rs.check()  # a replica that died for good while the block ran fails it
 
 
 @task(name="start_replicas", cache_policy=NO_CACHE)
@@ -215,4 +233,6 @@ def stop_replicas(
     connect_ray(ray_address, auth_token=auth_token)
     replica_set.stopped.clear()  # a copy from another task: its own flags say nothing
     replica_set.torn_down.clear()
-    return teardown(replica_set, stop_timeout_s=stop_timeout_s)
+    reports = teardown(replica_set, stop_timeout_s=stop_timeout_s)
+    replica_set.check()  # a replica that died for good while they served fails the task
+    return reports
