@@ -24,6 +24,7 @@ from prefect_nemo import (
     submit_job,
     wait_for_job,
 )
+from prefect_nemo.blocks import RayJobsCluster
 from prefect_nemo.tasks.reporting import job_rows
 
 pytestmark = pytest.mark.slow
@@ -339,3 +340,76 @@ def test_image_labels_fill_the_selector_and_the_jobs_own_keys_win(ray_head, pref
     result = image_flow()
     assert result.state is JobState.SUCCEEDED
     assert "placed" in block.backend().logs(result.handle.job_id)
+
+
+@pytest.mark.parametrize(
+    ("block_fields", "job_selector", "image", "expected"),
+    [
+        pytest.param(
+            {"image_label_key": "nemo/image"},
+            {"type": "worker"},
+            "nvcr.io/nvidia/pytorch:25.02-py3",
+            {"type": "worker", "nemo/image": "nvcr.io-nvidia-pytorch-25.02-py3"},
+            id="image-label-key",
+        ),
+        pytest.param(
+            {"image_label_key": "nemo/image"},
+            {"type": "worker", "nemo/image": "preset-image-label"},
+            "nvcr.io/nvidia/pytorch:25.02-py3",
+            {"type": "worker", "nemo/image": "preset-image-label"},
+            id="explicit-key-not-overridden",
+        ),
+        pytest.param(
+            {
+                "image_label_selectors": {
+                    "/containers/nemo-skills.sqsh": {"key": "nemo/workload", "value": "skills"},
+                    "/containers/nemo-rl.sqsh": {"nemo/workload": "rl"},
+                }
+            },
+            {"type": "worker"},
+            "/containers/nemo-skills.sqsh",
+            {"type": "worker", "nemo/workload": "skills"},
+            id="key-value-pairs",
+        ),
+        pytest.param(
+            {"image_label_selectors": {"/containers/nemo-skills.sqsh": {"nemo/workload": "dyn"}}},
+            {"nemo/workload": "static"},
+            "/containers/nemo-skills.sqsh",
+            {"nemo/workload": "static"},
+            id="static-keys-preferred",
+        ),
+        pytest.param(
+            {
+                "image_label_selectors": {"nvcr.io/nvidia/*": {"pool": "nv", "tier": "gpu"}},
+                "image_label_key": "nemo/image",
+            },
+            {},
+            "nvcr.io/nvidia/nemo:25.07",
+            {"pool": "nv", "tier": "gpu"},
+            id="a-matching-pattern-before-the-label-key",
+        ),
+        pytest.param(
+            {"image_label_selectors": {"nvcr.io/nvidia/*": {"pool": "nv"}}},
+            {},
+            "docker.io/library/python:3.12",
+            None,
+            id="no-match-no-selector",
+        ),
+    ],
+)
+def test_image_labels_follow_nemo_skills(block_fields, job_selector, image, expected):
+    """The cases of NeMo-Skills' own tests of its Ray backend, on our request builder:
+    test_kubernetes_ray_selector_with_image_label_translation (image_label_key → the image as a
+    label value, "nvcr.io-nvidia-pytorch-25.02-py3"),
+    test_image_translation_does_not_override_explicit_selector_value,
+    test_image_label_selectors_add_explicit_key_value_pairs ({"key": ..., "value": ...}),
+    test_image_label_selectors_prefer_static_selector_keys; and its rule that image_label_key
+    applies only when no pattern matched ("elif self.image_label_key")."""
+    block = RayJobsCluster(dashboard_url="http://127.0.0.1:1", **block_fields)
+    spec = JobSpec(entrypoint="true", label_selector=job_selector, runtime_env={"image_uri": image})
+    [doc] = block.backend().render(spec, "j", {})
+    assert doc["request"].get("entrypoint_label_selector") == expected
+    mapped = expected is not None
+    assert ("image_uri" in doc["request"]["runtime_env"]) is not mapped, (
+        "an image the block maps picks nodes; any other stays Ray's image_uri"
+    )
