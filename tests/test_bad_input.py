@@ -232,11 +232,6 @@ def test_non_finite_resources_are_refused(resources: dict[str, Any], field: str)
         JobSpec(entrypoint="true", resources=resources)
 
 
-def test_label_selector_is_accepted():
-    spec = JobSpec(entrypoint="true", label_selector={"accelerator": "H100"})
-    assert spec.label_selector == {"accelerator": "H100"}
-
-
 # ---------------------------------------------------------------------------------------------
 # Cluster block construction: pydantic's own ValidationError
 
@@ -275,12 +270,49 @@ def test_label_selector_is_accepted():
             r"greater than or equal to 1",
             id="zero-concurrency-cap",
         ),
+        pytest.param(
+            {"dashboard_url": "http://h:8265", "env": {"HF-HOME": "/m"}},
+            "env",
+            r"'HF-HOME' is not a valid environment variable name: use letters, digits and '_'",
+            id="bad-env-name",
+        ),
+        pytest.param(
+            {"dashboard_url": "http://h:8265", "secret_env": {"KEY": "ab1"}},
+            "secret_env",
+            r"value of 'KEY' is too short to be masked.*if it is no secret, put it in env",
+            id="secret-too-short-to-mask",
+        ),
+        pytest.param(
+            {"dashboard_url": "http://h:8265", "env": {"K": "a"}, "secret_env": {"K": "abcdef"}},
+            "secret_env",
+            r"K also in env: keep each variable in one of them",
+            id="env-and-secret-env",
+        ),
+        pytest.param(
+            {"dashboard_url": "http://h:8265", "image_label_selectors": {"nvcr.io/*": {}}},
+            "image_label_selectors",
+            r"'nvcr\.io/\*' maps to no label: give it \{label: value\}",
+            id="image-without-labels",
+        ),
     ],
 )
 def test_bad_cluster_block_is_refused(fields: dict[str, Any], field: str, match: str):
     with pytest.raises(ValidationError, match=match) as info:
         RayJobsCluster(**fields)
     assert [e["loc"][0] for e in info.value.errors()] == [field]
+    assert "abcdef" not in str(info.value) and "ab1" not in str(info.value)
+
+
+def test_cluster_env_in_two_places_is_refused():
+    """Older documents kept the cluster's env vars in runtime_env['env_vars'] (read into env);
+    the same variable in both places is refused instead of one silently winning."""
+    both = r"env and runtime_env\['env_vars'\] both set HF_HOME: keep them in env only"
+    with pytest.raises(ValidationError, match=both):
+        RayJobsCluster(
+            dashboard_url="http://h:8265",
+            env={"HF_HOME": "/a"},
+            runtime_env={"env_vars": {"HF_HOME": "/b"}},
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,6 +332,46 @@ def assert_refused_in_flow(ray_client, call: Callable[[], Any], match: str) -> I
     after = {j.submission_id for j in ray_client.list_jobs()}
     assert after == before, f"jobs were submitted: {sorted(after - before)}"
     return info.value
+
+
+@slow
+@pytest.mark.parametrize(
+    ("spec_fields", "block_fields", "field"),
+    [
+        pytest.param({"label_selector": {"pool": "gpu"}}, {}, r"JobSpec\.label_selector", id="own"),
+        pytest.param(
+            {"placement": {"node_labels": {"pool": "gpu"}}}, {}, r"JobSpec\.placement", id="placed"
+        ),
+        pytest.param(
+            {"runtime_env": {"image_uri": "nvcr.io/nvidia/nemo-rl:v0.6.0"}},
+            {"image_label_selectors": {"nvcr.io/nvidia/nemo-rl:*": {"nemo/workload": "rl"}}},
+            r"runtime_env\['image_uri'\] \(RayJobsCluster\.image_label_selectors\)",
+            id="from-image",
+        ),
+    ],
+)
+def test_a_selector_the_ray_client_cannot_send_stops_the_job(
+    ray_head, prefect_api, ray_client, spec_fields, block_fields, field
+):
+    """Ray's JobSubmissionClient.submit_job takes `entrypoint_label_selector` from 2.54.0 (the
+    2.53.0 wheel's sdk.py has no such parameter); deployments of NeMo-Skills' Ray Jobs backend
+    document the same floor: "The Jobs-API client must be Ray >= 2.54.0". With an older client
+    a job that has a selector (its own, its placement's, or its image's) is stopped before
+    anything is sent, naming the field and the version: sent without its selector it could
+    land on any node."""
+    from tests.old_ray import Ray253Cluster
+
+    block = Ray253Cluster(
+        dashboard_url=ray_head.dashboard_url, auth_token=ray_head.token, **block_fields
+    )
+    spec = JobSpec(entrypoint="true", name=f"old-ray-{uuid.uuid4().hex[:6]}", **spec_fields)
+    error = assert_refused_in_flow(
+        ray_client,
+        lambda: run_job(spec, cluster=block),
+        rf"{field}: the job needs the entrypoint label selector .*upgrade ray on this machine "
+        r"to >= 2\.54\.0, or drop the selector",
+    )
+    assert "Ray253Client" in str(error), "the message says which client could not send it"
 
 
 @slow

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 
@@ -23,6 +24,7 @@ from prefect_nemo import (
     submit_job,
     wait_for_job,
 )
+from prefect_nemo.blocks import RayJobsCluster
 from prefect_nemo.tasks.reporting import job_rows
 
 pytestmark = pytest.mark.slow
@@ -257,3 +259,157 @@ def test_bad_auth_fails_clearly_before_submitting(ray_head, prefect_api, ray_cli
         unauthorised()
     assert "auth_token" in str(info.value), "the message names the field to fix"
     assert {j.submission_id for j in ray_client.list_jobs()} == before
+
+
+# -- Ray Jobs like NeMo-Skills' Ray backend (issue 14 item 5) ------------------------------------
+
+
+def test_cluster_env_reaches_every_job(ray_head, prefect_api):
+    """NeMo-Skills' cluster config: "You can define environment variables in the cluster config
+    file, which will be set inside the container", and its Ray backend forwards them into the
+    job ("test_ray_backend_forwards_required_env_vars_to_runtime_env": runtime_env["env_vars"]
+    ["MY_JUDGE_KEY"] == "secret-123"). Plain and secret values arrive; the job's own env wins
+    for a name both set."""
+    secret = f"judge-{uuid.uuid4().hex}"
+    block = ray_head.block(
+        env={"HF_HOME": "/models/hf", "SHARED": "cluster"}, secret_env={"JUDGE_KEY": secret}
+    )
+    script = 'echo "home=$HF_HOME shared=$SHARED"; printf %s "$JUDGE_KEY" | sha256sum'
+
+    @flow
+    def env_flow():
+        return run_job(
+            JobSpec(entrypoint=script, name="cluster-env", env={"SHARED": "job"}), cluster=block
+        )
+
+    result = env_flow()
+    assert result.state is JobState.SUCCEEDED
+    logs = block.backend().logs(result.handle.job_id)
+    assert "home=/models/hf shared=job" in logs
+    assert hashlib.sha256(secret.encode()).hexdigest() in logs, "the secret value arrived"
+
+
+def test_a_ray_client_without_label_selectors_runs_jobs_that_need_none(ray_head, prefect_api):
+    """Ray's submit_job has `entrypoint_label_selector` only from 2.54.0, and "older clients
+    raise TypeError even for None: send it only when set" (as NeMo-Skills' backend does since
+    it "passes the kwarg conditionally"): a Ray 2.53 client runs every job that has no selector,
+    with the cluster env."""
+    from tests.old_ray import Ray253Cluster
+
+    block = Ray253Cluster(
+        dashboard_url=ray_head.dashboard_url, auth_token=ray_head.token, env={"WHO": "old-client"}
+    )
+
+    @flow
+    def old_client_flow():
+        return run_job(
+            JobSpec(entrypoint='echo "from=$WHO"', name="old-client", resources={"cpus": 1}),
+            cluster=block,
+        )
+
+    result = old_client_flow()
+    assert result.state is JobState.SUCCEEDED
+    assert "from=old-client" in block.backend().logs(result.handle.job_id)
+
+
+def test_image_labels_fill_the_selector_and_the_jobs_own_keys_win(ray_head, prefect_api):
+    """NeMo-Skills' Ray backend: "Image-derived selectors only fill gaps; explicit
+    entrypoint_label_selector keys win" (selector.setdefault). The block maps the job's image to
+    {ray.io/node-id: !<head>}, which no node of this one-node cluster matches; the job's own
+    {ray.io/node-id: <head>} wins, so the job runs (with update it would never be scheduled). The
+    image picks nodes: no container is started (Ray has no podman here, so a sent image_uri
+    would fail the job)."""
+    head = ray_head.block().backend().head_node_id()
+    block = ray_head.block(
+        image_label_selectors={"registry.example/train:*": {"ray.io/node-id": f"!{head}"}}
+    )
+    spec = JobSpec(
+        entrypoint="echo placed",
+        name="image-labels",
+        label_selector={"ray.io/node-id": head},
+        runtime_env={"image_uri": "registry.example/train:1"},
+        timeout_s=120,  # a regression leaves the job unschedulable: fail, do not hang
+    )
+    [doc] = block.backend().render(spec, "j", {})
+    assert doc["request"]["entrypoint_label_selector"] == {"ray.io/node-id": head}
+
+    @flow
+    def image_flow():
+        return run_job(spec, cluster=block)
+
+    result = image_flow()
+    assert result.state is JobState.SUCCEEDED
+    assert "placed" in block.backend().logs(result.handle.job_id)
+
+
+@pytest.mark.parametrize(
+    ("block_fields", "job_selector", "image", "expected"),
+    [
+        pytest.param(
+            {"image_label_key": "nemo/image"},
+            {"type": "worker"},
+            "nvcr.io/nvidia/pytorch:25.02-py3",
+            {"type": "worker", "nemo/image": "nvcr.io-nvidia-pytorch-25.02-py3"},
+            id="image-label-key",
+        ),
+        pytest.param(
+            {"image_label_key": "nemo/image"},
+            {"type": "worker", "nemo/image": "preset-image-label"},
+            "nvcr.io/nvidia/pytorch:25.02-py3",
+            {"type": "worker", "nemo/image": "preset-image-label"},
+            id="explicit-key-not-overridden",
+        ),
+        pytest.param(
+            {
+                "image_label_selectors": {
+                    "/containers/nemo-skills.sqsh": {"key": "nemo/workload", "value": "skills"},
+                    "/containers/nemo-rl.sqsh": {"nemo/workload": "rl"},
+                }
+            },
+            {"type": "worker"},
+            "/containers/nemo-skills.sqsh",
+            {"type": "worker", "nemo/workload": "skills"},
+            id="key-value-pairs",
+        ),
+        pytest.param(
+            {"image_label_selectors": {"/containers/nemo-skills.sqsh": {"nemo/workload": "dyn"}}},
+            {"nemo/workload": "static"},
+            "/containers/nemo-skills.sqsh",
+            {"nemo/workload": "static"},
+            id="static-keys-preferred",
+        ),
+        pytest.param(
+            {
+                "image_label_selectors": {"nvcr.io/nvidia/*": {"pool": "nv", "tier": "gpu"}},
+                "image_label_key": "nemo/image",
+            },
+            {},
+            "nvcr.io/nvidia/nemo:25.07",
+            {"pool": "nv", "tier": "gpu"},
+            id="a-matching-pattern-before-the-label-key",
+        ),
+        pytest.param(
+            {"image_label_selectors": {"nvcr.io/nvidia/*": {"pool": "nv"}}},
+            {},
+            "docker.io/library/python:3.12",
+            None,
+            id="no-match-no-selector",
+        ),
+    ],
+)
+def test_image_labels_follow_nemo_skills(block_fields, job_selector, image, expected):
+    """The cases of NeMo-Skills' own tests of its Ray backend, on our request builder:
+    test_kubernetes_ray_selector_with_image_label_translation (image_label_key → the image as a
+    label value, "nvcr.io-nvidia-pytorch-25.02-py3"),
+    test_image_translation_does_not_override_explicit_selector_value,
+    test_image_label_selectors_add_explicit_key_value_pairs ({"key": ..., "value": ...}),
+    test_image_label_selectors_prefer_static_selector_keys; and its rule that image_label_key
+    applies only when no pattern matched ("elif self.image_label_key")."""
+    block = RayJobsCluster(dashboard_url="http://127.0.0.1:1", **block_fields)
+    spec = JobSpec(entrypoint="true", label_selector=job_selector, runtime_env={"image_uri": image})
+    [doc] = block.backend().render(spec, "j", {})
+    assert doc["request"].get("entrypoint_label_selector") == expected
+    mapped = expected is not None
+    assert ("image_uri" in doc["request"]["runtime_env"]) is not mapped, (
+        "an image the block maps picks nodes; any other stays Ray's image_uri"
+    )

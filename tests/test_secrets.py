@@ -1,4 +1,5 @@
-"""Secrets never leak: a canary in the block and in a job's env var is scanned for everywhere."""
+"""Secrets never leak: a canary in the block (token, header, cluster-wide secret env) and in a
+job's env var is scanned for everywhere, after a dry run and a real run of the same job."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.slow
 
 HEADER_CANARY = "canary-header-7f3a9b"
 ENV_CANARY = "canary-env-c41d2e"
+CLUSTER_CANARY = "canary-cluster-env-9e05b7"
 
 
 def test_canaries_never_leak(ray_head, prefect_api, ray_client, caplog, capfd, tmp_path):
@@ -35,21 +37,27 @@ def test_canaries_never_leak(ray_head, prefect_api, ray_client, caplog, capfd, t
     since = datetime.now(UTC).isoformat()
     token = ray_head.token
     assert token, "the session cluster runs with token auth"
-    block = ray_head.block(headers={"X-Canary": HEADER_CANARY})
-    (tmp_path / "job.py").write_text("import os\nprint('value=' + os.environ['CANARY'])\n")
+    block = ray_head.block(
+        headers={"X-Canary": HEADER_CANARY}, secret_env={"CLUSTER_CANARY": CLUSTER_CANARY}
+    )
+    (tmp_path / "job.py").write_text(
+        "import os\nprint('value=' + os.environ['CANARY'])\n"
+        "print('cluster=' + os.environ['CLUSTER_CANARY'])\n"
+    )
+    spec = JobSpec(
+        entrypoint="python job.py; echo token=$RAY_AUTH_TOKEN; exit 3",
+        name="leaky",
+        working_dir=tmp_path,
+        env={"CANARY": SecretStr(ENV_CANARY)},
+    )
 
     @flow
     def leaky():
-        # The job prints the secret itself and fails, so it is in Ray's failure message too.
-        run_job(
-            JobSpec(
-                entrypoint="python job.py; echo token=$RAY_AUTH_TOKEN; exit 3",
-                name="leaky",
-                working_dir=tmp_path,
-                env={"CANARY": SecretStr(ENV_CANARY)},
-            ),
-            cluster=block,
-        )
+        # The dry run writes its rendering (with every secret value in it) to a log line and an
+        # artifact; the job prints the secrets itself and fails, so they are in Ray's failure
+        # message too.
+        run_job(spec, cluster=block, dry_run=True)
+        run_job(spec, cluster=block)
 
     state = leaky(return_state=True)
     with pytest.raises(JobFailed) as info:
@@ -57,6 +65,7 @@ def test_canaries_never_leak(ray_head, prefect_api, ray_client, caplog, capfd, t
     flow_run_id = state.state_details.flow_run_id
     error = info.value
     assert "value=**********" in str(error), "the job's output is there, masked"
+    assert "cluster=**********" in str(error), "the cluster-wide secret reached the job, masked"
 
     haystacks: dict[str, str] = {
         "exception": str(error) + repr(error.result) + "".join(traceback.format_exception(error)),
@@ -80,11 +89,13 @@ def test_canaries_never_leak(ray_head, prefect_api, ray_client, caplog, capfd, t
         p.read_text(errors="ignore") for p in Path(cache).rglob("*") if p.is_file()
     ) if Path(cache).exists() else ""
 
+    assert "CLUSTER_CANARY: '**********'" in haystacks["artifacts"], "the dry run was written"
+    assert "CLUSTER_CANARY: '**********'" in haystacks["caplog"]
     assert "prefect-nemo.job.submitted" in haystacks["events"]
     assert "prefect-nemo.job.failed" in haystacks["events"]
     assert job_id in haystacks["prefect logs"]
     for where, text in haystacks.items():
-        for canary in (token, HEADER_CANARY, ENV_CANARY):
+        for canary in (token, HEADER_CANARY, ENV_CANARY, CLUSTER_CANARY):
             assert canary not in text, f"a secret leaked into {where}"
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fnmatch
 import inspect
 import json
+import re
 import ssl
 import threading
 import time
@@ -12,6 +14,7 @@ from datetime import UTC, datetime
 from typing import Any, ClassVar, TypeVar
 
 import aiohttp
+import ray
 import requests
 from ray.exceptions import AuthenticationError
 from ray.job_submission import JobDetails, JobSubmissionClient
@@ -33,6 +36,10 @@ T = TypeVar("T")
 
 # Lets a driver's own ray.init(runtime_env=...) win over the job's runtime_env instead of failing.
 OVERRIDE_RUNTIME_ENV = {"RAY_OVERRIDE_JOB_RUNTIME_ENV": "1"}
+
+# JobSubmissionClient.submit_job gained entrypoint_label_selector in this release (2.53.0 has
+# no such parameter; checked in both wheels' ray/dashboard/modules/job/sdk.py).
+LABEL_SELECTOR_RAY = "2.54.0"
 
 
 class TimedJobClient(JobSubmissionClient):
@@ -83,6 +90,11 @@ class RayJobsBackend:
         verify: bool | str = True,
         request_timeout_s: float = 30.0,
         runtime_env: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+        secret_env: dict[str, str] | None = None,
+        image_label_selectors: dict[str, dict[str, str]] | None = None,
+        image_label_key: str | None = None,
+        client_class: type[TimedJobClient] = TimedJobClient,
     ) -> None:
         self.address = address.rstrip("/")
         self._token = token
@@ -92,6 +104,11 @@ class RayJobsBackend:
         self._verify = verify
         self._timeout_s = request_timeout_s
         self._runtime_env = dict(runtime_env or {})
+        self._secret_env = dict(secret_env or {})
+        self._env = {**(env or {}), **self._secret_env}  # the cluster-wide environment
+        self._image_label_selectors = dict(image_label_selectors or {})
+        self._image_label_key = image_label_key
+        self.client_class = client_class  # Ray's JobSubmissionClient, with request timeouts
 
     # -- identity ------------------------------------------------------------------------------
 
@@ -102,8 +119,8 @@ class RayJobsBackend:
 
     @property
     def secrets(self) -> list[str]:
-        """The token and every extra header value, for redaction."""
-        return [v for v in [self._token, *self._headers.values()] if v]
+        """The token, every extra header value and the secret cluster env values, to redact."""
+        return [v for v in [self._token, *self._headers.values(), *self._secret_env.values()] if v]
 
     def handle(self, job_id: str) -> JobHandle:
         """The job's handle with a link to its page in the Ray dashboard."""
@@ -125,12 +142,13 @@ class RayJobsBackend:
             tuple(sorted(self._headers.items())),
             str(self._verify),
             self._timeout_s,
+            self.client_class,
         )
         with _clients_lock:
             client = _clients.get(key)
             if client is None:
                 client = self._call(
-                    lambda: TimedJobClient(
+                    lambda: self.client_class(
                         self.address,
                         timeout_s=self._timeout_s,
                         headers=self._headers,
@@ -175,20 +193,18 @@ class RayJobsBackend:
 
     def validate(self, spec: JobSpec) -> None:
         """Reject what the Ray Jobs API would refuse, before anything is sent."""
-        if spec.label_selector and "entrypoint_label_selector" not in _submit_params():
+        # the head's id is only known at submit; a stand-in checks everything else
+        _, selector, sources = self._placement(spec, "head-node-id")
+        if selector and "entrypoint_label_selector" not in self._submit_params():
+            # Sending the job without its selector would place it on any node (a GPU job on
+            # the CPU head, say): worse than not running it, so stop here instead.
             raise InvalidJobSpec(
-                "JobSpec.label_selector: this Ray client does not support entrypoint label "
-                "selectors (needs ray >= 2.54): upgrade ray or drop label_selector"
+                f"{' and '.join(sources)}: the job needs the entrypoint label selector "
+                f"{selector}, which the Ray client here cannot send ({self.client_class.__name__}"
+                f" of ray {ray.__version__}; entrypoint_label_selector needs ray >= "
+                f"{LABEL_SELECTOR_RAY}): upgrade ray on this machine to >= {LABEL_SELECTOR_RAY}, "
+                "or drop the selector (the job is not sent without it)"
             )
-        if spec.placement is not None:
-            # the head's id is only known at submit; a stand-in checks everything else
-            _, selector = _entrypoint_placement(spec.placement, "head-node-id")
-            if selector and "entrypoint_label_selector" not in _submit_params():
-                raise InvalidJobSpec(
-                    "JobSpec.placement: node_labels and exclude_head become an entrypoint label "
-                    "selector, which this Ray client does not support (needs ray >= 2.54): "
-                    "upgrade ray or drop them"
-                )
         try:
             json.dumps({**self._runtime_env, **spec.runtime_env}, allow_nan=False)
         except (TypeError, ValueError) as exc:
@@ -240,11 +256,11 @@ class RayJobsBackend:
     ) -> dict[str, Any]:
         """The keyword arguments of `submit_job` for this job."""
         runtime_env = {**self._runtime_env, **spec.runtime_env}
-        runtime_env["env_vars"] = {
-            **self._runtime_env.get("env_vars", {}),
-            **spec.plain_env(),
-            **OVERRIDE_RUNTIME_ENV,
-        }
+        if self._image_labels(runtime_env):
+            # the image names the nodes that run it (their labels), not a container for Ray
+            # to start there with podman
+            del runtime_env["image_uri"]
+        runtime_env["env_vars"] = {**self._env, **spec.plain_env(), **OVERRIDE_RUNTIME_ENV}
         if spec.working_dir is not None:
             tree = collect_source(spec.working_dir, exclude=spec.exclude)
             # Content-addressed staging: an unchanged tree maps to the same directory, whose
@@ -265,14 +281,41 @@ class RayJobsBackend:
             request["entrypoint_memory"] = res.memory_bytes
         if res.custom:
             request["entrypoint_resources"] = dict(res.custom)
-        if spec.label_selector:  # older clients raise TypeError even for None: send only when set
-            request["entrypoint_label_selector"] = dict(spec.label_selector)
+        placed, selector, _ = self._placement(spec, head_node_id)
+        request.update(placed)
+        if selector:  # older clients raise TypeError even for None: send only when set
+            request["entrypoint_label_selector"] = selector
+        return request
+
+    def _placement(
+        self, spec: JobSpec, head_node_id: str | None
+    ) -> tuple[dict[str, float], dict[str, str], list[str]]:
+        """The job's entrypoint resources from its placement, its label selector, and the
+        fields the selector comes from. The job's own keys (label_selector, placement) win
+        over the image's: image-derived labels only fill gaps, as in NeMo-Skills."""
+        placed: dict[str, float] = {}
+        selector = dict(spec.label_selector)
+        sources = ["JobSpec.label_selector"] if selector else []
         if spec.placement is not None:  # JobSpec refuses it together with cpus/gpus/selector
             placed, selector = _entrypoint_placement(spec.placement, head_node_id)
-            request.update(placed)
-            if selector:
-                request["entrypoint_label_selector"] = selector
-        return request
+            sources = ["JobSpec.placement"] if selector else []
+        image_labels = self._image_labels({**self._runtime_env, **spec.runtime_env})
+        for key, value in image_labels.items():
+            selector.setdefault(key, value)
+        if image_labels:
+            sources.append("runtime_env['image_uri'] (RayJobsCluster.image_label_selectors)")
+        return placed, selector, sources
+
+    def _image_labels(self, runtime_env: dict[str, Any]) -> dict[str, str]:
+        """The node labels the block maps the job's image (runtime_env image_uri) to."""
+        image = runtime_env.get("image_uri")
+        if not isinstance(image, str) or not image:
+            return {}
+        return image_labels(image, self._image_label_selectors, self._image_label_key)
+
+    def _submit_params(self) -> set[str]:
+        """The keyword arguments this Ray client's submit_job takes."""
+        return set(inspect.signature(self.client_class.submit_job).parameters)
 
     def head_node_id(self) -> str:
         """The Ray id of the cluster's head node, from the dashboard's state API (which lists
@@ -358,5 +401,23 @@ def _entrypoint_placement(
         raise InvalidJobSpec(f"JobSpec.placement: {exc}") from None
 
 
-def _submit_params() -> set[str]:
-    return set(inspect.signature(JobSubmissionClient.submit_job).parameters)
+def image_labels(
+    image: str, selectors: dict[str, dict[str, str]], label_key: str | None
+) -> dict[str, str]:
+    """Node labels for a container image, as NeMo-Skills' Ray backend derives them: the labels
+    of every glob pattern the image matches (an earlier pattern's key wins), else, with a
+    label_key, that key set to the image name made a label value."""
+    labels: dict[str, str] = {}
+    for pattern, pattern_labels in selectors.items():
+        if fnmatch.fnmatch(image, pattern):
+            for key, value in pattern_labels.items():
+                labels.setdefault(key, value)
+    if not labels and label_key:
+        labels[label_key] = image_label_value(image)
+    return labels
+
+
+def image_label_value(image: str) -> str:
+    """An image name as a label value: lower case, runs of other characters as one '-'."""
+    value = re.sub(r"-+", "-", re.sub(r"[^a-z0-9_.-]", "-", image.lower())).strip("-._")
+    return value or "unknown"

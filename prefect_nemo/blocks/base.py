@@ -11,6 +11,9 @@ from prefect_nemo.jobs import Backend
 from prefect_nemo.names import dns_label
 
 DOCS_URL = "https://github.com/prefect-nemo/prefect-nemo#readme"
+# Block logos ship in this repository (assets/block-logos), as Prefect ships its own: a file
+# here can be checked offline against Prefect's logo rule, an icon on another site cannot.
+LOGOS_URL = "https://raw.githubusercontent.com/prefect-nemo/prefect-nemo/main/assets/block-logos"
 
 
 class ClusterBlock(Block):
