@@ -238,3 +238,149 @@ def test_lepton_dry_run_is_the_job_create_nemo_run_would_send(tmp_path) -> None:
         local_script = backend.local_experiment_dir(dry.job_id) / dry.job_id / "launch_script.sh"
         assert local_script.read_text() == script["script"]
         assert script["path"] == post.body["spec"]["container"]["command"][-1].split()[-1]
+
+
+def _dgx_block(runai, tmp_path, **extra):
+    from prefect_nemo.blocks.dgx_cloud import DGXCloudCluster
+
+    pvc = tmp_path / "pvc"
+    return DGXCloudCluster(
+        base_url=runai.base_url,
+        client_id=runai.client_id,
+        client_secret=SECRET,
+        project_name="nemo-project",
+        pvc_nemo_run_dir=str(pvc / "nemo-run"),
+        pvcs=[{"path": str(pvc), "claimName": "nemo-pvc", "existingPvc": True}],
+        env_vars={"PLAIN": "one"},
+        secret_env={"HF_TOKEN": "hf/token"},
+        **extra,
+    )
+
+
+def _runai_ids(runai) -> dict[str, str]:
+    return {
+        runai.projects["nemo-project"]: "<id of project nemo-project>",
+        runai.cluster_id: "<cluster id of project nemo-project>",
+    }
+
+
+@pytest.mark.nemo_run
+def test_dgx_cloud_dry_run_is_the_workload_request_nemo_run_would_send(tmp_path) -> None:
+    """The run:ai workload is built and posted in one call, NeMo-Run's
+    `DGXCloudExecutor.create_training_job` (`POST {base_url}/workloads/trainings`, or
+    `/workloads/distributed` for several nodes): the dry run runs it with its requests answered
+    locally, so it shows that path and body. Issue 14: "returns what would be submitted (...
+    Lepton/run:ai payloads) with secrets redacted, and submits nothing"."""
+    from prefect_nemo.testing.runai import RunaiServer
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "train.py").write_text("print('hi')\n")
+    spec = JobSpec(
+        name=f"dgx-dry-{uuid.uuid4().hex[:4]}", entrypoint="python3 train.py", working_dir=src
+    )
+    with RunaiServer(client_secret=SECRET, running_s=0.2) as runai:
+        block = _dgx_block(runai, tmp_path)
+        dry = run_job.fn(spec, block, dry_run=True)
+        assert not runai.requests.entries, "the dry run reached run:ai"
+        [doc] = dry.documents
+        assert doc["kind"] == "RunaiWorkload" and doc["path"] == "/api/v1/workloads/trainings"
+        request = doc["request"]
+        assert request["name"] == dry.job_id and request["useGivenNameAsPrefix"] is True
+        envs = {e["name"]: e for e in request["spec"]["environmentVariables"]}
+        assert envs["PLAIN"]["value"] == "one"
+        assert envs["HF_TOKEN"] == {"name": "HF_TOKEN", "secret": {"name": "hf", "key": "token"}}
+        assert envs["PREFECT_NEMO_CODE_0"]["value"].startswith("<")  # shown by size
+        assert "python3 train.py" in request["spec"]["args"]
+        assert SECRET not in dry.yaml
+
+        # The real submit posts exactly that request.
+        backend = block.backend()
+        backend.submit(spec, dry.job_id, {})
+        (post,) = runai.requests.find("POST", "/workloads/trainings")
+        assert post.path == doc["path"]
+        assert _as_rendered(post.body, _runai_ids(runai)) == request
+        for token in runai.issued_tokens:
+            assert token not in dry.yaml
+
+
+@pytest.mark.nemo_run
+def test_ray_on_dgx_cloud_dry_run_is_the_bootstrap_deploy_and_the_workload(tmp_path) -> None:
+    """NeMo-Run's `DGXCloudRayJob.start` deploys the Ray bootstrap script to the PVC with a
+    short-lived workspace ("Write a script to the PVC via a short-lived busybox workspace"),
+    then creates the distributed workload that runs it: on DGX Cloud that workload is the Ray
+    cluster and the job at once. The dry run shows both requests (the script decoded, not as
+    base64 a secret mask could not see into) and sends neither."""
+    from prefect_nemo.blocks.dgx_cloud import DGXCloudRayCluster
+    from prefect_nemo.testing.runai import RunaiServer
+
+    spec = JobSpec(name=f"grpo-{uuid.uuid4().hex[:4]}", entrypoint="python3 grpo.py")
+    with RunaiServer(client_secret=SECRET, running_s=0.2) as runai:
+        ray_block = DGXCloudRayCluster(cluster=_dgx_block(runai, tmp_path, nodes=2))
+        dry = run_job.fn(spec, ray_block, dry_run=True)
+        assert not runai.requests.entries, "the dry run reached run:ai"
+        deploy, script, workload = dry.documents
+        assert deploy["path"] == "/api/v1/workloads/workspaces"
+        assert deploy["request"]["name"] == "script-deploy"
+        assert script["kind"] == "RayBootstrapScript" and "ray start --head" in script["script"]
+        assert (
+            "python3 grpo.py" in script["script"]
+            and script["path"] in deploy["request"]["spec"]["args"]
+        )
+        assert workload["path"] == "/api/v1/workloads/distributed"
+        assert workload["request"]["spec"]["command"] == f"/bin/bash {script['path']}"
+        assert workload["request"]["spec"]["numWorkers"] == 2
+        assert SECRET not in dry.yaml
+
+        backend = ray_block.backend()
+        backend.submit(spec, dry.job_id, {})
+        (sent_deploy,) = runai.requests.find("POST", "/workloads/workspaces")
+        (sent_workload,) = runai.requests.find("POST", "/workloads/distributed")
+        assert _as_rendered(sent_workload.body, _runai_ids(runai)) == workload["request"]
+        sent = _as_rendered(sent_deploy.body, _runai_ids(runai))
+        packed = sent["spec"]["args"].split("echo ", 1)[1].split(" ", 1)[0]
+        assert (
+            sent["spec"]["args"].replace(packed, "<the Ray bootstrap script below, gzip + base64>")
+            == deploy["request"]["spec"]["args"]
+        )
+        sent["spec"]["args"] = deploy["request"]["spec"]["args"]
+        assert sent == deploy["request"]
+
+
+@pytest.mark.nemo_run
+def test_ray_on_lepton_dry_run_is_the_cluster_request_and_the_ray_submission(tmp_path) -> None:
+    """NeMo-Run's `LeptonRayCluster.create` builds the RayCluster request (leptonai's
+    `LeptonRayCluster`) and posts it in one call: the dry run runs it with its requests
+    answered locally; the Ray job submission is `JobSubmissionClient.submit_job`'s arguments
+    (the request builder `submit` uses). Issue 14: "returns what would be submitted ... and
+    submits nothing"."""
+    from leptonai.api.v1.types.raycluster import LeptonRayCluster as Request
+
+    from prefect_nemo.blocks.lepton import LeptonRayCluster
+    from prefect_nemo.testing.lepton import LeptonServer, unknown_fields
+
+    spec = JobSpec(name="grpo", entrypoint="python grpo.py", env={"PLAIN": "1"})
+    with LeptonServer(token=TOKEN, ray_ready_s=0.05) as lepton:
+        ray_block = LeptonRayCluster(
+            workspace=_lepton_block(lepton, tmp_path), ray_cluster_name="rl-dry", worker_nodes=2
+        )
+        dry = run_job.fn(spec, ray_block, dry_run=True)
+        assert not lepton.requests.entries, "the dry run reached the workspace"
+        cluster, submission = dry.documents
+        assert cluster["kind"] == "LeptonRayCluster" and cluster["path"].endswith("/rayclusters")
+        request = cluster["request"]
+        assert not unknown_fields(Request, request)
+        Request.model_validate(request)
+        assert request["metadata"]["id"] == "rl-dry"
+        assert request["spec"]["worker_group_specs"][0]["min_replicas"] == 2
+        assert submission["kind"] == "RayJobSubmission"
+        assert submission["address"].endswith("/rayclusters/rl-dry/dashboard")
+        assert submission["request"]["submission_id"] == dry.job_id
+        assert submission["request"]["runtime_env"]["env_vars"]["PLAIN"] == "1"
+        assert TOKEN not in dry.yaml
+
+        # Creating the cluster for real sends exactly that request.
+        ray_block.backend().ensure_cluster(poll_s=0.05)
+        (post,) = lepton.requests.find("POST", "/rayclusters")
+        group_id, _ = lepton.node_groups["nemo-nodes"]
+        assert _as_rendered(post.body, {group_id: "<id of node group nemo-nodes>"}) == request

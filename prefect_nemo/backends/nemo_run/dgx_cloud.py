@@ -39,6 +39,7 @@ from typing import Any
 import requests
 
 from prefect_nemo.backends.nemo_run.base import EXPERIMENT_TITLE, experiment_id
+from prefect_nemo.backends.nemo_run.dry_run import Answer, Sent, code_chunks_summarized
 from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
 from prefect_nemo.backends.nemo_run.service import ServiceBackend, nodes_and_gpus
 from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable, InvalidJobSpec
@@ -50,6 +51,9 @@ from prefect_nemo.packaging.transport import RUNAI_ENV_VALUE_LIMIT
 ARGS_LIMIT = 9_500
 #: Where the pod unpacks the code: ``<pvc job dir>/code`` (NeMo-Run's layout).
 CODE_SUBDIR = "code"
+#: What a dry run shows for what only run:ai knows (it sends nothing).
+DRY_RUN_TOKEN = "<a run:ai access token>"
+DRY_RUN_WORKLOAD = "<the workload id run:ai assigns>"
 
 _PHASES: dict[str, JobState] = {
     "Creating": JobState.PENDING,
@@ -344,9 +348,9 @@ class DGXCloudBackend(ServiceBackend):
         item = self.client.named(job_id)
         return _handle(item["type"], item["id"]) if item is not None else None
 
-    def launch_app(self, spec: JobSpec, job_id: str) -> str | None:
+    def launch_app(self, spec: JobSpec, job_id: str, local_dir: Path | None = None) -> str | None:
         """Create the workload through the DGXCloudExecutor, with our pod command."""
-        executor = self.assigned_executor(spec, job_id)
+        executor = self.assigned_executor(spec, job_id, local_dir)
         plan = self.add_code_env(spec, executor)
         custom = {
             **executor.custom_spec,
@@ -368,6 +372,18 @@ class DGXCloudBackend(ServiceBackend):
             except RuntimeError as exc:
                 raise BackendUnavailable(f"DGX Cloud refused the workload: {exc}") from None
         return _handle("distributed" if executor.nodes > 1 else "trainings", workload_id)
+
+    # -- dry run --------------------------------------------------------------------------------
+
+    def dry_run_answer(self) -> Answer:
+        """run:ai's answers to NeMo-Run's launch (`runai_answer`)."""
+        return runai_answer(self.config)
+
+    def sent_documents(
+        self, job_id: str, local_dir: Path, sent: list[Sent]
+    ) -> list[dict[str, Any]]:
+        """The workloads NeMo-Run creates, as run:ai receives them (path and body)."""
+        return [workload_document(s) for s in sent if "/workloads/" in s.path]
 
     # -- status, stop, logs ---------------------------------------------------------------------
 
@@ -421,6 +437,43 @@ class DGXCloudBackend(ServiceBackend):
         pvc_dir = Path(self.config.pvc_nemo_run_dir) / sub
         files = sorted(pvc_dir.glob("log_*.out")) if pvc_dir.is_dir() else []
         return "".join(f.read_text(errors="replace") for f in files)
+
+
+def runai_answer(config: DGXCloudConfig) -> Answer:
+    """How a dry run answers NeMo-Run's run:ai calls: a placeholder token, the project by
+    placeholder ids, creations accepted, a data-mover workspace already Completed."""
+    project = config.project_name
+    listed = {
+        "id": f"<id of project {project}>",
+        "name": project,
+        "clusterId": f"<cluster id of project {project}>",
+    }
+
+    def answer(method: str, path: str, body: Any) -> tuple[int, Any]:
+        if path.endswith("/token"):
+            return 200, {"accessToken": DRY_RUN_TOKEN}
+        if path.endswith("/org-unit/projects"):
+            return 200, {"projects": [listed]}
+        if method == "POST" and "/workloads/" in path:
+            name = (body or {}).get("name")
+            return 202, {"workloadId": DRY_RUN_WORKLOAD, "name": name, "actualPhase": "Creating"}
+        if method == "GET" and "/workloads/workspaces/" in path:
+            return 200, {"actualPhase": "Completed"}
+        if method == "DELETE":
+            return 202, {}
+        return 404, {"code": 404, "message": f"{path} does not exist yet (dry run)"}
+
+    return answer
+
+
+def workload_document(sent: Sent) -> dict[str, Any]:
+    """One workload creation as a dry-run document (code chunks shown by size)."""
+    return {
+        "kind": "RunaiWorkload",
+        "method": sent.method,
+        "path": sent.path,
+        "request": code_chunks_summarized(sent.body),
+    }
 
 
 def _handle(kind: str, workload_id: str) -> str:

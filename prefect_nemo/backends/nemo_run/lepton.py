@@ -394,12 +394,13 @@ def dry_run_client_args(config: LeptonConfig) -> dict[str, Any]:
     return {"workspace_id": config.workspace_id, "auth_token": DRY_RUN_TOKEN, "url": url}
 
 
-def lepton_answer(config: LeptonConfig) -> Answer:
-    """How a dry run answers NeMo-Run's Lepton calls: the node group (and its nodes) by
-    placeholder ids, creations echoed, jobs already Completed (the data mover's wait), no
-    Ray cluster yet."""
+def lepton_answer(config: LeptonConfig, node_group_id: str | None = None) -> Answer:
+    """How a dry run answers NeMo-Run's Lepton calls: the node group (by `node_group_id`, else
+    a placeholder) and its nodes, creations echoed, jobs already Completed (the data mover's
+    wait), and a Ray cluster only once it was created."""
     group = config.node_group
-    group_id = f"<id of node group {group}>"
+    group_id = node_group_id or f"<id of node group {group}>"
+    created: dict[str, Any] = {}
     group_json = {
         "metadata": {"id": group_id, "name": group},
         "spec": {"workspaces": [config.workspace_id]},
@@ -417,8 +418,13 @@ def lepton_answer(config: LeptonConfig) -> Answer:
             return 200, [group_json]
         if method == "GET" and tail.endswith("/nodes"):
             return 200, [node_json]
+        if method == "POST" and tail == "/rayclusters":
+            created[_job_id(body)] = {**body, "status": {"state": "Starting"}}
+            return 200, {}
         if method == "POST":
-            return 200, body if tail == "/jobs" else {}
+            return 200, body
+        if method == "GET" and tail.removeprefix("/rayclusters/") in created:
+            return 200, created[tail.removeprefix("/rayclusters/")]
         if method == "GET" and tail.startswith("/jobs/"):
             job_id = tail.removeprefix("/jobs/")
             return 200, {"metadata": {"id": job_id}, "status": {"state": "Completed"}}
