@@ -27,7 +27,9 @@ executor's own ``launch()`` instead of torchx) implements:
   ``before_schedule`` (after the dry run wrote the job's files, before submission:
   Slurm ships the job dir and the secret env file there), ``after_schedule``, ``statuses``,
   ``request_stop``, ``logs``, ``tail_logs`` (the defaults use the torchx runner, one runner
-  per cluster in the process, and poll the log every second: `poll_logs`), ``close``.
+  per cluster in the process, and poll the log every second: `poll_logs`), ``close``, and
+  ``documents`` (a dry run's documents from NeMo-Run's own dry run: `render` runs the first
+  half of `submit`, `dry_run`, in a scratch dir).
 
 A block hands its backend a frozen config dataclass built by `config_from` (its fields by name).
 

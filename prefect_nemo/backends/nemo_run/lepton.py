@@ -388,10 +388,13 @@ class LeptonBackend(ServiceBackend):
 
 
 def dry_run_client_args(config: LeptonConfig) -> dict[str, Any]:
-    """leptonai APIClient arguments for a dry run: the workspace, no real token, and a URL
-    that needs no lookup."""
-    url = config.workspace_url or f"https://<the API URL of workspace {config.workspace_id}>"
-    return {"workspace_id": config.workspace_id, "auth_token": DRY_RUN_TOKEN, "url": url}
+    """leptonai APIClient arguments for a dry run: the workspace as the backend's own client
+    addresses it (leptonai derives a missing URL without a request), no real token."""
+    return {
+        "workspace_id": config.workspace_id,
+        "auth_token": DRY_RUN_TOKEN,
+        "url": config.workspace_url,
+    }
 
 
 def lepton_answer(config: LeptonConfig, node_group_id: str | None = None) -> Answer:

@@ -1,14 +1,17 @@
 """Ray on DGX Cloud Lepton and DGX Cloud (run:ai) for multi-node RL, on NeMo-Run's Ray classes.
 
-Lepton (`LeptonRayBackend`): NeMo-Run's ``LeptonRayCluster`` creates (or, when one by that
-name exists, reuses) a Lepton RayCluster; jobs are Ray jobs submitted through the workspace's
-dashboard proxy ``{workspace url}/rayclusters/<name>/dashboard`` with the workspace token, as
-NeMo-Run's ``LeptonRayJob`` does, but by our `RayJobsBackend` (deterministic submission ids,
-so a re-run attaches; statuses in one list call; stop; logs). The cluster's state is read with
-the workspace client itself (the process env and its lock are only for NeMo-Run's create and
-delete). The cluster outlives its jobs, and nothing deletes it on its own (it keeps its nodes):
-`delete_cluster()` ends it. A create that fails raises, except "already exists", which is the
-cluster to attach to.
+Lepton (`LeptonRayBackend`): a Lepton RayCluster is created unless one by that name exists
+(then it is reused); the create request is the one NeMo-Run's ``LeptonRayCluster.create``
+builds (recorded, `dry_run.recording`) with one addition, the `RUN_LABEL` naming the flow run
+it is created for, and we send it with the workspace client. Jobs are Ray jobs submitted
+through the workspace's dashboard proxy ``{workspace url}/rayclusters/<name>/dashboard`` with
+the workspace token, as NeMo-Run's ``LeptonRayJob`` does, but by our `RayJobsBackend`
+(deterministic submission ids, so a re-run attaches; statuses in one list call; stop; logs).
+The cluster is read and deleted with the workspace client itself (no process env, no lock).
+It outlives its jobs; the run it was created for deletes it when it ends, however it ends
+(`teardown_for`, tracked by the Prefect side), unless the block keeps it (``keep_cluster``);
+one a crashed run left is found by its label (`cleanup`). A create that fails raises, except
+"already exists", which is the cluster to attach to.
 
 DGX Cloud (`DGXCloudRayBackend`): there is no RayCluster on run:ai. NeMo-Run's
 ``DGXCloudRayJob`` deploys a bootstrap script to the PVC (a busybox workspace) and creates a
@@ -336,18 +339,16 @@ class LeptonRayBackend:
         when no cluster of that name exists), then the Ray job submission (`RayJobsBackend`)."""
         owner = metadata.get(META_FLOW_RUN) or None
         request = self.cluster_request(f"<id of node group {self.config.node_group}>", owner)
-        url = dry_run_client_args(self.config)["url"]
-        ray = self._ray_jobs(self.cluster_name, url, None)
         return [
             {
                 "kind": "LeptonRayCluster",
                 "method": "POST",
-                "path": f"{urlsplit(url).path}/rayclusters",
+                "path": f"{urlsplit(self.lepton.client.url).path}/rayclusters",
                 "sent_if": f"workspace {self.config.workspace_id} has no Ray cluster named "
                 f"{self.cluster_name} (else the job runs on that one)",
                 "request": request,
             },
-            *ray.render(spec, job_id, metadata),
+            *self.ray.render(spec, job_id, metadata),
         ]
 
     def find(self, job_id: str) -> JobStatus | None:
