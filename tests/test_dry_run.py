@@ -18,6 +18,8 @@ from prefect_nemo.tasks.jobs import run_job, submit_job
 
 SECRET = f"s3cret-{uuid.uuid4().hex}"
 TOKEN = f"tok-{uuid.uuid4().hex}"
+#: Plain env and a secret reference of a Lepton workspace: what its jobs get.
+LEPTON_ENV = {"env_vars": {"PLAIN": "one"}, "secret_vars": {"HF_TOKEN": "hf-token-secret"}}
 
 
 def _closed_port() -> int:
@@ -101,21 +103,11 @@ def test_slurm_dry_run_is_nemo_runs_sbatch_script_and_submits_nothing(slurm, tmp
     "Write[s] ... sbatch script" (`<job>_sbatch.sh`, `req.materialize()`) without running
     sbatch. Issue 14: the dry run returns the "sbatch script ... with secrets redacted, and
     submits nothing". The secret env file is shown by its variable names only."""
-    from prefect_nemo.blocks.slurm import SlurmCluster
+    from tests.test_nemo_run_slurm import slurm_block
 
     job_root = tmp_path / "jobs"
     job_root.mkdir()
-    block = SlurmCluster(
-        host=slurm.host,
-        port=slurm.port,
-        user=slurm.user,
-        identity_key=SecretStr(slurm.identity.read_text()),
-        known_hosts=slurm.known_hosts.read_text(),
-        job_dir=str(job_root),
-        account=slurm.account,
-        partition=slurm.partition,
-        time="00:05:00",
-    )
+    block = slurm_block(slurm, job_root)
     spec = JobSpec(
         name=f"slurm-dry-{uuid.uuid4().hex[:6]}",
         entrypoint="echo $PLAIN",
@@ -154,22 +146,6 @@ def test_slurm_dry_run_is_nemo_runs_sbatch_script_and_submits_nothing(slurm, tmp
         lifecycle.stop_and_confirm(backend, dry.job_id, timeout_s=60)
 
 
-def _lepton_block(lepton, tmp_path):
-    from prefect_nemo.blocks.lepton import LeptonWorkspace
-
-    shared = tmp_path / "shared"
-    return LeptonWorkspace(
-        workspace_id=lepton.workspace_id,
-        workspace_url=lepton.api_url,
-        token=TOKEN,
-        node_group="nemo-nodes",
-        nemo_run_dir=str(shared / "nemo-run"),
-        mounts=[{"path": "/", "mount_path": str(shared), "from": "node-nfs:shared"}],
-        env_vars={"PLAIN": "one"},
-        secret_vars={"HF_TOKEN": "hf-token-secret"},
-    )
-
-
 def _as_rendered(body, replacements):
     """A request as it was sent, with the service-side ids swapped for the dry run's
     placeholders and the code chunks summarized the way the dry run shows them."""
@@ -193,6 +169,7 @@ def test_lepton_dry_run_is_the_job_create_nemo_run_would_send(tmp_path) -> None:
     from leptonai.api.v1.types.job import LeptonJob
 
     from prefect_nemo.testing.lepton import LeptonServer, unknown_fields
+    from tests.test_nemo_run_lepton import workspace_block
 
     src = tmp_path / "src"
     src.mkdir()
@@ -204,7 +181,7 @@ def test_lepton_dry_run_is_the_job_create_nemo_run_would_send(tmp_path) -> None:
         placement=PlacementSpec(nodes=2, gpus_per_node=1, strategy="spread"),
     )
     with LeptonServer(token=TOKEN, start_s=0.1, running_s=0.2) as lepton:
-        block = _lepton_block(lepton, tmp_path)
+        block = workspace_block(lepton, tmp_path, **LEPTON_ENV)
         dry = run_job.fn(spec, block, dry_run=True)
         assert not lepton.requests.entries, "the dry run reached the workspace"
         script, job = dry.documents
@@ -241,20 +218,10 @@ def test_lepton_dry_run_is_the_job_create_nemo_run_would_send(tmp_path) -> None:
 
 
 def _dgx_block(runai, tmp_path, **extra):
-    from prefect_nemo.blocks.dgx_cloud import DGXCloudCluster
+    from tests.test_nemo_run_dgx_cloud import cluster_block
 
-    pvc = tmp_path / "pvc"
-    return DGXCloudCluster(
-        base_url=runai.base_url,
-        client_id=runai.client_id,
-        client_secret=SECRET,
-        project_name="nemo-project",
-        pvc_nemo_run_dir=str(pvc / "nemo-run"),
-        pvcs=[{"path": str(pvc), "claimName": "nemo-pvc", "existingPvc": True}],
-        env_vars={"PLAIN": "one"},
-        secret_env={"HF_TOKEN": "hf/token"},
-        **extra,
-    )
+    secrets = {"env_vars": {"PLAIN": "one"}, "secret_env": {"HF_TOKEN": "hf/token"}}
+    return cluster_block(runai, tmp_path / "pvc", **secrets, **extra)
 
 
 def _runai_ids(runai) -> dict[str, str]:
@@ -358,11 +325,14 @@ def test_ray_on_lepton_dry_run_is_the_cluster_request_and_the_ray_submission(tmp
 
     from prefect_nemo.blocks.lepton import LeptonRayCluster
     from prefect_nemo.testing.lepton import LeptonServer, unknown_fields
+    from tests.test_nemo_run_lepton import workspace_block
 
     spec = JobSpec(name="grpo", entrypoint="python grpo.py", env={"PLAIN": "1"})
     with LeptonServer(token=TOKEN, ray_ready_s=0.05) as lepton:
         ray_block = LeptonRayCluster(
-            workspace=_lepton_block(lepton, tmp_path), ray_cluster_name="rl-dry", worker_nodes=2
+            workspace=workspace_block(lepton, tmp_path, **LEPTON_ENV),
+            ray_cluster_name="rl-dry",
+            worker_nodes=2,
         )
         dry = run_job.fn(spec, ray_block, dry_run=True)
         assert not lepton.requests.entries, "the dry run reached the workspace"

@@ -131,21 +131,24 @@ def runai() -> Iterator[RunaiServer]:
         yield server
 
 
+def cluster_block(runai: RunaiServer, pvc: Path | str, **extra: Any) -> DGXCloudCluster:
+    """A DGXCloudCluster block on the loopback run:ai, its PVC mounted at `pvc` in the pods."""
+    return DGXCloudCluster(
+        base_url=runai.base_url,
+        client_id=runai.client_id,
+        client_secret=runai.client_secret,
+        project_name="nemo-project",
+        pvc_nemo_run_dir=f"{pvc}/nemo-run",
+        pvcs=[{"path": str(pvc), "claimName": "nemo-pvc", "existingPvc": True}],
+        **{"stop_timeout_s": 10, "max_poll_interval_s": 0.2, **extra},
+    )
+
+
 @pytest.fixture
 def block(runai: RunaiServer, tmp_path: Path) -> DGXCloudCluster:
     pvc = tmp_path / "pvc"
     pvc.mkdir()  # the PVC, mounted here (the pods run here too)
-    return DGXCloudCluster(
-        base_url=runai.base_url,
-        client_id=runai.client_id,
-        client_secret=SECRET,
-        project_name="nemo-project",
-        pvc_nemo_run_dir=str(pvc / "nemo-run"),
-        pvcs=[{"path": str(pvc), "claimName": "nemo-pvc", "existingPvc": True}],
-        gpus_per_node=1,
-        stop_timeout_s=10,
-        max_poll_interval_s=0.2,
-    )
+    return cluster_block(runai, pvc, gpus_per_node=1)
 
 
 def workload_posts(runai: RunaiServer) -> list[Any]:
@@ -439,15 +442,7 @@ def test_without_the_pvc_the_task_says_once_where_the_log_is_and_how_to_follow_i
     pods write their log to the PVC, so without the PVC mounted the task says so, once."""
     with RunaiServer(client_secret=SECRET, running_s=0.5) as runai:
         pvc = f"/prefect-nemo-pvc-{uuid.uuid4().hex[:8]}"  # mounted in the pods, not here
-        block = DGXCloudCluster(
-            base_url=runai.base_url,
-            client_id=runai.client_id,
-            client_secret=SECRET,
-            project_name="nemo-project",
-            pvc_nemo_run_dir=f"{pvc}/nemo-run",
-            pvcs=[{"path": pvc, "claimName": "nemo-pvc", "existingPvc": True}],
-            max_poll_interval_s=0.2,
-        )
+        block = cluster_block(runai, pvc)
         since = datetime.now(UTC).isoformat()
 
         @flow

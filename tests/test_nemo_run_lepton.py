@@ -54,19 +54,23 @@ def lepton() -> Iterator[LeptonServer]:
         yield server
 
 
-@pytest.fixture
-def block(lepton: LeptonServer, tmp_path: Path) -> LeptonWorkspace:
+def workspace_block(lepton: LeptonServer, tmp_path: Path, **extra: Any) -> LeptonWorkspace:
+    """A LeptonWorkspace block on the loopback workspace, its shared mount under tmp_path."""
     shared = tmp_path / "shared"
     return LeptonWorkspace(
         workspace_id=lepton.workspace_id,
         workspace_url=lepton.api_url,
-        token=TOKEN,
+        token=lepton.token,
         node_group="nemo-nodes",
         nemo_run_dir=str(shared / "nemo-run"),
         mounts=[{"path": "/", "mount_path": str(shared), "from": "node-nfs:shared"}],
-        stop_timeout_s=10,
-        max_poll_interval_s=0.2,
+        **{"stop_timeout_s": 10, "max_poll_interval_s": 0.2, **extra},
     )
+
+
+@pytest.fixture
+def block(lepton: LeptonServer, tmp_path: Path) -> LeptonWorkspace:
+    return workspace_block(lepton, tmp_path)
 
 
 def job_posts(lepton: LeptonServer) -> list[Any]:
