@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import socket
 import uuid
+from pathlib import Path
 
+import pytest
 from pydantic import SecretStr
 
-from prefect_nemo import DryRun, JobSpec, PlacementSpec
+from prefect_nemo import DryRun, JobSpec, PlacementSpec, lifecycle
 from prefect_nemo.blocks import RayJobsCluster
 from prefect_nemo.redaction import MASK
 from prefect_nemo.tasks.jobs import run_job, submit_job
@@ -17,6 +19,8 @@ from prefect_nemo.tasks.jobs import run_job, submit_job
 SECRET = f"s3cret-{uuid.uuid4().hex}"
 TOKEN = f"tok-{uuid.uuid4().hex}"
 CLUSTER_SECRET = f"wandb-{uuid.uuid4().hex}"
+#: Plain env and a secret reference of a Lepton workspace: what its jobs get.
+LEPTON_ENV = {"env_vars": {"PLAIN": "one"}, "secret_vars": {"HF_TOKEN": "hf-token-secret"}}
 
 
 def _closed_port() -> int:
@@ -65,3 +69,305 @@ def test_ray_jobs_dry_run_renders_the_submission_and_sends_nothing(tmp_path) -> 
         assert secret not in dry.yaml and secret not in repr(dry)
     again = submit_job.fn(spec, cluster, dry_run=True)
     assert again.job_id == dry.job_id, "the same job renders the same id (what a run would use)"
+
+
+# -- NeMo-Run backends --------------------------------------------------------------------------
+# Each renders through the code path its submit uses (NeMo-Run's own dry run for the torchx
+# backends; NeMo-Run's submission code with its HTTP calls answered locally for the services),
+# and each test proves that nothing reached the cluster, then submits for real and compares.
+
+
+@pytest.mark.nemo_run
+def test_nemo_run_local_dry_run_is_the_process_it_would_start(tmp_path) -> None:
+    """NeMo-Run's own dry run (`launch(..., dryrun=True)`: torchx's `submit_dryrun`) gives the
+    Popen request the local scheduler would start; nothing runs and the job's dir (where a live
+    job keeps its logs) is not touched. Issue 14: "returns what would be submitted ... with
+    secrets redacted, and submits nothing"."""
+    from prefect_nemo.backends.nemo_run.local import NemoRunLocalBackend
+    from tests.test_nemo_run_local import NemoRunLocal
+
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    spec = JobSpec(
+        name=f"local-dry-{uuid.uuid4().hex[:6]}",
+        entrypoint="python train.py",
+        working_dir=tmp_path,
+        env={"PLAIN": "1", "HF_TOKEN": SecretStr(SECRET)},
+    )
+    dry = run_job.fn(spec, NemoRunLocal(), dry_run=True)
+    assert isinstance(dry, DryRun) and dry.backend == "nemo-run-local"
+    [doc] = dry.documents
+    backend = NemoRunLocalBackend()
+    job_dir = backend.local_experiment_dir(dry.job_id)
+    assert not job_dir.exists(), "a dry run wrote into the job's own dir"
+    assert doc["kind"] == "LocalProcess" and doc["command"][0] == "bash"
+    assert doc["command"][1].startswith(str(job_dir))  # shown where the real run puts it
+    assert doc["script"].endswith("python train.py") and "cd " in doc["script"]
+    assert doc["env"]["PLAIN"] == "1" and doc["env"]["HF_TOKEN"] == MASK
+    assert SECRET not in dry.yaml
+    # The real submit runs the script the dry run showed.
+    backend.submit(spec, dry.job_id, {})
+    try:
+        script = Path(doc["command"][1]).read_text()
+        assert script == doc["script"]
+    finally:
+        lifecycle.stop_and_confirm(backend, dry.job_id, timeout_s=30)
+
+
+@pytest.mark.nemo_run
+@pytest.mark.slow
+def test_slurm_dry_run_is_nemo_runs_sbatch_script_and_submits_nothing(slurm, tmp_path) -> None:
+    """NeMo-Run's own dry run renders the sbatch script: `SlurmTunnelScheduler._submit_dryrun`
+    "Write[s] ... sbatch script" (`<job>_sbatch.sh`, `req.materialize()`) without running
+    sbatch. Issue 14: the dry run returns the "sbatch script ... with secrets redacted, and
+    submits nothing". The secret env file is shown by its variable names only."""
+    from tests.test_nemo_run_slurm import slurm_block
+
+    job_root = tmp_path / "jobs"
+    job_root.mkdir()
+    block = slurm_block(slurm, job_root)
+    spec = JobSpec(
+        name=f"slurm-dry-{uuid.uuid4().hex[:6]}",
+        entrypoint="echo $PLAIN",
+        env={"PLAIN": "one", "HF_TOKEN": SecretStr(SECRET)},
+    )
+    dry = run_job.fn(spec, block, dry_run=True)
+    assert dry.backend == "slurm"
+    script_doc, job_script, secret_doc = dry.documents
+    backend = block.backend()
+    remote = backend.remote_dir(dry.job_id)
+    assert not Path(remote).exists(), "the dry run claimed the job's dir on the cluster"
+    assert not backend.statuses([dry.job_id]), "the dry run reached sbatch"
+    named = backend.run(f"squeue -h --name={dry.job_id} -o %i; sacct -n -X --name={dry.job_id}")
+    assert not named.stdout.strip()
+    assert script_doc["kind"] == "SbatchScript" and script_doc["path"].startswith(remote)
+    script = script_doc["script"]
+    assert script.startswith("#!/bin/bash") and f"#SBATCH --job-name={dry.job_id}" in script
+    assert f"#SBATCH --account={slurm.account}" in script and "export PLAIN=one" in script
+    assert f"{remote}/.secret-env" in script  # sourced from the file, never inline
+    assert job_script["kind"] == "JobScript" and job_script["path"] in script
+    assert job_script["script"].rstrip().endswith("echo $PLAIN")
+    assert secret_doc == {
+        "kind": "SecretEnvFile",
+        "host": backend.address,
+        "path": f"{remote}/.secret-env",
+        "mode": "0600",
+        "variables": ["HF_TOKEN"],
+    }
+    assert SECRET not in dry.yaml
+    # The real submit puts exactly that script on the cluster.
+    backend.submit(spec, dry.job_id, {})
+    try:
+        assert Path(script_doc["path"]).read_text() == script
+        assert Path(job_script["path"]).read_text() == job_script["script"]
+    finally:
+        lifecycle.stop_and_confirm(backend, dry.job_id, timeout_s=60)
+
+
+def _as_rendered(body, replacements):
+    """A request as it was sent, with the service-side ids swapped for the dry run's
+    placeholders and the code chunks summarized the way the dry run shows them."""
+    import json
+
+    from prefect_nemo.backends.nemo_run.dry_run import code_chunks_summarized
+
+    text = json.dumps(body)
+    for real, placeholder in replacements.items():
+        text = text.replace(json.dumps(real), json.dumps(placeholder))
+    return code_chunks_summarized(json.loads(text))
+
+
+@pytest.mark.nemo_run
+def test_lepton_dry_run_is_the_job_create_nemo_run_would_send(tmp_path) -> None:
+    """The Lepton job is created by NeMo-Run's `LeptonExecutor.create_lepton_job`, which builds
+    leptonai's `LeptonJob` and posts it in one call: the dry run runs that very code with its
+    requests answered locally, so it shows the job-create request as leptonai serializes it.
+    Issue 14: "returns what would be submitted (... Lepton/run:ai payloads) with secrets
+    redacted, and submits nothing"."""
+    from leptonai.api.v1.types.job import LeptonJob
+
+    from prefect_nemo.testing.lepton import LeptonServer, unknown_fields
+    from tests.test_nemo_run_lepton import workspace_block
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "train.py").write_text("print('hi')\n")
+    spec = JobSpec(
+        name=f"lep-dry-{uuid.uuid4().hex[:4]}",
+        entrypoint="python3 train.py",
+        working_dir=src,
+        placement=PlacementSpec(nodes=2, gpus_per_node=1, strategy="spread"),
+    )
+    with LeptonServer(token=TOKEN, start_s=0.1, running_s=0.2) as lepton:
+        block = workspace_block(lepton, tmp_path, **LEPTON_ENV)
+        dry = run_job.fn(spec, block, dry_run=True)
+        assert not lepton.requests.entries, "the dry run reached the workspace"
+        script, job = dry.documents
+        request = job["request"]
+        assert job["kind"] == "LeptonJob" and job["path"].endswith("/jobs")
+        assert not unknown_fields(LeptonJob, request)
+        LeptonJob.model_validate(request)
+        assert request["metadata"]["id"] == dry.job_id
+        assert request["spec"]["parallelism"] == 2 and request["spec"]["resource_shape"]
+        envs = {e["name"]: e for e in request["spec"]["envs"]}
+        assert envs["PLAIN"]["value"] == "one"
+        assert envs["HF_TOKEN"]["value_from"] == {"secret_name_ref": "hf-token-secret"}
+        assert envs["PREFECT_NEMO_CODE_0"]["value"].startswith("<")  # shown by size
+        assert script["kind"] == "LeptonLaunchScript" and "python3 train.py" in script["script"]
+        assert TOKEN not in dry.yaml
+
+        # The real submit sends exactly that request, and runs that launch script.
+        backend = block.backend()
+        backend.submit(spec, dry.job_id, {})
+        (post,) = [
+            r
+            for r in lepton.requests.find("POST", "/jobs")
+            if r.body["metadata"]["id"] == dry.job_id
+        ]
+        group_id, _ = lepton.node_groups["nemo-nodes"]
+        sent = _as_rendered(post.body, {group_id: "<id of node group nemo-nodes>"})
+        sent["spec"]["affinity"]["allowed_nodes_in_node_group"] = [
+            "<each node of node group nemo-nodes>"
+        ]
+        assert sent == request
+        local_script = backend.local_experiment_dir(dry.job_id) / dry.job_id / "launch_script.sh"
+        assert local_script.read_text() == script["script"]
+        assert script["path"] == post.body["spec"]["container"]["command"][-1].split()[-1]
+
+
+def _dgx_block(runai, tmp_path, **extra):
+    from tests.test_nemo_run_dgx_cloud import cluster_block
+
+    secrets = {"env_vars": {"PLAIN": "one"}, "secret_env": {"HF_TOKEN": "hf/token"}}
+    return cluster_block(runai, tmp_path / "pvc", **secrets, **extra)
+
+
+def _runai_ids(runai) -> dict[str, str]:
+    return {
+        runai.projects["nemo-project"]: "<id of project nemo-project>",
+        runai.cluster_id: "<cluster id of project nemo-project>",
+    }
+
+
+@pytest.mark.nemo_run
+def test_dgx_cloud_dry_run_is_the_workload_request_nemo_run_would_send(tmp_path) -> None:
+    """The run:ai workload is built and posted in one call, NeMo-Run's
+    `DGXCloudExecutor.create_training_job` (`POST {base_url}/workloads/trainings`, or
+    `/workloads/distributed` for several nodes): the dry run runs it with its requests answered
+    locally, so it shows that path and body. Issue 14: "returns what would be submitted (...
+    Lepton/run:ai payloads) with secrets redacted, and submits nothing"."""
+    from prefect_nemo.testing.runai import RunaiServer
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "train.py").write_text("print('hi')\n")
+    spec = JobSpec(
+        name=f"dgx-dry-{uuid.uuid4().hex[:4]}", entrypoint="python3 train.py", working_dir=src
+    )
+    with RunaiServer(client_secret=SECRET, running_s=0.2) as runai:
+        block = _dgx_block(runai, tmp_path)
+        dry = run_job.fn(spec, block, dry_run=True)
+        assert not runai.requests.entries, "the dry run reached run:ai"
+        [doc] = dry.documents
+        assert doc["kind"] == "RunaiWorkload" and doc["path"] == "/api/v1/workloads/trainings"
+        request = doc["request"]
+        assert request["name"] == dry.job_id and request["useGivenNameAsPrefix"] is True
+        envs = {e["name"]: e for e in request["spec"]["environmentVariables"]}
+        assert envs["PLAIN"]["value"] == "one"
+        assert envs["HF_TOKEN"] == {"name": "HF_TOKEN", "secret": {"name": "hf", "key": "token"}}
+        assert envs["PREFECT_NEMO_CODE_0"]["value"].startswith("<")  # shown by size
+        assert "python3 train.py" in request["spec"]["args"]
+        assert SECRET not in dry.yaml
+
+        # The real submit posts exactly that request.
+        backend = block.backend()
+        backend.submit(spec, dry.job_id, {})
+        (post,) = runai.requests.find("POST", "/workloads/trainings")
+        assert post.path == doc["path"]
+        assert _as_rendered(post.body, _runai_ids(runai)) == request
+        for token in runai.issued_tokens:
+            assert token not in dry.yaml
+
+
+@pytest.mark.nemo_run
+def test_ray_on_dgx_cloud_dry_run_is_the_bootstrap_deploy_and_the_workload(tmp_path) -> None:
+    """NeMo-Run's `DGXCloudRayJob.start` deploys the Ray bootstrap script to the PVC with a
+    short-lived workspace ("Write a script to the PVC via a short-lived busybox workspace"),
+    then creates the distributed workload that runs it: on DGX Cloud that workload is the Ray
+    cluster and the job at once. The dry run shows both requests (the script decoded, not as
+    base64 a secret mask could not see into) and sends neither."""
+    from prefect_nemo.blocks.dgx_cloud import DGXCloudRayCluster
+    from prefect_nemo.testing.runai import RunaiServer
+
+    spec = JobSpec(name=f"grpo-{uuid.uuid4().hex[:4]}", entrypoint="python3 grpo.py")
+    with RunaiServer(client_secret=SECRET, running_s=0.2) as runai:
+        ray_block = DGXCloudRayCluster(cluster=_dgx_block(runai, tmp_path, nodes=2))
+        dry = run_job.fn(spec, ray_block, dry_run=True)
+        assert not runai.requests.entries, "the dry run reached run:ai"
+        deploy, script, workload = dry.documents
+        assert deploy["path"] == "/api/v1/workloads/workspaces"
+        assert deploy["request"]["name"] == "script-deploy"
+        assert script["kind"] == "RayBootstrapScript" and "ray start --head" in script["script"]
+        assert (
+            "python3 grpo.py" in script["script"]
+            and script["path"] in deploy["request"]["spec"]["args"]
+        )
+        assert workload["path"] == "/api/v1/workloads/distributed"
+        assert workload["request"]["spec"]["command"] == f"/bin/bash {script['path']}"
+        assert workload["request"]["spec"]["numWorkers"] == 2
+        assert SECRET not in dry.yaml
+
+        backend = ray_block.backend()
+        backend.submit(spec, dry.job_id, {})
+        (sent_deploy,) = runai.requests.find("POST", "/workloads/workspaces")
+        (sent_workload,) = runai.requests.find("POST", "/workloads/distributed")
+        assert _as_rendered(sent_workload.body, _runai_ids(runai)) == workload["request"]
+        sent = _as_rendered(sent_deploy.body, _runai_ids(runai))
+        packed = sent["spec"]["args"].split("echo ", 1)[1].split(" ", 1)[0]
+        assert (
+            sent["spec"]["args"].replace(packed, "<the Ray bootstrap script below, gzip + base64>")
+            == deploy["request"]["spec"]["args"]
+        )
+        sent["spec"]["args"] = deploy["request"]["spec"]["args"]
+        assert sent == deploy["request"]
+
+
+@pytest.mark.nemo_run
+def test_ray_on_lepton_dry_run_is_the_cluster_request_and_the_ray_submission(tmp_path) -> None:
+    """NeMo-Run's `LeptonRayCluster.create` builds the RayCluster request (leptonai's
+    `LeptonRayCluster`) and posts it in one call: the dry run runs it with its requests
+    answered locally; the Ray job submission is `JobSubmissionClient.submit_job`'s arguments
+    (the request builder `submit` uses). Issue 14: "returns what would be submitted ... and
+    submits nothing"."""
+    from leptonai.api.v1.types.raycluster import LeptonRayCluster as Request
+
+    from prefect_nemo.blocks.lepton import LeptonRayCluster
+    from prefect_nemo.testing.lepton import LeptonServer, unknown_fields
+    from tests.test_nemo_run_lepton import workspace_block
+
+    spec = JobSpec(name="grpo", entrypoint="python grpo.py", env={"PLAIN": "1"})
+    with LeptonServer(token=TOKEN, ray_ready_s=0.05) as lepton:
+        ray_block = LeptonRayCluster(
+            workspace=workspace_block(lepton, tmp_path, **LEPTON_ENV),
+            ray_cluster_name="rl-dry",
+            worker_nodes=2,
+        )
+        dry = run_job.fn(spec, ray_block, dry_run=True)
+        assert not lepton.requests.entries, "the dry run reached the workspace"
+        cluster, submission = dry.documents
+        assert cluster["kind"] == "LeptonRayCluster" and cluster["path"].endswith("/rayclusters")
+        request = cluster["request"]
+        assert not unknown_fields(Request, request)
+        Request.model_validate(request)
+        assert request["metadata"]["id"] == "rl-dry"
+        assert request["spec"]["worker_group_specs"][0]["min_replicas"] == 2
+        assert submission["kind"] == "RayJobSubmission"
+        assert submission["address"].endswith("/rayclusters/rl-dry/dashboard")
+        assert submission["request"]["submission_id"] == dry.job_id
+        assert submission["request"]["runtime_env"]["env_vars"]["PLAIN"] == "1"
+        assert TOKEN not in dry.yaml
+
+        # Creating the cluster for real sends exactly that request.
+        ray_block.backend().ensure_cluster(poll_s=0.05)
+        (post,) = lepton.requests.find("POST", "/rayclusters")
+        group_id, _ = lepton.node_groups["nemo-nodes"]
+        assert _as_rendered(post.body, {group_id: "<id of node group nemo-nodes>"}) == request

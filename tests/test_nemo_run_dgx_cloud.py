@@ -131,20 +131,24 @@ def runai() -> Iterator[RunaiServer]:
         yield server
 
 
-@pytest.fixture
-def block(runai: RunaiServer, tmp_path: Path) -> DGXCloudCluster:
-    pvc = tmp_path / "pvc"
+def cluster_block(runai: RunaiServer, pvc: Path | str, **extra: Any) -> DGXCloudCluster:
+    """A DGXCloudCluster block on the loopback run:ai, its PVC mounted at `pvc` in the pods."""
     return DGXCloudCluster(
         base_url=runai.base_url,
         client_id=runai.client_id,
-        client_secret=SECRET,
+        client_secret=runai.client_secret,
         project_name="nemo-project",
-        pvc_nemo_run_dir=str(pvc / "nemo-run"),
+        pvc_nemo_run_dir=f"{pvc}/nemo-run",
         pvcs=[{"path": str(pvc), "claimName": "nemo-pvc", "existingPvc": True}],
-        gpus_per_node=1,
-        stop_timeout_s=10,
-        max_poll_interval_s=0.2,
+        **{"stop_timeout_s": 10, "max_poll_interval_s": 0.2, **extra},
     )
+
+
+@pytest.fixture
+def block(runai: RunaiServer, tmp_path: Path) -> DGXCloudCluster:
+    pvc = tmp_path / "pvc"
+    pvc.mkdir()  # the PVC, mounted here (the pods run here too)
+    return cluster_block(runai, pvc, gpus_per_node=1)
 
 
 def workload_posts(runai: RunaiServer) -> list[Any]:
@@ -426,3 +430,32 @@ def assert_close_ends_connections(backend: Any, url: str) -> None:
 def test_close_ends_the_client_connections(runai: RunaiServer, block: DGXCloudCluster) -> None:
     """close() closes the run:ai client's pooled connections; workloads are left alone."""
     assert_close_ends_connections(block.backend(), runai.base_url)
+
+
+def test_without_the_pvc_the_task_says_once_where_the_log_is_and_how_to_follow_it(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """Issue 14 item 8: "DGX Cloud logs: fetched through the run:ai API when the PVC is not
+    mounted locally; where that is impossible, the task says so once, with the fix, instead of
+    staying silent." run:ai's REST API has no workload log endpoint (its OpenAPI lists pods and
+    pod metrics only; NeMo-Run's `fetch_logs` says "Logs are available in the Run:AI UI"): the
+    pods write their log to the PVC, so without the PVC mounted the task says so, once."""
+    with RunaiServer(client_secret=SECRET, running_s=0.5) as runai:
+        pvc = f"/prefect-nemo-pvc-{uuid.uuid4().hex[:8]}"  # mounted in the pods, not here
+        block = cluster_block(runai, pvc)
+        since = datetime.now(UTC).isoformat()
+
+        @flow
+        def train():
+            return run_job(JobSpec(entrypoint="python3 train.py", name="far"), cluster=block)
+
+        state = train(return_state=True)
+        result = state.result()
+        assert result.state is JobState.SUCCEEDED
+        logs = prefect_haystacks(prefect_api, state.state_details.flow_run_id, since, "SUCCEEDED")
+        said = logs["prefect logs"].count("cannot be read from this machine")
+        assert said == 1, logs["prefect logs"]
+        notice = block.backend().logs(result.handle.job_id)
+        assert "run:ai's REST API serves no workload logs" in notice
+        assert f"{pvc}/nemo-run (DGXCloudCluster.pvc_nemo_run_dir)" in notice  # the fix
+        assert notice in logs["prefect logs"]

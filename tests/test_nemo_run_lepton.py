@@ -14,6 +14,7 @@ import subprocess
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -25,9 +26,11 @@ from pydantic import SecretStr
 
 from prefect_nemo import lifecycle
 from prefect_nemo.backends.nemo_run.isolation import home_files
+from prefect_nemo.backends.nemo_run.ray_clusters import RUN_LABEL
 from prefect_nemo.blocks.lepton import LeptonWorkspace
 from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable, InvalidJobSpec
 from prefect_nemo.jobs import JobSpec, JobState, Resources
+from prefect_nemo.lifecycle import META_FLOW_RUN
 from prefect_nemo.packaging import TransportTooLarge
 from prefect_nemo.placement import PlacementSpec
 from prefect_nemo.tasks import run_job
@@ -51,19 +54,23 @@ def lepton() -> Iterator[LeptonServer]:
         yield server
 
 
-@pytest.fixture
-def block(lepton: LeptonServer, tmp_path: Path) -> LeptonWorkspace:
+def workspace_block(lepton: LeptonServer, tmp_path: Path, **extra: Any) -> LeptonWorkspace:
+    """A LeptonWorkspace block on the loopback workspace, its shared mount under tmp_path."""
     shared = tmp_path / "shared"
     return LeptonWorkspace(
         workspace_id=lepton.workspace_id,
         workspace_url=lepton.api_url,
-        token=TOKEN,
+        token=lepton.token,
         node_group="nemo-nodes",
         nemo_run_dir=str(shared / "nemo-run"),
         mounts=[{"path": "/", "mount_path": str(shared), "from": "node-nfs:shared"}],
-        stop_timeout_s=10,
-        max_poll_interval_s=0.2,
+        **{"stop_timeout_s": 10, "max_poll_interval_s": 0.2, **extra},
     )
+
+
+@pytest.fixture
+def block(lepton: LeptonServer, tmp_path: Path) -> LeptonWorkspace:
+    return workspace_block(lepton, tmp_path)
 
 
 def job_posts(lepton: LeptonServer) -> list[Any]:
@@ -280,7 +287,10 @@ def test_ray_on_lepton_runs_on_a_real_ray_behind_the_workspace_proxy(
         "import ray\nray.init()\nprint('cpus', ray.cluster_resources()['CPU'])\n"
     )
     spec = JobSpec(entrypoint="python driver.py", name="grpo", working_dir=tmp_path / "app")
-    first = lifecycle.submit_or_attach(backend, spec, scope="flow-run:ray", key="grpo")
+    created_for = str(uuid.uuid4())  # the flow run the cluster is created for
+    first = lifecycle.submit_or_attach(
+        backend, spec, scope="flow-run:ray", key="grpo", metadata={META_FLOW_RUN: created_for}
+    )
     again = lifecycle.submit_or_attach(backend, spec, scope="flow-run:ray", key="grpo")
     assert not first.attached and again.attached
     job_id = first.handle.job_id
@@ -291,6 +301,7 @@ def test_ray_on_lepton_runs_on_a_real_ray_behind_the_workspace_proxy(
     (created,) = [r for r in lepton.requests.find("POST") if r.path.endswith("/rayclusters")]
     spec_sent = created.body["spec"]
     assert created.body["metadata"]["id"] == "rl-cluster"
+    assert created.body["metadata"]["labels"] == {RUN_LABEL: created_for}
     assert spec_sent["worker_group_specs"][0]["min_replicas"] == 2
     assert spec_sent["head_group_spec"]["resource_shape"] == "cpu.large"
     proxied = lepton.requests.find(None, "/rayclusters/rl-cluster/dashboard/api/jobs")
@@ -310,9 +321,13 @@ def test_ray_on_lepton_runs_on_a_real_ray_behind_the_workspace_proxy(
         backend, JobSpec(entrypoint="sleep 60", name="sleeper"), scope="flow-run:ray", key="s"
     )
     wait_for(lambda: backend.find(sleeper.handle.job_id).state is JobState.RUNNING, 60)
+    # Cleanup never deletes a cluster that runs a Ray job, even when its run is over.
+    assert backend.cleanup(lambda run: True) == [] and "rl-cluster" in lepton.rayclusters
     final = lifecycle.stop_and_confirm(backend, sleeper.handle.job_id, timeout_s=30)
     assert final is not None and final.state is JobState.STOPPED
-    assert backend.delete_cluster(timeout_s=10)
+    assert backend.cleanup(lambda run: run == created_for) == [
+        f"Lepton Ray cluster rl-cluster (created for flow run {created_for})"
+    ]
     assert lepton.rayclusters == {} and backend.find(job_id) is None
 
 
@@ -376,3 +391,90 @@ def test_close_ends_the_workspace_connections(lepton: LeptonServer, block: Lepto
     backend = block.backend()
     assert_close_ends_connections(backend, lepton.api_url)
     backend.check_access()
+
+
+def test_a_ray_cluster_created_for_a_run_is_deleted_by_that_runs_teardown(
+    lepton: LeptonServer, block: LeptonWorkspace
+) -> None:
+    """Issue 14 item 7: "Lepton Ray clusters we create are deleted when the run that created
+    them ends unless the block says keep_cluster=True". The cluster carries its run's label
+    from its create request on; `teardown_for(run)` is what the run's end calls: it deletes the
+    cluster that run created, and only that one."""
+    from prefect_nemo.blocks.lepton import LeptonRayCluster
+
+    run, other = str(uuid.uuid4()), str(uuid.uuid4())
+    backend = LeptonRayCluster(workspace=block, ray_cluster_name="rl-run").backend()
+    backend.ensure_cluster(poll_s=0.05, owner=run)
+    labels = lepton.rayclusters["rl-run"].body["metadata"]["labels"]
+    assert labels == {RUN_LABEL: run}
+    assert "kept" in backend.teardown_for(other)()  # another run's end leaves it alone
+    assert "rl-run" in lepton.rayclusters
+    assert backend.teardown_for(run)() == "Lepton Ray cluster rl-run deleted"
+    assert "rl-run" not in lepton.rayclusters
+    assert "already gone" in backend.teardown_for(run)()  # a second end is harmless
+
+    # A cluster the run only reused (someone else's) is not the run's to delete.
+    LeptonRayCluster(workspace=block, ray_cluster_name="rl-run").backend().ensure_cluster(
+        poll_s=0.05, owner=other
+    )
+    backend.ensure_cluster(poll_s=0.05, owner=run)  # exists: reused, not relabelled
+    assert "kept" in backend.teardown_for(run)() and "rl-run" in lepton.rayclusters
+
+
+def test_keep_cluster_leaves_no_run_label_and_no_teardown(
+    lepton: LeptonServer, block: LeptonWorkspace
+) -> None:
+    """Issue 14 item 7: created clusters are deleted with their run "unless the block says
+    keep_cluster=True": a kept cluster carries no run label (so cleanup never takes it) and its
+    run has nothing to tear down."""
+    from prefect_nemo.blocks.lepton import LeptonRayCluster
+
+    backend = LeptonRayCluster(
+        workspace=block, ray_cluster_name="rl-kept", keep_cluster=True
+    ).backend()
+    backend.ensure_cluster(poll_s=0.05, owner=str(uuid.uuid4()))
+    assert not lepton.rayclusters["rl-kept"].body["metadata"].get("labels")
+    assert backend.teardown_for(str(uuid.uuid4())) is None
+    assert backend.cleanup(lambda run: True) == [] and "rl-kept" in lepton.rayclusters
+
+
+def test_cleanup_deletes_the_clusters_of_runs_that_are_over(
+    prefect_api: str, lepton: LeptonServer, block: LeptonWorkspace
+) -> None:
+    """Issue 14 item 7: "a crash leaves a label that `prefect-nemo cleanup` finds": the block's
+    cleanup() asks the Prefect API about the run each labelled cluster names and deletes the
+    clusters of runs that are over (a final state, or gone), never a live run's nor an
+    unlabelled one."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed, Running
+
+    from prefect_nemo.blocks.lepton import LeptonRayCluster
+
+    probe = flow(name="lepton-cleanup-probe")(lambda: None)
+    runs = {}
+    with get_client(sync_client=True) as client:
+        for name, state in (("crashed", Crashed()), ("live", Running())):
+            flow_run = client.create_flow_run(probe)
+            client.set_flow_run_state(flow_run.id, state, force=True)
+            runs[name] = str(flow_run.id)
+    runs["gone"] = str(uuid.uuid4())  # deleted from the API: over too
+    lepton.ray_ready_s = 3600.0  # no Ray up in them (a cluster with live Ray jobs is kept)
+
+    def create(name: str, owner: str, **extra: Any) -> None:
+        from leptonai.api.v1.types.raycluster import LeptonRayCluster as Request
+
+        backend = LeptonRayCluster(workspace=block, ray_cluster_name=name, **extra).backend()
+        request = backend.cluster_request(backend._node_group_id(), owner)
+        backend.lepton.client.raycluster.create(Request.model_validate(request))
+
+    for name, run in runs.items():
+        create(f"rl-{name}", run)
+    create("rl-kept", runs["crashed"], keep_cluster=True)
+    create("rl-unlabelled", "")
+
+    removed = LeptonRayCluster(workspace=block, ray_cluster_name="rl-any").cleanup()
+    assert sorted(removed) == [
+        f"Lepton Ray cluster rl-crashed (created for flow run {runs['crashed']})",
+        f"Lepton Ray cluster rl-gone (created for flow run {runs['gone']})",
+    ]
+    assert sorted(lepton.rayclusters) == ["rl-kept", "rl-live", "rl-unlabelled"]

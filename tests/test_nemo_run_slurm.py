@@ -59,8 +59,7 @@ def job_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("slurm-jobs")
 
 
-@pytest.fixture
-def block(slurm, job_root: Path, prefect_api: str) -> SlurmCluster:
+def slurm_block(slurm, job_root: Path) -> SlurmCluster:
     """A SlurmCluster block holding the key itself (secret) and the sshd's known_hosts."""
     return SlurmCluster(
         host=slurm.host,
@@ -77,6 +76,11 @@ def block(slurm, job_root: Path, prefect_api: str) -> SlurmCluster:
         # jobs run on this machine: give them this environment's python (numpy for the demo)
         setup_lines=f"export PATH={Path(sys.executable).parent}:$PATH",
     )
+
+
+@pytest.fixture
+def block(slurm, job_root: Path, prefect_api: str) -> SlurmCluster:
+    return slurm_block(slurm, job_root)
 
 
 def sacct_by_name(slurm, name: str) -> list[dict[str, str]]:

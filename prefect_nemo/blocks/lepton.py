@@ -7,6 +7,7 @@ no nemo-run; `backend()` does.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+from uuid import UUID
 
 from pydantic import Field, SecretStr, field_validator
 
@@ -146,8 +147,9 @@ class LeptonRayCluster(ClusterBlock):
     _logo_url = "https://www.nvidia.com/favicon.ico"  # type: ignore[assignment]
     _description = (
         "Runs prefect-nemo jobs as Ray jobs on a Lepton RayCluster (multi-node RL): the "
-        "cluster is created through NeMo-Run's LeptonRayCluster unless one by that name "
-        "exists, and jobs reach its dashboard through the workspace's proxy."
+        "cluster is created with NeMo-Run's LeptonRayCluster request unless one by that name "
+        "exists (and deleted when the run that created it ends, unless kept), and jobs reach "
+        "its dashboard through the workspace's proxy."
     )
     _code_example = """
 ```python
@@ -168,8 +170,14 @@ def rl():
     )
     ray_cluster_name: str = Field(
         description="Name of the RayCluster: reused if it exists, else created (at most 35 "
-        "lowercase letters, digits and '-'). A created cluster keeps its nodes until deleted "
-        "with backend().delete_cluster(): it is meant to outlive one run."
+        "lowercase letters, digits and '-'). A cluster created for a flow run is deleted "
+        "when that run ends, however it ends, unless keep_cluster is set."
+    )
+    keep_cluster: bool = Field(
+        default=False,
+        description="Keep a Ray cluster this block creates after the run that created it "
+        "ends (it keeps its nodes until deleted). Off: the run deletes it at its end, and "
+        "`prefect-nemo cleanup` deletes one a crashed run left behind.",
     )
     worker_nodes: int | None = Field(
         default=None, ge=0, description="Ray worker replicas; empty for workspace.nodes."
@@ -197,4 +205,32 @@ def rl():
             ray_version=self.ray_version,
             worker_nodes=self.worker_nodes,
             ready_timeout_s=self.ready_timeout_s,
+            keep_cluster=self.keep_cluster,
         )
+
+    def cleanup(self) -> list[str]:
+        """Delete the workspace's Ray clusters created for flow runs that are over (a crashed
+        run leaves its cluster behind, labelled with the run) and running no Ray job; returns
+        what was removed. Clusters kept with keep_cluster carry no run label: never removed."""
+        backend = self.backend()
+        try:
+            return backend.cleanup(_flow_run_is_over)
+        finally:
+            backend.close()
+
+
+def _flow_run_is_over(flow_run_id: str) -> bool:
+    """True when the flow run has ended (a final state) or no longer exists."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        run_id = UUID(flow_run_id)
+    except ValueError:
+        return False  # not a run id: not ours to judge
+    with get_client(sync_client=True) as client:
+        try:
+            run = client.read_flow_run(run_id)
+        except ObjectNotFound:
+            return True
+    return run.state is not None and run.state.is_final()

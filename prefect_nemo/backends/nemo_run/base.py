@@ -27,7 +27,9 @@ executor's own ``launch()`` instead of torchx) implements:
   ``before_schedule`` (after the dry run wrote the job's files, before submission:
   Slurm ships the job dir and the secret env file there), ``after_schedule``, ``statuses``,
   ``request_stop``, ``logs``, ``tail_logs`` (the defaults use the torchx runner, one runner
-  per cluster in the process, and poll the log every second: `poll_logs`), ``close``.
+  per cluster in the process, and poll the log every second: `poll_logs`), ``close``, and
+  ``documents`` (a dry run's documents from NeMo-Run's own dry run: `render` runs the first
+  half of `submit`, `dry_run`, in a scratch dir).
 
 A block hands its backend a frozen config dataclass built by `config_from` (its fields by name).
 
@@ -48,6 +50,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -252,20 +255,13 @@ class NemoRunBackend(ABC):
         """Launch the spec as job_id through NeMo-Run; JobAlreadyExists if the id is taken."""
         nemo_run()
         from nemo_run.run.torchx_backend.launcher import launch
-        from nemo_run.run.torchx_backend.packaging import package
-        from nemo_run.run.torchx_backend.schedulers.api import get_executor_str
 
         meta = {**spec.metadata, **metadata}
         self.claim(job_id, meta)
         try:
-            executor = self.assigned_executor(spec, job_id)
-            task = self.make_task(spec, job_id)
-            self.before_launch(spec, job_id, executor)
+            executor, app, name, dryrun_info = self.dry_run(spec, job_id)
+            self.before_schedule(spec, job_id, executor, dryrun_info)
             with root_logger_kept():
-                app = package(job_id, task, executor=executor, serialize_metadata_for_scripts=False)
-                name = get_executor_str(executor)
-                _, dryrun_info = launch(app, name, executor, dryrun=True, runner=self.runner)
-                self.before_schedule(spec, job_id, executor, dryrun_info)
                 app_handle, _ = launch(
                     app, name, executor, dryrun=False, runner=self.runner, dryrun_info=dryrun_info
                 )
@@ -279,12 +275,51 @@ class NemoRunBackend(ABC):
             log.warning("job %s is submitted (%s) but not recorded: %s", job_id, app_handle, exc)
         return self.handle(job_id)
 
-    def assigned_executor(self, spec: JobSpec, job_id: str) -> Any:
-        """`make_executor`, assigned its experiment and a fresh local job dir."""
+    def dry_run(
+        self, spec: JobSpec, job_id: str, local_dir: Path | None = None
+    ) -> tuple[Any, Any, str, Any]:
+        """NeMo-Run's own dry run of the job, the first half of `submit` and all of `render`:
+        (executor, app, scheduler name, dryrun info); the job's files are written locally
+        (in `local_dir` when given) and nothing is sent."""
+        nemo_run()
+        from nemo_run.run.torchx_backend.launcher import launch
+        from nemo_run.run.torchx_backend.packaging import package
+        from nemo_run.run.torchx_backend.schedulers.api import get_executor_str
+
+        executor = self.assigned_executor(spec, job_id, local_dir)
+        task = self.make_task(spec, job_id)
+        self.before_launch(spec, job_id, executor)
+        with root_logger_kept():
+            app = package(job_id, task, executor=executor, serialize_metadata_for_scripts=False)
+            name = get_executor_str(executor)
+            _, dryrun_info = launch(app, name, executor, dryrun=True, runner=self.runner)
+        return executor, app, name, dryrun_info
+
+    def render(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> list[dict[str, Any]]:
+        """What `submit` would send, from NeMo-Run's own dry run (`dry_run`), its files written
+        to a scratch dir (a live job's dir is left alone) and shown at their real paths."""
+        with tempfile.TemporaryDirectory(prefix="prefect-nemo-render-") as scratch:
+            executor, _, _, dryrun_info = self.dry_run(spec, job_id, Path(scratch))
+            documents = self.documents(spec, job_id, executor, dryrun_info)
+        return relocated(documents, scratch, str(self.local_experiment_dir(job_id)))
+
+    def documents(
+        self, spec: JobSpec, job_id: str, executor: Any, dryrun_info: Any
+    ) -> list[dict[str, Any]]:
+        """The dry run as documents (`render`): the scheduler's request by default."""
+        return [{"kind": "NemoRunRequest", "request": str(dryrun_info)}]
+
+    def assigned_executor(self, spec: JobSpec, job_id: str, local_dir: Path | None = None) -> Any:
+        """`make_executor`, assigned its experiment and a fresh local job dir (`local_dir` for
+        a dry run: the remote paths still follow the real local layout, which they mirror)."""
         executor = self.make_executor(spec, job_id)
         exp_dir = self.local_experiment_dir(job_id)
-        shutil.rmtree(exp_dir, ignore_errors=True)  # a released attempt's leftovers
         executor.assign(experiment_id(job_id), str(exp_dir), job_id, job_id)
+        if local_dir is None:
+            shutil.rmtree(exp_dir, ignore_errors=True)  # a released attempt's leftovers
+        else:
+            executor.experiment_dir = str(local_dir)
+            executor.job_dir = str(local_dir / job_id)
         executor.create_job_dir()
         return executor
 
@@ -371,6 +406,17 @@ async def poll_logs(
 
 def _log_after(backend: Backend, job_id: str, offset: int) -> str:
     return backend.logs(job_id).encode()[offset:].decode(errors="replace")
+
+
+def relocated(value: Any, old: str, new: str) -> Any:
+    """A copy of a document with every string's `old` path prefix replaced by `new`."""
+    if isinstance(value, str):
+        return value.replace(old, new)
+    if isinstance(value, dict):
+        return {k: relocated(v, old, new) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [relocated(v, old, new) for v in value]
+    return value
 
 
 def config_from(config_type: type[C], values: Mapping[str, Any]) -> C:

@@ -12,7 +12,7 @@ chunks of at most 9 KiB (``packaging.plan_for("dgx_cloud")``) and the pod comman
 the NODE_RANK=0 marker gate, then runs the entrypoint with its output tee'd to
 ``<pvc job dir>/log_<host>.out``.
 
-What NeMo-Run 0.11.1 gets wrong and this module does itself (`RunaiClient`): cancel (it sends
+What NeMo-Run 0.11.1 gets wrong and this backend does itself (`runai.RunaiClient`): cancel (it sends
 GET ``/workloads/distributed/<id>/suspend``; run:ai documents POST
 ``/workloads/<trainings|distributed>/<id>/suspend``), token reuse (one token per call there;
 here one cached token, refreshed once on a 401), bad credentials (three tries 10 s apart
@@ -20,28 +20,37 @@ there; a clear error naming the block field here). Phases map to our states as: 
 Initializing, Pending, Resuming, Unknown → PENDING; Running, Updating, Stopping, Deleting,
 Terminating → RUNNING (still live); Completed → SUCCEEDED; Failed, Degraded → FAILED;
 Stopped → STOPPED.
+
+Logs are the pods' ``log_<host>.out`` files on the PVC, read where the PVC is mounted (as
+NeMo-Run's ``fetch_logs`` reads them; it says "Logs are available in the Run:AI UI" otherwise):
+run:ai's REST API (``{base_url}``, its OpenAPI) has no workload log endpoint, so elsewhere the
+log is one line saying so, with the fix (`unreadable_log`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shlex
-import threading
-import weakref
 from collections.abc import Iterator
 from contextvars import ContextVar
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import requests
-
 from prefect_nemo.backends.nemo_run.base import EXPERIMENT_TITLE, experiment_id
+from prefect_nemo.backends.nemo_run.dry_run import Answer, Sent
 from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
+from prefect_nemo.backends.nemo_run.runai import (
+    KINDS,
+    DGXCloudConfig,
+    RunaiClient,
+    runai_answer,
+    workload_document,
+)
 from prefect_nemo.backends.nemo_run.service import ServiceBackend, nodes_and_gpus
-from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable, InvalidJobSpec
+from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec
 from prefect_nemo.jobs import JobSpec, JobState, JobStatus
 from prefect_nemo.packaging import TransportPlan
 from prefect_nemo.packaging.transport import RUNAI_ENV_VALUE_LIMIT
@@ -67,163 +76,10 @@ _PHASES: dict[str, JobState] = {
     "Degraded": JobState.FAILED,
     "Stopped": JobState.STOPPED,
 }
-_KINDS = {"Training": "trainings", "Distributed": "distributed"}
 # NeMo-Run logs each workload payload (env values, code chunks) at INFO and run:ai's answer at
 # DEBUG: `_DropPayloads` drops that logger's records under WARNING while one of ours submits.
 _NOISY = "nemo_run.core.execution.dgxcloud"
 _submitting: ContextVar[bool] = ContextVar("prefect_nemo_dgx_submitting", default=False)
-
-
-@dataclass(frozen=True)
-class DGXCloudConfig:
-    """What the DGXCloudCluster block hands the backend (field names as NeMo-Run's)."""
-
-    base_url: str
-    client_id: str
-    client_secret: str = field(repr=False)
-    project_name: str
-    pvc_nemo_run_dir: str
-    pvcs: list[dict[str, Any]]
-    kube_apiserver_url: str = ""
-    container_image: str = "nvcr.io/nvidia/nemo:25.07"
-    nodes: int = 1
-    gpus_per_node: int = 1
-    nprocs_per_node: int = 1
-    distributed_framework: str = "PyTorch"
-    custom_spec: dict[str, Any] = field(default_factory=dict)
-    env_vars: dict[str, str] = field(default_factory=dict)
-    secret_env: dict[str, str] = field(default_factory=dict)
-    request_timeout_s: float = 30.0
-
-
-class RunaiClient:
-    """The run:ai calls we make ourselves: token (cached, refreshed once on 401), project,
-    workload lookup by id or name, and the documented suspend."""
-
-    def __init__(self, config: DGXCloudConfig) -> None:
-        self.config = config
-        self._token: str | None = None
-        self._lock = threading.Lock()
-        self._session = requests.Session()
-        # a block builds a backend per task: the pooled connections close when it is dropped
-        self._closer = weakref.finalize(self, self._session.close)
-
-    def close(self) -> None:
-        """Close the pooled connections now (else when the client is garbage-collected)."""
-        self._closer()
-
-    @property
-    def token_value(self) -> str | None:
-        """The token in use (for redaction), if any."""
-        return self._token
-
-    def token(self, *, refresh: bool = False) -> str:
-        """A bearer token: the cached one, or a new one from ``POST {base_url}/token``."""
-        with self._lock:
-            if self._token and not refresh:
-                return self._token
-            payload = {
-                "grantType": "client_credentials",
-                "clientId": self.config.client_id,
-                "clientSecret": self.config.client_secret,
-            }
-            response = self._send("POST", "/token", json=payload)
-            if response.status_code in (400, 401, 403):
-                raise AuthenticationFailed(
-                    f"DGX Cloud at {self.config.base_url} refused the credentials of client_id "
-                    f"'{self.config.client_id}' ({response.status_code}): check "
-                    "DGXCloudCluster.client_id and DGXCloudCluster.client_secret (a run:ai "
-                    "application's id and secret)"
-                )
-            self._raise_for_server(response, "/token")
-            token = _json(response).get("accessToken")
-            if not token:
-                raise BackendUnavailable(
-                    f"DGX Cloud at {self.config.base_url} answered /token without an accessToken"
-                )
-            self._token = str(token)
-            return self._token
-
-    def request(self, method: str, path: str, **kwargs: Any) -> requests.Response:
-        """One authenticated call; an expired token is refreshed and the call retried once."""
-        for attempt in range(2):
-            token = self.token(refresh=attempt > 0)
-            response = self._send(
-                method, path, headers={"Authorization": f"Bearer {token}"}, **kwargs
-            )
-            if response.status_code != 401:
-                self._raise_for_server(response, path)
-                return response
-        raise AuthenticationFailed(
-            f"DGX Cloud at {self.config.base_url} rejected a fresh token for {path}: check that "
-            f"the application of DGXCloudCluster.client_id may use project "
-            f"'{self.config.project_name}'"
-        )
-
-    def _send(self, method: str, path: str, **kwargs: Any) -> requests.Response:
-        try:
-            return self._session.request(
-                method,
-                self.config.base_url + path,
-                timeout=self.config.request_timeout_s,
-                **kwargs,
-            )
-        except requests.RequestException as exc:
-            raise BackendUnavailable(
-                f"DGX Cloud at {self.config.base_url} is unreachable ({type(exc).__name__}): "
-                "check DGXCloudCluster.base_url and the network"
-            ) from None
-
-    def _raise_for_server(self, response: requests.Response, path: str) -> None:
-        if response.status_code >= 500:
-            raise BackendUnavailable(
-                f"DGX Cloud at {self.config.base_url} answered {response.status_code} to {path}"
-            )
-
-    def project(self) -> tuple[str, str]:
-        """(project id, cluster id) of the configured project, or a clear error."""
-        projects = _json(self.request("GET", "/org-unit/projects")).get("projects") or []
-        for project in projects:
-            if project.get("name") == self.config.project_name:
-                return str(project["id"]), str(project["clusterId"])
-        names = sorted(str(p.get("name")) for p in projects)
-        raise InvalidJobSpec(
-            f"DGXCloudCluster.project_name: no project '{self.config.project_name}' is visible "
-            f"to this application (visible: {names}): fix the name or the application's access"
-        )
-
-    def named(self, job_id: str) -> dict[str, Any] | None:
-        """The live (not deleted) training or distributed workload created for job_id."""
-        response = self.request(
-            "GET", "/workloads", params={"filterBy": f"name=^{job_id}-", "limit": "500"}
-        )
-        for item in _json(response).get("workloads") or []:
-            rest = str(item.get("name", ""))[len(job_id) + 1 :]
-            # the suffix run:ai adds has no '-'; '<job_id>-r1-<suffix>' is another attempt
-            if rest and "-" not in rest and item.get("type") in _KINDS:
-                return item
-        return None
-
-    def workload(self, kind: str, workload_id: str) -> dict[str, Any] | None:
-        """The workload's data, or None when run:ai has no such workload."""
-        response = self.request("GET", f"/workloads/{kind}/{workload_id}")
-        if response.status_code == 404:
-            return None
-        if response.status_code != 200:
-            raise BackendUnavailable(
-                f"DGX Cloud answered {response.status_code} for workload {workload_id}: "
-                f"{response.text[:200]}"
-            )
-        return _json(response)
-
-    def suspend(self, kind: str, workload_id: str) -> None:
-        """``POST /workloads/<kind>/<id>/suspend``: stops the pods, keeps the workload."""
-        response = self.request("POST", f"/workloads/{kind}/{workload_id}/suspend")
-        if response.status_code not in (200, 202, 404):
-            raise BackendUnavailable(
-                f"DGX Cloud refused to suspend workload {workload_id}: {response.status_code} "
-                f"{response.text[:200]}"
-            )
 
 
 class DGXCloudBackend(ServiceBackend):
@@ -344,9 +200,9 @@ class DGXCloudBackend(ServiceBackend):
         item = self.client.named(job_id)
         return _handle(item["type"], item["id"]) if item is not None else None
 
-    def launch_app(self, spec: JobSpec, job_id: str) -> str | None:
+    def launch_app(self, spec: JobSpec, job_id: str, local_dir: Path | None = None) -> str | None:
         """Create the workload through the DGXCloudExecutor, with our pod command."""
-        executor = self.assigned_executor(spec, job_id)
+        executor = self.assigned_executor(spec, job_id, local_dir)
         plan = self.add_code_env(spec, executor)
         custom = {
             **executor.custom_spec,
@@ -368,6 +224,18 @@ class DGXCloudBackend(ServiceBackend):
             except RuntimeError as exc:
                 raise BackendUnavailable(f"DGX Cloud refused the workload: {exc}") from None
         return _handle("distributed" if executor.nodes > 1 else "trainings", workload_id)
+
+    # -- dry run --------------------------------------------------------------------------------
+
+    def dry_run_answer(self) -> Answer:
+        """run:ai's answers to NeMo-Run's launch (`runai_answer`)."""
+        return runai_answer(self.config)
+
+    def sent_documents(
+        self, job_id: str, local_dir: Path, sent: list[Sent]
+    ) -> list[dict[str, Any]]:
+        """The workloads NeMo-Run creates, as run:ai receives them (path and body)."""
+        return [workload_document(s) for s in sent if "/workloads/" in s.path]
 
     # -- status, stop, logs ---------------------------------------------------------------------
 
@@ -411,20 +279,41 @@ class DGXCloudBackend(ServiceBackend):
 
     def logs(self, job_id: str) -> str:
         """The job's log files on the PVC when this machine mounts it (as in-cluster
-        launches do), else empty: run:ai serves logs in its UI only."""
+        launches do). Without the mount the log cannot be read here (run:ai's REST API serves
+        no workload logs): the log is then one line that says so and names the fix, so the
+        task shows it once (a followed log sends only what is new) instead of nothing."""
         executor_dir = self.local_experiment_dir(job_id) / job_id
         home = Path(nemo_run().config.get_nemorun_home())
-        try:
-            sub = executor_dir.relative_to(home)
-        except ValueError:
-            return ""
-        pvc_dir = Path(self.config.pvc_nemo_run_dir) / sub
+        pvc_dir = Path(self.config.pvc_nemo_run_dir) / executor_dir.relative_to(home)
+        if not self._pvc_mounted():
+            return unreadable_log(job_id, pvc_dir, self.config.pvc_nemo_run_dir)
         files = sorted(pvc_dir.glob("log_*.out")) if pvc_dir.is_dir() else []
         return "".join(f.read_text(errors="replace") for f in files)
 
+    def _pvc_mounted(self) -> bool:
+        """True when the PVC that holds pvc_nemo_run_dir is mounted at its path here."""
+        job_root = os.path.abspath(self.config.pvc_nemo_run_dir)
+        for pvc in self.config.pvcs:
+            mount = os.path.abspath(str(pvc.get("path", "")))
+            if os.path.commonpath([mount, job_root]) == mount and os.path.isdir(mount):
+                return True
+        return False
+
+
+def unreadable_log(job_id: str, pvc_dir: Path, pvc_nemo_run_dir: str) -> str:
+    """The log of a job whose log files this machine cannot read: what to do instead."""
+    return (
+        f"[prefect-nemo] the log of DGX Cloud job {job_id} cannot be read from this machine: "
+        "run:ai's REST API serves no workload logs (they are in the run:ai UI, under "
+        f"Workloads), and the job writes them to {pvc_dir}/log_<pod>.out on its PVC, which is "
+        "not mounted here. To follow them in Prefect, run the flow where that PVC is mounted "
+        f"at {pvc_nemo_run_dir} (DGXCloudCluster.pvc_nemo_run_dir), e.g. in a pod of the "
+        "cluster.\n"
+    )
+
 
 def _handle(kind: str, workload_id: str) -> str:
-    return f"dgx_cloud://{_KINDS.get(kind, kind)}/{workload_id}"
+    return f"dgx_cloud://{KINDS.get(kind, kind)}/{workload_id}"
 
 
 def _parse(handle: str) -> tuple[str, str]:
@@ -435,16 +324,6 @@ def _parse(handle: str) -> tuple[str, str]:
 def _secret_ref(ref: str) -> dict[str, str]:
     name, _, key = ref.partition("/")
     return {"name": name, "key": key}
-
-
-def _json(response: requests.Response) -> dict[str, Any]:
-    try:
-        data = response.json()
-    except ValueError:
-        raise BackendUnavailable(
-            f"DGX Cloud answered {response.status_code} with a non-JSON body"
-        ) from None
-    return data if isinstance(data, dict) else {}
 
 
 def _time(text: Any) -> datetime | None:

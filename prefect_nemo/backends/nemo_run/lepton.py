@@ -29,10 +29,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, TypeVar
 
 import requests
 
+from prefect_nemo.backends.nemo_run.dry_run import Answer, Sent, code_chunks_summarized
 from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
 from prefect_nemo.backends.nemo_run.service import ServiceBackend, nodes_and_gpus
 from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable, InvalidJobSpec
@@ -48,6 +50,8 @@ RANK_ENV = "LEPTON_JOB_WORKER_INDEX"
 #: A log read returns after this many seconds, or this many without new output.
 LOG_READ_S = 5.0
 LOG_IDLE_S = 3.0
+#: What a dry run shows where the workspace token would be (it sends nothing).
+DRY_RUN_TOKEN = "<the workspace token>"
 
 _STATES: dict[str, JobState] = {
     "Starting": JobState.PENDING,
@@ -271,12 +275,12 @@ class LeptonBackend(ServiceBackend):
         """``lepton://<job id>`` when the workspace has a job by that id."""
         return f"lepton://{job_id}" if self._get(job_id) is not None else None
 
-    def launch_app(self, spec: JobSpec, job_id: str) -> str | None:
+    def launch_app(self, spec: JobSpec, job_id: str, local_dir: Path | None = None) -> str | None:
         """Launch through the LeptonExecutor, the code unpacked by a pre-launch command on
         rank 0; None when Lepton answers 409 (another machine created the job first)."""
         from leptonai.api.v1.api_resource import ClientError
 
-        executor = self.assigned_executor(spec, job_id)
+        executor = self.assigned_executor(spec, job_id, local_dir)
         plan = self.add_code_env(spec, executor)
         if plan is not None:
             dest = f"{executor.lepton_job_dir}/code"  # where NeMo-Run's script cd's
@@ -290,6 +294,38 @@ class LeptonBackend(ServiceBackend):
                 return None
             raise BackendUnavailable(f"Lepton refused job '{job_id}': {exc}") from None
         return f"lepton://{job_id}"
+
+    # -- dry run --------------------------------------------------------------------------------
+
+    def dry_run_client_args(self) -> dict[str, Any]:
+        """The workspace as leptonai addresses it, a placeholder for the token."""
+        return dry_run_client_args(self.config)
+
+    def dry_run_answer(self) -> Answer:
+        """Lepton's answers to NeMo-Run's launch (`lepton_answer`)."""
+        return lepton_answer(self.config)
+
+    def sent_documents(
+        self, job_id: str, local_dir: Path, sent: list[Sent]
+    ) -> list[dict[str, Any]]:
+        """The launch script NeMo-Run's data mover copies to the shared mount (its tarball
+        shown as the script), then the job NeMo-Run creates (leptonai's LeptonJob, as sent)."""
+        (job,) = [s for s in sent if s.path.endswith("/jobs") and _job_id(s.body) == job_id]
+        script_path = job.body["spec"]["container"]["command"][-1].split()[-1]
+        return [
+            {
+                "kind": "LeptonLaunchScript",
+                "path": script_path,
+                "copied_by": "NeMo-Run's data-mover job (busybox), before the job is created",
+                "script": (local_dir / job_id / "launch_script.sh").read_text(),
+            },
+            {
+                "kind": "LeptonJob",
+                "method": job.method,
+                "path": job.path,
+                "request": code_chunks_summarized(job.body),
+            },
+        ]
 
     # -- status, stop, logs ---------------------------------------------------------------------
 
@@ -349,6 +385,61 @@ class LeptonBackend(ServiceBackend):
         finally:
             stream.close()  # ends the request of a log still being streamed
         return "".join(chunks)
+
+
+def dry_run_client_args(config: LeptonConfig) -> dict[str, Any]:
+    """leptonai APIClient arguments for a dry run: the workspace as the backend's own client
+    addresses it (leptonai derives a missing URL without a request), no real token."""
+    return {
+        "workspace_id": config.workspace_id,
+        "auth_token": DRY_RUN_TOKEN,
+        "url": config.workspace_url,
+    }
+
+
+def lepton_answer(config: LeptonConfig, node_group_id: str | None = None) -> Answer:
+    """How a dry run answers NeMo-Run's Lepton calls: the node group (by `node_group_id`, else
+    a placeholder) and its nodes, creations echoed, jobs already Completed (the data mover's
+    wait), and a Ray cluster only once it was created."""
+    group = config.node_group
+    group_id = node_group_id or f"<id of node group {group}>"
+    created: dict[str, Any] = {}
+    group_json = {
+        "metadata": {"id": group_id, "name": group},
+        "spec": {"workspaces": [config.workspace_id]},
+        "status": {},
+    }
+    node_json = {
+        "metadata": {"id": f"<each node of node group {group}>"},
+        "spec": {"dedicated_node_group": group_id, "unschedulable": False},
+        "status": {},
+    }
+
+    def answer(method: str, path: str, body: Any) -> tuple[int, Any]:
+        tail = path.split(f"/workspaces/{config.workspace_id}", 1)[-1]
+        if method == "GET" and tail == "/dedicated-node-groups":
+            return 200, [group_json]
+        if method == "GET" and tail.endswith("/nodes"):
+            return 200, [node_json]
+        if method == "POST" and tail == "/rayclusters":
+            created[_job_id(body)] = {**body, "status": {"state": "Starting"}}
+            return 200, {}
+        if method == "POST":
+            return 200, body
+        if method == "GET" and tail.removeprefix("/rayclusters/") in created:
+            return 200, created[tail.removeprefix("/rayclusters/")]
+        if method == "GET" and tail.startswith("/jobs/"):
+            job_id = tail.removeprefix("/jobs/")
+            return 200, {"metadata": {"id": job_id}, "status": {"state": "Completed"}}
+        if method == "DELETE":
+            return 200, {}
+        return 404, {"code": "NotFound", "message": f"{tail} does not exist yet (dry run)"}
+
+    return answer
+
+
+def _job_id(body: Any) -> str:
+    return str(((body or {}).get("metadata") or {}).get("id") or "")
 
 
 def _seconds(value: int | None) -> datetime | None:

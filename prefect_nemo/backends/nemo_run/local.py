@@ -45,6 +45,27 @@ class NemoRunLocalBackend(NemoRunBackend):
         run = nemo_run()
         return run.LocalExecutor(ntasks_per_node=1, env_vars=dict(self._env))
 
+    def documents(
+        self, spec: JobSpec, job_id: str, executor: Any, dryrun_info: Any
+    ) -> list[dict[str, Any]]:
+        """The process the local scheduler would start (its torchx Popen request): command,
+        working directory, environment, log file, and the script the command runs."""
+        out = []
+        for replicas in dryrun_info.request.role_params.values():
+            for params in replicas:
+                script = Path(params.args[-1])
+                out.append(
+                    {
+                        "kind": "LocalProcess",
+                        "command": list(params.args),
+                        "cwd": params.cwd,
+                        "env": dict(params.env),
+                        "log": params.combined,
+                        "script": script.read_text() if script.is_file() else "",
+                    }
+                )
+        return out
+
     def make_task(self, spec: JobSpec, job_id: str) -> Any:
         """The entrypoint as an inline script in working_dir (staged), secrets in its env only.
 

@@ -1,14 +1,17 @@
 """Ray on DGX Cloud Lepton and DGX Cloud (run:ai) for multi-node RL, on NeMo-Run's Ray classes.
 
-Lepton (`LeptonRayBackend`): NeMo-Run's ``LeptonRayCluster`` creates (or, when one by that
-name exists, reuses) a Lepton RayCluster; jobs are Ray jobs submitted through the workspace's
-dashboard proxy ``{workspace url}/rayclusters/<name>/dashboard`` with the workspace token, as
-NeMo-Run's ``LeptonRayJob`` does, but by our `RayJobsBackend` (deterministic submission ids,
-so a re-run attaches; statuses in one list call; stop; logs). The cluster's state is read with
-the workspace client itself (the process env and its lock are only for NeMo-Run's create and
-delete). The cluster outlives its jobs, and nothing deletes it on its own (it keeps its nodes):
-`delete_cluster()` ends it. A create that fails raises, except "already exists", which is the
-cluster to attach to.
+Lepton (`LeptonRayBackend`): a Lepton RayCluster is created unless one by that name exists
+(then it is reused); the create request is the one NeMo-Run's ``LeptonRayCluster.create``
+builds (recorded, `dry_run.recording`) with one addition, the `RUN_LABEL` naming the flow run
+it is created for, and we send it with the workspace client. Jobs are Ray jobs submitted
+through the workspace's dashboard proxy ``{workspace url}/rayclusters/<name>/dashboard`` with
+the workspace token, as NeMo-Run's ``LeptonRayJob`` does, but by our `RayJobsBackend`
+(deterministic submission ids, so a re-run attaches; statuses in one list call; stop; logs).
+The cluster is read and deleted with the workspace client itself (no process env, no lock).
+It outlives its jobs; the run it was created for deletes it when it ends, however it ends
+(`teardown_for`, tracked by the Prefect side), unless the block keeps it (``keep_cluster``);
+one a crashed run left is found by its label (`cleanup`). A create that fails raises, except
+"already exists", which is the cluster to attach to.
 
 DGX Cloud (`DGXCloudRayBackend`): there is no RayCluster on run:ai. NeMo-Run's
 ``DGXCloudRayJob`` deploys a bootstrap script to the PVC (a busybox workspace) and creates a
@@ -21,31 +24,52 @@ env-var chunks unpacked on the PVC behind the rank-0 gate.
 from __future__ import annotations
 
 import base64
+import functools
 import gzip
+import re
 import shlex
 import time
-from collections.abc import AsyncGenerator, Collection
+from collections.abc import AsyncGenerator, Callable, Collection
+from pathlib import Path
 from typing import Any, ClassVar
+from urllib.parse import urlsplit
 
 from prefect_nemo import names
 from prefect_nemo.backends.nemo_run.base import poll_logs
-from prefect_nemo.backends.nemo_run.dgx_cloud import ARGS_LIMIT, DGXCloudBackend, _handle, _quiet
+from prefect_nemo.backends.nemo_run.dgx_cloud import (
+    ARGS_LIMIT,
+    DGXCloudBackend,
+    _handle,
+    _quiet,
+    workload_document,
+)
+from prefect_nemo.backends.nemo_run.dry_run import Sent, recording
 from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
-from prefect_nemo.backends.nemo_run.lepton import LeptonBackend, LeptonConfig, workspace_env
+from prefect_nemo.backends.nemo_run.lepton import (
+    LeptonBackend,
+    LeptonConfig,
+    dry_run_client_args,
+    lepton_answer,
+)
 from prefect_nemo.backends.ray_jobs import RayJobsBackend
 from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec
-from prefect_nemo.jobs import JobHandle, JobSpec, JobStatus
+from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus
+from prefect_nemo.lifecycle import META_FLOW_RUN
 from prefect_nemo.packaging import TransportPlan
 
 #: Lepton RayCluster names: NeMo-Run cuts longer ones to 34 characters.
 MAX_CLUSTER_NAME = 35
+#: The label a Ray cluster created for a flow run carries: that run's id. The run's teardown
+#: deletes it; `prefect-nemo cleanup` deletes one whose run is over (a crashed run's).
+RUN_LABEL = "prefect-nemo/flow-run"
+#: NeMo-Run's script-deploy command: ``echo <gzip+base64> | base64 -d | gunzip > <path>``.
+_DEPLOYED = re.compile(r"echo (\S+) \| base64 -d \| gunzip > (\S+)")
 
 
 class LeptonRayBackend:
-    """Ray jobs on a Lepton RayCluster that NeMo-Run creates or reuses.
-
-    A cluster created by `submit` is not deleted when its jobs end (it is shared by the jobs
-    and runs of the block, and keeps its nodes): `delete_cluster()` ends it."""
+    """Ray jobs on a Lepton RayCluster, created (NeMo-Run's request) unless one by that name
+    exists. A cluster created for a run carries that run's label (`RUN_LABEL`) and is deleted
+    when the run ends (`teardown_for`), unless the block keeps it (`keep_cluster`)."""
 
     kind: ClassVar[str] = "lepton-ray"
     max_job_id_len: ClassVar[int] = names.MAX_LABEL
@@ -59,6 +83,7 @@ class LeptonRayBackend:
         ray_version: str | None = None,
         worker_nodes: int | None = None,
         ready_timeout_s: float = 1800.0,
+        keep_cluster: bool = False,
     ) -> None:
         if not names.is_dns1035_label(cluster_name, MAX_CLUSTER_NAME):
             raise InvalidJobSpec(
@@ -71,6 +96,7 @@ class LeptonRayBackend:
         self.ray_version = ray_version
         self.worker_nodes = worker_nodes or config.nodes
         self.ready_timeout_s = ready_timeout_s
+        self.keep_cluster = keep_cluster
         self.lepton = LeptonBackend(config)  # the workspace client and its error mapping
         self._ray: RayJobsBackend | None = None
 
@@ -87,22 +113,21 @@ class LeptonRayBackend:
         return [self.config.token]
 
     @property
-    def dashboard_url(self) -> str:
-        """The Ray dashboard (Jobs API) behind the workspace's proxy."""
-        return f"{self.lepton.client.url}/rayclusters/{self.cluster_name}/dashboard"
-
-    @property
     def ray(self) -> RayJobsBackend:
         """Our Ray Jobs backend on the proxied dashboard (the workspace token authenticates)."""
         if self._ray is None:
-            origin = self.lepton.client.workspace_origin_url
-            self._ray = RayJobsBackend(
-                self.dashboard_url,
-                token=self.config.token,
-                headers={"origin": origin} if origin else {},
-                request_timeout_s=self.config.request_timeout_s,
-            )
+            client = self.lepton.client
+            self._ray = self._ray_jobs(self.cluster_name, client.url, client.workspace_origin_url)
         return self._ray
+
+    def _ray_jobs(self, name: str, url: str, origin: str | None) -> RayJobsBackend:
+        """The Ray Jobs backend of Ray cluster `name` behind the workspace API at `url`."""
+        return RayJobsBackend(
+            f"{url}/rayclusters/{name}/dashboard",
+            token=self.config.token,
+            headers={"origin": origin} if origin else {},
+            request_timeout_s=self.config.request_timeout_s,
+        )
 
     def handle(self, job_id: str) -> JobHandle:
         """The job's handle on this Ray cluster (the Ray backend's, with its dashboard link)."""
@@ -112,7 +137,10 @@ class LeptonRayBackend:
 
     # -- the Ray cluster ------------------------------------------------------------------------
 
-    def _nemo_cluster(self) -> Any:
+    def cluster_request(self, node_group_id: str, owner: str | None) -> dict[str, Any]:
+        """The create request of the Ray cluster, as NeMo-Run's ``LeptonRayCluster.create``
+        builds it (run with its requests answered locally: `dry_run.recording`), labelled
+        with the flow run it is created for (`owner`) unless the block keeps the cluster."""
         nemo_run()
         from nemo_run.run.ray.lepton import LeptonRayCluster  # NeMo-Run's, unchanged
 
@@ -120,45 +148,77 @@ class LeptonRayBackend:
         executor.nodes = self.worker_nodes
         executor.head_resource_shape = self.head_resource_shape
         executor.ray_version = self.ray_version
-        return LeptonRayCluster(name=self.cluster_name, executor=executor)
+        answer = lepton_answer(self.config, node_group_id=node_group_id)
+        with (
+            recording(answer, _creates_cluster, dry_run_client_args(self.config)) as recorder,
+            root_logger_kept(),
+        ):
+            LeptonRayCluster(name=self.cluster_name, executor=executor).create()
+        (sent,) = recorder.sent
+        request = dict(sent.body)
+        if owner and not self.keep_cluster:
+            metadata = request["metadata"] = dict(request.get("metadata") or {})
+            metadata["labels"] = {**(metadata.get("labels") or {}), RUN_LABEL: owner}
+        return request
 
-    def cluster_state(self) -> dict[str, Any] | None:
-        """The cluster's state and ray_ready (head and workers up, as NeMo-Run reads it); None
-        when there is none. Read with the workspace client (explicit token): no process env and
-        no lock, so status polls never wait behind a launch."""
+    def _node_group_id(self) -> str:
+        groups = self.lepton._call(self.lepton.client.nodegroup.list_all, "listing node groups")
+        for group in groups:
+            if group.metadata.name == self.config.node_group:
+                return str(group.metadata.id_)
+        raise InvalidJobSpec(
+            f"LeptonWorkspace.node_group: no dedicated node group '{self.config.node_group}' in "
+            f"workspace '{self.config.workspace_id}'"
+        )
+
+    def _get(self, name: str) -> Any:
+        """The workspace's Ray cluster `name` (leptonai's model), or None."""
         from leptonai.api.v1.api_resource import ClientError
 
         client = self.lepton.client
         try:
-            cluster = self.lepton._call(
-                lambda: client.raycluster.get(self.cluster_name),
-                f"reading Ray cluster {self.cluster_name}",
+            return self.lepton._call(
+                lambda: client.raycluster.get(name), f"reading Ray cluster {name}"
             )
         except ClientError as exc:
             if exc.response.status_code == 404:
                 return None
             raise
+
+    def cluster_state(self) -> dict[str, Any] | None:
+        """The cluster's state and ray_ready (head and workers up, as NeMo-Run reads it); None
+        when there is none. Read with the workspace client (explicit token): no process env and
+        no lock, so status polls never wait behind a launch."""
+        cluster = self._get(self.cluster_name)
+        if cluster is None:
+            return None
         state = cluster.status.state.value if cluster.status is not None else ""
         return {"state": state, "ray_ready": state == "Ready"}
 
-    def ensure_cluster(self, *, poll_s: float = 2.0) -> None:
-        """Create the Ray cluster unless it exists, then wait until Ray is ready."""
+    def ensure_cluster(self, *, poll_s: float = 2.0, owner: str | None = None) -> None:
+        """Create the Ray cluster unless it exists (labelled for flow run `owner`), then wait
+        until Ray is ready."""
         from leptonai.api.v1.api_resource import ClientError
+        from leptonai.api.v1.types.raycluster import LeptonRayCluster
 
         if self.cluster_state() is None:
-            cluster = self._nemo_cluster()
             try:
-                with workspace_env(self.config), root_logger_kept():
-                    self.lepton._call(cluster.create, f"creating Ray cluster {self.cluster_name}")
+                request = self.cluster_request(self._node_group_id(), owner)
+            except RuntimeError as exc:  # NeMo-Run's own checks
+                raise BackendUnavailable(
+                    f"Lepton Ray cluster '{self.cluster_name}' could not be created: {exc}"
+                ) from None
+            client = self.lepton.client
+            try:
+                self.lepton._call(
+                    lambda: client.raycluster.create(LeptonRayCluster.model_validate(request)),
+                    f"creating Ray cluster {self.cluster_name}",
+                )
             except ClientError as exc:
                 if exc.response.status_code != 409:  # 409: someone created it meanwhile
                     raise BackendUnavailable(
                         f"Lepton refused Ray cluster '{self.cluster_name}': {exc}"
                     ) from None
-            except RuntimeError as exc:  # NeMo-Run's own checks (node group, ...)
-                raise BackendUnavailable(
-                    f"Lepton Ray cluster '{self.cluster_name}' could not be created: {exc}"
-                ) from None
         deadline = time.monotonic() + self.ready_timeout_s
         while True:
             state = self.cluster_state()
@@ -171,16 +231,85 @@ class LeptonRayBackend:
                 )
             time.sleep(poll_s)
 
-    def delete_cluster(self, *, timeout_s: float = 120.0) -> bool:
-        """Delete the Ray cluster and wait until it is gone (True) or the timeout (False)."""
-        cluster = self._nemo_cluster()
-        with workspace_env(self.config), root_logger_kept():
-            return bool(
-                self.lepton._call(
-                    lambda: cluster.delete(wait=True, timeout=int(timeout_s), poll_interval=1),
-                    f"deleting Ray cluster {self.cluster_name}",
-                )
+    def delete_cluster(self, *, timeout_s: float = 120.0, name: str | None = None) -> bool:
+        """Delete the Ray cluster (this block's, or `name`) and wait until it is gone (True)
+        or the timeout (False)."""
+        from leptonai.api.v1.api_resource import ClientError
+
+        name = name or self.cluster_name
+        client = self.lepton.client
+        try:
+            self.lepton._call(
+                lambda: client.raycluster.delete(name), f"deleting Ray cluster {name}"
             )
+        except ClientError as exc:
+            if exc.response.status_code != 404:
+                raise
+        deadline = time.monotonic() + timeout_s
+        while self._get(name) is not None:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(1.0)
+        return True
+
+    # -- teardown and cleanup -------------------------------------------------------------------
+
+    def teardown_for(self, flow_run_id: str) -> Callable[[], str] | None:
+        """What to call when flow run `flow_run_id` ends, however it ends: it deletes the Ray
+        cluster if that run created it (the cluster's `RUN_LABEL` says so). None when the block
+        keeps its cluster."""
+        if self.keep_cluster:
+            return None
+        return functools.partial(self.delete_if_created_by, flow_run_id)
+
+    def delete_if_created_by(self, flow_run_id: str) -> str:
+        """Delete the Ray cluster if flow run `flow_run_id` created it; never raises, returns
+        what happened (for the run's teardown log)."""
+        name = self.cluster_name
+        try:
+            cluster = self._get(name)
+            if cluster is None:
+                return f"Lepton Ray cluster {name} is already gone"
+            owner = _labels(cluster).get(RUN_LABEL)
+            if owner != flow_run_id:
+                return f"Lepton Ray cluster {name} kept: this run did not create it"
+            if self.delete_cluster(timeout_s=self.config.request_timeout_s * 4):
+                return f"Lepton Ray cluster {name} deleted"
+            return f"Lepton Ray cluster {name}: deletion requested, still there"
+        except Exception as exc:  # a teardown reports, it never raises
+            return f"Lepton Ray cluster {name} could not be deleted: {exc}"
+
+    def cleanup(self, run_is_over: Callable[[str], bool]) -> list[str]:
+        """Delete the workspace's Ray clusters created for a flow run that is over (a crashed
+        run leaves its cluster: its `RUN_LABEL` names the run) and running no Ray job; returns
+        their names. `run_is_over(flow_run_id)` asks the orchestrator."""
+        client = self.lepton.client
+        clusters = self.lepton._call(client.raycluster.list_all, "listing Ray clusters")
+        removed = []
+        for cluster in clusters:
+            name = str(cluster.metadata.id_ if cluster.metadata else "")
+            owner = _labels(cluster).get(RUN_LABEL)
+            if not name or not owner or not run_is_over(owner) or self._has_live_jobs(name):
+                continue
+            if self.delete_cluster(name=name, timeout_s=self.config.request_timeout_s * 4):
+                removed.append(f"Lepton Ray cluster {name} (created for flow run {owner})")
+        return removed
+
+    def _has_live_jobs(self, name: str) -> bool:
+        """True when Ray cluster `name` runs or queues a Ray job (or cannot tell: then keep)."""
+        cluster = self._get(name)
+        state = cluster.status.state.value if cluster and cluster.status else ""
+        if state != "Ready":
+            return False  # no Ray to run jobs on
+        client = self.lepton.client
+        ray = self._ray_jobs(name, client.url, client.workspace_origin_url)
+        try:
+            jobs = ray._call(ray.client.list_jobs)
+        except Exception:
+            return True
+        finally:
+            ray.close()
+        return any(not JobState(str(j.status.value)).is_terminal() for j in jobs)
 
     # -- Backend protocol -----------------------------------------------------------------------
 
@@ -199,11 +328,28 @@ class LeptonRayBackend:
         self.lepton.check_access()
 
     def submit(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> JobHandle:
-        """Ensure the cluster (created if missing, and left running: see `delete_cluster`),
-        then submit the Ray job under job_id (JobAlreadyExists if taken)."""
-        self.ensure_cluster()
+        """Ensure the cluster (created for this job's flow run if missing), then submit the
+        Ray job under job_id (JobAlreadyExists if taken)."""
+        self.ensure_cluster(owner=metadata.get(META_FLOW_RUN) or None)
         self.ray.submit(spec, job_id, metadata)
         return self.handle(job_id)
+
+    def render(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> list[dict[str, Any]]:
+        """What `submit` would send, sending nothing: the cluster's create request (sent only
+        when no cluster of that name exists), then the Ray job submission (`RayJobsBackend`)."""
+        owner = metadata.get(META_FLOW_RUN) or None
+        request = self.cluster_request(f"<id of node group {self.config.node_group}>", owner)
+        return [
+            {
+                "kind": "LeptonRayCluster",
+                "method": "POST",
+                "path": f"{urlsplit(self.lepton.client.url).path}/rayclusters",
+                "sent_if": f"workspace {self.config.workspace_id} has no Ray cluster named "
+                f"{self.cluster_name} (else the job runs on that one)",
+                "request": request,
+            },
+            *self.ray.render(spec, job_id, metadata),
+        ]
 
     def find(self, job_id: str) -> JobStatus | None:
         """The Ray job's status; None if the cluster or the job is not there."""
@@ -232,7 +378,8 @@ class LeptonRayBackend:
 
     def close(self) -> None:
         """Close the workspace client and the Ray Jobs backend (no threads: their connections);
-        idempotent. The Ray cluster keeps running: `delete_cluster()` ends it."""
+        idempotent. The Ray cluster is left as it is: `teardown_for` and `delete_cluster` end
+        it."""
         self.lepton.close()
         if self._ray is not None:
             self._ray.close()
@@ -240,6 +387,14 @@ class LeptonRayBackend:
     def _cluster_up(self) -> bool:
         state = self.cluster_state()
         return bool(state and state.get("ray_ready"))
+
+
+def _creates_cluster(method: str, path: str) -> bool:
+    return method == "POST" and path.endswith("/rayclusters")
+
+
+def _labels(cluster: Any) -> dict[str, str]:
+    return dict((cluster.metadata.labels if cluster.metadata else None) or {})
 
 
 class DGXCloudRayBackend(DGXCloudBackend):
@@ -271,7 +426,7 @@ class DGXCloudRayBackend(DGXCloudBackend):
                 f"run:ai takes at most {ARGS_LIMIT}: move the long part into working_dir"
             )
 
-    def launch_app(self, spec: JobSpec, job_id: str) -> str | None:
+    def launch_app(self, spec: JobSpec, job_id: str, local_dir: Path | None = None) -> str | None:
         """Start NeMo-Run's DGXCloudRayJob: one distributed workload that bootstraps Ray."""
         nemo_run()
         from nemo_run.run.ray.dgxcloud import DGXCloudRayJob  # NeMo-Run's, unchanged
@@ -285,3 +440,23 @@ class DGXCloudRayBackend(DGXCloudBackend):
             except RuntimeError as exc:
                 raise BackendUnavailable(f"DGX Cloud refused the Ray workload: {exc}") from None
         return _handle("distributed", str(workload_id))
+
+    def sent_documents(
+        self, job_id: str, local_dir: Path, sent: list[Sent]
+    ) -> list[dict[str, Any]]:
+        """The script-deploy workspace (its gzip'd, base64 payload shown as the Ray bootstrap
+        script it writes, the next document), then the distributed workload that runs it."""
+        out: list[dict[str, Any]] = []
+        for item in sent:
+            doc = workload_document(item)
+            args = str((item.body or {}).get("spec", {}).get("args", ""))
+            packed = _DEPLOYED.search(args)
+            if packed is None:
+                out.append(doc)
+                continue
+            script = gzip.decompress(base64.b64decode(packed[1])).decode()
+            doc["request"]["spec"]["args"] = args.replace(
+                packed[1], "<the Ray bootstrap script below, gzip + base64>"
+            )
+            out += [doc, {"kind": "RayBootstrapScript", "path": packed[2], "script": script}]
+        return out

@@ -7,10 +7,13 @@ Nothing here imports Prefect.
 
 from __future__ import annotations
 
+import tempfile
 from abc import abstractmethod
+from pathlib import Path
 from typing import Any, ClassVar
 
-from prefect_nemo.backends.nemo_run.base import NemoRunBackend
+from prefect_nemo.backends.nemo_run.base import NemoRunBackend, relocated
+from prefect_nemo.backends.nemo_run.dry_run import Answer, Sent, recording
 from prefect_nemo.errors import InvalidJobSpec, JobAlreadyExists
 from prefect_nemo.jobs import JobHandle, JobSpec
 from prefect_nemo.packaging import TransportPlan, build_archive, plan_for
@@ -23,9 +26,9 @@ class ServiceBackend(NemoRunBackend):
     name from any machine, so submit-or-attach holds across machines.
 
     A subclass implements ``find_app`` (the service's job of that name), ``launch_app`` (create
-    it: `assigned_executor` and `add_code_env` prepare the executor) and ``env_refusal``, may
-    extend ``check_code``, and sets ``transport`` (`packaging.plan_for`), ``noun`` and
-    ``secret_env_fix``.
+    it: `assigned_executor` and `add_code_env` prepare the executor), ``env_refusal`` and, for
+    dry runs, ``dry_run_answer`` and ``sent_documents``; it may extend ``check_code``, and sets
+    ``transport`` (`packaging.plan_for`), ``noun`` and ``secret_env_fix``.
     """
 
     #: How the job's code travels to this service (env-var chunks within its limits).
@@ -64,9 +67,37 @@ class ServiceBackend(NemoRunBackend):
         """The app handle of the service's job named job_id (any machine's), or None."""
 
     @abstractmethod
-    def launch_app(self, spec: JobSpec, job_id: str) -> str | None:
+    def launch_app(self, spec: JobSpec, job_id: str, local_dir: Path | None = None) -> str | None:
         """Create the job on the service: its app handle, or None when the service answers
-        that the name is taken (another machine won the race)."""
+        that the name is taken (another machine won the race). `local_dir`: where the job's
+        local files go (a dry run's scratch dir; default: its own dir)."""
+
+    @abstractmethod
+    def dry_run_answer(self) -> Answer:
+        """How a dry run answers the requests of `launch_app` (placeholders for ids)."""
+
+    @abstractmethod
+    def sent_documents(
+        self, job_id: str, local_dir: Path, sent: list[Sent]
+    ) -> list[dict[str, Any]]:
+        """The dry run's documents from what `launch_app` sent (`sent`, in order) and wrote
+        (`local_dir`)."""
+
+    def dry_run_client_args(self) -> dict[str, Any]:
+        """leptonai APIClient arguments for a dry run (none: not a Lepton backend)."""
+        return {}
+
+    def render(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> list[dict[str, Any]]:
+        """What `submit` would send: `launch_app` itself, NeMo-Run's submission code included,
+        with every request answered locally (`dry_run.recording`) and nothing sent; files
+        written to a scratch dir and shown at their real paths."""
+        with (
+            tempfile.TemporaryDirectory(prefix="prefect-nemo-render-") as scratch,
+            recording(self.dry_run_answer(), _creates, self.dry_run_client_args()) as recorder,
+        ):
+            self.launch_app(spec, job_id, Path(scratch))
+            documents = self.sent_documents(job_id, Path(scratch), recorder.sent)
+        return relocated(documents, scratch, str(self.local_experiment_dir(job_id)))
 
     def submit(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> JobHandle:
         """Launch job_id unless the service has it already: JobAlreadyExists then."""
@@ -93,6 +124,11 @@ class ServiceBackend(NemoRunBackend):
         plan = code_plan(spec, self.transport)
         executor.env_vars = {**executor.env_vars, **spec.plain_env(), **(plan.env if plan else {})}
         return plan
+
+
+def _creates(method: str, path: str) -> bool:
+    """The requests a dry run keeps: those that create something (no token, no lookups)."""
+    return method == "POST" and not path.endswith("/token")
 
 
 def nodes_and_gpus(

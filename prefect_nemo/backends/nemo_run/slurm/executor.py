@@ -388,6 +388,43 @@ class SlurmBackend(NemoRunBackend):
         key = get_packaging_job_key(executor.experiment_id, job_id)
         executor.tunnel.packaging_jobs[key] = PackagingJob(symlink=False)
 
+    def documents(
+        self, spec: JobSpec, job_id: str, executor: Any, dryrun_info: Any
+    ) -> list[dict[str, Any]]:
+        """The sbatch script NeMo-Run's dry run wrote and the job script its srun runs, at the
+        paths `submit` ships them to, and (names only) the secret env file beside them."""
+        local, remote = Path(executor.experiment_dir), self.remote_dir(job_id)
+        sbatch = f"{executor.job_name}_sbatch.sh"
+        out: list[dict[str, Any]] = [
+            {
+                "kind": "SbatchScript",
+                "host": self.address,
+                "path": f"{remote}/{sbatch}",
+                "script": (local / sbatch).read_text(),
+            }
+        ]
+        for path in sorted((local / job_id / "scripts").glob("*.sh")):
+            out.append(
+                {
+                    "kind": "JobScript",
+                    "host": self.address,
+                    "path": f"{remote}/{path.relative_to(local)}",
+                    "script": path.read_text(),
+                }
+            )
+        secrets = secret_env(spec)
+        if secrets:  # the values go over SFTP into a 0600 file, never into a document
+            out.append(
+                {
+                    "kind": "SecretEnvFile",
+                    "host": self.address,
+                    "path": f"{remote}/{SECRET_ENV_FILE}",
+                    "mode": "0600",
+                    "variables": sorted(secrets),
+                }
+            )
+        return out
+
     def before_schedule(self, spec: JobSpec, job_id: str, executor: Any, dryrun_info: Any) -> None:
         """Ship the local job dir (script, code) over SFTP, and the secret env file (0600)."""
         local = Path(executor.experiment_dir)
