@@ -427,6 +427,17 @@ class PushesChanges(Protocol):
 
 
 @runtime_checkable
+class RunScopedCluster(Protocol):
+    """A backend that creates its cluster for the run that first uses it (Ray on Lepton): the
+    run deletes that cluster when it ends, however it ends (success included)."""
+
+    def teardown_for(self, flow_run_id: str) -> Callable[[], str] | None:
+        """What to call when the run ends (it never raises and says what it did), or None when
+        the cluster is kept."""
+        ...
+
+
+@runtime_checkable
 class NativeDependencies(Protocol):
     """A backend whose scheduler itself holds a job until upstream jobs succeed (Slurm's
     `sbatch --dependency=afterok:`), so the downstream job is queued at once instead of

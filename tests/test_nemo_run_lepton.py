@@ -421,6 +421,37 @@ def test_a_ray_cluster_created_for_a_run_is_deleted_by_that_runs_teardown(
     assert "kept" in backend.teardown_for(run)() and "rl-run" in lepton.rayclusters
 
 
+@pytest.mark.slow
+def test_the_cluster_a_flow_created_goes_when_the_flow_ends_however_it_ends(
+    prefect_api: str, lepton: LeptonServer, block: LeptonWorkspace, ray_head: Any, tmp_path: Path
+) -> None:
+    """Issue 14 item 7: "Lepton Ray clusters we create are deleted when the run that created
+    them ends unless the block says keep_cluster=True": a flow that completes, one that fails
+    after its job, and one with keep_cluster=True, each on a cluster it created."""
+    from prefect_nemo.blocks.lepton import LeptonRayCluster
+
+    lepton.ray_dashboard(ray_head.dashboard_url, ray_head.token)
+
+    def on_own_cluster(name: str, entrypoint: str, **extra: Any) -> Any:
+        ray_block = LeptonRayCluster(workspace=block, ray_cluster_name=name, **extra)
+
+        @flow(name=f"lepton-{name}")
+        def uses_a_cluster() -> None:
+            run_job(JobSpec(entrypoint=entrypoint, name="step"), ray_block)
+
+        return uses_a_cluster(return_state=True)
+
+    completed = on_own_cluster("rl-done", "echo done")
+    assert completed.is_completed() and "rl-done" not in lepton.rayclusters
+    failed = on_own_cluster("rl-failed", "exit 3")
+    assert failed.is_failed() and "rl-failed" not in lepton.rayclusters
+    kept = on_own_cluster("rl-kept-e2e", "echo done", keep_cluster=True)
+    assert kept.is_completed() and "rl-kept-e2e" in lepton.rayclusters
+    created = [r.body["metadata"]["id"] for r in lepton.requests.find("POST")
+               if r.path.endswith("/rayclusters")]  # fmt: skip
+    assert created == ["rl-done", "rl-failed", "rl-kept-e2e"], "each flow created its cluster"
+
+
 def test_keep_cluster_leaves_no_run_label_and_no_teardown(
     lepton: LeptonServer, block: LeptonWorkspace
 ) -> None:

@@ -93,12 +93,13 @@ class RunContext:
         with cancel_watch.watching(self.flow_run_id):
             yield
 
-    def track(self, key: str, stop: Callable[[], str]) -> None:
+    def track(self, key: str, stop: Callable[[], str], *, also_on_success: bool = False) -> None:
         """Have stop() called if this run is cancelled, crashes or fails while the work is
-        live; stop() must not raise and returns how the work ended. No-op outside a run."""
+        live (`also_on_success`: when it completes, too); stop() must not raise and returns how
+        the work ended. No-op outside a run."""
         if self.flow_run_id is None:
             return
-        live_work.add(self.flow_run_id, key, stop)
+        live_work.add(self.flow_run_id, key, stop, also_on_success=also_on_success)
         cancel_watch.ensure_running()
 
     def untrack(self, key: str) -> None:
@@ -178,18 +179,31 @@ class _LiveWork:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_run: dict[str, dict[str, Callable[[], str]]] = {}
+        self._on_success: set[tuple[str, str]] = set()  # stopped when the run completes too
 
-    def add(self, flow_run_id: str, key: str, stop: Callable[[], str]) -> None:
+    def add(
+        self, flow_run_id: str, key: str, stop: Callable[[], str], *, also_on_success: bool
+    ) -> None:
         with self._lock:
             self._by_run.setdefault(flow_run_id, {})[key] = stop
+            if also_on_success:
+                self._on_success.add((flow_run_id, key))
 
     def discard(self, flow_run_id: str | None, key: str) -> None:
         with self._lock:
             self._by_run.get(flow_run_id or "", {}).pop(key, None)
+            self._on_success.discard((flow_run_id or "", key))
 
-    def take(self, flow_run_id: str) -> list[tuple[str, Callable[[], str]]]:
+    def take(
+        self, flow_run_id: str, *, only_on_success: bool = False
+    ) -> list[tuple[str, Callable[[], str]]]:
+        """Remove the run's work and return it (`only_on_success`: the part to stop when the
+        run completes; the rest is forgotten)."""
         with self._lock:
-            return list(self._by_run.pop(flow_run_id, {}).items())
+            work = self._by_run.pop(flow_run_id, {})
+            marked = {key for run, key in self._on_success if run == flow_run_id}
+            self._on_success -= {(flow_run_id, key) for key in marked}
+        return [(k, stop) for k, stop in work.items() if not only_on_success or k in marked]
 
     def flow_run_ids(self) -> list[str]:
         with self._lock:
@@ -199,9 +213,10 @@ class _LiveWork:
 live_work = _LiveWork()
 
 
-def stop_run_work(flow_run_id: str, why: str) -> None:
-    """Stop (in parallel, each confirmed) every piece of work this process tracks for the run."""
-    work = live_work.take(flow_run_id)
+def stop_run_work(flow_run_id: str, why: str, *, only_on_success: bool = False) -> None:
+    """Stop (in parallel, each confirmed) every piece of work this process tracks for the run
+    (`only_on_success`: what is stopped when it completes; the rest is forgotten)."""
+    work = live_work.take(flow_run_id, only_on_success=only_on_success)
     if not work:
         return
     logger = fallback_logger()
@@ -325,8 +340,9 @@ def stop_flow_run_work(flow: Any, flow_run: Any, state: Any) -> None:
 
 def forget_flow_run_work(flow: Any, flow_run: Any, state: Any) -> None:
     """Flow hook on completion: what is still tracked was left running on purpose (a job
-    submitted and not waited for, graphs kept with keep_dgds): forget it, stop nothing."""
-    live_work.take(str(flow_run.id))
+    submitted and not waited for, graphs kept with keep_dgds): forget it; only what ends with
+    the run whatever its outcome (a cluster created for it) is stopped."""
+    stop_run_work(str(flow_run.id), f"flow run {flow_run.name} completed", only_on_success=True)
 
 
 def _install_stop_hooks(flow: Any) -> None:

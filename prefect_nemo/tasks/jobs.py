@@ -35,6 +35,7 @@ from prefect_nemo.jobs import (
     JobSpec,
     JobState,
     NativeDependencies,
+    RunScopedCluster,
 )
 from prefect_nemo.lifecycle import META_FLOW_RUN, JobIdentity, Supervisor, WaitPolicy
 from prefect_nemo.redaction import Redactor
@@ -77,6 +78,15 @@ def _supervisor(
     )
     supervisor = Supervisor(backend, policy, JobReporter(run, redact), run.interrupted, redact)
     return block, run, supervisor
+
+
+def _track_cluster(supervisor: Supervisor, run: RunContext) -> None:
+    """A cluster the backend creates for this run (Ray on Lepton) goes when the run ends."""
+    backend = supervisor.backend
+    if run.flow_run_id and isinstance(backend, RunScopedCluster):
+        teardown = backend.teardown_for(run.flow_run_id)
+        if teardown is not None:
+            run.track(f"cluster {backend.cluster}", teardown, also_on_success=True)
 
 
 def _identity(spec: JobSpec, run: RunContext) -> JobIdentity:
@@ -210,6 +220,7 @@ def run_job(
     identity = _identity(spec, run)
     if dry_run:
         return dry_run_reported(run, supervisor.render(spec, identity))
+    _track_cluster(supervisor, run)
     supervisor = _after(supervisor, after, run)
     with _cluster_slot(block, supervisor.backend):
         return supervisor.run(spec, identity)
@@ -233,6 +244,7 @@ def submit_job(
     identity = _identity(spec, run)
     if dry_run:
         return dry_run_reported(run, supervisor.render(spec, identity))
+    _track_cluster(supervisor, run)
     supervisor = _after(supervisor, after, run)
     return supervisor.submit(spec, identity).handle
 
