@@ -1,5 +1,6 @@
 """The `prefect-nemo` command: run the demo on the embedded default, manage the local server,
-apply block documents (`blocks apply`) and deployments (`deploy`)."""
+apply block documents (`blocks apply`) and deployments (`deploy`), render what a job or a
+Dynamo graph would send (`render`, a dry run), and clean up what no run needs (`cleanup`)."""
 
 from __future__ import annotations
 
@@ -211,6 +212,88 @@ def deploy(prefect_file: Path, names: list[str]) -> int:
         return 2
 
 
+# -- dry runs and cleanup ---------------------------------------------------------------------
+
+
+def _block(ref: str, document: Path | None) -> Any:
+    """A block from a saved block's name ('kube-ray-cluster/prod', read from the Prefect API)
+    or, with `document`, the document of that name in a block documents YAML file (offline)."""
+    if document is not None:
+        from prefect_nemo.blocks.documents import build_block, check_file
+
+        specs = {spec.name: spec for spec in check_file(document)}
+        if ref not in specs:
+            raise SystemExit(f"error: {document} has no block document {ref!r} ({sorted(specs)})")
+        return build_block(specs[ref])
+    from prefect.blocks.core import Block
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from prefect_nemo.tasks import resolve_block
+
+    api_url, _ = ensure_prefect_server()
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        return resolve_block(ref, Block, "block", "kube-ray-cluster/prod", "saved block")
+
+
+def render_job(args: argparse.Namespace) -> int:
+    """Print what a job would send to its cluster (secrets masked); nothing is sent."""
+    from prefect_nemo.jobs import JobSpec
+    from prefect_nemo.lifecycle import JobIdentity, Supervisor
+    from prefect_nemo.redaction import Redactor
+
+    env = dict(item.split("=", 1) for item in args.env)
+    spec = JobSpec(
+        entrypoint=" ".join(args.entrypoint),
+        name=args.name,
+        env=env,
+        working_dir=args.working_dir,
+    )
+    backend = _block(args.cluster, args.document).backend()
+    backend.validate(spec)
+    scope = f"experiment:{args.experiment}" if args.experiment else "task-run:none"
+    identity = JobIdentity(scope, spec.name or "job", readable=args.experiment or "")
+    dry = Supervisor(backend, redact=Redactor(backend.secrets)).render(spec, identity)
+    print(f"# job {dry.job_id} on {dry.cluster} ({dry.backend}); nothing was sent")
+    print(dry.yaml, end="")
+    return 0
+
+
+def render_dgd(args: argparse.Namespace) -> int:
+    """Print the DynamoGraphDeployment deploy_dgd would apply (no owner reference, no API)."""
+    import yaml
+
+    from prefect_nemo.tasks.dgd import render_dgd as render
+
+    doc = render(
+        str(args.manifest),
+        namespace=args.namespace,
+        name=args.name,
+        pick=args.pick,
+        image=args.image,
+        version=args.version,
+    )
+    print(yaml.safe_dump(doc, sort_keys=False), end="")
+    return 0
+
+
+def cleanup(refs: list[str], document: Path | None) -> int:
+    """Remove what prefect-nemo created on each block's cluster that no run needs any more."""
+    api_url, _ = ensure_prefect_server()  # which runs are over is Prefect's to say
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from prefect_nemo.errors import PrefectNemoError
+
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        for ref in refs:
+            try:
+                removed = _block(ref, document).cleanup()
+            except PrefectNemoError as exc:
+                print(f"error: {ref}: {exc}", file=sys.stderr)
+                return 2
+            print(f"{ref}: " + (", ".join(removed) if removed else "nothing to remove"))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `prefect-nemo` command."""
     parser = argparse.ArgumentParser(prog="prefect-nemo", description=__doc__)
@@ -240,7 +323,44 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="only this deployment ('flow-name/deployment-name' or a deployment name); repeatable",
     )
+    render = commands.add_parser(
+        "render", help="print what would be sent (dry run: secrets masked, nothing sent)"
+    )
+    render_commands = render.add_subparsers(dest="what", required=True)
+    job = render_commands.add_parser("job", help="a job on a cluster block")
+    job.add_argument(
+        "--cluster", required=True, help="a saved block ('kube-ray-cluster/prod'), or with "
+        "--document a document name in that YAML file"
+    )  # fmt: skip
+    job.add_argument("--document", type=Path, help="a block documents YAML file (offline)")
+    job.add_argument("--name", help="the job's name (part of its id)")
+    job.add_argument("--experiment", help="render the id a run of this experiment would use")
+    job.add_argument("--env", action="append", default=[], help="K=V; repeatable")
+    job.add_argument("--working-dir", type=Path, help="local code shipped with the job")
+    job.add_argument("entrypoint", nargs="+", help="the command, after --")
+    dgd = render_commands.add_parser("dgd", help="a DynamoGraphDeployment manifest file")
+    dgd.add_argument("manifest", type=Path)
+    dgd.add_argument("--namespace", required=True)
+    dgd.add_argument("--name", help="rename the DGD")
+    dgd.add_argument("--pick", help="the DGD's name in a file that holds several")
+    dgd.add_argument("--image", help="image default for containers that name none")
+    dgd.add_argument("--version", default="v1alpha1", choices=["v1alpha1", "v1beta1"])
+    clean = commands.add_parser(
+        "cleanup", help="remove what prefect-nemo created that no run needs any more"
+    )
+    clean.add_argument("blocks", nargs="+", help="saved blocks, e.g. lepton-ray-cluster/rl")
+    clean.add_argument("--document", type=Path, help="read the blocks from this YAML file")
     args = parser.parse_args(argv)
+    if args.command == "render":
+        from prefect_nemo.errors import PrefectNemoError
+
+        try:
+            return render_job(args) if args.what == "job" else render_dgd(args)
+        except PrefectNemoError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    if args.command == "cleanup":
+        return cleanup(args.blocks, args.document)
     if args.command == "demo":
         return run_demo(args.run_dir)
     if args.command == "blocks":

@@ -371,3 +371,24 @@ def test_ray_on_lepton_dry_run_is_the_cluster_request_and_the_ray_submission(tmp
         (post,) = lepton.requests.find("POST", "/rayclusters")
         group_id, _ = lepton.node_groups["nemo-nodes"]
         assert _as_rendered(post.body, {group_id: "<id of node group nemo-nodes>"}) == request
+
+
+def test_the_cli_renders_a_job_from_a_block_document_offline(tmp_path, capsys) -> None:
+    """`prefect-nemo render job`: the issue's "expose it in the CLI (prefect-nemo render ...)";
+    a block document file needs no Prefect server, and nothing is sent to the cluster."""
+    from prefect_nemo.cli import main
+
+    document = tmp_path / "blocks.yaml"
+    document.write_text(
+        "blocks:\n  - type: ray-jobs-cluster\n    name: remote\n    data:\n"
+        f"      dashboard_url: http://127.0.0.1:{_closed_port()}\n"
+        f"      auth_token: {TOKEN}\n"
+    )
+    code = main(
+        ["render", "job", "--document", str(document), "--cluster", "remote",
+         "--experiment", "sft-v3", "--name", "train", "--env", "A=1", "--", "python", "t.py"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0 and "kind: RayJobSubmission" in out and "entrypoint: python t.py" in out
+    assert "submission_id: sft-v3-train-" in out, "the id a run of experiment sft-v3 would use"
+    assert TOKEN not in out
