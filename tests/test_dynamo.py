@@ -33,6 +33,7 @@ from prefect_nemo.backends.dynamo import (
     resolve_frontend_url,
     wait_dgd_ready,
 )
+from prefect_nemo.kube import KubeTimeout
 from prefect_nemo.packaging import tee_command
 
 MANIFESTS = Path(__file__).parent.parent / "flows" / "manifests"
@@ -293,6 +294,58 @@ def test_apply_twice_attaches_and_drift_warns(api: Any, dynamo_sim: Any, caplog:
     assert drifted.obj["spec"]["services"]["Frontend"]["replicas"] == 1  # reused as is
     assert delete_dgd(api, "twice", "default") is True
     assert delete_dgd(api, "twice", "default") is False
+
+
+def _held(api: Any, name: str) -> dict[str, Any]:
+    """A DGD whose deletion a finalizer holds (as the real operator's own finalizer does while
+    it tears the graph down), already asked to go: it has metadata.deletionTimestamp."""
+    doc = render_dgd(agg(), name=name, namespace="default", flow_run_id="run-1")
+    doc["metadata"]["finalizers"] = ["test.prefect-nemo.io/hold"]
+    first = apply_dgd(api, doc).obj
+    api.delete(dynamo.dgd_kind(), name, "default")
+    held = api.get(dynamo.dgd_kind(), name, "default")
+    assert held is not None and held["metadata"]["deletionTimestamp"]
+    return first
+
+
+def _release_later(api: Any, name: str, after_s: float = 0.5) -> threading.Timer:
+    """Remove the finalizer a moment from now, from another thread."""
+    patch = {"metadata": {"finalizers": None}}
+    timer = threading.Timer(after_s, lambda: api.patch(dynamo.dgd_kind(), name, patch, "default"))
+    timer.start()
+    return timer
+
+
+def test_delete_waits_until_the_dgd_is_gone(api: Any) -> None:
+    """nrl-k8s recreates a DGD with `delete_dgd(name, namespace)` then
+    `wait_for_dgd_gone(name, namespace)` before it applies again: a delete is done when the DGD
+    no longer exists, not when the API server accepted the request."""
+    doc = render_dgd(agg(), name="slow-to-go", namespace="default", flow_run_id="run-1")
+    doc["metadata"]["finalizers"] = ["test.prefect-nemo.io/hold"]
+    apply_dgd(api, doc)
+    timer = _release_later(api, "slow-to-go")
+    assert delete_dgd(api, "slow-to-go", "default") is True
+    assert api.get(dynamo.dgd_kind(), "slow-to-go", "default") is None, "returned before it went"
+    timer.join()
+    doc["metadata"]["name"] = "stuck"
+    apply_dgd(api, doc)
+    with pytest.raises(KubeTimeout, match=r"deletion of .*stuck"):  # a finalizer stays: named
+        delete_dgd(api, "stuck", "default", wait_s=0.5)
+    api.patch(dynamo.dgd_kind(), "stuck", {"metadata": {"finalizers": None}}, "default")
+
+
+def test_apply_never_attaches_to_a_dgd_being_deleted(api: Any) -> None:
+    """A DGD with metadata.deletionTimestamp is on its way out (its pods and frontend go with
+    it): apply waits until it is gone, then creates a new one, instead of attaching."""
+    old = _held(api, "being-deleted")
+    timer = _release_later(api, "being-deleted")
+    doc = render_dgd(agg(), name="being-deleted", namespace="default", flow_run_id="run-1")
+    applied = apply_dgd(api, doc)
+    timer.join()
+    assert applied.outcome == "created" and applied.created
+    assert applied.obj["metadata"]["uid"] != old["metadata"]["uid"]
+    assert not applied.obj["metadata"].get("deletionTimestamp")
+    delete_dgd(api, "being-deleted", "default")
 
 
 def test_ready_when_all_three_gates_pass(api: Any, dynamo_sim: Any, kube_server: Any) -> None:

@@ -21,6 +21,7 @@ from prefect_nemo.backends.dynamo.graphs import (
     own_by,
     pod_ready,
     wait_dgd_ready,
+    wait_for_dgd_gone,
 )
 from prefect_nemo.backends.dynamo.manifests import (
     DGD_GROUP,
@@ -46,5 +47,5 @@ __all__ = [
     "DgdFailed", "DgdNotReady", "DgdReadiness", "apply_dgd", "check_crd_installed",
     "check_dgd_name", "deep_merge", "delete_dgd", "dgd_kind", "frontend_service", "frontend_url",
     "load_dgd", "own_by", "pod_ready", "render_dgd", "resolve_frontend_url", "validate_dgd",
-    "wait_dgd_ready",
+    "wait_dgd_ready", "wait_for_dgd_gone",
 ]  # fmt: skip

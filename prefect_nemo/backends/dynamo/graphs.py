@@ -78,9 +78,33 @@ def apply_dgd(
     )
 
 
-def delete_dgd(api: kube.KubeApi, name: str, namespace: str, *, version: str = "v1alpha1") -> bool:
-    """Delete a DGD (its pods and Services go with it); False if it was already gone."""
-    return api.delete(dgd_kind(version), name, namespace)
+def delete_dgd(
+    api: kube.KubeApi,
+    name: str,
+    namespace: str,
+    *,
+    version: str = "v1alpha1",
+    wait_s: float | None = kube.GONE_TIMEOUT_S,
+) -> bool:
+    """Delete a DGD (its pods and Services go with it) and wait until it is gone (unless
+    `wait_s` is None), as nrl-k8s does; False if it was already gone."""
+    deleted = api.delete(dgd_kind(version), name, namespace)
+    if wait_s is not None:
+        wait_for_dgd_gone(api, name, namespace, version=version, timeout_s=wait_s)
+    return deleted
+
+
+def wait_for_dgd_gone(
+    api: kube.KubeApi,
+    name: str,
+    namespace: str,
+    *,
+    version: str = "v1alpha1",
+    timeout_s: float = kube.GONE_TIMEOUT_S,
+) -> None:
+    """Wait (on a watch) until the DGD no longer exists: the operator's finalizer has run and
+    its pods, Services and frontend are gone with it. KubeTimeout if it stays."""
+    kube.wait_gone(api, dgd_kind(version), name, namespace, timeout_s=timeout_s)
 
 
 def own_by(
