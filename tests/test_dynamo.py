@@ -241,6 +241,62 @@ def test_frontend_url_and_conflicting_settings() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# The recipe keys training gets (flows/rl_dynamo.py)
+
+
+def test_recipe_keys_as_nrl_k8s_stamps_them() -> None:
+    """nrl-k8s `_inject_dynamo_into_recipe`: "Only applies when exactly one DGD is declared
+    ... With multiple DGDs the user is expected to wire dgd_name themselves"; it sets
+    `policy.generation.backend=dynamo` and `policy.generation.dynamo_cfg.dgd_name=<resolved
+    name>`. NeMo-RL's DynamoCfg: "Two ways to specify the frontend, mutually exclusive"
+    (`dgd_name`, `frontend_url`), `frontend_port` "(default 8000)"."""
+    from flows.rl_dynamo import recipe_overrides
+
+    one = recipe_overrides("python run_grpo.py", ["rollout-a"])
+    assert one == [
+        "++policy.generation.backend=dynamo",
+        "++policy.generation.dynamo_cfg.dgd_name=rollout-a",
+    ]
+    assert recipe_overrides("python run_grpo.py", ["a", "b"]) == []
+    assert recipe_overrides("python run_grpo.py", ["a"], frontend_port=9000)[-1] == (
+        "++policy.generation.dynamo_cfg.frontend_port=9000"
+    )
+    theirs = "http://mine-frontend.serving.svc.cluster.local:8000/v1"
+    assert recipe_overrides("python run_grpo.py", [], frontend_url=theirs) == [
+        "++policy.generation.backend=dynamo",
+        f"++policy.generation.dynamo_cfg.frontend_url={theirs}",
+    ]
+    for entrypoint, names, url in [
+        ("python run_grpo.py", ["a"], theirs),
+        (f"python run_grpo.py +policy.generation.dynamo_cfg.frontend_url={theirs}", ["a"], None),
+        ("python run_grpo.py policy.generation.dynamo_cfg.dgd_name=x", ["a", "b"], theirs),
+    ]:
+        with pytest.raises(InvalidJobSpec, match=r"dgd_name and .*frontend_url are mutually"):
+            recipe_overrides(entrypoint, names, frontend_url=url)
+
+
+def test_frontend_port_must_be_where_the_frontend_listens() -> None:
+    """Dynamo: "dynamo.frontend accepts either --http-port flag or DYN_HTTP_PORT env var
+    (defaults to 8000)"; a port it does not listen on fails before any request, naming the
+    field and the fix."""
+    doc = render_dgd(agg(), namespace="ns")  # its Frontend says --http-port 8000
+    assert resolve_frontend_url(doc, port=8000).endswith(":8000")
+    with pytest.raises(InvalidJobSpec, match=r"frontend_port 9000: .*listens on 8000.*--http-port"):
+        resolve_frontend_url(doc, port=9000)
+    moved = deep_merge(doc, {"spec": {"services": {"Frontend": {"extraPodSpec": {
+        "mainContainer": {"args": ["--http-port", "9000"]}}}}}})  # fmt: skip
+    assert resolve_frontend_url(moved, port=9000) == (
+        "http://rl-rollout-frontend.ns.svc.cluster.local:9000"
+    )
+    by_env = beta()
+    by_env["spec"]["components"][0]["envs"] = [{"name": "DYN_HTTP_PORT", "value": "8100"}]
+    assert resolve_frontend_url(by_env, port=8100, version="v1beta1").endswith(":8100")
+    for bad in (0, 70000, "8000", True):
+        with pytest.raises(InvalidJobSpec, match="is not a TCP port"):
+            resolve_frontend_url(doc, port=bad)
+
+
+# ---------------------------------------------------------------------------------------------
 # Against the loopback API server and the Dynamo operator simulator
 
 
@@ -358,6 +414,19 @@ def test_ready_when_all_three_gates_pass(api: Any, dynamo_sim: Any, kube_server:
     assert time.monotonic() - start < 10
     assert seen[-1].ready and not seen[0].ready  # progress was reported along the way
     delete_dgd(api, "ok-graph", "default")
+
+
+def test_readiness_probes_the_configured_frontend_port(api: Any, dynamo_sim: Any) -> None:
+    """NeMo-RL's dynamo_cfg `frontend_port` "(default 8000)": a frontend moved to 9000 (its
+    --http-port) is probed there; probing 8000 would never see it answer."""
+    moved = deep_merge(agg(), {"spec": {"services": {"Frontend": {"extraPodSpec": {
+        "mainContainer": {"args": ["--http-port", "9000"]}}}}}})  # fmt: skip
+    deploy(api, "port-9000", moved)
+    ready = wait_dgd_ready(api, "port-9000", "default", 20, port=9000)
+    assert ready.ready and ready.frontend_status == 200
+    with pytest.raises(DgdNotReady, match="frontend"):
+        wait_dgd_ready(api, "port-9000", "default", 1.5, port=8000)
+    delete_dgd(api, "port-9000", "default")
 
 
 def test_failed_state_raises_at_once_with_the_operator_message(api: Any, dynamo_sim: Any) -> None:

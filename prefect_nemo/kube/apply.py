@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 MANAGED_BY = "app.kubernetes.io/managed-by"
 FLOW_RUN_LABEL = "prefect.io/flow-run-id"
 SPEC_HASH = "prefect-nemo.io/spec-hash"
+LAST_USED = "prefect-nemo.io/last-used"  # when a shared object was last taken for a job
 GONE_TIMEOUT_S = 300.0  # how long we wait for an object being deleted to go (nrl-k8s: 300 s)
 
 Outcome = Literal["created", "attached", "drifted", "recreated"]
@@ -50,7 +51,9 @@ def spec_hash(manifest: dict) -> str:
     wanted = {
         "spec": {k: v for k, v in manifest.items() if k not in ("metadata", "status")},
         "labels": meta.get("labels", {}),
-        "annotations": {k: v for k, v in meta.get("annotations", {}).items() if k != SPEC_HASH},
+        "annotations": {
+            k: v for k, v in meta.get("annotations", {}).items() if k not in (SPEC_HASH, LAST_USED)
+        },
     }
     return stable_hash(json.dumps(wanted, sort_keys=True, default=str), length=16)
 
