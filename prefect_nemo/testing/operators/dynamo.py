@@ -8,6 +8,7 @@ condition. The frontend answers through the API server's service proxy like a Dy
 
 from __future__ import annotations
 
+import copy
 import json
 import socket
 import threading
@@ -31,6 +32,7 @@ from prefect_nemo.testing.operators._controller import (
     owner_reference,
     pod_is_ready,
     pod_is_running,
+    quantities_as_strings,
     running_pod_status,
     set_condition,
     set_pod_status,
@@ -284,7 +286,7 @@ class DynamoSimulator(Controller):
             else next((c for c in spec.get("components") or [] if c.get("name") == comp), None)
         )
         extra = (svc or {}).get("extraPodSpec") or {}
-        main = dict(extra.get("mainContainer") or {})
+        main = copy.deepcopy(extra.get("mainContainer") or {})
         main.setdefault("image", "nvcr.io/nvidia/ai-dynamo/dynamo-runtime")
         main["name"] = "main"
         env = [
@@ -299,6 +301,7 @@ class DynamoSimulator(Controller):
             main,
             *[c for c in extra.get("containers") or [] if c.get("name") != "main"],
         ]
+        quantities_as_strings(pod_spec)
         pod_spec.setdefault("serviceAccountName", f"{name}-sa")  # the operator's per-DGD SA
         selector = f"{name}-{comp.lower()}"
         body = {
