@@ -569,6 +569,19 @@ def test_owner_reference_cascade_deletes_the_dgd_with_the_raycluster(
         time.sleep(0.1)
 
 
+def test_an_owner_in_another_namespace_is_refused_before_any_patch(api: Any) -> None:
+    """Kubernetes: "A namespaced owner must exist in the same namespace as the dependent. If it
+    does not, the owner reference is treated as absent, and the dependent is subject to
+    deletion": own_by refuses such an owner, naming both namespaces, and patches nothing."""
+    deploy(api, "lonely")
+    meta = {"name": "trainer-x", "namespace": "training", "uid": "u-1"}
+    elsewhere = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": meta}
+    with pytest.raises(InvalidJobSpec, match=r"namespace 'training'.*namespace 'default'"):
+        own_by(api, "lonely", "default", elsewhere)
+    assert not api.get(dynamo.dgd_kind(), "lonely", "default")["metadata"].get("ownerReferences")
+    delete_dgd(api, "lonely", "default")
+
+
 # ---------------------------------------------------------------------------------------------
 # The tee wrapper keeps the exit status (dash has no pipefail)
 
