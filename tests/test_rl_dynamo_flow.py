@@ -338,6 +338,39 @@ def test_a_dgd_we_only_attached_to_is_left_alone(env: dict[str, Any]) -> None:
     api.delete(dgd_kind(), name)
 
 
+def test_a_user_managed_dgd_is_addressed_by_frontend_url_and_never_touched(
+    env: dict[str, Any], tmp_path: Any
+) -> None:
+    """NeMo-RL dynamo_cfg: `frontend_url` is the "escape hatch ... when pointing at a
+    hand-rolled DGD"; the flow stamps it (with backend=dynamo) and never applies, owns or
+    deletes that DGD."""
+    from prefect_nemo.backends.dynamo import apply_dgd, load_dgd, render_dgd
+
+    name = f"theirs-{env['tag']}"
+    api = env["kube"].api()
+    apply_dgd(api, render_dgd(load_dgd(AGG), name=name, namespace="default"))
+    url = f"http://{name}-frontend.default.svc.cluster.local:8000/v1"
+    told = tmp_path / "told.json"
+    env["server"].requests.clear()
+    out = run(env, dgd_manifests=[], dgd_names=None, frontend_url=url,
+              train_entrypoint=TELL.format(out=told))  # fmt: skip
+    assert out["job_state"] == "SUCCEEDED" and out["dgds"] == []
+    assert json.loads(told.read_text()) == [
+        url,
+        [
+            "++policy.generation.backend=dynamo",
+            f"++policy.generation.dynamo_cfg.frontend_url={url}",
+        ],
+    ]
+    written = [c for c in ours_changed(env) if f"dynamographdeployments/{name}" in c]
+    assert all(c.endswith("/status") for c in written), (
+        "their DGD was written to (not by its operator)"
+    )
+    theirs = dgds(env)[name]
+    assert not theirs["metadata"].get("ownerReferences")
+    api.delete(dgd_kind(), name)
+
+
 def _cancel_when(env: dict[str, Any], ready: Any, **kw: Any) -> BaseException | None:
     """Run the flow in a thread, cancel its run through the API once `ready()`, and return
     what the flow raised."""
