@@ -33,6 +33,7 @@ from prefect_nemo.backends.dynamo import (
     resolve_frontend_url,
     wait_dgd_ready,
 )
+from prefect_nemo.kube import KubeTimeout
 from prefect_nemo.packaging import tee_command
 
 MANIFESTS = Path(__file__).parent.parent / "flows" / "manifests"
@@ -240,6 +241,62 @@ def test_frontend_url_and_conflicting_settings() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# The recipe keys training gets (flows/rl_dynamo.py)
+
+
+def test_recipe_keys_as_nrl_k8s_stamps_them() -> None:
+    """nrl-k8s `_inject_dynamo_into_recipe`: "Only applies when exactly one DGD is declared
+    ... With multiple DGDs the user is expected to wire dgd_name themselves"; it sets
+    `policy.generation.backend=dynamo` and `policy.generation.dynamo_cfg.dgd_name=<resolved
+    name>`. NeMo-RL's DynamoCfg: "Two ways to specify the frontend, mutually exclusive"
+    (`dgd_name`, `frontend_url`), `frontend_port` "(default 8000)"."""
+    from flows.rl_dynamo import recipe_overrides
+
+    one = recipe_overrides("python run_grpo.py", ["rollout-a"])
+    assert one == [
+        "++policy.generation.backend=dynamo",
+        "++policy.generation.dynamo_cfg.dgd_name=rollout-a",
+    ]
+    assert recipe_overrides("python run_grpo.py", ["a", "b"]) == []
+    assert recipe_overrides("python run_grpo.py", ["a"], frontend_port=9000)[-1] == (
+        "++policy.generation.dynamo_cfg.frontend_port=9000"
+    )
+    theirs = "http://mine-frontend.serving.svc.cluster.local:8000/v1"
+    assert recipe_overrides("python run_grpo.py", [], frontend_url=theirs) == [
+        "++policy.generation.backend=dynamo",
+        f"++policy.generation.dynamo_cfg.frontend_url={theirs}",
+    ]
+    for entrypoint, names, url in [
+        ("python run_grpo.py", ["a"], theirs),
+        (f"python run_grpo.py +policy.generation.dynamo_cfg.frontend_url={theirs}", ["a"], None),
+        ("python run_grpo.py policy.generation.dynamo_cfg.dgd_name=x", ["a", "b"], theirs),
+    ]:
+        with pytest.raises(InvalidJobSpec, match=r"dgd_name and .*frontend_url are mutually"):
+            recipe_overrides(entrypoint, names, frontend_url=url)
+
+
+def test_frontend_port_must_be_where_the_frontend_listens() -> None:
+    """Dynamo: "dynamo.frontend accepts either --http-port flag or DYN_HTTP_PORT env var
+    (defaults to 8000)"; a port it does not listen on fails before any request, naming the
+    field and the fix."""
+    doc = render_dgd(agg(), namespace="ns")  # its Frontend says --http-port 8000
+    assert resolve_frontend_url(doc, port=8000).endswith(":8000")
+    with pytest.raises(InvalidJobSpec, match=r"frontend_port 9000: .*listens on 8000.*--http-port"):
+        resolve_frontend_url(doc, port=9000)
+    moved = deep_merge(doc, {"spec": {"services": {"Frontend": {"extraPodSpec": {
+        "mainContainer": {"args": ["--http-port", "9000"]}}}}}})  # fmt: skip
+    assert resolve_frontend_url(moved, port=9000) == (
+        "http://rl-rollout-frontend.ns.svc.cluster.local:9000"
+    )
+    by_env = beta()
+    by_env["spec"]["components"][0]["envs"] = [{"name": "DYN_HTTP_PORT", "value": "8100"}]
+    assert resolve_frontend_url(by_env, port=8100, version="v1beta1").endswith(":8100")
+    for bad in (0, 70000, "8000", True):
+        with pytest.raises(InvalidJobSpec, match="is not a TCP port"):
+            resolve_frontend_url(doc, port=bad)
+
+
+# ---------------------------------------------------------------------------------------------
 # Against the loopback API server and the Dynamo operator simulator
 
 
@@ -295,6 +352,58 @@ def test_apply_twice_attaches_and_drift_warns(api: Any, dynamo_sim: Any, caplog:
     assert delete_dgd(api, "twice", "default") is False
 
 
+def _held(api: Any, name: str) -> dict[str, Any]:
+    """A DGD whose deletion a finalizer holds (as the real operator's own finalizer does while
+    it tears the graph down), already asked to go: it has metadata.deletionTimestamp."""
+    doc = render_dgd(agg(), name=name, namespace="default", flow_run_id="run-1")
+    doc["metadata"]["finalizers"] = ["test.prefect-nemo.io/hold"]
+    first = apply_dgd(api, doc).obj
+    api.delete(dynamo.dgd_kind(), name, "default")
+    held = api.get(dynamo.dgd_kind(), name, "default")
+    assert held is not None and held["metadata"]["deletionTimestamp"]
+    return first
+
+
+def _release_later(api: Any, name: str, after_s: float = 0.5) -> threading.Timer:
+    """Remove the finalizer a moment from now, from another thread."""
+    patch = {"metadata": {"finalizers": None}}
+    timer = threading.Timer(after_s, lambda: api.patch(dynamo.dgd_kind(), name, patch, "default"))
+    timer.start()
+    return timer
+
+
+def test_delete_waits_until_the_dgd_is_gone(api: Any) -> None:
+    """nrl-k8s recreates a DGD with `delete_dgd(name, namespace)` then
+    `wait_for_dgd_gone(name, namespace)` before it applies again: a delete is done when the DGD
+    no longer exists, not when the API server accepted the request."""
+    doc = render_dgd(agg(), name="slow-to-go", namespace="default", flow_run_id="run-1")
+    doc["metadata"]["finalizers"] = ["test.prefect-nemo.io/hold"]
+    apply_dgd(api, doc)
+    timer = _release_later(api, "slow-to-go")
+    assert delete_dgd(api, "slow-to-go", "default") is True
+    assert api.get(dynamo.dgd_kind(), "slow-to-go", "default") is None, "returned before it went"
+    timer.join()
+    doc["metadata"]["name"] = "stuck"
+    apply_dgd(api, doc)
+    with pytest.raises(KubeTimeout, match=r"deletion of .*stuck"):  # a finalizer stays: named
+        delete_dgd(api, "stuck", "default", wait_s=0.5)
+    api.patch(dynamo.dgd_kind(), "stuck", {"metadata": {"finalizers": None}}, "default")
+
+
+def test_apply_never_attaches_to_a_dgd_being_deleted(api: Any) -> None:
+    """A DGD with metadata.deletionTimestamp is on its way out (its pods and frontend go with
+    it): apply waits until it is gone, then creates a new one, instead of attaching."""
+    old = _held(api, "being-deleted")
+    timer = _release_later(api, "being-deleted")
+    doc = render_dgd(agg(), name="being-deleted", namespace="default", flow_run_id="run-1")
+    applied = apply_dgd(api, doc)
+    timer.join()
+    assert applied.outcome == "created" and applied.created
+    assert applied.obj["metadata"]["uid"] != old["metadata"]["uid"]
+    assert not applied.obj["metadata"].get("deletionTimestamp")
+    delete_dgd(api, "being-deleted", "default")
+
+
 def test_ready_when_all_three_gates_pass(api: Any, dynamo_sim: Any, kube_server: Any) -> None:
     deploy(api, "ok-graph")
     seen: list[dynamo.DgdReadiness] = []
@@ -305,6 +414,19 @@ def test_ready_when_all_three_gates_pass(api: Any, dynamo_sim: Any, kube_server:
     assert time.monotonic() - start < 10
     assert seen[-1].ready and not seen[0].ready  # progress was reported along the way
     delete_dgd(api, "ok-graph", "default")
+
+
+def test_readiness_probes_the_configured_frontend_port(api: Any, dynamo_sim: Any) -> None:
+    """NeMo-RL's dynamo_cfg `frontend_port` "(default 8000)": a frontend moved to 9000 (its
+    --http-port) is probed there; probing 8000 would never see it answer."""
+    moved = deep_merge(agg(), {"spec": {"services": {"Frontend": {"extraPodSpec": {
+        "mainContainer": {"args": ["--http-port", "9000"]}}}}}})  # fmt: skip
+    deploy(api, "port-9000", moved)
+    ready = wait_dgd_ready(api, "port-9000", "default", 20, port=9000)
+    assert ready.ready and ready.frontend_status == 200
+    with pytest.raises(DgdNotReady, match="frontend"):
+        wait_dgd_ready(api, "port-9000", "default", 1.5, port=8000)
+    delete_dgd(api, "port-9000", "default")
 
 
 def test_failed_state_raises_at_once_with_the_operator_message(api: Any, dynamo_sim: Any) -> None:
@@ -445,6 +567,19 @@ def test_owner_reference_cascade_deletes_the_dgd_with_the_raycluster(
     while api.get(dynamo.dgd_kind(), "owned", "default") is not None:
         assert time.monotonic() < deadline, "the DGD outlived its RayCluster owner"
         time.sleep(0.1)
+
+
+def test_an_owner_in_another_namespace_is_refused_before_any_patch(api: Any) -> None:
+    """Kubernetes: "A namespaced owner must exist in the same namespace as the dependent. If it
+    does not, the owner reference is treated as absent, and the dependent is subject to
+    deletion": own_by refuses such an owner, naming both namespaces, and patches nothing."""
+    deploy(api, "lonely")
+    meta = {"name": "trainer-x", "namespace": "training", "uid": "u-1"}
+    elsewhere = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": meta}
+    with pytest.raises(InvalidJobSpec, match=r"namespace 'training'.*namespace 'default'"):
+        own_by(api, "lonely", "default", elsewhere)
+    assert not api.get(dynamo.dgd_kind(), "lonely", "default")["metadata"].get("ownerReferences")
+    delete_dgd(api, "lonely", "default")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -905,6 +905,24 @@ def test_gc_orphan_and_dangling_owner(
     wait_until(lambda: server.get("pods", NS, ghost) is None, 0.1)
 
 
+def test_gc_owner_in_another_namespace_is_absent(
+    server: LoopbackKubeServer, core: client.CoreV1Api, custom: client.CustomObjectsApi
+) -> None:
+    """Kubernetes docs (Owners and Dependents): "Cross-namespace owner references are
+    disallowed by design. ... A namespaced owner must exist in the same namespace as the
+    dependent. If it does not, the owner reference is treated as absent, and the dependent is
+    subject to deletion once all owners are verified absent." """
+    other = uniq("elsewhere")
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=other)))
+    owner = create_rayjob(custom, uniq("own"))  # lives in NS
+    same, crossed = uniq("same"), uniq("crossed")
+    core.create_namespaced_pod(NS, pod(same, owner=owner_ref(owner)))
+    core.create_namespaced_pod(other, pod(crossed, owner=owner_ref(owner)))
+    wait_until(lambda: server.get("pods", other, crossed) is None, 0.1)
+    assert server.get("pods", NS, same) is not None, "a same-namespace owner keeps its dependent"
+    core.delete_namespace(other)
+
+
 # ---------------------------------------------------------------- logs
 
 

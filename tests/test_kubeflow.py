@@ -20,6 +20,7 @@ from pydantic import SecretStr
 from prefect_nemo import InvalidJobSpec, JobAlreadyExists, JobSpec, JobState, Resources
 from prefect_nemo.backends.kubeflow import (
     MAX_TRAINJOB_NAME,
+    RUNTIME_PREFIX_LABEL,
     KubeflowTrainerBackend,
     PvcMount,
     TrainerConfig,
@@ -31,7 +32,16 @@ from prefect_nemo.backends.kubeflow import (
     trainer_command,
     trainjob_manifest,
 )
-from prefect_nemo.kube import CLUSTER_TRAINING_RUNTIME, CONFIGMAP, PVC, SECRET, TRAIN_JOB, KubeApi
+from prefect_nemo.kube import (
+    CLUSTER_TRAINING_RUNTIME,
+    CONFIGMAP,
+    LAST_USED,
+    PVC,
+    SECRET,
+    TRAIN_JOB,
+    KubeApi,
+    wait_for,
+)
 from prefect_nemo.lifecycle import META_FLOW_RUN, META_KEY, META_SPEC, stop_and_confirm
 
 CPU = TrainerConfig(image="python:3.11-slim")
@@ -170,7 +180,10 @@ def test_runtime_named_by_config_hash_reused_never_mutated(server, api):
     KubeflowTrainerBackend(api, same).submit(spec, f"rt-{uid()}", {})
     KubeflowTrainerBackend(api, changed).submit(spec, f"rt-{uid()}", {})
     again = api.get(CLUSTER_TRAINING_RUNTIME, runtime_name(a))
-    assert again["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
+    # reused, its spec never changed in place (only the last-used stamp the cleanup reads)
+    assert again["spec"] == first["spec"]
+    assert again["metadata"]["generation"] == first["metadata"]["generation"]
+    assert again["metadata"]["uid"] == first["metadata"]["uid"]
     assert api.get(CLUSTER_TRAINING_RUNTIME, runtime_name(changed))["spec"]["template"]["spec"][
         "replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0][
         "image"] == "img:2"  # fmt: skip
@@ -556,3 +569,104 @@ def test_a_refused_trainjob_leaves_no_secret_or_configmap(server, api, code_dir)
         server.allow("create", "trainjobs", "trainer.kubeflow.org")
     assert api.get(SECRET, f"{job_id}-env") is None
     assert not [c for c in api.list(CONFIGMAP)[0] if c["metadata"]["name"].startswith(job_id)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared runtimes: removed once no TrainJob uses them, never while one does (issue 14 item 6)
+
+
+def _runtimes(api: KubeApi, prefix: str) -> set[str]:
+    items, _ = api.list(CLUSTER_TRAINING_RUNTIME, label_selector=f"{RUNTIME_PREFIX_LABEL}={prefix}")
+    return {o["metadata"]["name"] for o in items if not o["metadata"].get("deletionTimestamp")}
+
+
+def test_unused_runtimes_go_never_while_a_trainjob_uses_them(server, api):
+    """Kubeflow Trainer's `trainer.kubeflow.org/resource-in-use` finalizer kept a runtime while
+    "TrainJobs ... with TrainJobRuntimeRefKey: runtime.Name" existed and let it go once none
+    did. Our runtimes (labelled with the block's prefix) follow that rule: a runtime a TrainJob
+    references stays; one no TrainJob references is removed at the next submit of its prefix
+    or by cleanup(); runtimes of another prefix, or not ours, are never touched."""
+    prefix = f"gc-{uid()}"
+    old_cfg = TrainerConfig(image="python:3.11-slim", runtime_prefix=prefix)
+    new_cfg = TrainerConfig(image="python:3.12-slim", runtime_prefix=prefix)
+    other = TrainerConfig(image="python:3.11-slim", runtime_prefix=f"other-{uid()}")
+    old_job, new_job = f"old-{uid()}", f"new-{uid()}"
+    KubeflowTrainerBackend(api, old_cfg).submit(JobSpec(entrypoint="true"), old_job, META)
+    KubeflowTrainerBackend(api, other).submit(JobSpec(entrypoint="true"), f"o-{uid()}", META)
+    fresh = KubeflowTrainerBackend(api, new_cfg, runtime_idle_s=0)
+    fresh.submit(JobSpec(entrypoint="true"), new_job, META)
+    assert _runtimes(api, prefix) == {runtime_name(old_cfg), runtime_name(new_cfg)}, (
+        "the old config's runtime is still used by its TrainJob: kept"
+    )
+    assert fresh.cleanup(idle_s=0) == []
+    api.delete(TRAIN_JOB, old_job, "default")  # no TrainJob uses the old runtime any more
+    wait_for(api, TRAIN_JOB, old_job, lambda o: o is None, timeout_s=10)
+    assert fresh.cleanup(idle_s=0) == [f"ClusterTrainingRuntime/{runtime_name(old_cfg)}"]
+    assert _runtimes(api, prefix) == {runtime_name(new_cfg)}, "in use by new_job: kept"
+    assert _runtimes(api, other.runtime_prefix) == {runtime_name(other)}, "not this prefix"
+    # the automatic path: the next submit of the prefix removes what no TrainJob uses
+    api.delete(TRAIN_JOB, new_job, "default")
+    wait_for(api, TRAIN_JOB, new_job, lambda o: o is None, timeout_s=10)
+    KubeflowTrainerBackend(api, old_cfg, runtime_idle_s=0).submit(
+        JobSpec(entrypoint="true"), f"again-{uid()}", META
+    )
+    assert _runtimes(api, prefix) == {runtime_name(old_cfg)}
+
+
+def test_a_runtime_taken_recently_is_kept(server, api):
+    """A submit takes the runtime before it creates its TrainJob: within `idle_s` of being
+    taken (created, or stamped `prefect-nemo.io/last-used` when attached to) a runtime no
+    TrainJob references yet is kept, so a concurrent submit never loses its runtime."""
+    from prefect_nemo.blocks import KubeflowTrainerCluster
+    from prefect_nemo.blocks.kubernetes import KubernetesCluster
+
+    prefix = f"busy-{uid()}"
+    block = KubeflowTrainerCluster(
+        kubernetes=KubernetesCluster(kubeconfig=server.kubeconfig()), image="python:3.11-slim",
+        runtime_prefix=prefix,
+    )  # fmt: skip
+    job = f"busy-{uid()}"
+    block.backend().submit(JobSpec(entrypoint="true"), job, META)
+    api.delete(TRAIN_JOB, job, "default")
+    wait_for(api, TRAIN_JOB, job, lambda o: o is None, timeout_s=10)
+    assert block.cleanup() == [], "taken moments ago: kept (prefect-nemo cleanup calls this)"
+    assert _runtimes(api, prefix) == {runtime_name(block.backend().config)}
+    block.backend().submit(JobSpec(entrypoint="true"), f"busy2-{uid()}", META)  # attaches
+    taken = api.get(CLUSTER_TRAINING_RUNTIME, runtime_name(block.backend().config))
+    assert taken["metadata"]["annotations"][LAST_USED]
+
+
+def test_pip_index_options_reach_the_pods_and_nothing_we_write(server, sim, api, tmp_path):
+    """pip reads its options from the environment "using the format PIP_<UPPER_LONG_NAME>"
+    (dashes as underscores; repeated options as a whitespace-separated list): the block's
+    index URL, extra index URLs and trusted hosts reach every node as PIP_INDEX_URL,
+    PIP_EXTRA_INDEX_URL and PIP_TRUSTED_HOST; the URLs (they may hold a token) only through
+    the job's Secret, never in the TrainJob, and masked in a dry run."""
+    token = f"tok{uuid.uuid4().hex}"
+    index = f"https://ci:{token}@pypi.internal.example/simple"
+    extra = ["https://mirror-a.example/simple", f"https://u:{token}@mirror-b.example/simple"]
+    hosts = ("pypi.internal.example", "mirror-a.example:8080")
+    config = TrainerConfig(
+        image="python:3.11-slim", pip_index_url=index, pip_extra_index_urls=tuple(extra),
+        pip_trusted_hosts=hosts,
+    )  # fmt: skip
+    (tmp_path / "show.py").write_text(
+        "import os\nfor k in ('PIP_INDEX_URL', 'PIP_EXTRA_INDEX_URL', 'PIP_TRUSTED_HOST'):\n"
+        "    print(k, '=', os.environ[k], flush=True)\n"
+    )
+    backend = KubeflowTrainerBackend(api, config)
+    spec = JobSpec(entrypoint="python show.py", working_dir=tmp_path)
+    job_id = f"pip-{uid()}"
+    backend.submit(spec, job_id, META)
+    assert wait_terminal(backend, job_id).state is JobState.SUCCEEDED
+    log = backend.logs(job_id)
+    assert f"PIP_INDEX_URL = {index}" in log
+    assert f"PIP_EXTRA_INDEX_URL = {' '.join(extra)}" in log
+    assert "PIP_TRUSTED_HOST = pypi.internal.example mirror-a.example:8080" in log
+    trainjob = server.get("trainjobs", "default", job_id, group="trainer.kubeflow.org")
+    assert token not in json.dumps(trainjob), "the URLs travel by secretKeyRef only"
+    assert set(backend.secrets) >= {index, *extra}, "masked wherever we write"
+    with pytest.raises(InvalidJobSpec, match="pip_index_url: not an http"):
+        TrainerConfig(image="i", pip_index_url="pypi.internal.example/simple")
+    with pytest.raises(InvalidJobSpec, match="pip_trusted_hosts"):
+        TrainerConfig(image="i", pip_trusted_hosts=("https://x",))

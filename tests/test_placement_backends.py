@@ -24,7 +24,7 @@ from prefect_nemo.backends.kubeflow import (
 )
 from prefect_nemo.backends.kuberay import KubeRayBackend, RayJobConfig, rayjob_manifest
 from prefect_nemo.backends.ray_jobs import RayJobsBackend
-from prefect_nemo.kube import RAY_JOB, KubeApi
+from prefect_nemo.kube import RAY_JOB, TRAIN_JOB, KubeApi
 from prefect_nemo.placement import PlacementSpec
 
 ZONES = {"pool": "a100", "zone": "in(a,b)", "role": "!spot"}
@@ -259,10 +259,30 @@ def test_trainjob_placement_must_agree_with_the_block(
     assert needle in str(info.value) and "make them equal" in str(info.value)
 
 
-def test_trainjob_placement_that_agrees_is_accepted(api: KubeApi):
+def test_trainjob_placement_that_agrees_is_accepted_and_applied(server: Any, api: KubeApi):
+    """A placement that agrees with the block (2 nodes, 1 GPU and 0.5 CPU each: "500m") passes
+    validation and reaches the pods through the TrainJob's `runtimePatches` (the Trainer v2.3
+    field the real CRD accepts), on the block's own runtime (same name: the shape is the
+    block's), with its node label as a nodeSelector and one pod per host."""
     config = TrainerConfig(image="i", num_nodes=2, gpus_per_node=1, cpus_per_node="500m")
-    agreeing = PlacementSpec(nodes=2, strategy="spread", gpus_per_node=1, cpus_per_node=0.5)
-    KubeflowTrainerBackend(api, config).validate(JobSpec(entrypoint="x", placement=agreeing))
+    agreeing = PlacementSpec(
+        nodes=2, strategy="spread", gpus_per_node=1, cpus_per_node=0.5, node_labels={"pool": "a"}
+    )
+    backend = KubeflowTrainerBackend(api, config)
+    spec = JobSpec(entrypoint="x", placement=agreeing)
+    backend.validate(spec)
+    *_, trainjob = backend.render(spec, f"agree-{uid()}", {})
+    assert trainjob["spec"]["runtimeRef"]["name"] == runtime_name(config)
+    (patch,) = trainjob["spec"]["runtimePatches"]
+    assert patch["manager"] == PLACEMENT_MANAGER
+    pod = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"][
+        "spec"]["template"]["spec"]  # fmt: skip
+    assert pod["nodeSelector"] == {"pool": "a"}
+    (term,) = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    limits = trainjob["spec"]["trainer"]["resourcesPerNode"]["limits"]
+    assert limits == {"nvidia.com/gpu": 1, "cpu": "500m"}
+    api._resource(TRAIN_JOB).create(body=trainjob, namespace="default", dry_run="All")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,6 +31,8 @@ TELL = (
     "sys.argv[1:]], open('{out}', 'w'))\""
 )
 TRAIN = "python -c \"print('training')\""
+# Training takes the recipe's overrides as arguments: commands here take and ignore them.
+SLEEP = 'python -c "import sys, time; time.sleep(float(sys.argv[1]))" {}'
 MUTATING = ("POST", "PUT", "PATCH", "DELETE")
 
 
@@ -129,13 +131,19 @@ def run(env: dict[str, Any], **kw: Any) -> Any:
 def test_success_end_to_end_with_owner_cascade(
     env: dict[str, Any], caplog: Any, tmp_path: Any
 ) -> None:
+    """nrl-k8s (`_inject_dynamo_into_recipe`): "Stamp the DGD's name into the recipe ... Only
+    applies when exactly one DGD is declared": `policy.generation.backend=dynamo` and
+    `policy.generation.dynamo_cfg.dgd_name=<resolved name>` (the name after overrides)."""
     name = f"roll-{env['tag']}"
     told = tmp_path / "told.json"
     out = run(env, keep_dgds=True, train_entrypoint=TELL.format(out=told))
     url = f"http://{name}-frontend.default.svc.cluster.local:8000"
     assert out["job_state"] == "SUCCEEDED" and out["frontend_urls"] == [url]
     assert out["dgds"][0]["outcome"] == "created" and out["dgds"][0]["created_by_this_run"]
-    assert json.loads(told.read_text()) == [url, [f"++policy.generation.dynamo.url={url}"]]
+    assert json.loads(told.read_text()) == [
+        url,
+        ["++policy.generation.backend=dynamo", f"++policy.generation.dynamo_cfg.dgd_name={name}"],
+    ]
     assert f"DGD {name} is ready" in caplog.text
 
     # The DGD is owned by the training RayCluster (not as controller) ...
@@ -164,11 +172,20 @@ def _rows_for(env: dict[str, Any]) -> list[dict[str, Any]]:
 
 def test_owner_reference_is_on_the_dgd_while_training_runs(env: dict[str, Any]) -> None:
     name = f"roll-{env['tag']}"
-    seen: dict[str, Any] = {}
+    seen = _owner_refs_while(env, name, lambda: run(env, train_entrypoint=SLEEP.format(3)))
+    ref = seen[0]
+    assert ref["kind"] == "RayCluster" and ref["controller"] is False
+    assert ref["name"].startswith(env["experiment"])
+    assert wait_until(lambda: name not in dgds(env)), "teardown left the DGD"
 
-    def spy() -> None:  # look while the job still runs
+
+def _owner_refs_while(env: dict[str, Any], name: str, run_flow: Any, ns: str = "default") -> Any:
+    """Run the flow, looking at the DGD's owner references while training runs."""
+    seen: dict[str, Any] = {"refs": None}
+
+    def spy() -> None:
         def owned() -> bool:
-            obj = dgds(env).get(name)
+            obj = env["kube"].api().get(dgd_kind(), name, ns)
             seen["refs"] = (obj or {}).get("metadata", {}).get("ownerReferences")
             return bool(seen["refs"])
 
@@ -176,12 +193,37 @@ def test_owner_reference_is_on_the_dgd_while_training_runs(env: dict[str, Any]) 
 
     watcher = threading.Thread(target=spy)
     watcher.start()
-    run(env, train_entrypoint="sleep 3", frontend_url_arg=None)
+    out = run_flow()
     watcher.join()
-    ref = seen["refs"][0]
-    assert ref["kind"] == "RayCluster" and ref["controller"] is False
-    assert ref["name"].startswith(env["experiment"])
-    assert wait_until(lambda: name not in dgds(env)), "teardown left the DGD"
+    seen["out"] = out
+    return seen["refs"]
+
+
+def test_dgds_go_where_the_rayjob_goes_and_outlive_the_start_of_training(
+    env: dict[str, Any],
+) -> None:
+    """Kubernetes (Owners and Dependents): "A namespaced owner must exist in the same
+    namespace as the dependent. If it does not, the owner reference is treated as absent, and
+    the dependent is subject to deletion". The KubeRayCluster's `namespace` wins over its
+    Kubernetes block's: one resolver says where its RayJob goes, and the DGDs go there too,
+    so their owner (the RayJob's RayCluster) is in their namespace and they survive."""
+    from prefect_nemo.kube import NAMESPACE
+
+    api = env["kube"].api()
+    if api.get(NAMESPACE, "training") is None:
+        api.create(NAMESPACE, {"apiVersion": "v1", "kind": "Namespace",
+                               "metadata": {"name": "training"}})  # fmt: skip
+    name = f"roll-{env['tag']}"
+    block = ray_block(env, namespace="training")
+    refs = _owner_refs_while(
+        env, name, lambda: run(env, cluster=block, train_entrypoint=SLEEP.format(3)), ns="training"
+    )
+    assert refs and refs[0]["kind"] == "RayCluster", "the DGD was gone before it was owned"
+    (job,) = [
+        o for o in api.list(RAY_JOB, "training")[0] if env["experiment"] in o["metadata"]["name"]
+    ]
+    assert refs[0]["name"] == job["status"]["rayClusterName"]
+    assert wait_until(lambda: api.get(dgd_kind(), name, "training") is None)
 
 
 def test_rollback_when_the_second_dgd_fails(env: dict[str, Any]) -> None:
@@ -242,12 +284,45 @@ def test_failed_training_deletes_what_the_run_created(env: dict[str, Any], tmp_p
     with pytest.raises(JobFailed, match="exit code 3"):
         run(
             env,
-            train_entrypoint="echo training-breaks; exit 3",
-            frontend_url_arg=None,
+            train_entrypoint="echo training-breaks; exit 3; :",
             train_log_path=str(log),
         )
     assert wait_until(lambda: name not in dgds(env))
     assert log.read_text() == "training-breaks\n"
+
+
+def test_rollback_when_the_rayjob_cannot_be_submitted(env: dict[str, Any]) -> None:
+    """nrl-k8s (`run --rayjob`): when applying the RayJob fails, the DGDs created for it are
+    deleted ("stranded" DGDs), so nothing is left serving for a training that never started."""
+    from prefect_nemo import AuthenticationFailed
+
+    name = f"roll-{env['tag']}"
+    env["server"].forbid("create", "rayjobs", "ray.io")
+    try:
+        with pytest.raises(AuthenticationFailed, match="create"):
+            run(env)
+    finally:
+        env["server"].allow("create", "rayjobs", "ray.io")
+    assert wait_until(lambda: name not in dgds(env)), "the DGD outlived the failed submit"
+    assert rayjobs(env) == []
+    changes = ours_changed(env)
+    assert any(c.startswith("DELETE") and name in c for c in changes)
+
+
+def test_rerun_attaches_to_a_rayjob_that_already_finished(env: dict[str, Any], caplog: Any) -> None:
+    """A re-run of the experiment attaches to its RayJob, which already finished and whose
+    RayCluster KubeRay already removed (shutdownAfterJobFinishes, TTL 0): there is no owner to
+    add, the run reports the job's result, and the DGDs it created are deleted at its end."""
+    name = f"roll-{env['tag']}"
+    first = run(env)
+    assert wait_until(lambda: name not in dgds(env))
+    caplog.set_level("INFO")
+    second = run(env)
+    assert second["job_id"] == first["job_id"] and second["job_state"] == "SUCCEEDED"
+    assert second["dgds"][0]["created_by_this_run"], "the second run brought its DGD up again"
+    assert "already ended and its RayCluster is gone" in caplog.text
+    assert len(rayjobs(env)) == 1
+    assert wait_until(lambda: name not in dgds(env)), "the second run left its DGD"
 
 
 def test_a_dgd_we_only_attached_to_is_left_alone(env: dict[str, Any]) -> None:
@@ -257,9 +332,42 @@ def test_a_dgd_we_only_attached_to_is_left_alone(env: dict[str, Any]) -> None:
     api = env["kube"].api()
     apply_dgd(api, render_dgd(load_dgd(AGG), name=name, namespace="default"))
     with pytest.raises(JobFailed):
-        run(env, dgd_names=[name], train_entrypoint="exit 1")
+        run(env, dgd_names=[name], train_entrypoint='python -c "raise SystemExit(1)"')
     assert name in dgds(env), "someone else's DGD was deleted"
     assert not dgds(env)[name]["metadata"].get("ownerReferences")
+    api.delete(dgd_kind(), name)
+
+
+def test_a_user_managed_dgd_is_addressed_by_frontend_url_and_never_touched(
+    env: dict[str, Any], tmp_path: Any
+) -> None:
+    """NeMo-RL dynamo_cfg: `frontend_url` is the "escape hatch ... when pointing at a
+    hand-rolled DGD"; the flow stamps it (with backend=dynamo) and never applies, owns or
+    deletes that DGD."""
+    from prefect_nemo.backends.dynamo import apply_dgd, load_dgd, render_dgd
+
+    name = f"theirs-{env['tag']}"
+    api = env["kube"].api()
+    apply_dgd(api, render_dgd(load_dgd(AGG), name=name, namespace="default"))
+    url = f"http://{name}-frontend.default.svc.cluster.local:8000/v1"
+    told = tmp_path / "told.json"
+    env["server"].requests.clear()
+    out = run(env, dgd_manifests=[], dgd_names=None, frontend_url=url,
+              train_entrypoint=TELL.format(out=told))  # fmt: skip
+    assert out["job_state"] == "SUCCEEDED" and out["dgds"] == []
+    assert json.loads(told.read_text()) == [
+        url,
+        [
+            "++policy.generation.backend=dynamo",
+            f"++policy.generation.dynamo_cfg.frontend_url={url}",
+        ],
+    ]
+    written = [c for c in ours_changed(env) if f"dynamographdeployments/{name}" in c]
+    assert all(c.endswith("/status") for c in written), (
+        "their DGD was written to (not by its operator)"
+    )
+    theirs = dgds(env)[name]
+    assert not theirs["metadata"].get("ownerReferences")
     api.delete(dgd_kind(), name)
 
 
@@ -298,7 +406,7 @@ def test_cancel_during_training_deletes_dgds_and_stops_the_job(env: dict[str, An
         jobs = rayjobs(env)
         return bool(jobs) and jobs[0].get("status", {}).get("jobStatus") == "RUNNING"
 
-    raised = _cancel_when(env, training, train_entrypoint="sleep 60", frontend_url_arg=None)
+    raised = _cancel_when(env, training, train_entrypoint=SLEEP.format(60))
     assert isinstance(raised, JobStopped), raised
     assert wait_until(lambda: name not in dgds(env))
     status = rayjobs(env)[0].get("status", {})
@@ -329,9 +437,12 @@ def test_dry_run_changes_nothing_and_renders_valid_manifests(env: dict[str, Any]
     assert dgds(env) == {} and rayjobs(env) == []
     kinds = [m["kind"] for m in out["manifests"]]
     assert kinds == ["DynamoGraphDeployment", "DynamoGraphDeployment", "RayJob"]
+    assert not any(m["metadata"].get("ownerReferences") for m in out["manifests"])
     rayjob = out["manifests"][-1]
     url = f"http://roll-{env['tag']}-frontend.default.svc.cluster.local:8000"
-    assert url in rayjob["spec"]["entrypoint"] and url in rayjob["spec"]["runtimeEnvYAML"]
+    assert url in rayjob["spec"]["runtimeEnvYAML"]  # DYNAMO_FRONTEND_URL
+    # nrl-k8s: "With multiple DGDs the user is expected to wire dgd_name themselves"
+    assert rayjob["spec"]["entrypoint"] == TRAIN, "two DGDs: the recipe is left alone"
     assert "kind: RayJob" in out["yaml"]
     # Every manifest passes the strict server's schema (server-side dry run: nothing stored).
     custom = k8s.CustomObjectsApi(server.api_client())
@@ -351,12 +462,31 @@ def test_bad_input_fails_before_any_api_call(env: dict[str, Any], tmp_path: Any)
     pod_only.write_text("apiVersion: v1\nkind: Pod\nmetadata: {name: p}\n")
     server = env["server"]
     server.requests.clear()
+    from prefect_nemo.blocks import KubeRayCluster
+    from prefect_nemo.blocks.kubernetes import KubernetesCluster
+
+    config = env["server"].kubeconfig()
+    in_training = KubeRayCluster(
+        kubernetes=KubernetesCluster(kubeconfig=config, namespace="training"),
+        ray_cluster_spec=cluster_spec(),
+    )
+    in_rollouts = KubernetesCluster(kubeconfig=config, namespace="rollouts")
+    user_url = "http://their-dgd-frontend.serving.svc.cluster.local:8000/v1"
     cases = [
         ({"dgd_names": ["Bad_Name"]}, "not valid"),
         ({"dgd_manifests": [str(pod_only)], "dgd_names": None}, "no document of kind"),
-        ({"frontend_url": "http://elsewhere-frontend.default.svc.cluster.local:8000"}, "disagrees"),
         ({"dgd_version": "v9"}, "not known"),
         ({"dgd_manifests": [AGG, AGG], "dgd_names": ["same", "same"]}, "same DGD name"),
+        # NeMo-RL dynamo_cfg: dgd_name and frontend_url are mutually exclusive
+        ({"frontend_url": user_url}, "mutually exclusive.*frontend_url="),
+        (
+            {"train_entrypoint": f"{TRAIN} ++policy.generation.dynamo_cfg.frontend_url={user_url}"},
+            "mutually exclusive.*the entrypoint's policy.generation.dynamo_cfg.frontend_url",
+        ),
+        ({"frontend_port": 70000}, "frontend_port 70000 is not a TCP port"),
+        ({"frontend_port": 9000}, "frontend_port 9000: .* listens on 8000 .*--http-port"),
+        # the issue's new user: DGDs in `rollouts`, the KubeRayCluster's Kubernetes in `training`
+        ({"cluster": in_training, "kube": in_rollouts}, "namespace 'rollouts' .* in 'training'"),
     ]
     for kwargs, message in cases:
         with pytest.raises(InvalidJobSpec, match=message):

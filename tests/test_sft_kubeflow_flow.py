@@ -235,3 +235,22 @@ def test_two_nodes_reassemble_the_code(env: dict[str, Any], tmp_path: Any) -> No
         logs[index] = pod_log(env["server"], pod["metadata"]["name"])
     assert f"node 0 rank 0 of 4 blob {digest}" in logs["0"] and "rank 1 of 4" in logs["0"]
     assert f"node 1 rank 2 of 4 blob {digest}" in logs["1"] and "rank 3 of 4" in logs["1"]
+
+
+def test_gpu_nodes_run_end_to_end_on_the_simulator(env: dict[str, Any]) -> None:
+    """The TrainJob's `resourcesPerNode.limits["nvidia.com/gpu"]` is an integer (valid for the
+    CRD's int-or-string quantities and for a real cluster, whose controllers write the pods'
+    quantities as strings): the SFT flow with GPUs per node runs to the end, one torchrun
+    process per GPU on each node, and every node pod asks for its GPUs."""
+    out = sft_kubeflow(cluster=block(env, num_nodes=2, gpus_per_node=2),
+                       experiment=env["experiment"], steps=20, timeout_s=120)  # fmt: skip
+    assert out["state"] == "SUCCEEDED"
+    (tj,) = mine(env, TRAIN_JOB)
+    assert tj["spec"]["trainer"]["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == 2
+    assert tj["spec"]["trainer"]["numProcPerNode"] == 2
+    pods = mine(env, POD)
+    assert len(pods) == 2
+    for pod in pods:
+        (node,) = [c for c in pod["spec"]["containers"] if c["name"] == "node"]
+        assert node["resources"]["limits"]["nvidia.com/gpu"] == "2"
+        assert "/4 on node" in pod_log(env["server"], pod["metadata"]["name"])  # 2 x 2 ranks

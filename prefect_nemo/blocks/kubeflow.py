@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from prefect_nemo.backends.kubeflow import KubeflowTrainerBackend, PvcMount, TrainerConfig
 from prefect_nemo.blocks.base import ClusterBlock
@@ -101,6 +101,20 @@ def sft():
         default_factory=list,
         description="pip requirements installed on every node before the job starts.",
     )
+    pip_index_url: SecretStr | None = Field(
+        default=None,
+        description="pip's --index-url for extra_packages (and anything the job installs): a "
+        "secret, as it may hold credentials; reaches the pods as PIP_INDEX_URL from the job's "
+        "Secret.",
+    )
+    pip_extra_index_urls: list[SecretStr] = Field(
+        default_factory=list,
+        description="pip's --extra-index-url values (secrets), as PIP_EXTRA_INDEX_URL.",
+    )
+    pip_trusted_hosts: list[str] = Field(
+        default_factory=list,
+        description="pip's --trusted-host values (host or host:port), as PIP_TRUSTED_HOST.",
+    )
     torchrun: bool = Field(
         default=True,
         description="Run `python ...` entrypoints under torchrun with the nodes' rendezvous; "
@@ -155,7 +169,20 @@ def sft():
             code_dir=self.code_dir,
             runtime_prefix=self.runtime_prefix,
             namespaced_runtime=self.namespaced_runtime,
+            pip_index_url=self.pip_index_url.get_secret_value() if self.pip_index_url else None,
+            pip_extra_index_urls=tuple(u.get_secret_value() for u in self.pip_extra_index_urls),
+            pip_trusted_hosts=tuple(self.pip_trusted_hosts),
         )
+
+    def target_namespace(self) -> str:
+        """Where this block puts everything it creates: `namespace`, else its Kubernetes block's
+        (the one answer for every caller: its backend, flows that look its objects up)."""
+        return self.namespace or self.kubernetes.namespace
+
+    def cleanup(self) -> list[str]:
+        """Remove the runtimes of this block's runtime_prefix that no TrainJob uses any more
+        (and no submit took in the last 10 minutes); returns them as 'Kind/name'."""
+        return self.backend().cleanup()
 
     def backend(self) -> KubeflowTrainerBackend:
         """The Kubeflow Trainer backend for this cluster."""
@@ -163,7 +190,7 @@ def sft():
         return KubeflowTrainerBackend(
             api,
             self._config(),
-            namespace=self.namespace or api.namespace,
+            namespace=self.target_namespace(),
             chunk_bytes=self.code_chunk_bytes,
             max_code_bytes=self.max_code_bytes,
         )

@@ -113,13 +113,18 @@ def train():
             active_deadline_seconds=self.active_deadline_seconds,
         )
 
+    def target_namespace(self) -> str:
+        """Where this block puts everything it creates: `namespace`, else its Kubernetes block's
+        (the one answer for every caller: its backend, flows that look its objects up)."""
+        return self.namespace or self.kubernetes.namespace
+
     def backend(self) -> KubeRayBackend:
         """The KubeRay backend for this cluster."""
         api = self.kubernetes.api()
         return KubeRayBackend(
             api,
             self._config(),
-            namespace=self.namespace or api.namespace,
+            namespace=self.target_namespace(),
             ray_token=self.ray_token.get_secret_value() if self.ray_token else None,
         )
 

@@ -17,14 +17,18 @@ from prefect_nemo.kube.api import (
 )
 from prefect_nemo.kube.apply import (
     FLOW_RUN_LABEL,
+    GONE_TIMEOUT_S,
+    LAST_USED,
     MANAGED_BY,
     SPEC_HASH,
     Applied,
     add_owner_reference,
     apply_or_attach,
+    check_same_namespace,
     managed_labels,
     owner_reference,
     spec_hash,
+    wait_gone,
 )
 from prefect_nemo.kube.kinds import (
     CLUSTER_TRAINING_RUNTIME,
@@ -46,10 +50,11 @@ from prefect_nemo.kube.kinds import (
 from prefect_nemo.kube.watch import Informer, KubeTimeout, wait_for
 
 __all__ = [
-    "CLUSTER_TRAINING_RUNTIME", "CONFIGMAP", "EVENT", "FLOW_RUN_LABEL", "MANAGED_BY", "NAMESPACE",
-    "POD", "PVC", "RAY_CLUSTER", "RAY_JOB", "SECRET", "SERVICE", "SPEC_HASH", "TRAINING_RUNTIME",
-    "TRAIN_JOB", "AlreadyExists", "Applied", "Conflict", "Expired", "Forbidden", "Informer",
-    "Invalid", "Kind", "KubeApi", "KubeError", "KubeTimeout", "NotFound", "add_owner_reference",
-    "apply_or_attach", "dgd_kind", "kind_for", "managed_labels", "owner_reference", "spec_hash",
-    "wait_for",
+    "CLUSTER_TRAINING_RUNTIME", "CONFIGMAP", "EVENT", "FLOW_RUN_LABEL", "GONE_TIMEOUT_S",
+    "LAST_USED", "MANAGED_BY", "NAMESPACE", "POD", "PVC", "RAY_CLUSTER", "RAY_JOB", "SECRET",
+    "SERVICE", "SPEC_HASH", "TRAINING_RUNTIME", "TRAIN_JOB", "AlreadyExists", "Applied",
+    "Conflict", "Expired", "Forbidden", "Informer", "Invalid", "Kind", "KubeApi", "KubeError",
+    "KubeTimeout", "NotFound", "add_owner_reference", "apply_or_attach", "check_same_namespace",
+    "dgd_kind", "kind_for", "managed_labels", "owner_reference", "spec_hash", "wait_for",
+    "wait_gone",
 ]  # fmt: skip

@@ -160,15 +160,17 @@ class KubeApi:
         label_selector: str | None = None,
         field_selector: str | None = None,
         limit: int | None = None,
+        all_namespaces: bool = False,
     ) -> tuple[list[dict], str]:
-        """The matching objects and the list's resourceVersion (to watch from)."""
+        """The matching objects (in every namespace with `all_namespaces`) and the list's
+        resourceVersion (to watch from)."""
         body = self._json(
             self._call(
                 kind,
                 "",
                 "list",
                 self._resource(kind).get,
-                namespace=self._ns(kind, namespace),
+                namespace=None if all_namespaces else self._ns(kind, namespace),
                 label_selector=label_selector,
                 field_selector=field_selector,
                 limit=limit,
@@ -244,8 +246,12 @@ class KubeApi:
         namespace: str | None = None,
         *,
         propagation: str = "Background",
+        resource_version: str | None = None,
     ) -> bool:
-        """Ask for deletion with the given propagation policy; False if it was already gone."""
+        """Ask for deletion with the given propagation policy; False if it was already gone.
+        With `resource_version`, only that version is deleted (Conflict if it changed)."""
+        precondition = {"resourceVersion": resource_version} if resource_version else None
+        body = {"preconditions": precondition} if precondition else None
         try:
             self._call(
                 kind,
@@ -254,6 +260,7 @@ class KubeApi:
                 self._resource(kind).delete,
                 name=name,
                 namespace=self._ns(kind, namespace),
+                body=body,
                 propagation_policy=propagation,
             )
         except NotFound:

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 from typing import Literal
 
+from prefect_nemo.errors import InvalidJobSpec
 from prefect_nemo.kube.api import AlreadyExists, KubeApi, NotFound
 from prefect_nemo.kube.kinds import Kind, kind_for
 from prefect_nemo.names import stable_hash
@@ -16,6 +17,8 @@ log = logging.getLogger(__name__)
 MANAGED_BY = "app.kubernetes.io/managed-by"
 FLOW_RUN_LABEL = "prefect.io/flow-run-id"
 SPEC_HASH = "prefect-nemo.io/spec-hash"
+LAST_USED = "prefect-nemo.io/last-used"  # when a shared object was last taken for a job
+GONE_TIMEOUT_S = 300.0  # how long we wait for an object being deleted to go (nrl-k8s: 300 s)
 
 Outcome = Literal["created", "attached", "drifted", "recreated"]
 
@@ -48,20 +51,28 @@ def spec_hash(manifest: dict) -> str:
     wanted = {
         "spec": {k: v for k, v in manifest.items() if k not in ("metadata", "status")},
         "labels": meta.get("labels", {}),
-        "annotations": {k: v for k, v in meta.get("annotations", {}).items() if k != SPEC_HASH},
+        "annotations": {
+            k: v for k, v in meta.get("annotations", {}).items() if k not in (SPEC_HASH, LAST_USED)
+        },
     }
     return stable_hash(json.dumps(wanted, sort_keys=True, default=str), length=16)
 
 
 def apply_or_attach(
-    api: KubeApi, manifest: dict, *, namespace: str | None = None, recreate: bool = False
+    api: KubeApi,
+    manifest: dict,
+    *,
+    namespace: str | None = None,
+    recreate: bool = False,
+    gone_timeout_s: float = GONE_TIMEOUT_S,
 ) -> Applied:
     """Create the object, or attach to the one that already has its name.
 
     An existing object created from the same manifest is reused as is. One from a different
     manifest is reused with a warning (drift) unless `recreate`, which deletes it (foreground:
-    its dependents go first), waits until it is gone and creates it anew. Never mutates a live
-    object in place.
+    its dependents go first), waits until it is gone and creates it anew. One being deleted
+    (`metadata.deletionTimestamp` set) is never attached to: we wait until it is gone (up to
+    `gone_timeout_s`), then create. Never mutates a live object in place.
     """
     kind = kind_for(manifest)
     name = manifest["metadata"]["name"]
@@ -77,12 +88,17 @@ def apply_or_attach(
         return Applied(api.create(kind, stamped, namespace), "created")
     except AlreadyExists:
         existing = api.get(kind, name, namespace)
-    if existing is None:  # deleted between our create and get: one more try
+    what = kind.describe(name, api._ns(kind, namespace, manifest))
+    if existing is not None and existing.get("metadata", {}).get("deletionTimestamp"):
+        # it is going away with whatever it serves: attaching would hand back a corpse
+        log.info("%s is being deleted; waiting until it is gone, then creating it", what)
+        wait_gone(api, kind, name, namespace, timeout_s=gone_timeout_s)
+        existing = None
+    if existing is None:  # deleted between our create and get (or waited out): create
         return Applied(api.create(kind, stamped, namespace), "created")
     seen = existing.get("metadata", {}).get("annotations", {}).get(SPEC_HASH)
     if seen == wanted:
         return Applied(existing, "attached")
-    what = kind.describe(name, api._ns(kind, namespace, manifest))
     drift = (
         f"{what} exists with a different spec (hash {seen or 'none'}, wanted {wanted})"
         if seen
@@ -92,17 +108,37 @@ def apply_or_attach(
         log.warning("%s; reusing it as is (pass recreate=True to replace it)", drift)
         return Applied(existing, "drifted", drift)
     log.warning("%s; recreating it", drift)
-    _delete_and_wait(api, kind, name, namespace)
+    api.delete(kind, name, namespace, propagation="Foreground")
+    wait_gone(api, kind, name, namespace, timeout_s=gone_timeout_s)
     return Applied(api.create(kind, stamped, namespace), "recreated", drift)
 
 
-def _delete_and_wait(api: KubeApi, kind: Kind, name: str, namespace: str | None) -> None:
+def wait_gone(
+    api: KubeApi, kind: Kind, name: str, namespace: str | None, *, timeout_s: float
+) -> None:
+    """Wait (on a watch) until the object no longer exists; KubeTimeout naming it if it stays
+    (a finalizer nobody removes)."""
     from prefect_nemo.kube.watch import wait_for  # watch imports apply's siblings only
 
-    api.delete(kind, name, namespace, propagation="Foreground")
-    what = f"deletion of {kind.describe(name)}"
+    what = f"deletion of {kind.describe(name, api._ns(kind, namespace))}"
     wait_for(
-        api, kind, name, lambda obj: obj is None, namespace=namespace, timeout_s=120, what=what
+        api, kind, name, lambda obj: obj is None, namespace=namespace, timeout_s=timeout_s,
+        what=what,
+    )  # fmt: skip
+
+
+def check_same_namespace(kind: Kind, name: str, namespace: str | None, owner: dict) -> None:
+    """Raise InvalidJobSpec, naming both namespaces, when a namespaced `owner` is not in the
+    dependent's namespace ("A namespaced owner must exist in the same namespace as the
+    dependent. If it does not, the owner reference is treated as absent": Kubernetes)."""
+    owner_ns = (owner.get("metadata") or {}).get("namespace")
+    if not owner_ns or not kind.namespaced or owner_ns == namespace:
+        return
+    raise InvalidJobSpec(
+        f"{owner.get('kind')} {owner['metadata'].get('name')} (namespace {owner_ns!r}) cannot "
+        f"own {kind.describe(name)} (namespace {namespace!r}): Kubernetes garbage collection "
+        "treats an owner in another namespace as absent and would delete it at once. Put both "
+        "in one namespace"
     )
 
 
@@ -131,7 +167,11 @@ def add_owner_reference(
     controller: bool = False,
 ) -> dict:
     """Make `owner` an owner of the object (idempotent by owner uid), so deleting the owner
-    garbage-collects it. A merge patch replaces the whole list, so the existing refs are kept."""
+    garbage-collects it. A merge patch replaces the whole list, so the existing refs are kept.
+
+    A namespaced owner must be in the object's namespace: Kubernetes treats an owner in
+    another namespace as absent and deletes the object (InvalidJobSpec, nothing patched)."""
+    check_same_namespace(kind, name, api._ns(kind, namespace), owner)
     current = api.get(kind, name, namespace)
     if current is None:
         raise NotFound(404, "NotFound", f"{kind.describe(name)} not found")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import yaml
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ConfigDict, Field
@@ -49,6 +50,9 @@ class DeployedDgd(BaseModel):
     )
     frontend_service: str
     frontend_url: str
+    frontend_port: int = Field(
+        default=dynamo.FRONTEND_PORT, description="The port the frontend serves on (probed)."
+    )
     drift: str | None = None
 
     @property
@@ -218,9 +222,11 @@ def deployed_from(
     outcome: str = "rendered",
     created: bool = False,
     frontend_url: str | None = None,
+    frontend_port: int = dynamo.FRONTEND_PORT,
     drift: str | None = None,
 ) -> DeployedDgd:
-    """A DeployedDgd describing a rendered manifest."""
+    """A DeployedDgd describing a rendered manifest (InvalidJobSpec for a frontend URL or port
+    that disagrees with it)."""
     meta = doc["metadata"]
     return DeployedDgd(
         name=meta["name"],
@@ -229,7 +235,8 @@ def deployed_from(
         outcome=outcome,
         created_by_this_run=created,
         frontend_service=dynamo.frontend_service(doc, version),
-        frontend_url=dynamo.resolve_frontend_url(doc, frontend_url, version),
+        frontend_url=dynamo.resolve_frontend_url(doc, frontend_url, version, port=frontend_port),
+        frontend_port=frontend_port,
         drift=drift,
     )
 
@@ -252,13 +259,19 @@ def deploy_dgd(
     overrides: dict[str, Any] | None = None,
     version: str = "v1alpha1",
     frontend_url: str | None = None,
+    frontend_port: int = dynamo.FRONTEND_PORT,
     recreate: bool = False,
-) -> DeployedDgd:
+    dry_run: bool = False,
+) -> DeployedDgd | dict[str, Any]:
     """Render, check the CRD, and create the DGD (or attach to the one already there).
 
     Everything is validated before the first API call. A DGD this flow run creates is recorded
     so that teardown_dgds (and the flow's failure/crash/cancel hooks) delete it; one it only
-    attached to is left alone.
+    attached to is left alone. A DGD being deleted is waited out, then created anew.
+    `frontend_port`: where the frontend serves (Dynamo's default 8000; the readiness probe and
+    the URL use it). `dry_run`: return the manifest that would be applied (without any owner
+    reference: that is added once training's RayCluster exists), secrets masked; nothing is
+    sent.
     """
     ctx = current_run()
     block = resolve_kube(kube_block)
@@ -277,8 +290,13 @@ def deploy_dgd(
         flow_run_id=ctx.flow_run_id,
         experiment=ctx.experiment,
     )
-    described = deployed_from(doc, version, frontend_url=frontend_url)  # validates the URL
+    # validates the URL and the port
+    described = deployed_from(doc, version, frontend_url=frontend_url, frontend_port=frontend_port)
     redact = Redactor(api.secrets)
+    if dry_run:
+        text = yaml.safe_dump(doc, sort_keys=False)
+        ctx.logger.info(f"dry run: DGD {ns}/{described.name} would be applied:\n{text}")
+        return redact.deep(doc)
     dynamo.check_crd_installed(api, version, ns)
     existing = api.get(dynamo.dgd_kind(version), described.name, ns)
     if existing is not None:
@@ -305,9 +323,7 @@ def deploy_dgd(
     return dgd
 
 
-def _keep_creator_label(
-    doc: dict[str, Any], existing: Mapping[str, Any], ctx: RunContext
-) -> None:
+def _keep_creator_label(doc: dict[str, Any], existing: Mapping[str, Any], ctx: RunContext) -> None:
     """Attach to a DGD an earlier run of the same experiment created as if we had created it:
     the flow-run label is the only difference, and it must not read as drift."""
     labels = (existing.get("metadata") or {}).get("labels") or {}
@@ -346,6 +362,7 @@ def wait_dgd_ready(
                 timeout_s,
                 version=dgd.version,
                 service=dgd.frontend_service,
+                port=dgd.frontend_port,
                 on_change=changed,
                 interrupted=ctx.interrupted,
             )
@@ -391,6 +408,12 @@ def own_dgds_by_raycluster(
     ctx = current_run()
     api = resolve_kube(kube_block).api()
     ns = namespace or api.namespace
+    for dgd in dgds:  # before any request: an owner elsewhere would get the DGD deleted
+        if dgd.created_by_this_run:
+            kube.check_same_namespace(
+                dynamo.dgd_kind(dgd.version), dgd.name, dgd.namespace,
+                {"kind": "RayCluster", "metadata": {"name": ray_cluster_name, "namespace": ns}},
+            )  # fmt: skip
     owner = api.get(kube.RAY_CLUSTER, ray_cluster_name, ns)
     if owner is None and rayjob_name is not None:
         rayjob = api.get(kube.RAY_JOB, rayjob_name, ns) or {}

@@ -21,6 +21,7 @@ from prefect_nemo.backends.dynamo.graphs import (
     own_by,
     pod_ready,
     wait_dgd_ready,
+    wait_for_dgd_gone,
 )
 from prefect_nemo.backends.dynamo.manifests import (
     DGD_GROUP,
@@ -30,6 +31,7 @@ from prefect_nemo.backends.dynamo.manifests import (
     MAIN_CONTAINER,
     VERSIONS,
     check_dgd_name,
+    check_frontend_port,
     deep_merge,
     dgd_kind,
     frontend_service,
@@ -44,7 +46,7 @@ __all__ = [
     "DGD_GROUP", "DGD_KIND", "FRONTEND_PORT", "FRONTEND_PROBE_PATH", "FRONTEND_TYPE",
     "GRAPH_LABEL", "MAIN_CONTAINER", "STATE_FAILED", "STATE_READY", "VERSIONS", "DgdCrdMissing",
     "DgdFailed", "DgdNotReady", "DgdReadiness", "apply_dgd", "check_crd_installed",
-    "check_dgd_name", "deep_merge", "delete_dgd", "dgd_kind", "frontend_service", "frontend_url",
-    "load_dgd", "own_by", "pod_ready", "render_dgd", "resolve_frontend_url", "validate_dgd",
-    "wait_dgd_ready",
+    "check_dgd_name", "check_frontend_port", "deep_merge", "delete_dgd", "dgd_kind",
+    "frontend_service", "frontend_url", "load_dgd", "own_by", "pod_ready", "render_dgd",
+    "resolve_frontend_url", "validate_dgd", "wait_dgd_ready", "wait_for_dgd_gone",
 ]  # fmt: skip

@@ -78,9 +78,33 @@ def apply_dgd(
     )
 
 
-def delete_dgd(api: kube.KubeApi, name: str, namespace: str, *, version: str = "v1alpha1") -> bool:
-    """Delete a DGD (its pods and Services go with it); False if it was already gone."""
-    return api.delete(dgd_kind(version), name, namespace)
+def delete_dgd(
+    api: kube.KubeApi,
+    name: str,
+    namespace: str,
+    *,
+    version: str = "v1alpha1",
+    wait_s: float | None = kube.GONE_TIMEOUT_S,
+) -> bool:
+    """Delete a DGD (its pods and Services go with it) and wait until it is gone (unless
+    `wait_s` is None), as nrl-k8s does; False if it was already gone."""
+    deleted = api.delete(dgd_kind(version), name, namespace)
+    if wait_s is not None:
+        wait_for_dgd_gone(api, name, namespace, version=version, timeout_s=wait_s)
+    return deleted
+
+
+def wait_for_dgd_gone(
+    api: kube.KubeApi,
+    name: str,
+    namespace: str,
+    *,
+    version: str = "v1alpha1",
+    timeout_s: float = kube.GONE_TIMEOUT_S,
+) -> None:
+    """Wait (on a watch) until the DGD no longer exists: the operator's finalizer has run and
+    its pods, Services and frontend are gone with it. KubeTimeout if it stays."""
+    kube.wait_gone(api, dgd_kind(version), name, namespace, timeout_s=timeout_s)
 
 
 def own_by(
@@ -197,6 +221,7 @@ def wait_dgd_ready(
     *,
     version: str = "v1alpha1",
     service: str | None = None,
+    port: int = FRONTEND_PORT,
     probe_interval_s: float = 1.0,
     on_change: Callable[[DgdReadiness], None] | None = None,
     interrupted: Callable[[], bool] | None = None,
@@ -204,9 +229,10 @@ def wait_dgd_ready(
     """Wait until the DGD serves: state successful, every DGD pod Ready, frontend answers.
 
     The DGD and its pods are followed by watch (one Informer each); only the HTTP probe of the
-    frontend, through the API server's service proxy, is polled, and only once the first two
-    gates hold. Any HTTP answer below 500 counts (404: the listener is up; 403: the proxy verb
-    is not ours, so the other gates decide, as in the source PR); 502, 503 and refused do not.
+    frontend (`service`:`port`, through the API server's service proxy) is polled, and only
+    once the first two gates hold. Any HTTP answer below 500 counts (404: the listener is up;
+    403: the proxy verb is not ours, so the other gates decide, as in the source PR); 502, 503
+    and refused do not.
     State `failed` raises DgdFailed at once; the timeout (or `interrupted()`) raises DgdNotReady
     listing the gates still unmet. `on_change` sees each new combination of gate values.
     """
@@ -244,7 +270,7 @@ def wait_dgd_ready(
             if seen.state == STATE_FAILED:
                 raise DgdFailed(f"DGD {name} in {namespace} failed: {seen.message}")
             if seen.state_ok and seen.pods_ok:
-                status, _ = api.proxy(namespace, service, FRONTEND_PORT, FRONTEND_PROBE_PATH)
+                status, _ = api.proxy(namespace, service, port, FRONTEND_PROBE_PATH)
                 seen.frontend_status = status
             key = (
                 seen.exists,

@@ -346,23 +346,32 @@ def frontend_service(manifest: Mapping[str, Any], version: str | None = None) ->
     return f"{_name_of(manifest)}-{_frontends(manifest, version)[0].lower()}"
 
 
-def frontend_url(name: str, namespace: str, *, service: str | None = None) -> str:
-    """The in-cluster URL of a DGD's frontend (OpenAI-compatible HTTP on port 8000)."""
-    return f"http://{service or f'{name}-frontend'}.{namespace}.svc.cluster.local:{FRONTEND_PORT}"
+def frontend_url(
+    name: str, namespace: str, *, service: str | None = None, port: int = FRONTEND_PORT
+) -> str:
+    """The in-cluster URL of a DGD's frontend (OpenAI-compatible HTTP, port 8000 by default)."""
+    return f"http://{service or f'{name}-frontend'}.{namespace}.svc.cluster.local:{port}"
 
 
 def resolve_frontend_url(
-    manifest: Mapping[str, Any], explicit: str | None = None, version: str | None = None
+    manifest: Mapping[str, Any],
+    explicit: str | None = None,
+    version: str | None = None,
+    *,
+    port: int = FRONTEND_PORT,
 ) -> str:
     """The URL training should use: the DGD's frontend, or `explicit` when it agrees.
 
     An explicit in-cluster URL (`<svc>.<ns>.svc[.cluster.local]`) that names another Service,
     namespace or port than the DGD's frontend is a conflict: InvalidJobSpec. Any other explicit
-    URL (an ingress, a gateway) is the user's choice and is used as is.
+    URL (an ingress, a gateway) is the user's choice and is used as is. `port` is the
+    frontend's port (checked against what the manifest says the frontend listens on).
     """
     meta = manifest.get("metadata") or {}
     service = frontend_service(manifest, version)
-    derived = frontend_url(meta.get("name", ""), meta.get("namespace", ""), service=service)
+    check_frontend_port(manifest, port, version)
+    derived = frontend_url(meta.get("name", ""), meta.get("namespace", ""), service=service,
+                           port=port)  # fmt: skip
     if not explicit:
         return derived
     parts = urlsplit(explicit)
@@ -370,10 +379,64 @@ def resolve_frontend_url(
         raise InvalidJobSpec(f"frontend_url {explicit!r} is not an http(s) URL")
     host = parts.hostname.split(".")
     if len(host) >= 3 and host[2] == "svc":
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-        if (host[0], host[1], port) != (service, meta.get("namespace"), FRONTEND_PORT):
+        explicit_port = parts.port or (443 if parts.scheme == "https" else 80)
+        if (host[0], host[1], explicit_port) != (service, meta.get("namespace"), port):
             raise InvalidJobSpec(
                 f"frontend_url {explicit!r} disagrees with DGD {meta.get('name')!r}, whose "
                 f"frontend is {derived}: drop frontend_url to use the DGD's frontend, or fix it"
             )
     return explicit
+
+
+def check_frontend_port(manifest: Mapping[str, Any], port: Any, version: str | None = None) -> int:
+    """`port` if the DGD's frontend listens there; InvalidJobSpec naming the field otherwise.
+
+    The Dynamo frontend "accepts either --http-port flag or DYN_HTTP_PORT env var (defaults to
+    8000)": a port the manifest does not say the frontend listens on would be probed (and
+    handed to training) in vain.
+    """
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise InvalidJobSpec(
+            f"frontend_port {port!r} is not a TCP port: give an integer from 1 to 65535 (the "
+            f"port the DGD's frontend serves on; Dynamo's default is {FRONTEND_PORT})"
+        )
+    version = version or str(manifest.get("apiVersion", "")).rpartition("/")[2] or "v1alpha1"
+    key = _frontends(manifest, version)[0]
+    declared, where = _declared_port(dict(_services(manifest, version))[key], manifest, version)
+    if declared != port:
+        raise InvalidJobSpec(
+            f"frontend_port {port}: DGD {_name_of(manifest)!r}'s frontend {key!r} listens on "
+            f"{declared} ({where}): set frontend_port={declared}, or change {where}"
+        )
+    return port
+
+
+def _declared_port(
+    svc: Mapping[str, Any], doc: Mapping[str, Any], version: str
+) -> tuple[int | None, str]:
+    """(port, where it is said) of a frontend: its `--http-port` argument, else DYN_HTTP_PORT
+    in its env (the container's, the service's, the graph's), else Dynamo's default."""
+    if version == "v1alpha1":
+        main = ((svc.get("extraPodSpec") or {}).get("mainContainer")) or {}
+    else:
+        containers = ((svc.get("podTemplate") or {}).get("spec") or {}).get("containers") or []
+        main = next((c for c in containers if c.get("name") == MAIN_CONTAINER), {})
+    args = [str(a) for a in [*(main.get("command") or []), *(main.get("args") or [])]]
+    for i, arg in enumerate(args):
+        if arg == "--http-port" and i + 1 < len(args):
+            return _as_port(args[i + 1]), "its --http-port argument"
+        if arg.startswith("--http-port="):
+            return _as_port(arg.split("=", 1)[1]), "its --http-port argument"
+    spec = doc.get("spec") or {}
+    for env in (main.get("env"), svc.get("envs"), spec.get("envs")):
+        for item in env or []:
+            if isinstance(item, Mapping) and item.get("name") == "DYN_HTTP_PORT":
+                return _as_port(item.get("value")), "DYN_HTTP_PORT in its env"
+    return FRONTEND_PORT, "Dynamo's default: no --http-port or DYN_HTTP_PORT"
+
+
+def _as_port(value: Any) -> int | None:
+    try:
+        return int(str(value))
+    except ValueError:
+        return None

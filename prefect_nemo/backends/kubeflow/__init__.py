@@ -3,6 +3,11 @@ config (`runtimes`), each node running the trainer command under torchrun (`node
 import."""
 
 from prefect_nemo.backends._kube_objects import secret_manifest
+from prefect_nemo.backends.kubeflow.cleanup import (
+    IDLE_S,
+    remove_unused_runtimes,
+    touch_runtime,
+)
 from prefect_nemo.backends.kubeflow.nodes import (
     PATCH_MANAGER,
     PET_ENV,
@@ -16,11 +21,13 @@ from prefect_nemo.backends.kubeflow.nodes import (
     trainer_env,
 )
 from prefect_nemo.backends.kubeflow.runtimes import (
+    RUNTIME_PREFIX_LABEL,
     PvcMount,
     TrainerConfig,
     check_config,
     check_placement,
     node_resources,
+    pip_env,
     pvc_manifest,
     runtime_body,
     runtime_manifest,
@@ -37,11 +44,13 @@ from prefect_nemo.backends.kubeflow.trainjob import (
 )
 
 __all__ = [
+    "IDLE_S",
     "MAX_TRAINJOB_NAME",
     "PATCH_MANAGER",
     "PET_ENV",
     "PLACEMENT_GROUP_LABEL",
     "PLACEMENT_MANAGER",
+    "RUNTIME_PREFIX_LABEL",
     "TORCHRUN_FLAGS",
     "KubeflowTrainerBackend",
     "PvcMount",
@@ -53,14 +62,17 @@ __all__ = [
     "code_patch",
     "node_resources",
     "owned_objects",
+    "pip_env",
     "placement_patch",
     "pvc_manifest",
+    "remove_unused_runtimes",
     "runtime_body",
     "runtime_manifest",
     "runtime_name",
     "secret_manifest",
     "status_from_trainjob",
     "torchrun_entrypoint",
+    "touch_runtime",
     "trainer_command",
     "trainer_env",
     "trainjob_manifest",

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import SecretStr
+
 from prefect_nemo.errors import InvalidJobSpec
 from prefect_nemo.kube import CLUSTER_TRAINING_RUNTIME, TRAINING_RUNTIME, Kind, managed_labels
 from prefect_nemo.names import is_dns1035_label, is_dns1123_subdomain, resource_name, stable_hash
@@ -21,9 +23,12 @@ GPU_RESOURCE = "nvidia.com/gpu"
 HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
 JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
 ANCESTOR = "trainer.kubeflow.org/trainjob-ancestor-step"
+RUNTIME_PREFIX_LABEL = "prefect-nemo.io/runtime-prefix"  # which block prefix made a runtime
 
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$")
 _PACKAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-\[\],<>=!~+* ]*$")
+_URL = re.compile(r"^https?://[^\s/]+(/\S*)?$")
+_HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?(:[0-9]{1,5})?$")
 
 
 # -------------------------------------------------------------------------------------------
@@ -58,6 +63,9 @@ class TrainerConfig:
     code_dir: str = "/workspace/code"
     runtime_prefix: str = "prefect-nemo"
     namespaced_runtime: bool = False  # a TrainingRuntime in the job's namespace (no cluster RBAC)
+    pip_index_url: str | None = None  # may hold credentials: travels in the job's Secret
+    pip_extra_index_urls: tuple[str, ...] = ()
+    pip_trusted_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_config(self)
@@ -146,6 +154,22 @@ def check_config(config: TrainerConfig) -> None:
             raise InvalidJobSpec(
                 f"{where}.extra_packages: {pkg!r} is not a pip requirement: use e.g. "
                 "'numpy==2.1.0' (one requirement per entry)"
+            )
+    for field, urls in (
+        ("pip_index_url", [config.pip_index_url] if config.pip_index_url else []),
+        ("pip_extra_index_urls", config.pip_extra_index_urls),
+    ):
+        for url in urls:
+            if not _URL.match(url):  # never echo it: it may carry a token
+                raise InvalidJobSpec(
+                    f"{where}.{field}: not an http(s) URL without spaces: give e.g. "
+                    "'https://pypi.example.com/simple'"
+                )
+    for host in config.pip_trusted_hosts:
+        if not _HOST.match(host):
+            raise InvalidJobSpec(
+                f"{where}.pip_trusted_hosts: {host!r} is not a host name: give e.g. "
+                "'pypi.example.com' or 'pypi.example.com:8080'"
             )
     if not is_dns1035_label(config.runtime_prefix, 40):
         raise InvalidJobSpec(
@@ -288,7 +312,11 @@ def runtime_manifest(config: TrainerConfig, namespace: str = "default") -> dict[
     kind = config.runtime_kind
     metadata: dict[str, Any] = {
         "name": runtime_name(config),
-        "labels": {**managed_labels(), "trainer.kubeflow.org/framework": "torch"},
+        "labels": {
+            **managed_labels(),
+            "trainer.kubeflow.org/framework": "torch",
+            RUNTIME_PREFIX_LABEL: config.runtime_prefix,
+        },
     }
     if kind.namespaced:
         metadata["namespace"] = namespace
@@ -298,6 +326,19 @@ def runtime_manifest(config: TrainerConfig, namespace: str = "default") -> dict[
         "metadata": metadata,
         "spec": runtime_body(config),
     }
+
+
+def pip_env(config: TrainerConfig) -> dict[str, str | SecretStr]:
+    """pip's index options as the environment variables pip reads ("PIP_<UPPER_LONG_NAME>",
+    several values separated by whitespace); the URLs as secrets (they may hold a token)."""
+    env: dict[str, str | SecretStr] = {}
+    if config.pip_index_url:
+        env["PIP_INDEX_URL"] = SecretStr(config.pip_index_url)
+    if config.pip_extra_index_urls:
+        env["PIP_EXTRA_INDEX_URL"] = SecretStr(" ".join(config.pip_extra_index_urls))
+    if config.pip_trusted_hosts:
+        env["PIP_TRUSTED_HOST"] = " ".join(config.pip_trusted_hosts)
+    return env
 
 
 def pvc_manifest(mount: PvcMount, namespace: str) -> dict[str, Any]:

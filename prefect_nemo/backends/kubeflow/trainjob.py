@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
 from collections.abc import AsyncGenerator
 from datetime import datetime
 from pathlib import Path
@@ -64,6 +65,7 @@ from prefect_nemo.backends._kube_objects import (
     secret_manifest,
     secret_name,
 )
+from prefect_nemo.backends.kubeflow.cleanup import IDLE_S, remove_unused_runtimes, touch_runtime
 from prefect_nemo.backends.kubeflow.nodes import (
     PET_ENV,
     code_patch,
@@ -77,11 +79,12 @@ from prefect_nemo.backends.kubeflow.runtimes import (
     TrainerConfig,
     check_placement,
     node_resources,
+    pip_env,
     pvc_manifest,
     runtime_manifest,
     runtime_name,
 )
-from prefect_nemo.errors import InvalidJobSpec
+from prefect_nemo.errors import AuthenticationFailed, InvalidJobSpec
 from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus
 from prefect_nemo.kube import (
     CONFIGMAP,
@@ -93,6 +96,7 @@ from prefect_nemo.kube import (
     Invalid,
     Kind,
     KubeApi,
+    KubeError,
     apply_or_attach,
     managed_labels,
 )
@@ -107,6 +111,7 @@ METADATA_ANNOTATION = "prefect-nemo.io/metadata"
 REPLICATED_JOB = "jobset.sigs.k8s.io/replicatedjob-name"
 JOB_INDEX = "jobset.sigs.k8s.io/job-index"
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+log = logging.getLogger("prefect_nemo.kubeflow")
 
 
 # -------------------------------------------------------------------------------------------
@@ -321,10 +326,18 @@ class KubeflowTrainerBackend(KubeJobBackend[TrainerConfig]):
         namespace: str | None = None,
         chunk_bytes: int | None = None,
         max_code_bytes: int | None = None,
+        runtime_idle_s: float = IDLE_S,
     ) -> None:
         super().__init__(api, config, namespace=namespace)
         self.chunk_bytes = chunk_bytes
         self.max_code_bytes = max_code_bytes
+        self.runtime_idle_s = runtime_idle_s  # how long a runtime taken for a job is kept
+
+    @property
+    def secrets(self) -> list[str]:
+        """The API credentials and pip's index URLs, for redaction."""
+        urls = [self.config.pip_index_url, *self.config.pip_extra_index_urls]
+        return [*self.api.secrets, *(u for u in urls if u)]
 
     def job_status(self, obj: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
         """The TrainJob's status from it and its pods (the table in the module docstring)."""
@@ -345,25 +358,18 @@ class KubeflowTrainerBackend(KubeJobBackend[TrainerConfig]):
         Secret and ConfigMaps); JobAlreadyExists if a TrainJob has the name."""
         check_job_id(job_id)
         check_spec(spec, self.config)
-        flow_run_id = flow_run_of(metadata)
-        plan = self._plan(spec, job_id) if spec.working_dir is not None else None
-        manifest = trainjob_manifest(
-            spec, job_id, metadata, self.config, namespace=self.namespace, plan=plan
-        )
-        secret = secret_manifest(spec, job_id, namespace=self.namespace, flow_run_id=flow_run_id)
-        owned: list[tuple[Kind, dict[str, Any]]] = []
-        if secret is not None:
-            owned.append((SECRET, secret))
-        for cm in plan.configmaps if plan is not None else []:
-            cm = copy.deepcopy(cm)
-            meta = cm.setdefault("metadata", {})
-            meta["namespace"] = self.namespace
-            meta["labels"] = {**(meta.get("labels") or {}), **managed_labels(flow_run_id)}
-            meta.pop("ownerReferences", None)
-            owned.append((CONFIGMAP, cm))
+        manifest, owned = self._documents(spec, job_id, metadata)
         fix = "Check the KubeflowTrainerCluster fields and the JobSpec fields it names"
         self.create_job(manifest, owned, fix=fix, prepare=self._prepare)
         return self.handle(job_id)
+
+    def render(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> list[dict[str, Any]]:
+        """What `submit` sends, in its order, without a request: the PVCs (created only where
+        missing), the runtime, the Secret, the code ConfigMaps, then the TrainJob."""
+        check_job_id(job_id)
+        check_spec(spec, self.config)
+        manifest, owned = self._documents(spec, job_id, metadata)
+        return [*self._shared_objects(), *(obj for _, obj in owned), manifest]
 
     def request_stop(self, job_id: str) -> None:
         """Delete the TrainJob (foreground: its JobSet and pods go first, then its Secret and
@@ -408,24 +414,70 @@ class KubeflowTrainerBackend(KubeJobBackend[TrainerConfig]):
             chunk_bytes=self.chunk_bytes, max_bytes=self.max_code_bytes,
         )  # fmt: skip
 
+    def _documents(
+        self, spec: JobSpec, job_id: str, metadata: dict[str, str]
+    ) -> tuple[dict[str, Any], list[tuple[Kind, dict[str, Any]]]]:
+        """The TrainJob and what it owns (Secret, code ConfigMaps), created before it; built
+        once for `submit` and `render` alike."""
+        flow_run_id = flow_run_of(metadata)
+        plan = self._plan(spec, job_id) if spec.working_dir is not None else None
+        if extra := pip_env(self.config):  # pip's options reach the pods as env (URLs: Secret)
+            spec = spec.model_copy(update={"env": {**extra, **spec.env}})
+        manifest = trainjob_manifest(
+            spec, job_id, metadata, self.config, namespace=self.namespace, plan=plan
+        )
+        secret = secret_manifest(spec, job_id, namespace=self.namespace, flow_run_id=flow_run_id)
+        owned: list[tuple[Kind, dict[str, Any]]] = []
+        if secret is not None:
+            owned.append((SECRET, secret))
+        for cm in plan.configmaps if plan is not None else []:
+            cm = copy.deepcopy(cm)
+            meta = cm.setdefault("metadata", {})
+            meta["namespace"] = self.namespace
+            meta["labels"] = {**(meta.get("labels") or {}), **managed_labels(flow_run_id)}
+            meta.pop("ownerReferences", None)
+            owned.append((CONFIGMAP, cm))
+        return manifest, owned
+
+    def _shared_objects(self) -> list[dict[str, Any]]:
+        """What outlives each job: the PVCs of the mounts, then the config's runtime."""
+        pvcs = [pvc_manifest(mount, self.namespace) for mount in self.config.pvc_mounts]
+        return [*pvcs, runtime_manifest(self.config, self.namespace)]
+
     def _prepare(self) -> None:
         """The PVCs (created if missing, never deleted) and the config's runtime (created, or
         the one of its name reused: never changed in place)."""
-        for mount in self.config.pvc_mounts:
-            if self.api.get(PVC, mount.name, self.namespace) is not None:
+        *pvcs, runtime = self._shared_objects()
+        for pvc in pvcs:
+            name = pvc["metadata"]["name"]
+            if self.api.get(PVC, name, self.namespace) is not None:
                 continue
             try:
-                self.api.create(PVC, pvc_manifest(mount, self.namespace), self.namespace)
+                self.api.create(PVC, pvc, self.namespace)
             except AlreadyExists:
                 pass  # created meanwhile: fine, we only need it to exist
-        manifest = runtime_manifest(self.config, self.namespace)
+        name = runtime_name(self.config)
         try:
-            apply_or_attach(self.api, manifest, namespace=self.namespace)
+            applied = apply_or_attach(self.api, runtime, namespace=self.namespace)
         except Invalid as exc:
             raise InvalidJobSpec(
-                f"the API server rejected {manifest['kind']} {runtime_name(self.config)}: "
-                f"{exc}. Check the KubeflowTrainerCluster fields it names"
+                f"the API server rejected {runtime['kind']} {name}: {exc}. Check the "
+                "KubeflowTrainerCluster fields it names"
             ) from None
+        if not applied.created:
+            touch_runtime(self.api, self.config, self.namespace, name)
+        try:  # housekeeping: a submit never fails for it (cleanup() reports its errors)
+            remove_unused_runtimes(
+                self.api, self.config, self.namespace, keep=name, idle_s=self.runtime_idle_s
+            )
+        except (KubeError, AuthenticationFailed) as exc:
+            log.info("left unused runtimes alone: %s", exc)
+
+    def cleanup(self, *, idle_s: float | None = None) -> list[str]:
+        """Remove the runtimes of this config's prefix that no TrainJob uses and no submit took
+        in the last `idle_s` (default: runtime_idle_s); returns them as 'Kind/name'."""
+        idle = self.runtime_idle_s if idle_s is None else idle_s
+        return remove_unused_runtimes(self.api, self.config, self.namespace, idle_s=idle)
 
     def _node0(self, job_id: str) -> dict[str, Any] | None:
         """The pod of replicatedJob `node`, job index 0, completion index 0 (torchrun rank 0)."""

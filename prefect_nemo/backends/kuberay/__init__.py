@@ -2,6 +2,16 @@
 their head Service (`raycluster`). No Prefect import."""
 
 from prefect_nemo.backends._kube_objects import secret_manifest
+from prefect_nemo.backends.kuberay.manifests import (
+    MAX_RAYJOB_NAME,
+    SUBMISSION_MODES,
+    RayJobConfig,
+    check_config,
+    check_job_id,
+    check_spec,
+    rayjob_documents,
+    rayjob_manifest,
+)
 from prefect_nemo.backends.kuberay.raycluster import (
     DASHBOARD_PORT,
     RAY_TOKEN_HEADER,
@@ -15,15 +25,8 @@ from prefect_nemo.backends.kuberay.raycluster import (
     wait_ray_cluster_ready,
 )
 from prefect_nemo.backends.kuberay.rayjob import (
-    MAX_RAYJOB_NAME,
     STOP_ESCALATE_S,
-    SUBMISSION_MODES,
     KubeRayBackend,
-    RayJobConfig,
-    check_config,
-    check_job_id,
-    check_spec,
-    rayjob_manifest,
     status_from_rayjob,
 )
 from prefect_nemo.names import label_value
@@ -32,6 +35,7 @@ __all__ = [
     "DASHBOARD_PORT", "MAX_RAYJOB_NAME", "RAY_TOKEN_HEADER", "STOP_ESCALATE_S", "SUBMISSION_MODES",
     "KubeRayBackend", "RayJobConfig", "check_config", "check_job_id", "check_spec",
     "delete_ray_cluster", "ensure_ray_cluster", "head_service", "label_value",
-    "ray_cluster_manifest", "ray_jobs_backend", "rayjob_manifest", "resolve_ray_cluster_name",
+    "ray_cluster_manifest", "ray_jobs_backend", "rayjob_documents", "rayjob_manifest",
+    "resolve_ray_cluster_name",
     "secret_manifest", "status_from_rayjob", "tls_verify", "wait_ray_cluster_ready",
 ]  # fmt: skip

@@ -429,11 +429,25 @@ class Store:
             for key, objs in self.objects.items()
             for obj in list(objs.values())
         ]
-        uids = {obj["metadata"]["uid"] for _, obj in everything}
+        owners = {obj["metadata"]["uid"]: (rt, obj) for rt, obj in everything}
+
+        def resolves(ref: Obj, dep_rt: ResourceType, dep: Obj) -> bool:
+            # "A namespaced owner must exist in the same namespace as the dependent. If it
+            # does not, the owner reference is treated as absent" (Kubernetes, Owners and
+            # Dependents); a cluster-scoped dependent's unresolvable ref blocks nothing.
+            found = owners.get(ref.get("uid", ""))
+            if found is None:
+                return False
+            owner_rt, owner = found
+            if not owner_rt.namespaced or not dep_rt.namespaced:
+                return True
+            return owner["metadata"].get("namespace") == dep["metadata"].get("namespace")
+
         dependents: dict[str, list[tuple[ResourceType, Obj]]] = {}
         for rt, obj in everything:
             for ref in obj["metadata"].get("ownerReferences") or []:
-                dependents.setdefault(ref.get("uid", ""), []).append((rt, obj))
+                if resolves(ref, rt, obj):
+                    dependents.setdefault(ref.get("uid", ""), []).append((rt, obj))
         for rt, obj in everything:
             md = obj["metadata"]
             deps = dependents.get(md["uid"], [])
@@ -480,7 +494,7 @@ class Store:
             refs = obj["metadata"].get("ownerReferences") or []
             if not refs:
                 continue
-            live = [r for r in refs if r.get("uid") in uids]
+            live = [r for r in refs if resolves(r, rt, obj)]
             if not live and not obj["metadata"].get("deletionTimestamp"):
                 self._delete(rt, obj, "Background")
                 return True

@@ -430,6 +430,19 @@ def set_pod_status(core: client.CoreV1Api, pod: Obj, status: Obj) -> None:
             raise
 
 
+def quantities_as_strings(pod_spec: Obj) -> Obj:
+    """`pod_spec` with every container resource quantity as a string, as a controller writing
+    typed objects sends it (a Go `resource.Quantity` serializes as "2", and the kubernetes
+    client's typed Pod refuses 2): custom resources may hold int-or-string quantities."""
+    for key in ("containers", "initContainers"):
+        for container in pod_spec.get(key) or []:
+            resources = container.get("resources") or {}
+            for part in ("limits", "requests"):
+                if isinstance(resources.get(part), dict):
+                    resources[part] = {k: str(v) for k, v in resources[part].items()}
+    return pod_spec
+
+
 def live(items: Iterable[Obj]) -> list[Obj]:
     """The objects not being deleted."""
     return [o for o in items if not o["metadata"].get("deletionTimestamp")]

@@ -8,6 +8,7 @@ condition. The frontend answers through the API server's service proxy like a Dy
 
 from __future__ import annotations
 
+import copy
 import json
 import socket
 import threading
@@ -31,6 +32,7 @@ from prefect_nemo.testing.operators._controller import (
     owner_reference,
     pod_is_ready,
     pod_is_running,
+    quantities_as_strings,
     running_pod_status,
     set_condition,
     set_pod_status,
@@ -73,6 +75,28 @@ def components(dgd: Obj) -> list[tuple[str, str, int]]:
         for name, svc in items
         if name
     ]
+
+
+def frontend_port(dgd: Obj, comp: str) -> int:
+    """Where a frontend component listens: "dynamo.frontend accepts either --http-port flag or
+    DYN_HTTP_PORT env var (defaults to 8000)" (Dynamo's launch scripts)."""
+    spec = dgd.get("spec") or {}
+    if isinstance(spec.get("services"), dict):
+        svc = spec["services"].get(comp) or {}
+        main = (svc.get("extraPodSpec") or {}).get("mainContainer") or {}
+    else:
+        svc = next((c for c in spec.get("components") or [] if c.get("name") == comp), {})
+        pod = (svc.get("podTemplate") or {}).get("spec") or {}
+        main = next((c for c in pod.get("containers") or [] if c.get("name") == "main"), {})
+    args = [str(a) for a in [*(main.get("command") or []), *(main.get("args") or [])]]
+    for i, arg in enumerate(args[:-1]):
+        if arg == "--http-port":
+            return int(args[i + 1])
+    for env in (main.get("env"), svc.get("envs"), spec.get("envs")):
+        for item in env or []:
+            if item.get("name") == "DYN_HTTP_PORT":
+                return int(item["value"])
+    return FRONTEND_PORT
 
 
 def _closed_port() -> int:
@@ -262,7 +286,7 @@ class DynamoSimulator(Controller):
             else next((c for c in spec.get("components") or [] if c.get("name") == comp), None)
         )
         extra = (svc or {}).get("extraPodSpec") or {}
-        main = dict(extra.get("mainContainer") or {})
+        main = copy.deepcopy(extra.get("mainContainer") or {})
         main.setdefault("image", "nvcr.io/nvidia/ai-dynamo/dynamo-runtime")
         main["name"] = "main"
         env = [
@@ -277,6 +301,7 @@ class DynamoSimulator(Controller):
             main,
             *[c for c in extra.get("containers") or [] if c.get("name") != "main"],
         ]
+        quantities_as_strings(pod_spec)
         pod_spec.setdefault("serviceAccountName", f"{name}-sa")  # the operator's per-DGD SA
         selector = f"{name}-{comp.lower()}"
         body = {
@@ -303,6 +328,7 @@ class DynamoSimulator(Controller):
     def _ensure_frontend(self, dgd: Obj, comp: str, behavior: DgdBehavior) -> None:
         ns, name = dgd["metadata"]["namespace"], dgd["metadata"]["name"]
         svc_name = f"{name}-{comp.lower()}"
+        port = frontend_port(dgd, comp)
         body = {
             "apiVersion": "v1",
             "kind": "Service",
@@ -322,8 +348,8 @@ class DynamoSimulator(Controller):
                 "ports": [
                     {
                         "name": "http",
-                        "port": FRONTEND_PORT,
-                        "targetPort": FRONTEND_PORT,
+                        "port": port,
+                        "targetPort": port,
                         "protocol": "TCP",
                     }
                 ],
@@ -343,7 +369,7 @@ class DynamoSimulator(Controller):
             target = f"http://127.0.0.1:{_closed_port()}"
         else:
             target = _frontend_handler(behavior.frontend, list(behavior.models) or [name])
-        ports: list[tuple[str, int | str]] = [(svc_name, FRONTEND_PORT), (svc_name, "http")]
+        ports: list[tuple[str, int | str]] = [(svc_name, port), (svc_name, "http")]
         for svc, port in ports:
             self.server.set_service_proxy(ns, svc, port, target)
         with self._lock:

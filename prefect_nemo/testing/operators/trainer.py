@@ -63,6 +63,7 @@ from prefect_nemo.testing.operators._controller import (
     owner_keys,
     owner_reference,
     parse_rfc3339,
+    quantities_as_strings,
     set_condition,
     set_pod_status,
 )
@@ -410,7 +411,7 @@ class TrainJobSimulator(Controller):
             **{k: v for k, v in jobset.items() if k != "jobset.sigs.k8s.io/jobset-uid"},
             COMPLETION_INDEX: str(index),
         }
-        spec = copy.deepcopy(template.get("spec") or {})
+        spec = quantities_as_strings(copy.deepcopy(template.get("spec") or {}))
         spec.setdefault("restartPolicy", "Never")
         spec["hostname"] = f"{job_name}-{index}"
         spec["subdomain"] = name

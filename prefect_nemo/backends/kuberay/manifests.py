@@ -1,0 +1,243 @@
+"""RayJob manifests, pure: the block's RayJob config (existing cluster XOR inline spec) and its
+checks, the checks of a JobSpec a RayJob can carry, and the documents a submit sends (the
+RayJob, and the Secret of its secret env values), built once for `submit` and `render` alike.
+No API call, no Prefect import.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import yaml
+from pydantic import SecretStr
+
+from prefect_nemo.backends._kube_objects import (
+    check_labels,
+    flow_run_of,
+    job_object,
+    secret_manifest,
+    secret_name,
+)
+from prefect_nemo.backends.kuberay.raycluster import check_cluster_spec
+from prefect_nemo.backends.ray_jobs import OVERRIDE_RUNTIME_ENV
+from prefect_nemo.errors import InvalidJobSpec
+from prefect_nemo.jobs import JobSpec
+from prefect_nemo.kube import RAY_JOB, SECRET, Kind
+from prefect_nemo.names import is_dns1035_label, is_dns1123_subdomain
+from prefect_nemo.placement.spec import to_ray_entrypoint
+
+SubmissionMode = Literal["K8sJobMode", "HTTPMode", "SidecarMode"]
+SUBMISSION_MODES: tuple[str, ...] = ("K8sJobMode", "HTTPMode", "SidecarMode")
+MAX_RAYJOB_NAME = 47  # KubeRay's MaxRayJobNameLength
+
+# -------------------------------------------------------------------------------------------
+# Configuration and validation (pure: no API calls)
+
+
+@dataclass(frozen=True)
+class RayJobConfig:
+    """Where and how RayJobs run: the cluster (existing name XOR inline spec) and KubeRay knobs."""
+
+    ray_cluster_name: str | None = None
+    ray_cluster_spec: dict[str, Any] | None = None
+    shutdown_after_job_finishes: bool = True
+    ttl_seconds_after_finished: int = 60
+    submission_mode: str = "K8sJobMode"
+    active_deadline_seconds: int | None = None
+
+    def __post_init__(self) -> None:
+        check_config(self)
+
+    @property
+    def inline(self) -> bool:
+        """True when each RayJob brings its own cluster (rayClusterSpec)."""
+        return self.ray_cluster_spec is not None
+
+
+def check_config(config: RayJobConfig) -> None:
+    """Raise InvalidJobSpec naming the field and the fix for a config KubeRay would reject."""
+    if (config.ray_cluster_name is None) == (config.ray_cluster_spec is None):
+        raise InvalidJobSpec(
+            "KubeRayCluster: set exactly one of ray_cluster_name (run on an existing RayCluster) "
+            "or ray_cluster_spec (each RayJob brings its own cluster)"
+        )
+    if config.ray_cluster_name is not None and not (
+        is_dns1123_subdomain(config.ray_cluster_name, 63)
+    ):
+        raise InvalidJobSpec(
+            f"KubeRayCluster.ray_cluster_name: '{config.ray_cluster_name}' is not a Kubernetes "
+            "object name: use lowercase letters, digits and '-', at most 63 characters"
+        )
+    if config.submission_mode not in SUBMISSION_MODES:
+        raise InvalidJobSpec(
+            f"KubeRayCluster.submission_mode: '{config.submission_mode}' is not one of "
+            f"{', '.join(SUBMISSION_MODES)} (InteractiveMode needs a person to submit the job)"
+        )
+    if config.ray_cluster_name is not None and config.submission_mode == "SidecarMode":
+        raise InvalidJobSpec(
+            "KubeRayCluster.submission_mode: KubeRay does not support SidecarMode with an "
+            "existing cluster (ray_cluster_name): use K8sJobMode or HTTPMode"
+        )
+    if config.ttl_seconds_after_finished < 0:
+        raise InvalidJobSpec(
+            "KubeRayCluster.ttl_seconds_after_finished: must be >= 0 (seconds the finished "
+            "cluster stays up, for its logs)"
+        )
+    if config.active_deadline_seconds is not None and config.active_deadline_seconds <= 0:
+        raise InvalidJobSpec(
+            "KubeRayCluster.active_deadline_seconds: must be a positive number of seconds, or "
+            "unset (JobSpec.timeout_s already stops the job)"
+        )
+    if config.ray_cluster_spec is not None:
+        check_cluster_spec(config.ray_cluster_spec)
+
+
+def check_spec(spec: JobSpec, config: RayJobConfig) -> None:
+    """Raise InvalidJobSpec for what a RayJob cannot carry; sends nothing."""
+    res = spec.resources
+    if res.memory_bytes is not None:
+        raise InvalidJobSpec(
+            "JobSpec.resources.memory_bytes: a RayJob has no entrypoint memory field: drop it, "
+            "or run through the Ray Jobs backend (ray_jobs_block) against the cluster"
+        )
+    if spec.label_selector:
+        raise InvalidJobSpec(
+            "JobSpec.label_selector: a RayJob has no entrypoint label selector: drop it, or use "
+            "entrypoint resources (JobSpec.resources.custom) to steer the driver"
+        )
+    placement = spec.placement
+    if placement is not None:
+        if placement.nodes != 1:
+            raise InvalidJobSpec(
+                f"JobSpec.placement.nodes: {placement.nodes}, but a RayJob's entrypoint runs on "
+                "one node: use nodes=1 (strategy='pack') and put multi-node work in the "
+                "RayCluster spec (its worker groups), where the job's own Ray tasks spread"
+            )
+        if placement.node_labels:
+            raise InvalidJobSpec(
+                "JobSpec.placement.node_labels: a RayJob has no entrypoint label selector: drop "
+                "them, or steer the driver with entrypoint resources (JobSpec.resources.custom)"
+            )
+        if placement.exclude_head:
+            raise InvalidJobSpec(
+                "JobSpec.placement.exclude_head: a RayJob cannot keep its entrypoint off the "
+                "head (that needs a label selector): drop it, or give the head no CPUs in the "
+                "RayCluster spec (rayStartParams num-cpus: '0') so the driver lands on a worker"
+            )
+    if spec.secret_values() and not config.inline:
+        names = ", ".join(k for k, v in spec.env.items() if isinstance(v, SecretStr))
+        raise InvalidJobSpec(
+            f"JobSpec.env: {names} are secrets, and with an existing cluster (ray_cluster_name) "
+            "they could only travel inside the RayJob object, which anyone who may read RayJobs "
+            "can read. Put them in a Kubernetes Secret mounted in the RayCluster's pods, or use "
+            "an inline ray_cluster_spec (prefect-nemo then creates and mounts the Secret)"
+        )
+    if spec.working_dir is not None and config.inline:
+        raise InvalidJobSpec(
+            "JobSpec.working_dir: working_dir with an inline rayClusterSpec needs the ConfigMap "
+            "transport (issue 4); use ray_cluster_name or bake the code into the image"
+        )
+    try:
+        yaml.safe_dump(spec.runtime_env)
+        json.dumps(spec.runtime_env, allow_nan=False)
+    except (TypeError, ValueError, yaml.YAMLError) as exc:
+        raise InvalidJobSpec(
+            f"JobSpec.runtime_env: must be plain data (it travels as YAML in the RayJob): {exc}"
+        ) from None
+    check_labels(spec.labels)
+
+
+def check_job_id(job_id: str) -> None:
+    """KubeRay refuses RayJob names over 47 characters or not DNS-1035."""
+    if not is_dns1035_label(job_id, MAX_RAYJOB_NAME):
+        raise InvalidJobSpec(
+            f"job id '{job_id}' cannot name a RayJob: KubeRay wants a DNS-1035 label of at most "
+            f"{MAX_RAYJOB_NAME} characters: use a shorter JobSpec.name or experiment name"
+        )
+
+
+# -------------------------------------------------------------------------------------------
+# Manifests (pure)
+
+
+def rayjob_manifest(
+    spec: JobSpec,
+    job_id: str,
+    metadata: dict[str, str],
+    config: RayJobConfig,
+    *,
+    namespace: str,
+    working_dir_uri: str | None = None,
+) -> dict[str, Any]:
+    """The RayJob for a job: everything but secret env values, which go to `secret_manifest`."""
+    runtime_env: dict[str, Any] = dict(spec.runtime_env)
+    plain = {k: v for k, v in spec.env.items() if isinstance(v, str)}  # secrets: the Secret
+    runtime_env["env_vars"] = {**plain, **OVERRIDE_RUNTIME_ENV}
+    if working_dir_uri is not None:
+        runtime_env["working_dir"] = working_dir_uri
+    body: dict[str, Any] = {
+        "entrypoint": spec.entrypoint,
+        "jobId": job_id,
+        "metadata": {**spec.metadata, **metadata},
+        "runtimeEnvYAML": yaml.safe_dump(runtime_env, sort_keys=True),
+        "submissionMode": config.submission_mode,
+    }
+    res = spec.resources
+    if res.cpus is not None:
+        body["entrypointNumCpus"] = res.cpus
+    if res.gpus is not None:
+        body["entrypointNumGpus"] = res.gpus
+    if spec.placement is not None:  # check_spec refused what a RayJob cannot say
+        placed, _ = to_ray_entrypoint(spec.placement)
+        if "entrypoint_num_cpus" in placed:
+            body["entrypointNumCpus"] = placed["entrypoint_num_cpus"]
+        if "entrypoint_num_gpus" in placed:
+            body["entrypointNumGpus"] = placed["entrypoint_num_gpus"]
+    if res.custom:
+        body["entrypointResources"] = json.dumps(dict(res.custom), sort_keys=True)
+    if config.active_deadline_seconds is not None:
+        body["activeDeadlineSeconds"] = config.active_deadline_seconds
+    if config.ray_cluster_spec is not None:
+        cluster_spec = copy.deepcopy(config.ray_cluster_spec)
+        if spec.secret_values():
+            _mount_secret(cluster_spec, secret_name(job_id))
+        body["rayClusterSpec"] = cluster_spec
+        body["shutdownAfterJobFinishes"] = config.shutdown_after_job_finishes
+        if config.shutdown_after_job_finishes:
+            body["ttlSecondsAfterFinished"] = config.ttl_seconds_after_finished
+    else:
+        body["clusterSelector"] = {"ray.io/cluster": str(config.ray_cluster_name)}
+    return job_object(
+        RAY_JOB, job_id, spec, metadata, body, namespace=namespace,
+        owned={"secrets": [secret_name(job_id)]} if spec.secret_values() else None,
+        shrink="JobSpec.entrypoint/env/runtime_env/metadata or ray_cluster_spec",
+    )  # fmt: skip
+
+
+def _mount_secret(cluster_spec: dict[str, Any], name: str) -> None:
+    """Add `envFrom: secretRef` to every container of the head and worker groups."""
+    groups = [cluster_spec["headGroupSpec"], *cluster_spec.get("workerGroupSpecs", [])]
+    for group in groups:
+        for container in group["template"]["spec"]["containers"]:
+            container.setdefault("envFrom", []).append({"secretRef": {"name": name}})
+
+
+def rayjob_documents(
+    spec: JobSpec,
+    job_id: str,
+    metadata: dict[str, str],
+    config: RayJobConfig,
+    *,
+    namespace: str,
+    working_dir_uri: str | None = None,
+) -> tuple[dict[str, Any], list[tuple[Kind, dict[str, Any]]]]:
+    """What a submit sends, built once for `submit` and `render`: the RayJob and the objects
+    it owns, created before it (the Secret of the secret env values, when there are any)."""
+    manifest = rayjob_manifest(
+        spec, job_id, metadata, config, namespace=namespace, working_dir_uri=working_dir_uri
+    )
+    secret = secret_manifest(spec, job_id, namespace=namespace, flow_run_id=flow_run_of(metadata))
+    return manifest, [(SECRET, secret)] if secret is not None else []
