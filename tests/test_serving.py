@@ -416,3 +416,23 @@ def test_bundle_helpers_resolve_node_ip_and_a_free_port(cluster):
     finally:
         assert remove_group("prefect-nemo-test-helpers")
     assert not live_groups("prefect-nemo-test-helpers")
+
+
+def test_start_replicas_dry_run_plans_and_creates_nothing(cluster):
+    """Issue 14 item 4: "Give ... the Dynamo and serving tasks a dry_run option ... that returns
+    what would be submitted ... and submits nothing": the plan (placement groups, each rank's
+    process) on the real cluster's topology; no group is reserved, no process started."""
+    from prefect_nemo.tasks.replicas import start_replicas
+
+    dry = start_replicas.fn(
+        SERVER, dry_run=True, replicas=1, tp_size=4, exclude_head=True, health_path="/",
+        env={"MODEL": "tiny"},
+    )  # fmt: skip
+    (group,) = [d for d in dry.documents if d["kind"] == "RayPlacementGroup"]
+    assert group["strategy"] == "STRICT_SPREAD" and [b["GPU"] for b in group["bundles"]] == [2, 2]
+    ranks = [d for d in dry.documents if d["kind"] == "ReplicaProcess"]
+    assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["env"] == {"MODEL": "tiny"}
+    assert "{port}" in ranks[0]["command"], "ports are chosen at launch"
+    assert not live_groups(SERVE_PREFIX) and not marked_processes(SERVE_PREFIX)
+    with pytest.raises(InsufficientCapacity):  # capacity is checked as a start would
+        start_replicas.fn(SERVER, dry_run=True, replicas=2, tp_size=4, exclude_head=True)

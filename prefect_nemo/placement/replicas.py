@@ -239,6 +239,41 @@ def new_set(options: ReplicaOptions, placed: _Plan, flow_run_id: str | None) -> 
     )
 
 
+def render(
+    rs: ReplicaSet, command: str | Sequence[str], options: ReplicaOptions, placed: _Plan
+) -> list[dict[str, Any]]:
+    """What `launch` would create for this set, creating nothing: each replica's placement group
+    and the process of each of its ranks (ports and hosts are chosen at launch: the command
+    keeps its placeholders)."""
+    docs: list[dict[str, Any]] = []
+    for i in range(options.replicas):
+        group = f"{rs.name}-{i}"
+        docs.append(
+            {
+                "kind": "RayPlacementGroup",
+                "name": group,
+                "strategy": placed.strategy,
+                "bundles": placed.bundles,
+                "bundle_label_selector": placed.selectors,
+                "lifetime": "detached",
+            }
+        )
+        for rank in range(placed.nodes):
+            docs.append(
+                {
+                    "kind": "ReplicaProcess",
+                    "actor": f"{group}-b{rank}",
+                    "replica": i,
+                    "rank": rank,
+                    "command": command if isinstance(command, str) else list(command),
+                    "env": dict(options.env or {}),
+                    "cwd": options.cwd,
+                    "health": options.health_url or f"http://{{host}}:{{port}}{options.health_path}",
+                }
+            )
+    return docs
+
+
 def launch(
     rs: ReplicaSet,
     command: str | Sequence[str],

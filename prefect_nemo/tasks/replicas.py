@@ -34,6 +34,7 @@ import ray
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from prefect_nemo.jobs import DryRun
 from prefect_nemo.local_ray import LocalRayCluster
 from prefect_nemo.placement import connect
 from prefect_nemo.placement import replicas as engine
@@ -45,8 +46,9 @@ from prefect_nemo.placement.replicas import (
     ReplicaSet,
     poll_intervals,
 )
+from prefect_nemo.redaction import Redactor
 from prefect_nemo.tasks._run import RunContext, current_run, live_work
-from prefect_nemo.tasks.reporting import RunTable, emit
+from prefect_nemo.tasks.reporting import RunTable, dry_run_reported, emit
 
 EVENT_PREFIX = "prefect-nemo.serve"
 
@@ -56,6 +58,7 @@ __all__ = [
     "ReplicaSet",
     "connect_ray",
     "poll_intervals",
+    "render",
     "serve_replicas",
     "start",
     "start_replicas",
@@ -213,11 +216,35 @@ def serve_replicas(command: str | Sequence[str], **options: Any) -> Iterator[Rep
 
 
 @task(name="start_replicas", cache_policy=NO_CACHE)
-def start_replicas(command: str | list[str], **options: Any) -> ReplicaSet:
+def start_replicas(
+    command: str | list[str], *, dry_run: bool = False, **options: Any
+) -> ReplicaSet | DryRun:
     """Task: start replicas (options: the fields of ReplicaOptions); pair it with
     stop_replicas. The flow's cancellation/crash hooks and the cancel watch stop them if the
-    flow never does."""
-    return start(command, ReplicaOptions.of(options))
+    flow never does. `dry_run`: return what would be created (each replica's placement group
+    and processes, planned on the connected cluster) and create nothing."""
+    opts = ReplicaOptions.of(options)
+    if dry_run:
+        return render(command, opts)
+    return start(command, opts)
+
+
+def render(command: str | Sequence[str], options: ReplicaOptions | None = None) -> DryRun:
+    """The replica set `start` would create, planned on the cluster (capacity checked), as a
+    DryRun; nothing is reserved or started."""
+    options = options or ReplicaOptions()
+    run = current_run()
+    connect_ray(options.ray_address, auth_token=options.auth_token)
+    placed = engine.plan(options)
+    rs = engine.new_set(options, placed, run.flow_run_id)
+    redact = Redactor([options.auth_token])
+    dry = DryRun(
+        job_id=rs.name,
+        backend="ray-replicas",
+        cluster=str(options.ray_address or "the connected Ray cluster"),
+        documents=redact.deep(engine.render(rs, command, options, placed)),
+    )
+    return dry_run_reported(run, dry)
 
 
 @task(name="stop_replicas", cache_policy=NO_CACHE)
