@@ -33,6 +33,11 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RESERVED_PREFIX = "prefect_nemo."
 #: Metadata key naming the experiment a job was submitted in (set only inside experiments).
 META_EXPERIMENT = RESERVED_PREFIX + "experiment"
+#: Metadata keys written on every job (string values: Ray requires them): its (scope, key), the
+#: spec's fingerprint, and the flow run that submitted it (the sweeper's owner).
+META_KEY = RESERVED_PREFIX + "key"
+META_SPEC = RESERVED_PREFIX + "spec"
+META_FLOW_RUN = RESERVED_PREFIX + "flow_run_id"
 # A Linux argv string is capped at 128 KiB (MAX_ARG_STRLEN); stay well under it.
 MAX_ENTRYPOINT_CHARS = 100_000
 
@@ -330,6 +335,18 @@ class JobResult(BaseModel):
         return self.state is JobState.SUCCEEDED
 
 
+class OwnedJob(BaseModel):
+    """A job prefect-nemo submitted, as its cluster lists it: the flow run that submitted it
+    (from the job's own metadata or labels) and how it is doing."""
+
+    model_config = ConfigDict(frozen=True)
+
+    job_id: str
+    state: JobState
+    flow_run_id: str | None = Field(None, description="The flow run that submitted it.")
+    submitted_at: datetime | None = None
+
+
 class DryRun(BaseModel):
     """What a job would send to its cluster, rendered without submitting anything (secret
     values masked): returned by `run_job(..., dry_run=True)` and `prefect-nemo render`."""
@@ -402,6 +419,12 @@ class Backend(Protocol):
 
     def tail_logs(self, job_id: str) -> AsyncGenerator[str, None]:
         """Stream the job's log as it is written, until the job ends."""
+        ...
+
+    def owned_jobs(self) -> list[OwnedJob]:
+        """Every job on this cluster that prefect-nemo submitted and that has not ended, read
+        from the jobs themselves (metadata, labels, comments: one listing, no request per job),
+        so a sweeper on any machine finds them; a job we did not submit is never listed."""
         ...
 
     def render(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> list[dict[str, Any]]:

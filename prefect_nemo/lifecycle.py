@@ -29,6 +29,9 @@ from prefect_nemo.errors import (
     PrefectNemoError,
     StopNotConfirmed,
 )
+from prefect_nemo.jobs import META_FLOW_RUN as META_FLOW_RUN  # every job's metadata keys,
+from prefect_nemo.jobs import META_KEY as META_KEY  # re-exported where callers look for them
+from prefect_nemo.jobs import META_SPEC as META_SPEC
 from prefect_nemo.jobs import (
     Backend,
     DryRun,
@@ -42,10 +45,6 @@ from prefect_nemo.logs import LogFollower, log_pump
 from prefect_nemo.redaction import Redactor
 from prefect_nemo.watcher import ClusterWatcher, watcher_for
 
-# Metadata keys written on every job (string values: Ray requires them).
-META_KEY = "prefect_nemo.key"
-META_SPEC = "prefect_nemo.spec"
-META_FLOW_RUN = "prefect_nemo.flow_run_id"
 MAX_ATTEMPTS = 100
 LOG_TAIL_LINES = 40
 

@@ -26,7 +26,15 @@ from prefect_nemo.errors import (
     InvalidJobSpec,
     JobAlreadyExists,
 )
-from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus
+from prefect_nemo.jobs import (
+    META_FLOW_RUN,
+    META_KEY,
+    JobHandle,
+    JobSpec,
+    JobState,
+    JobStatus,
+    OwnedJob,
+)
 from prefect_nemo.packaging import collect_source, stage_source
 from prefect_nemo.placement.errors import PlacementError
 from prefect_nemo.placement.plan import Topology
@@ -348,6 +356,21 @@ class RayJobsBackend:
         return {
             d.submission_id: _status_from_details(d) for d in details if d.submission_id in wanted
         }
+
+    def owned_jobs(self) -> list[OwnedJob]:
+        """The cluster's live jobs that carry our metadata (one list_jobs)."""
+        return [
+            OwnedJob(
+                job_id=d.submission_id,
+                state=JobState(str(d.status.value)),
+                flow_run_id=(d.metadata or {}).get(META_FLOW_RUN) or None,
+                submitted_at=_ms_to_datetime(d.start_time),
+            )
+            for d in self._call(self.client.list_jobs)
+            if d.submission_id
+            and META_KEY in (d.metadata or {})
+            and not JobState(str(d.status.value)).is_terminal()
+        ]
 
     def request_stop(self, job_id: str) -> None:
         """Ask Ray to stop the job (SIGTERM, then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S)."""
