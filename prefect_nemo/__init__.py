@@ -36,6 +36,7 @@ _LAZY = {
     "wait_for_job": "prefect_nemo.tasks",
     "stop_job": "prefect_nemo.tasks",
     "start_experiment": "prefect_nemo.tasks",
+    "run_key": "prefect_nemo.tasks",
     "wait_for_experiments": "prefect_nemo.tasks",
     "deploy_dgd": "prefect_nemo.tasks",
     "wait_dgd_ready": "prefect_nemo.tasks",

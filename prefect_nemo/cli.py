@@ -294,6 +294,26 @@ def cleanup(refs: list[str], document: Path | None) -> int:
     return 0
 
 
+def sweep(refs: list[str], dry_run: bool, every_s: float | None) -> int:
+    """Stop the jobs of flow runs that died without a word (once, or every `every_s`)."""
+    api_url, _ = ensure_prefect_server()
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from prefect_nemo.tasks.sweeper import sweep_flow
+
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        while True:
+            verdicts = sweep_flow(blocks=refs, dry_run=dry_run)
+            stopped = [v for v in verdicts if v["stop"]]
+            for v in stopped:
+                outcome = v["outcome"] or "would stop"
+                print(f"{v['block']}: {v['job_id']}: {v['why']} -> {outcome}")
+            print(f"swept {len(verdicts)} live job(s), {len(stopped)} stopped", flush=True)
+            if every_s is None:
+                return 0
+            time.sleep(every_s)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `prefect-nemo` command."""
     parser = argparse.ArgumentParser(prog="prefect-nemo", description=__doc__)
@@ -350,7 +370,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     clean.add_argument("blocks", nargs="+", help="saved blocks, e.g. lepton-ray-cluster/rl")
     clean.add_argument("--document", type=Path, help="read the blocks from this YAML file")
+    sweeper = commands.add_parser(
+        "sweep", help="stop the jobs of flow runs that died without a word (kill -9, OOM)"
+    )
+    sweeper.add_argument("blocks", nargs="*", help="saved cluster blocks (default: all)")
+    sweeper.add_argument("--dry-run", action="store_true", help="judge, stop nothing")
+    sweeper.add_argument("--every", type=float, metavar="SECONDS", help="sweep again and again")
     args = parser.parse_args(argv)
+    if args.command == "sweep":
+        return sweep(args.blocks, args.dry_run, args.every)
     if args.command == "render":
         from prefect_nemo.errors import PrefectNemoError
 

@@ -47,7 +47,11 @@ class JobAlreadyExists(PrefectNemoError):
 
 
 class JobInterrupted(JobStopped):
-    """Waiting was interrupted because the flow run is being cancelled or terminated."""
+    """Waiting was interrupted: the flow run is being cancelled, or cannot go on (`reason`)."""
+
+    def __init__(self, job_id: str, reason: str) -> None:
+        super().__init__(f"stopped waiting for job '{job_id}': {reason}")
+        self.reason = reason
 
 
 class StopNotConfirmed(PrefectNemoError):

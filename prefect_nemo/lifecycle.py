@@ -100,8 +100,9 @@ class JobObserver(Protocol):
     def ended(self, handle: JobHandle) -> None:
         """The wait is over: nobody needs to stop the job on the caller's behalf any more."""
 
-    def problem(self, message: str) -> None:
-        """Something went wrong that does not end the wait (a stop that was not confirmed)."""
+    def unstopped(self, handle: JobHandle, message: str) -> None:
+        """A stop was asked for but not confirmed (the cluster unreachable): the job may still
+        run, and someone must finish the stop once the cluster answers."""
 
 
 class QuietObserver:
@@ -122,12 +123,12 @@ class QuietObserver:
     def ended(self, handle: JobHandle) -> None:
         """Nothing."""
 
-    def problem(self, message: str) -> None:
+    def unstopped(self, handle: JobHandle, message: str) -> None:
         """Nothing."""
 
 
-def _never() -> bool:
-    return False
+def _never() -> str | None:
+    return None
 
 
 @dataclass
@@ -137,7 +138,7 @@ class Supervisor:
     backend: Backend
     policy: WaitPolicy = field(default_factory=WaitPolicy)
     observer: JobObserver = field(default_factory=QuietObserver)
-    interrupted: Callable[[], bool] = _never
+    interrupted: Callable[[], str | bool | None] = _never  # why the caller stops waiting
     redact: Redactor = field(default_factory=Redactor)
 
     @property
@@ -195,12 +196,11 @@ class Supervisor:
             final, stopped = self._stop(handle), True
             result = self._result(handle, final, attached)
             raise JobTimedOut(self.redact(str(exc)), result) from None
-        except JobInterrupted:
+        except JobInterrupted as exc:
             final, stopped = self._stop(handle), True
             result = self._result(handle, final, attached)
             raise JobStopped(
-                f"job {handle.job_id} {result.state.value}: the flow run is being cancelled",
-                result,
+                f"job {handle.job_id} {result.state.value}: {exc.reason}", result
             ) from None
         finally:
             logs.close()
@@ -246,7 +246,9 @@ class Supervisor:
                 self.backend, handle.job_id, timeout_s=self.policy.stop_timeout_s
             )
         except Exception as exc:
-            self.observer.problem(self.redact(f"could not stop job {handle.job_id}: {exc}"))
+            self.observer.unstopped(
+                handle, self.redact(f"could not stop job {handle.job_id}: {exc}")
+            )
             return None
         if status is not None:
             self.observer.changed(handle, status)
@@ -259,7 +261,9 @@ class Supervisor:
             )
             return status.state.value if status else "gone"
         except Exception as exc:
-            return self.redact(f"stop not confirmed: {exc}")
+            message = self.redact(f"stop not confirmed: {exc}")
+            self.observer.unstopped(handle, message)
+            return message
 
     def _outcome(
         self, handle: JobHandle, final: JobStatus, attached: bool, whole_log: str | None
@@ -408,14 +412,15 @@ def wait_until_terminal(
     *,
     timeout_s: float | None = None,
     on_change: Callable[[JobStatus], None] = lambda status: None,
-    interrupted: Callable[[], bool] = _never,
+    interrupted: Callable[[], str | bool | None] = _never,
     tick_s: float = 1.0,
 ) -> JobStatus:
     """Block until the job is terminal, calling on_change once per observed change.
 
     The timeout counts from the job's start on the cluster, so re-attaching after a crash does
     not extend it. Raises JobTimedOut (the caller stops the job), JobInterrupted when
-    `interrupted()` turns true (the caller is shutting down), or BackendUnavailable.
+    `interrupted()` gives a reason (or True: the run is being cancelled), or
+    BackendUnavailable.
     """
     waited_from = datetime.now(UTC)
     seen: JobStatus | None = None
@@ -428,9 +433,10 @@ def wait_until_terminal(
                 on_change(status)
             if seen is not None and seen.state.is_terminal():
                 return seen
-            if interrupted():
+            if reason := interrupted():
                 raise JobInterrupted(
-                    f"stopped waiting for job '{handle.job_id}': the run is being cancelled"
+                    handle.job_id,
+                    reason if isinstance(reason, str) else "the flow run is being cancelled",
                 )
             started = (seen.start_time if seen else None) or waited_from
             if timeout_s is not None and (datetime.now(UTC) - started).total_seconds() > timeout_s:

@@ -41,6 +41,13 @@ class ClusterBlock(Block):
         gt=0,
         description="Seconds to wait for the cluster to confirm that a stopped job has ended.",
     )
+    sweep_grace_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="Seconds the sweeper waits after a job's flow run died (crashed, failed, "
+        "or stopped proving it is alive) before it stops the job: a retry of the run within "
+        "this time attaches to the job instead.",
+    )
     max_poll_interval_s: float = Field(
         default=2.0,
         gt=0,

@@ -14,7 +14,12 @@ from prefect_nemo.tasks.dgd import (
     teardown_dgds,
     wait_dgd_ready,
 )
-from prefect_nemo.tasks.experiments import Experiment, start_experiment, wait_for_experiments
+from prefect_nemo.tasks.experiments import (
+    Experiment,
+    run_key,
+    start_experiment,
+    wait_for_experiments,
+)
 from prefect_nemo.tasks.jobs import run_job, stop_job, submit_job, wait_for_job
 from prefect_nemo.tasks.replicas import serve_replicas, start_replicas, stop_replicas
 
@@ -27,6 +32,7 @@ __all__ = [
     "resolve_cluster",
     "resolve_kube",
     "run_job",
+    "run_key",
     "serve_replicas",
     "start_experiment",
     "start_replicas",

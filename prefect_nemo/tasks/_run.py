@@ -14,6 +14,7 @@ and nothing else. A run killed with SIGKILL re-attaches to its jobs when it runs
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import uuid
@@ -33,9 +34,27 @@ from prefect.client.schemas.filters import (
 )
 from prefect.client.schemas.objects import StateType
 from prefect.context import FlowRunContext, SettingsContext, TaskRunContext
+from prefect.events import Event
 from prefect.logging import get_logger
+from prefect.states import Cancelled
+
+from prefect_nemo.jobs import JobHandle
+from prefect_nemo.tasks._outbox import outbox
 
 LOGGER_NAME = "prefect_nemo"
+HEARTBEAT_EVENT = "prefect-nemo.run.heartbeat"
+#: How long the Prefect API may be unreachable while a run waits on jobs before the run gives
+#: up, stops its jobs and fails (nobody could see, cancel or sweep it meanwhile).
+OUTAGE_BUDGET_ENV = "PREFECT_NEMO_API_OUTAGE_BUDGET_S"
+#: A run key for every flow run of the process (a script run again attaches to its jobs).
+RUN_KEY_ENV = "PREFECT_NEMO_RUN_KEY"
+HEARTBEAT_ENV = "PREFECT_NEMO_HEARTBEAT_S"
+FLUSH_AT_END_S = 30.0  # how long a run's end waits for its reports to reach the API
+
+
+def api_outage_budget_s() -> float:
+    """The Prefect API outage budget ($PREFECT_NEMO_API_OUTAGE_BUDGET_S, default 600 s)."""
+    return float(os.environ.get(OUTAGE_BUDGET_ENV, "600"))
 
 
 def fallback_logger() -> Any:
@@ -56,32 +75,45 @@ class RunContext:
     task_run_id: str | None
     task_key: str | None  # "<task name>-<dynamic key>": the default job name of a task call
     experiment: str | None
+    run_key: str | None
     logger: Any
     cancel_event: threading.Event | None = None
 
     @property
     def scope(self) -> str:
-        """What job ids are stable within: the experiment, else the flow run, else the task."""
+        """What job ids are stable within: the experiment, else the run key, else the flow run,
+        else the task."""
         if self.experiment:
             return f"experiment:{self.experiment}"
+        if self.run_key:
+            return f"run-key:{self.run_key}"
         if self.flow_run_id:
             return f"flow-run:{self.flow_run_id}"
         return f"task-run:{self.task_run_id or 'none'}"
 
     @property
     def readable(self) -> str:
-        """The readable head of job ids: the experiment or flow run name."""
-        return self.experiment or (self.flow_run_name if self.flow_run_id else "")
+        """The readable head of job ids: the experiment, the run key or the flow run name."""
+        return self.experiment or self.run_key or (self.flow_run_name if self.flow_run_id else "")
 
-    def interrupted(self, *, ask_now: bool = False) -> bool:
-        """True once this run is being cancelled: its task runner cancelled the task (SIGTERM
-        to a served run), or the cancel watch saw the run CANCELLING in the API (`ask_now`:
-        ask the API at once instead of waiting for the watch's next round)."""
+    def interrupted(self, *, ask_now: bool = False) -> str | None:
+        """Why this run must stop waiting, or None: its task runner cancelled the task (SIGTERM
+        to a served run), the cancel watch saw the run CANCELLING in the API (`ask_now`: ask
+        the API at once instead of waiting for the watch's next round), or the Prefect API has
+        been unreachable past the outage budget (nobody could see or cancel the run)."""
         if self.cancel_event is not None and self.cancel_event.is_set():
-            return True
+            return "the flow run is being cancelled"
         if self.flow_run_id is None:
-            return False
-        return cancel_watch.saw_cancelled(self.flow_run_id, ask_now=ask_now)
+            return None
+        if cancel_watch.saw_cancelled(self.flow_run_id, ask_now=ask_now):
+            return "the flow run is being cancelled"
+        down = outbox.unreachable_for()
+        if down > api_outage_budget_s():
+            return (
+                f"the Prefect API has been unreachable for {down:.0f}s (budget "
+                f"{api_outage_budget_s():g}s, set {OUTAGE_BUDGET_ENV} to wait longer)"
+            )
+        return None
 
     @contextlib.contextmanager
     def cancellation_watched(self) -> Iterator[None]:
@@ -101,6 +133,19 @@ class RunContext:
             return
         live_work.add(self.flow_run_id, key, stop, also_on_success=also_on_success)
         cancel_watch.ensure_running()
+
+    def own(self, job: JobHandle) -> None:
+        """This run submitted (or attached to) the job: its heartbeats name it from now until
+        the job or the run ends, so the sweeper leaves it alone. No-op outside a run."""
+        if self.flow_run_id is None:
+            return
+        run_jobs.own(self.flow_run_id, job)
+        cancel_watch.ensure_running()
+
+    def release(self, job: JobHandle) -> None:
+        """The job ended: no more heartbeats for it."""
+        if self.flow_run_id is not None:
+            run_jobs.release(self.flow_run_id, job)
 
     def untrack(self, key: str) -> None:
         """The work ended normally: nothing to stop for it any more."""
@@ -130,6 +175,7 @@ def current_run() -> RunContext:
         task_run_id=str(task_run.id) if task_run else None,
         task_key=f"{task_ctx.task.name}-{task_run.dynamic_key}" if task_ctx and task_run else None,
         experiment=experiment_of(flow_run_id),
+        run_key=run_key_of(flow_run_id),
         logger=logger,
         cancel_event=_runner_cancel_event(flow_ctx, task_run),
     )
@@ -166,6 +212,22 @@ def experiment_of(flow_run_id: str | None) -> str | None:
     """The experiment name declared by this flow run, if any."""
     with _experiments_lock:
         return _experiments.get(flow_run_id or "")
+
+
+_run_keys: dict[str, str] = {}
+
+
+def declare_run_key(flow_run_id: str, key: str) -> None:
+    """Record that this flow run's job ids are stable under `key` (see tasks.experiments)."""
+    with _experiments_lock:
+        _run_keys[flow_run_id] = key
+
+
+def run_key_of(flow_run_id: str | None) -> str | None:
+    """The run key of this flow run: declared, else $PREFECT_NEMO_RUN_KEY, else None."""
+    with _experiments_lock:
+        declared = _run_keys.get(flow_run_id or "")
+    return declared or (os.environ.get(RUN_KEY_ENV) or None if flow_run_id else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,12 +267,45 @@ class _LiveWork:
             self._on_success -= {(flow_run_id, key) for key in marked}
         return [(k, stop) for k, stop in work.items() if not only_on_success or k in marked]
 
+    def peek(self, flow_run_id: str) -> list[tuple[str, Callable[[], str]]]:
+        """The run's work, left in place."""
+        with self._lock:
+            return list(self._by_run.get(flow_run_id, {}).items())
+
     def flow_run_ids(self) -> list[str]:
         with self._lock:
             return [run_id for run_id, work in self._by_run.items() if work]
 
 
 live_work = _LiveWork()
+
+
+class _RunJobs:
+    """The jobs each flow run of this process submitted or attached to and that have not ended:
+    what its heartbeats name."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_run: dict[str, dict[tuple[str, str], JobHandle]] = {}
+
+    def own(self, flow_run_id: str, job: JobHandle) -> None:
+        with self._lock:
+            self._by_run.setdefault(flow_run_id, {})[(job.cluster, job.job_id)] = job
+
+    def release(self, flow_run_id: str, job: JobHandle) -> None:
+        with self._lock:
+            self._by_run.get(flow_run_id, {}).pop((job.cluster, job.job_id), None)
+
+    def forget(self, flow_run_id: str) -> None:
+        with self._lock:
+            self._by_run.pop(flow_run_id, None)
+
+    def snapshot(self) -> dict[str, list[JobHandle]]:
+        with self._lock:
+            return {run: list(jobs.values()) for run, jobs in self._by_run.items() if jobs}
+
+
+run_jobs = _RunJobs()
 
 
 def stop_run_work(flow_run_id: str, why: str, *, only_on_success: bool = False) -> None:
@@ -227,23 +322,33 @@ def stop_run_work(flow_run_id: str, why: str, *, only_on_success: bool = False) 
             logger.warning(f"{key}: {outcome}")
 
 
-class _CancelWatch:
-    """Sees flow runs cancelled through the API and stops their work.
+class _RunWatch:
+    """Watches the runs of this process that have live work: sees the ones cancelled through
+    the API and stops their work, and says the others are alive.
 
-    One thread per process, alive while any run has live work here (or a wait asked for it):
-    every few seconds one API request asks whether any of those runs is CANCELLING or
-    CANCELLED. It notes the run as
-    cancelled (`RunContext.interrupted` reads that) and then stops its work, so waiting tasks
-    end with JobStopped.
+    One thread per process, alive while any run has live work here (or a wait asked for it).
+    Every `interval_s`, one API request asks whether any of those runs is CANCELLING or
+    CANCELLED: such a run is noted (`RunContext.interrupted` reads it), its work is stopped (so
+    waiting tasks end with JobStopped) and, a run no runner supervises (a script, a notebook)
+    being left CANCELLING by Prefect, its state is set to Cancelled, naming what was stopped.
+    Every `heartbeat_s` ($PREFECT_NEMO_HEARTBEAT_S, default 15 s), each run with jobs emits
+    `prefect-nemo.run.heartbeat` naming them and the lease it grants itself (two heartbeats): the
+    sweeper reads them (a run that stops renewing its lease died without a word).
     """
 
     interval_s = 2.0
+
+    @property
+    def heartbeat_s(self) -> float:
+        return float(os.environ.get(HEARTBEAT_ENV, "15"))
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._running = False
         self._cancelled: set[str] = set()
         self._watched: Counter[str] = Counter()  # runs asked about without live work
+        self._stopped: dict[str, list[str]] = {}  # what we stopped for a cancelled run
+        self._last_beat = 0.0
 
     def saw_cancelled(self, flow_run_id: str, *, ask_now: bool = False) -> bool:
         """True once this watch has seen the run cancelled (`ask_now`: ask the API first)."""
@@ -253,7 +358,7 @@ class _CancelWatch:
                     with self._lock:
                         self._cancelled.add(run_id)
             except Exception as exc:
-                fallback_logger().debug(f"cancel watch: {exc}")
+                fallback_logger().debug(f"run watch: {exc}")
         with self._lock:
             return flow_run_id in self._cancelled
 
@@ -277,6 +382,7 @@ class _CancelWatch:
             if self._running:
                 return
             self._running = True
+            self._last_beat = 0.0  # a new watch says at once who is alive
         # Carry Prefect's settings (API URL, ...) over, but not the run context of whichever task
         # started us: its client closes when that run ends.
         settings = SettingsContext.get()
@@ -284,7 +390,7 @@ class _CancelWatch:
             target=self._run,
             args=(settings.model_copy() if settings else None,),
             daemon=True,
-            name="prefect-nemo-cancel-watch",
+            name="prefect-nemo-run-watch",
         ).start()
 
     def _run(self, settings: SettingsContext | None) -> None:
@@ -296,22 +402,40 @@ class _CancelWatch:
                 self._running = False
 
     def _loop(self) -> None:
+        first = True
         while True:
-            time.sleep(self.interval_s)
+            if not first:
+                time.sleep(min(self.interval_s, self.heartbeat_s))
+            first = False
             with self._lock:
-                run_ids = sorted({*live_work.flow_run_ids(), *self._watched})
+                owned = run_jobs.snapshot()
+                run_ids = sorted({*live_work.flow_run_ids(), *self._watched, *owned})
                 if not run_ids:
                     self._running = False
                     return
+            beat_s = self.heartbeat_s
+            if owned and time.monotonic() - self._last_beat >= beat_s:
+                self._last_beat = time.monotonic()
+                _heartbeats(owned, lease_s=2 * beat_s)
             try:
                 cancelled = self._cancelled_among(run_ids)
             except Exception as exc:  # the API may be briefly away: try again next round
-                fallback_logger().debug(f"cancel watch: {exc}")
+                fallback_logger().debug(f"run watch: {exc}")
                 continue
             for run_id in cancelled:
+                stopped = [key for key, _ in live_work.peek(run_id)]
                 with self._lock:
                     self._cancelled.add(run_id)
+                    self._stopped.setdefault(run_id, []).extend(stopped)
                 stop_run_work(run_id, f"flow run {run_id} was cancelled")
+
+    def stopped_for_cancel(self, flow_run_id: str) -> list[str] | None:
+        """What this watch stopped because the run was cancelled through the API (None: it
+        did not see the run cancelled)."""
+        with self._lock:
+            if flow_run_id not in self._cancelled:
+                return None
+            return list(self._stopped.get(flow_run_id, []))
 
     @staticmethod
     def _cancelled_among(run_ids: list[str]) -> list[str]:
@@ -325,7 +449,59 @@ class _CancelWatch:
             return [str(run.id) for run in client.read_flow_runs(flow_run_filter=cancelled)]
 
 
-cancel_watch = _CancelWatch()
+cancel_watch = _RunWatch()
+
+
+def _heartbeats(jobs: dict[str, list[JobHandle]], lease_s: float) -> None:
+    """`prefect-nemo.run.heartbeat` for each run with jobs: the run is alive, and vouches for
+    these jobs, for `lease_s` (the sweeper reads them)."""
+    for run_id, handles in jobs.items():
+        outbox.event(
+            Event(
+                event=HEARTBEAT_EVENT,
+                resource={
+                    "prefect.resource.id": f"prefect-nemo.run.{run_id}",
+                    "prefect-nemo.flow-run-id": run_id,
+                },
+                related=[
+                    {
+                        "prefect.resource.id": f"prefect.flow-run.{run_id}",
+                        "prefect.resource.role": "flow-run",
+                    }
+                ],
+                payload={
+                    "lease_s": lease_s,
+                    "jobs": [
+                        {"job_id": h.job_id, "cluster": h.cluster, "backend": h.backend}
+                        for h in handles
+                    ]
+                },
+            ),
+            from_run=False,
+        )
+
+
+def _end_cancelled(flow_run_id: str) -> None:
+    """A run cancelled through the API, whose work the watch stopped, ends Cancelled, naming
+    what was stopped. Prefect leaves a run no runner supervises in CANCELLING, or its engine
+    ends it FAILED with the JobStopped our stop caused; the flow's hooks call this once the
+    engine has settled the run (a served run's runner ends it Cancelled itself)."""
+    stopped = cancel_watch.stopped_for_cancel(flow_run_id)
+    if stopped is None:
+        return
+    try:
+        with get_client(sync_client=True) as client:
+            run = client.read_flow_run(uuid.UUID(flow_run_id))
+            if run.state is not None and run.state.type is StateType.CANCELLED:
+                return
+            what = ", ".join(stopped) if stopped else "no remote work was running"
+            client.set_flow_run_state(
+                uuid.UUID(flow_run_id),
+                Cancelled(message=f"Cancelled through the API; prefect-nemo stopped: {what}"),
+                force=True,
+            )
+    except Exception as exc:  # the run stays CANCELLING; Prefect's server ends it later
+        fallback_logger().warning(f"could not end cancelled flow run {flow_run_id}: {exc}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,15 +510,22 @@ cancel_watch = _CancelWatch()
 
 def stop_flow_run_work(flow: Any, flow_run: Any, state: Any) -> None:
     """Flow hook (cancellation, crash, failure): stop every piece of work this process still
-    runs for the flow run."""
+    runs for the flow run; then deliver what the run reported."""
     stop_run_work(str(flow_run.id), f"flow run {flow_run.name} ended {state.type.value}")
+    run_jobs.forget(str(flow_run.id))
+    _end_cancelled(str(flow_run.id))
+    outbox.flush(timeout_s=FLUSH_AT_END_S)
 
 
 def forget_flow_run_work(flow: Any, flow_run: Any, state: Any) -> None:
     """Flow hook on completion: what is still tracked was left running on purpose (a job
     submitted and not waited for, graphs kept with keep_dgds): forget it; only what ends with
-    the run whatever its outcome (a cluster created for it) is stopped."""
+    the run whatever its outcome (a cluster created for it) is stopped. Then deliver what the
+    run reported."""
     stop_run_work(str(flow_run.id), f"flow run {flow_run.name} completed", only_on_success=True)
+    run_jobs.forget(str(flow_run.id))
+    _end_cancelled(str(flow_run.id))
+    outbox.flush(timeout_s=FLUSH_AT_END_S)
 
 
 def _install_stop_hooks(flow: Any) -> None:

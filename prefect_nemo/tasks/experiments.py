@@ -22,7 +22,7 @@ from prefect.client.schemas.sorting import FlowRunSort
 from prefect.context import FlowRunContext
 
 from prefect_nemo.errors import DependencyFailed, DependencyNotFound, InvalidJobSpec
-from prefect_nemo.tasks._run import declare_experiment
+from prefect_nemo.tasks._run import declare_experiment, declare_run_key
 from prefect_nemo.tasks.reporting import emit
 
 FAILED_STATES = {StateType.FAILED, StateType.CRASHED, StateType.CANCELLED}
@@ -105,10 +105,22 @@ def start_experiment(
     return experiment
 
 
-def _check_name(name: str) -> None:
-    if not name or len(name) > 100 or not name[0].isalnum():
+def run_key(key: str) -> None:
+    """Make this flow run's jobs the jobs of `key`: running the script (or the flow) again with
+    the same key attaches to them instead of submitting them again, as a retry of the run or a
+    new run of an experiment does. For the plain runs that are neither (no rename, no
+    dependencies). `PREFECT_NEMO_RUN_KEY` sets one for every flow run of a process."""
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None:
+        raise InvalidJobSpec("run_key: call it inside a flow (it keys that flow run's jobs)")
+    _check_name(key, "run_key")
+    declare_run_key(str(ctx.flow_run.id), key)
+
+
+def _check_name(name: str, what: str = "experiment name") -> None:
+    if not isinstance(name, str) or not name or len(name) > 100 or not name[0].isalnum():
         raise InvalidJobSpec(
-            f"experiment name {name!r}: use 1-100 characters starting with a letter or digit"
+            f"{what} {name!r}: use 1-100 characters starting with a letter or digit"
         )
 
 

@@ -1,8 +1,9 @@
 """How work shows up in Prefect: one event emitter, one table artifact writer, and the job
 reporter that the lifecycle pushes each job's life to. Every text passes the redactor first.
 
-One failure policy for all of it: reporting never fails the work it reports on. An events or
-artifacts outage logs one warning (and is retried with the next report), nothing more.
+One failure policy for all of it: reporting never fails the work it reports on, and loses
+nothing to an API outage. Events, the job's log lines and artifact writes go through the one
+outbox (`_outbox.py`), which keeps them in order until the API takes them.
 """
 
 from __future__ import annotations
@@ -15,54 +16,52 @@ from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
 
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
-from prefect.events import emit_event
+from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate, LogCreate
+from prefect.events import Event
 
 from prefect_nemo.jobs import DryRun, JobHandle, JobState, JobStatus
 from prefect_nemo.redaction import Redactor
-from prefect_nemo.tasks._run import RunContext, fallback_logger
+from prefect_nemo.tasks._outbox import outbox
+from prefect_nemo.tasks._run import RunContext
 
 JOB_EVENT_PREFIX = "prefect-nemo.job"
 MESSAGE_CHARS = 300
 
 
-class _Outage:
-    """Says once that a reporting channel is down, and once that it is back."""
-
-    def __init__(self, channel: str) -> None:
-        self.channel = channel
-        self._down = False
-        self._lock = threading.Lock()
-
-    def failed(self, exc: Exception) -> None:
-        with self._lock:
-            first, self._down = not self._down, True
-        log = fallback_logger()
-        if first:
-            log.warning(f"could not report to Prefect ({self.channel}): {exc}; the work goes on")
-        else:
-            log.debug(f"{self.channel} still failing: {exc}")
-
-    def worked(self) -> None:
-        with self._lock:
-            was_down, self._down = self._down, False
-        if was_down:
-            fallback_logger().info(f"reporting to Prefect ({self.channel}) works again")
+def emit(
+    event: str,
+    resource: Mapping[str, str],
+    payload: Mapping[str, Any] | None = None,
+    related: list[dict[str, str]] | None = None,
+) -> None:
+    """Emit a Prefect event (with the calling run's related resources, like Prefect's own
+    emit_event); delivered through API outages, never failing the caller."""
+    outbox.event(
+        Event(
+            event=event,
+            resource=dict(resource),
+            payload=dict(payload or {}),
+            related=related or [],
+        )
+    )
 
 
-_events = _Outage("events")
-_artifacts = _Outage("artifacts")
-
-
-def emit(event: str, resource: Mapping[str, str], payload: Mapping[str, Any] | None = None) -> None:
-    """Emit a Prefect event; an events outage never fails the caller (one warning)."""
-    try:
-        emit_event(event=event, resource=dict(resource), payload=dict(payload or {}))
-    except Exception as exc:
-        _events.failed(exc)
-    else:
-        _events.worked()
+def say(run: RunContext, level: int, message: str) -> None:
+    """One line into the run's log: on the console at once, into the Prefect API through the
+    outbox (kept through outages, so no line is lost)."""
+    run.logger.log(level, message, extra={"send_to_api": False})
+    if run.flow_run_id is None:
+        return
+    outbox.log(
+        LogCreate(
+            name=getattr(getattr(run.logger, "logger", None), "name", "prefect_nemo"),
+            level=level,
+            message=message,
+            timestamp=datetime.now(UTC),
+            flow_run_id=UUID(run.flow_run_id),
+            task_run_id=UUID(run.task_run_id) if run.task_run_id else None,
+        ).model_dump(mode="json")
+    )
 
 
 class RunTable:
@@ -94,30 +93,25 @@ class RunTable:
             table = self._rows.setdefault(flow_run_id, {})
             for row_id, fields in changes.items():
                 table.setdefault(row_id, defaults()).update(fields)
-            try:
-                self._write(flow_run_id, list(table.values()))
-            except Exception as exc:
-                _artifacts.failed(exc)
-            else:
-                _artifacts.worked()
+            data = json.dumps(list(table.values()), default=str)
+        outbox.call(lambda client: self._write(client, flow_run_id, data))
 
-    def _write(self, flow_run_id: str, rows: list[dict[str, Any]]) -> None:
-        data = json.dumps(rows, default=str)
-        with get_client(sync_client=True) as client:
-            artifact_id = self._artifacts.get(flow_run_id)
-            if artifact_id is None:
-                # the flow run's artifact, not one task's: it lists everything of the run
-                artifact = client.create_artifact(
-                    ArtifactCreate(
-                        type="table",
-                        data=data,
-                        description=self.description,
-                        flow_run_id=UUID(flow_run_id),
-                    )
+    def _write(self, client: Any, flow_run_id: str, data: str) -> None:
+        """Create the run's artifact, or rewrite it (the outbox runs writes in order)."""
+        artifact_id = self._artifacts.get(flow_run_id)
+        if artifact_id is None:
+            # the flow run's artifact, not one task's: it lists everything of the run
+            artifact = client.create_artifact(
+                ArtifactCreate(
+                    type="table",
+                    data=data,
+                    description=self.description,
+                    flow_run_id=UUID(flow_run_id),
                 )
-                self._artifacts[flow_run_id] = artifact.id
-            else:
-                client.update_artifact(artifact_id, ArtifactUpdate(data=data))
+            )
+            self._artifacts[flow_run_id] = artifact.id
+        else:
+            client.update_artifact(artifact_id, ArtifactUpdate(data=data))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,27 +153,31 @@ class JobReporter:
         """Log, emit `submitted`/`attached`, add the job's row."""
         verb = "attached to existing" if attached else "submitted"
         link = handle.links.get("dashboard", "")
-        self.run.logger.info(f"{verb} job {handle.job_id} on {handle.cluster} {link}")
+        say(self.run, logging.INFO, f"{verb} job {handle.job_id} on {handle.cluster} {link}")
         if drift:
-            self.run.logger.warning(self.redact(drift))
+            say(self.run, logging.WARNING, self.redact(drift))
         self._emit(handle, "attached" if attached else "submitted", {"attached": attached})
         self._row(handle, {"state": "PENDING", "attached": attached})
+        self.run.own(handle)
 
     def live(self, handle: JobHandle, stop: Callable[[], str]) -> None:
         """The run stops the job if it ends another way than success while we wait."""
         self.run.track(_work_key(handle), stop)
+        self.run.own(handle)
 
     def changed(self, handle: JobHandle, status: JobStatus) -> None:
         """Log and emit only when the state actually changed; update the row."""
         if self._last_state.get(handle.job_id) is status.state:
             return
         self._last_state[handle.job_id] = status.state
+        if status.state.is_terminal():
+            self.run.release(handle)
         message = self.redact(status.message)[:MESSAGE_CHARS]
         line = f"job {handle.job_id} is {status.state.value}"
         if status.state.is_terminal() and message:
             line += f": {message.splitlines()[0]}"
         level = logging.ERROR if status.state is JobState.FAILED else logging.INFO
-        self.run.logger.log(level, line)
+        say(self.run, level, line)
         self._emit(
             handle,
             status.state.value.lower(),
@@ -196,15 +194,17 @@ class JobReporter:
 
     def log(self, handle: JobHandle, line: str) -> None:
         """One line of the job's log, into the task's log."""
-        self.run.logger.info(self.redact(f"[{handle.job_id}] {line}"))
+        say(self.run, logging.INFO, self.redact(f"[{handle.job_id}] {line}"))
 
     def ended(self, handle: JobHandle) -> None:
         """The wait is over: nothing to stop on the run's behalf any more."""
         self.run.untrack(_work_key(handle))
 
-    def problem(self, message: str) -> None:
-        """Something went wrong that the task survives (a stop not confirmed)."""
-        self.run.logger.error(self.redact(message))
+    def unstopped(self, handle: JobHandle, message: str) -> None:
+        """A stop not confirmed: said, and recorded as `prefect-nemo.job.stop-pending` for the
+        sweeper to finish once the cluster answers again."""
+        say(self.run, logging.ERROR, self.redact(message))
+        self._emit(handle, "stop-pending", {"message": self.redact(message)[:MESSAGE_CHARS]})
 
     def _emit(self, handle: JobHandle, what: str, payload: dict[str, Any]) -> None:
         emit(
@@ -236,28 +236,22 @@ def _work_key(handle: JobHandle) -> str:
 def dry_run_reported(run: RunContext, dry: DryRun) -> DryRun:
     """Log what a dry run rendered and show it as a markdown artifact of the run."""
     text = dry.yaml
-    run.logger.info(
+    say(
+        run,
+        logging.INFO,
         f"dry run: job {dry.job_id} would be sent to {dry.cluster} ({dry.backend}); nothing "
-        f"was submitted:\n{text}"
+        f"was submitted:\n{text}",
     )
     if run.flow_run_id is None:
         return dry
-    markdown = (
-        f"## Dry run of job `{dry.job_id}`\n\nNothing was submitted to {dry.cluster} "
-        f"({dry.backend}). What would be sent:\n\n```yaml\n{text}```\n"
+    artifact = ArtifactCreate(
+        type="markdown",
+        data=(
+            f"## Dry run of job `{dry.job_id}`\n\nNothing was submitted to {dry.cluster} "
+            f"({dry.backend}). What would be sent:\n\n```yaml\n{text}```\n"
+        ),
+        description=f"Dry run of {dry.job_id} (prefect-nemo)",
+        flow_run_id=UUID(run.flow_run_id),
     )
-    try:
-        with get_client(sync_client=True) as client:
-            client.create_artifact(
-                ArtifactCreate(
-                    type="markdown",
-                    data=markdown,
-                    description=f"Dry run of {dry.job_id} (prefect-nemo)",
-                    flow_run_id=UUID(run.flow_run_id),
-                )
-            )
-    except Exception as exc:
-        _artifacts.failed(exc)
-    else:
-        _artifacts.worked()
+    outbox.call(lambda client: client.create_artifact(artifact))
     return dry

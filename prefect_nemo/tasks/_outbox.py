@@ -1,0 +1,218 @@
+"""The one way our reports reach the Prefect API: events, log lines and artifact writes, sent in
+the order they were made and each delivered once, by one thread, through API outages.
+
+Prefect's own event and log workers drop what they cannot send after a few retries, so an API
+outage of a minute loses the events that deployment triggers wait for and the log lines of that
+window. Here an item that cannot be delivered is kept and sent again (with backoff) until the
+API answers; the outbox says once that it is waiting and once that it caught up. How long the
+API has been unreachable (`unreachable_for`) is what the run context's outage budget reads.
+
+Events keep their id across retries (the API stores an event id once). Log lines go with
+`send_to_api` off through the run logger (the console shows them at once) and through here to
+the API. The thread runs while items wait and ends when the outbox is empty; at interpreter
+exit a last flush is tried for a few seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import contextvars
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from prefect.client.orchestration import get_client
+from prefect.context import SettingsContext
+from prefect.events import Event
+from prefect.events.related import related_resources_from_run_context
+from prefect.logging import get_logger
+
+MAX_ITEMS = 200_000  # beyond this the oldest items go (and we say how many)
+BATCH = 500
+BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
+
+Kind = Literal["event", "log", "call"]
+
+
+@dataclass
+class _Item:
+    kind: Kind
+    value: Any  # an Event, a log dict, or a callable(client)
+    settings: SettingsContext | None
+    context: contextvars.Context | None = None  # the run context, for an event's related resources
+    related_done: bool = field(default=False)
+
+
+class Outbox:
+    """Ordered, at-least-until-the-API-answers delivery of events, logs and artifact writes."""
+
+    def __init__(self, max_items: int = MAX_ITEMS) -> None:
+        self._items: deque[_Item] = deque()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._max_items = max_items
+        self._failing_since: float | None = None
+        self._dropped = 0
+        self.delivered = 0  # items the API accepted; read by tests and benchmarks
+
+    # -- putting things in --------------------------------------------------------------------
+
+    def event(self, event: Event, *, from_run: bool = True) -> None:
+        """Send an event; with `from_run`, its related resources are the calling run's (flow
+        run, deployment, flow, tags), as Prefect's own emit_event attaches them."""
+        self._put(_Item("event", event, SettingsContext.get(),
+                        contextvars.copy_context() if from_run else None))  # fmt: skip
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Send a log line (a LogCreate as a JSON dict: name, level, message, timestamp,
+        flow_run_id, task_run_id)."""
+        self._put(_Item("log", record, SettingsContext.get()))
+
+    def call(self, write: Callable[[Any], None]) -> None:
+        """Run `write(sync_client)` in order with the rest (an artifact write); retried until
+        it succeeds, so it must be safe to repeat."""
+        self._put(_Item("call", write, SettingsContext.get()))
+
+    def _put(self, item: _Item) -> None:
+        with self._cond:
+            self._items.append(item)
+            while len(self._items) > self._max_items:
+                self._items.popleft()
+                self._dropped += 1
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="prefect-nemo-outbox", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    # -- state --------------------------------------------------------------------------------
+
+    def unreachable_for(self) -> float:
+        """Seconds the API has been failing to take what waits here (0 while it answers)."""
+        since = self._failing_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def pending(self) -> int:
+        """Items not delivered yet."""
+        with self._cond:
+            return len(self._items)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until everything put so far was delivered; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._items:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(min(remaining, 0.1))
+        return True
+
+    # -- the sending thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        failures = 0
+        while True:
+            with self._cond:
+                if not self._items:
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
+                batch = self._batch()
+            try:
+                self._send(batch)
+            except Exception as exc:
+                failures += 1
+                self._failed(exc)
+                time.sleep(BACKOFF_S[min(failures, len(BACKOFF_S)) - 1])
+                continue
+            failures = 0
+            with self._cond:
+                for _ in batch:
+                    self._items.popleft()
+                self.delivered += len(batch)
+                self._cond.notify_all()
+            self._caught_up()
+
+    def _batch(self) -> list[_Item]:
+        """The oldest items of one kind and one API, up to BATCH (a call goes alone)."""
+        first = self._items[0]
+        if first.kind == "call":
+            return [first]
+        batch = []
+        for item in self._items:
+            if item.kind != first.kind or item.settings is not first.settings:
+                break
+            batch.append(item)
+            if len(batch) == BATCH:
+                break
+        return batch
+
+    def _send(self, batch: list[_Item]) -> None:
+        # the settings the items were made under (the API URL); a copy, since the original may
+        # be entered in the caller's thread right now and a context is entered once at a time
+        settings = batch[0].settings
+        with settings.model_copy() if settings else contextlib.nullcontext():
+            if batch[0].kind == "event":
+                for item in batch:
+                    _attach_related(item)
+            with get_client(sync_client=True) as client:
+                if batch[0].kind == "log":
+                    client.create_logs([item.value for item in batch])
+                elif batch[0].kind == "event":
+                    payload = [item.value.model_dump(mode="json") for item in batch]
+                    client.request("POST", "/events", json=payload)  # type: ignore[arg-type]
+                else:
+                    batch[0].value(client)
+
+    def _failed(self, exc: Exception) -> None:
+        if self._failing_since is None:
+            self._failing_since = time.monotonic()
+            get_logger("prefect_nemo").warning(
+                f"the Prefect API does not take our events and logs ({type(exc).__name__}: "
+                f"{exc}); {self.pending()} kept, sent again when it answers"
+            )
+
+    def _caught_up(self) -> None:
+        if self._failing_since is not None and not self.pending():
+            down = time.monotonic() - self._failing_since
+            self._failing_since = None
+            dropped, self._dropped = self._dropped, 0
+            lost = f"; {dropped} oldest dropped past {self._max_items} kept" if dropped else ""
+            get_logger("prefect_nemo").info(
+                f"the Prefect API answers again after {down:.0f}s: everything kept was sent{lost}"
+            )
+
+
+def _attach_related(item: _Item) -> None:
+    """Add the run's related resources to an event once (Prefect's emit_event does this in its
+    worker, from the run context captured when the event was made)."""
+    if item.related_done or item.context is None:
+        return
+    event: Event = item.value
+
+    async def related() -> list[Any]:
+        from prefect.client.orchestration import get_client as get_async_client
+
+        async with get_async_client() as client:
+            exclude = {r.id for r in event.involved_resources}
+            return await related_resources_from_run_context(client, exclude=exclude)
+
+    found = item.context.run(asyncio.run, related())
+    event.related = [*event.related, *found]
+    item.related_done = True
+
+
+outbox = Outbox()
+
+
+@atexit.register
+def _last_flush() -> None:
+    if outbox.pending():
+        outbox.flush(timeout_s=5.0)

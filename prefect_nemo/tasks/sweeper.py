@@ -1,0 +1,305 @@
+"""The sweeper: stops the jobs of flow runs that died without a word (SIGKILL, the OOM killer, a
+lost node), from outside the process that submitted them.
+
+Every job we submit carries the flow run that submitted it (`jobs.META_FLOW_RUN`, read back by
+`Backend.owned_jobs()` from the job itself: Ray metadata, Kubernetes labels, a Slurm job's
+comment, Lepton and run:ai labels). Every run that submitted or waits on jobs emits
+`prefect-nemo.run.heartbeat` naming them while it lives (`tasks/_run.py`). A job is stopped when
+nobody vouches for it:
+
+- a heartbeat of a run that waits on it (a retry or a re-run that attached counts) named it
+  within the lease that heartbeat grants: kept;
+- a `prefect-nemo.job.stop-pending` event says a stop was asked for and never confirmed (the
+  cluster was unreachable): stopped now, whatever its run says;
+- its run COMPLETED: kept (a job submitted and not waited for was left running on purpose);
+- its run FAILED, CRASHED or CANCELLED, or is gone, or has stopped renewing its lease: stopped
+  once that has lasted `sweep_grace_s` (the block's setting), so a retry of a crashed run that
+  comes within the grace attaches instead.
+
+What was stopped is reported: a table artifact of the sweep's run and a `prefect-nemo.job.swept`
+event per job. A job we did not submit is never listed, so never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from uuid import UUID
+
+from prefect import flow
+from prefect.blocks.core import Block
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.objects import StateType
+
+from prefect_nemo.blocks.base import ClusterBlock
+from prefect_nemo.errors import InvalidJobSpec, PrefectNemoError
+from prefect_nemo.jobs import JobHandle, OwnedJob
+from prefect_nemo.lifecycle import stop_and_confirm
+from prefect_nemo.redaction import Redactor
+from prefect_nemo.tasks._blocks import resolve_block
+from prefect_nemo.tasks._run import HEARTBEAT_EVENT, current_run
+from prefect_nemo.tasks.reporting import RunTable, emit, job_resource, say
+
+# How long a sign of life that carries no lease of its own counts: a job's submission, Prefect's
+# own flow-run heartbeat (PREFECT_RUNNER_HEARTBEAT_FREQUENCY is at least 30 s).
+LEASE_S = 90.0
+HEARTBEAT_LOOKBACK = timedelta(minutes=30)
+STOP_PENDING_EVENT = "prefect-nemo.job.stop-pending"
+SWEPT_EVENT = "prefect-nemo.job.swept"
+# Prefect's own liveness signal of worker and served runs (PREFECT_RUNNER_HEARTBEAT_FREQUENCY)
+PREFECT_HEARTBEAT_EVENT = "prefect.flow-run.heartbeat"
+LOOKBACK = timedelta(days=2)  # how far back stop-pending records are honoured
+FAILED_RUN_STATES = {StateType.FAILED, StateType.CRASHED, StateType.CANCELLED}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the sweeper decided about one job, and why."""
+
+    block: str
+    cluster: str
+    job_id: str
+    owner: str | None
+    stop: bool
+    why: str
+    outcome: str = ""
+
+
+@dataclass(frozen=True)
+class Beat:
+    """A heartbeat: when it was sent and until when it vouches."""
+
+    at: datetime
+    until: datetime
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What the Prefect API says about the runs and jobs of a sweep."""
+
+    now: datetime
+    beats: dict[tuple[str, str], Beat]  # (cluster, job id) -> newest heartbeat naming it
+    run_beats: dict[str, Beat]  # flow run id -> newest heartbeat of the run
+    pending: dict[tuple[str, str], datetime]  # (cluster, job id) -> newest stop-pending record
+    runs: dict[str, Any]  # flow run id -> FlowRun (absent: no such run)
+
+
+def judge(
+    block: str, cluster: str, job: OwnedJob, evidence: Evidence, grace_s: float, lease_s: float
+) -> Verdict:
+    """The rule of the module docstring, for one job (`lease_s`: how long a sign of life
+    without its own lease counts, e.g. the job's submission)."""
+
+    def verdict(stop: bool, why: str) -> Verdict:
+        return Verdict(block, cluster, job.job_id, job.flow_run_id, stop, why)
+
+    key = (cluster, job.job_id)
+    beat = evidence.beats.get(key)
+    pending = evidence.pending.get(key)
+    if pending is not None and (beat is None or beat.at < pending):
+        return verdict(True, f"a stop asked for at {pending:%H:%M:%S} was never confirmed")
+    if beat is not None and evidence.now <= beat.until:
+        return verdict(False, f"a run named it {(evidence.now - beat.at).total_seconds():.0f}s ago")
+    owner = job.flow_run_id
+    if not owner:
+        return verdict(False, "it names no flow run (submitted outside any run)")
+    run = evidence.runs.get(owner)
+    state = run.state.type if run is not None and run.state is not None else None
+    if state is StateType.COMPLETED:
+        return verdict(False, "its run completed: left running on purpose")
+    if run is None:
+        dead_since = beat.until if beat else job.submitted_at or evidence.now
+        why = "its flow run no longer exists"
+    elif state in FAILED_RUN_STATES:
+        dead_since = run.state.timestamp
+        why = f"its flow run is {state.value}"
+    else:
+        signs = [beat, evidence.run_beats.get(owner)]
+        if job.submitted_at is not None:
+            signs.append(Beat(job.submitted_at, job.submitted_at + timedelta(seconds=lease_s)))
+        dead_since = max((b.until for b in signs if b is not None), default=evidence.now)
+        if dead_since > evidence.now:
+            return verdict(False, f"its run is {state.value if state else 'unknown'} and alive")
+        why = f"its run is {state.value if state else 'unknown'} but stopped saying it is alive"
+    dead_for = (evidence.now - dead_since).total_seconds()
+    if dead_for < grace_s:
+        return verdict(False, f"{why}; within the grace ({dead_for:.0f}s of {grace_s:g}s)")
+    return verdict(True, f"{why} ({dead_for:.0f}s, past the grace of {grace_s:g}s)")
+
+
+def gather_evidence(owners: Iterable[str], lease_s: float) -> Evidence:
+    """Recent heartbeats (ours carry their lease; Prefect's own get `lease_s`), stop-pending
+    records, and the owner runs, from the Prefect API: three reads, whatever the number of
+    jobs."""
+    now = datetime.now(UTC)
+    beats: dict[tuple[str, str], Beat] = {}
+    run_beats: dict[str, Beat] = {}
+    pending: dict[tuple[str, str], datetime] = {}
+
+    def newer(old: Beat | None, new: Beat) -> Beat:
+        return new if old is None or new.at > old.at else old
+
+    with get_client(sync_client=True) as client:
+        since = now - HEARTBEAT_LOOKBACK
+        for event in _events(client, [HEARTBEAT_EVENT, PREFECT_HEARTBEAT_EVENT], since):
+            resource, payload = event["resource"], event.get("payload") or {}
+            run_id = resource.get("prefect-nemo.flow-run-id") or resource[
+                "prefect.resource.id"
+            ].removeprefix("prefect.flow-run.")
+            at = _time(event["occurred"])
+            beat = Beat(at, at + timedelta(seconds=float(payload.get("lease_s", lease_s))))
+            run_beats[run_id] = newer(run_beats.get(run_id), beat)
+            for job in payload.get("jobs", []):
+                key = (job["cluster"], job["job_id"])
+                beats[key] = newer(beats.get(key), beat)
+        for event in _events(client, [STOP_PENDING_EVENT], now - LOOKBACK):
+            resource = event["resource"]
+            key = (resource.get("prefect-nemo.cluster", ""), resource["prefect.resource.name"])
+            when = _time(event["occurred"])
+            pending[key] = max(when, pending.get(key, when))
+        ids = sorted({o for o in owners if _is_uuid(o)})
+        runs = (
+            client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)))
+            if ids
+            else []
+        )
+    return Evidence(now, beats, run_beats, pending, {str(r.id): r for r in runs})
+
+
+def _events(client: Any, names: list[str], since: datetime) -> list[dict[str, Any]]:
+    """Every event of these names since `since`, all pages."""
+    body = {
+        "filter": {
+            "occurred": {"since": since.isoformat(), "until": datetime.now(UTC).isoformat()},
+            "event": {"name": names},
+        },
+        "limit": 50,  # the API's page size limit
+    }
+    page = client.request("POST", "/events/filter", json=body).json()
+    events = list(page.get("events") or [])
+    while page.get("next_page"):
+        page = client._client.get(page["next_page"]).json()
+        events += page.get("events") or []
+    return events
+
+
+def sweep(
+    blocks: Sequence[ClusterBlock | str] = (),
+    *,
+    lease_s: float = LEASE_S,
+    dry_run: bool = False,
+) -> list[Verdict]:
+    """Judge every job prefect-nemo submitted to these clusters (default: every saved cluster
+    block) and stop the ones nobody vouches for (not with `dry_run`); returns every verdict.
+    A cluster that cannot be reached or a block that cannot be loaded is reported and the
+    others are swept."""
+    run = current_run()
+    targets = _targets(blocks, run)
+    found: list[tuple[str, ClusterBlock, Any, list[OwnedJob]]] = []
+    for name, block in targets:
+        backend = block.backend()
+        try:
+            found.append((name, block, backend, backend.owned_jobs()))
+        except PrefectNemoError as exc:
+            redact = Redactor(backend.secrets)
+            say(run, logging.ERROR, redact(f"sweep: cannot list the jobs of {name}: {exc}"))
+    owners = {job.flow_run_id for *_, jobs in found for job in jobs if job.flow_run_id}
+    evidence = gather_evidence(owners, lease_s)
+    verdicts: list[Verdict] = []
+    for name, block, backend, jobs in found:
+        for job in jobs:
+            verdict = judge(name, backend.cluster, job, evidence, block.sweep_grace_s, lease_s)
+            if verdict.stop and not dry_run:
+                verdict = _stop(backend, block, job, verdict)
+            verdicts.append(verdict)
+    _report(run, verdicts, dry_run)
+    return verdicts
+
+
+def _targets(blocks: Sequence[ClusterBlock | str], run: Any) -> list[tuple[str, ClusterBlock]]:
+    """(name, block) of each block to sweep; every saved cluster block when none is named."""
+    if not blocks:
+        blocks = _saved_cluster_blocks()
+    out = []
+    for ref in blocks:
+        try:
+            block = resolve_block(ref, ClusterBlock, "blocks", "kube-ray-cluster/prod", "cluster")
+        except InvalidJobSpec as exc:
+            say(run, logging.ERROR, f"sweep: {exc}")
+            continue
+        name = ref if isinstance(ref, str) else (block._block_document_name or type(block).__name__)
+        out.append((name, block))
+    return out
+
+
+def _saved_cluster_blocks() -> list[str]:
+    """'<slug>/<name>' of every saved block document of a ClusterBlock type."""
+    slugs = {cls.get_block_type_slug() for cls in _cluster_block_types()}
+    with get_client(sync_client=True) as client:
+        documents = client.read_block_documents(include_secrets=False)
+    return sorted(
+        f"{doc.block_type.slug}/{doc.name}"
+        for doc in documents
+        if doc.block_type is not None and doc.block_type.slug in slugs and not doc.is_anonymous
+    )
+
+
+def _cluster_block_types() -> list[type[Block]]:
+    import prefect_nemo.blocks as blocks
+
+    return [
+        cls
+        for cls in vars(blocks).values()
+        if isinstance(cls, type) and issubclass(cls, ClusterBlock) and cls is not ClusterBlock
+    ]
+
+
+def _stop(backend: Any, block: ClusterBlock, job: OwnedJob, verdict: Verdict) -> Verdict:
+    try:
+        final = stop_and_confirm(backend, job.job_id, timeout_s=block.stop_timeout_s)
+        outcome = final.state.value if final else "gone"
+    except PrefectNemoError as exc:
+        outcome = Redactor(backend.secrets)(f"stop not confirmed: {exc}")
+    handle: JobHandle = backend.handle(job.job_id)
+    emit(
+        SWEPT_EVENT,
+        job_resource(handle),
+        {"job_id": job.job_id, "owner": job.flow_run_id, "why": verdict.why, "outcome": outcome},
+    )
+    return Verdict(**{**asdict(verdict), "outcome": outcome})
+
+
+_table = RunTable("Jobs the sweeper judged (prefect-nemo).")
+
+
+def _report(run: Any, verdicts: list[Verdict], dry_run: bool) -> None:
+    stopped = [v for v in verdicts if v.stop]
+    verb = "would stop" if dry_run else "stopped"
+    say(run, logging.WARNING if stopped else logging.INFO,
+        f"sweep: {len(verdicts)} live job(s) of ours, {verb} {len(stopped)}"
+        + "".join(f"\n  {v.job_id} on {v.block}: {v.why} -> {v.outcome or verb}"
+                  for v in stopped))  # fmt: skip
+    if verdicts:
+        _table.update(run.flow_run_id, {f"{v.cluster}/{v.job_id}": asdict(v) for v in verdicts})
+
+
+@flow(name="prefect-nemo-sweep", log_prints=True)
+def sweep_flow(blocks: list[str] | None = None, dry_run: bool = False) -> list[dict[str, Any]]:
+    """Stop the jobs of flow runs that died without a word (see prefect_nemo.tasks.sweeper)."""
+    return [asdict(v) for v in sweep(blocks or (), dry_run=dry_run)]
+
+
+def _time(text: str) -> datetime:
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def _is_uuid(text: str) -> bool:
+    try:
+        UUID(text)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,212 @@
+"""The sweeper (issue 17 item 1): "Build an out-of-process, Prefect-native way to find jobs whose
+flow run is dead and stop them": "a run is dead when Prefect says it is terminal/CRASHED, or when
+it stops proving it is alive (a lease/heartbeat the run renews while it waits on jobs ...)";
+"a grace period (block setting) during which a retry of the crashed run attaches instead (no
+stop, no duplicate)"; "a stop we asked for but could not confirm ... is recorded and finished by
+the sweeper once the backend answers again"; "it never touches a job whose run is alive or a job
+we did not submit"."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from prefect_nemo.jobs import META_FLOW_RUN, META_KEY, JobState, OwnedJob
+from prefect_nemo.tasks.sweeper import Beat, Evidence, judge
+from tests.conftest import subprocess_env
+
+NOW = datetime(2026, 11, 25, 12, 0, tzinfo=UTC)
+LEASE, GRACE = 30.0, 300.0
+CLUSTER = "http://ray:8265"
+
+
+def _job(owner: str | None = "run-a", age_s: float = 600) -> OwnedJob:
+    return OwnedJob(
+        job_id="job-1",
+        state=JobState.RUNNING,
+        flow_run_id=owner,
+        submitted_at=NOW - timedelta(seconds=age_s),
+    )
+
+
+def _run(state: str, seconds_ago: float = 0) -> Any:
+    return SimpleNamespace(
+        state=SimpleNamespace(
+            type=__import__("prefect.client.schemas.objects", fromlist=["StateType"]).StateType(
+                state
+            ),
+            timestamp=NOW - timedelta(seconds=seconds_ago),
+        )
+    )
+
+
+def _evidence(
+    *, beat_s: float | None = None, run: Any = None, pending_s: float | None = None
+) -> Evidence:
+    at = NOW - timedelta(seconds=beat_s or 0)
+    beats = {} if beat_s is None else {(CLUSTER, "job-1"): Beat(at, at + timedelta(seconds=LEASE))}
+    pending = {} if pending_s is None else {(CLUSTER, "job-1"): NOW - timedelta(seconds=pending_s)}
+    return Evidence(NOW, beats, {}, pending, {} if run is None else {"run-a": run})
+
+
+def verdict(job: OwnedJob, evidence: Evidence) -> Any:
+    return judge("ray-jobs-cluster/x", CLUSTER, job, evidence, GRACE, LEASE)
+
+
+def test_a_job_named_by_a_recent_heartbeat_is_kept_whatever_its_owner_says() -> None:
+    """A retry of a crashed run (or a re-run) that attached renews the job's lease: kept."""
+    v = verdict(_job(), _evidence(beat_s=10, run=_run("CRASHED", 3600)))
+    assert not v.stop and "named it 10s ago" in v.why
+
+
+def test_a_completed_run_left_its_jobs_running_on_purpose() -> None:
+    v = verdict(_job(), _evidence(run=_run("COMPLETED", 3600)))
+    assert not v.stop and "completed" in v.why
+
+
+def test_a_crashed_run_is_dead_but_its_jobs_wait_for_the_grace() -> None:
+    """"a grace period (block setting) during which a retry of the crashed run attaches
+    instead (no stop, no duplicate)"."""
+    assert not verdict(_job(), _evidence(run=_run("CRASHED", 60))).stop
+    v = verdict(_job(), _evidence(run=_run("CRASHED", GRACE + 1)))
+    assert v.stop and "CRASHED" in v.why and "past the grace" in v.why
+
+
+def test_a_running_run_that_stopped_renewing_its_lease_is_dead() -> None:
+    """"or when it stops proving it is alive": kill -9 leaves Prefect saying RUNNING."""
+    assert not verdict(_job(), _evidence(beat_s=LEASE + 60, run=_run("RUNNING"))).stop
+    v = verdict(_job(), _evidence(beat_s=LEASE + GRACE + 1, run=_run("RUNNING")))
+    assert v.stop and "stopped saying it is alive" in v.why
+
+
+def test_a_gone_run_is_dead_and_a_job_without_an_owner_is_left_alone() -> None:
+    assert verdict(_job(age_s=LEASE + GRACE + 60), _evidence()).stop
+    assert not verdict(_job(owner=None), _evidence()).stop
+
+
+def test_an_unconfirmed_stop_is_finished_whatever_the_owner_says() -> None:
+    """"a stop we asked for but could not confirm (backend unreachable) is recorded and
+    finished by the sweeper once the backend answers again"."""
+    v = verdict(_job(), _evidence(pending_s=5, run=_run("COMPLETED")))
+    assert v.stop and "never confirmed" in v.why
+    assert not verdict(_job(), _evidence(pending_s=60, beat_s=5, run=_run("RUNNING"))).stop
+
+
+# ---------------------------------------------------------------------------------------------
+# Against a real Ray cluster (token auth) and a real Prefect API
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from prefect import flow
+    from prefect_nemo import JobSpec, RayJobsCluster, run_job
+    address, token, count = sys.argv[1:4]
+    cluster = RayJobsCluster(dashboard_url=address, auth_token=token, sweep_grace_s=5)
+
+    @flow
+    def six_jobs():
+        futures = [run_job.submit(JobSpec(entrypoint="sleep 120", name=f"s{i}"), cluster)
+                   for i in range(int(count))]
+        print("SUBMITTED", flush=True)
+        for f in futures:
+            f.wait()
+
+    six_jobs()
+    """
+)
+
+
+@pytest.mark.slow
+def test_kill_9_then_the_sweeper_stops_every_job_of_the_dead_run_and_spares_a_retry(
+    prefect_api: str, ray_head: Any, ray_client: Any, tmp_path: Path
+) -> None:
+    """kill -9 of a flow process with 6 running Ray jobs (token auth on), no retry: 0 jobs of the
+    killed run still running sweep_grace_s + 60 s after the kill; with a retry (the same plain
+    script run again with its run key, $PREFECT_NEMO_RUN_KEY) inside the grace, 6 of 6
+    attached and 0 stopped."""
+    from prefect_nemo import RayJobsCluster
+    from prefect_nemo.tasks.sweeper import sweep
+
+    lease = 4.0
+    block = RayJobsCluster(
+        dashboard_url=ray_head.dashboard_url, auth_token=ray_head.token, sweep_grace_s=5
+    )
+    stranger = f"stranger-{uuid.uuid4().hex[:6]}"  # submitted by hand: never ours to stop
+    ray_client.submit_job(entrypoint="sleep 120", submission_id=stranger)
+
+    def start(key: str, log: Path) -> subprocess.Popen:
+        env = subprocess_env(prefect_api, PREFECT_NEMO_RUN_KEY=key, PREFECT_NEMO_HEARTBEAT_S="1")
+        with open(log, "w") as out:
+            return subprocess.Popen(
+                [sys.executable, "-c", SCRIPT, ray_head.dashboard_url, ray_head.token, "6"],
+                stdout=out, stderr=subprocess.STDOUT, env=env,
+            )  # fmt: skip
+
+    def running(key: str) -> list[Any]:
+        return [
+            j for j in ray_client.list_jobs()
+            if (j.metadata or {}).get(META_KEY, "").startswith(f"run-key:{key}/")
+            and j.status.value == "RUNNING"
+        ]  # fmt: skip
+
+    def wait_for(predicate: Any, timeout_s: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if value := predicate():
+                return value
+            time.sleep(0.5)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    # 1. killed, no retry: the sweeper stops all six once the lease and the grace are out
+    lost = f"lost-{uuid.uuid4().hex[:6]}"
+    proc = start(lost, tmp_path / "lost.log")
+    wait_for(lambda: len(running(lost)) == 6, 120, "six RUNNING jobs")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = time.monotonic()
+    kept = sweep([block], lease_s=lease)  # within the lease and the grace: nothing stopped
+    assert not [v for v in kept if v.stop], kept
+    wait_for(lambda: [v for v in sweep([block], lease_s=lease) if v.stop] or None,
+             block.sweep_grace_s + 60, "the sweeper to stop them")  # fmt: skip
+    wait_for(lambda: not running(lost), 30, "the jobs to be STOPPED")
+    assert time.monotonic() - killed_at <= block.sweep_grace_s + 60
+    owners = {
+        j.metadata[META_FLOW_RUN]
+        for j in ray_client.list_jobs()
+        if (j.metadata or {}).get(META_KEY, "").startswith(f"run-key:{lost}/")
+    }
+    assert len(owners) == 1, "all six were the killed run's"
+    assert ray_client.get_job_status(stranger).value == "RUNNING", "not ours: never touched"
+
+    # 2. killed, then run again within the grace: the re-run attaches, the sweeper spares them
+    again = f"again-{uuid.uuid4().hex[:6]}"
+    first = start(again, tmp_path / "first.log")
+    wait_for(lambda: len(running(again)) == 6, 120, "six RUNNING jobs")
+    ids = sorted(j.submission_id for j in running(again))
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    retry = start(again, tmp_path / "retry.log")
+    try:
+        wait_for(lambda: "SUBMITTED" in (tmp_path / "retry.log").read_text(), 120, "the retry")
+        time.sleep(block.sweep_grace_s + 2 * lease)  # past the killed run's grace
+        verdicts = sweep([block], lease_s=lease)
+        mine = [v for v in verdicts if v.job_id in ids]
+        assert len(mine) == 6 and not [v for v in mine if v.stop], mine
+        assert sorted(j.submission_id for j in running(again)) == ids, "6 of 6 attached"
+    finally:
+        retry.kill()
+        retry.wait()
+        for job in [*running(again), *running(lost)]:
+            ray_client.stop_job(job.submission_id)
+        ray_client.stop_job(stranger)
