@@ -806,6 +806,68 @@ def test_compact_gives_410(server: LoopbackKubeServer, custom: client.CustomObje
     assert info.value.status == 410
 
 
+def _watch_from(custom: client.CustomObjectsApi, rv: str) -> list[str]:
+    """Names in a resumed rayjobs watch (1 s), through the client's own Watch."""
+    stream = watch.Watch().stream(
+        custom.list_namespaced_custom_object, "ray.io", "v1", NS, "rayjobs",
+        resource_version=rv, timeout_seconds=1,
+    )  # fmt: skip
+    return [e["object"]["metadata"]["name"] for e in stream]
+
+
+def test_a_version_that_fell_out_of_the_window_gets_410_without_compact() -> None:
+    """Kubernetes API concepts, "Efficient detection of changes": "A given Kubernetes server will
+    only preserve a historical record of changes for a limited time. [...] When the requested
+    watch operations fail because the historical version of that resource is not available,
+    clients must handle the case by recognizing the status code 410 Gone". kube-apiserver's watch
+    cache keeps a window per resource and answers "too old resource version: <asked>
+    (<oldest kept - 1>)" before it. Here the window is 3 events and nothing is fresh: after 5
+    RayJob creations, a watch from before them is 410 (no compact() called), one from inside the
+    window resumes, and the ConfigMaps' own history, which dropped nothing, still resumes."""
+    from prefect_nemo.testing.kube_api import WatchWindow
+
+    with LoopbackKubeServer([crd_dir()], watch_window=WatchWindow(min_events=3, fresh_s=0)) as srv:
+        custom = client.CustomObjectsApi(srv.api_client())
+        core = client.CoreV1Api(srv.api_client())
+        rv = custom.list_namespaced_custom_object("ray.io", "v1", NS, "rayjobs")["metadata"][
+            "resourceVersion"
+        ]
+        cm_rv = core.list_namespaced_config_map(NS).metadata.resource_version
+        names = [create_rayjob(custom, uniq("win"))["metadata"]["name"] for _ in range(5)]
+        third = custom.get_namespaced_custom_object("ray.io", "v1", NS, "rayjobs", names[2])
+        with pytest.raises(ApiException) as info:
+            _watch_from(custom, rv)
+        oldest_kept = int(third["metadata"]["resourceVersion"])
+        assert info.value.status == 410
+        body = json.loads(info.value.body) if info.value.body else {}
+        assert f"too old resource version: {rv} ({oldest_kept - 1})" in (
+            body.get("message") or info.value.reason
+        )
+        # what the window still holds resumes: the events after the 2nd creation, in order
+        second = custom.get_namespaced_custom_object("ray.io", "v1", NS, "rayjobs", names[1])
+        assert _watch_from(custom, second["metadata"]["resourceVersion"]) == names[2:]
+        # the history is per resource: the ConfigMaps' window dropped nothing
+        core.create_namespaced_config_map(NS, client.V1ConfigMap(metadata={"name": "cm"}))
+        resumed = watch.Watch().stream(
+            core.list_namespaced_config_map, NS, resource_version=cm_rv, timeout_seconds=1
+        )
+        assert [e["object"].metadata.name for e in resumed] == ["cm"]
+
+
+def test_the_default_window_keeps_every_fresh_event_past_its_first_100() -> None:
+    """The same rule's other side, with kube-apiserver's watch-cache defaults (at least 100
+    events, and every event younger than 75 s, up to 100*1024): 150 RayJob creations in a few
+    seconds are all still there to resume from, since the window doubles while its oldest event
+    is fresh; the history is "limited", not 100 events flat."""
+    with LoopbackKubeServer([crd_dir()]) as srv:  # the watch cache's defaults: 100 / 75 s
+        custom = client.CustomObjectsApi(srv.api_client())
+        rv = custom.list_namespaced_custom_object("ray.io", "v1", NS, "rayjobs")["metadata"][
+            "resourceVersion"
+        ]
+        names = [create_rayjob(custom, f"fresh-{i:03}")["metadata"]["name"] for i in range(150)]
+        assert _watch_from(custom, rv) == names  # young events: the window grew, none dropped
+
+
 # ---------------------------------------------------------------- deletion
 
 

@@ -115,4 +115,5 @@ def unauthorized() -> ApiError:
 
 
 def gone(requested: int, oldest: int) -> ApiError:
+    """A watch from `requested`, older than the `oldest` version the server can resume from."""
     return ApiError(410, "Expired", f"too old resource version: {requested} ({oldest})")

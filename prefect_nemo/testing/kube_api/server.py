@@ -33,7 +33,7 @@ from prefect_nemo.testing.kube_api.schema import (
     resource_from_crd,
 )
 from prefect_nemo.testing.kube_api.selectors import field_matcher, label_matcher
-from prefect_nemo.testing.kube_api.store import Event, Obj, Store, Watcher, now
+from prefect_nemo.testing.kube_api.store import Event, Obj, Store, Watcher, WatchWindow, now
 
 ProxyHandler = Callable[[str, str, dict[str, str], bytes], tuple[int, dict[str, str], bytes]]
 _CRD_TYPE = ResourceType(
@@ -153,6 +153,7 @@ class LoopbackKubeServer:
         tls: bool = False,
         namespaces: Iterable[str] = ("default",),
         strict_fields: bool = True,
+        watch_window: WatchWindow | None = None,
     ):
         self.token = token or secrets.token_urlsafe(24)
         self.tls = tls
@@ -160,7 +161,7 @@ class LoopbackKubeServer:
         self.requests = RequestLog()
         self.ca_pem: bytes | None = None
         self.url = ""
-        self._store = Store()
+        self._store = Store(watch_window)
         self._store.add_type(_CRD_TYPE)
         self._proxies: dict[tuple[str, str, str], str | ProxyHandler] = {}
         self._logs: dict[tuple[str, str, str | None], str | Callable[[], str]] = {}
@@ -352,7 +353,9 @@ class LoopbackKubeServer:
         return len(hit)
 
     def compact(self) -> None:
-        """Forget the event history: watches from an older resourceVersion get 410 Gone."""
+        """Forget the event history now (as an etcd compaction at the current revision): watches
+        from an older resourceVersion get 410 Gone. Without it, versions expire on their own once
+        they fall out of the `watch_window`."""
         self._store.compact()
 
     def get(
@@ -594,22 +597,23 @@ class LoopbackKubeServer:
         watcher = Watcher(self._server.loop, (rt.group, rt.plural), route.namespace or None, match)
         initial: list[Obj] = []
         with self._store.lock:
-            if since and since < self._store.compacted_rv:
-                expired = errors.gone(since, self._store.compacted_rv + 1)
-                initial.append({"type": "ERROR", "object": expired.status()})
-            else:
+            if not since:
+                items, _ = self._store.list(rt, route.namespace or None)
+                initial = [
+                    {"type": "ADDED", "object": self._render(rt, o, route.version)}
+                    for o in items
+                    if match(o)
+                ]
                 self._store.watchers.add(watcher)
-                if not since:
-                    items, _ = self._store.list(rt, route.namespace or None)
-                    initial = [
-                        {"type": "ADDED", "object": self._render(rt, o, route.version)}
-                        for o in items
-                        if match(o)
-                    ]
+            else:
+                try:
+                    events = self._store.events_after((rt.group, rt.plural), since)
+                except ApiError as expired:  # the real server streams it as an ERROR event
+                    initial.append({"type": "ERROR", "object": expired.status()})
                 else:
-                    for event in self._store.events_after(since):
-                        seen = watcher.translate(event)
-                        if seen:
+                    self._store.watchers.add(watcher)
+                    for event in events:
+                        if seen := watcher.translate(event):
                             initial.append(
                                 {"type": seen, "object": self._render(rt, event.new, route.version)}
                             )
