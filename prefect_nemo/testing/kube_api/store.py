@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from prefect_nemo.testing.kube_api import errors
+from prefect_nemo.testing.kube_api import errors, fields
 from prefect_nemo.testing.kube_api.schema import CORE_TYPES, Cause, ResourceType
 
 Obj = dict[str, Any]
@@ -248,7 +248,16 @@ class Store:
             watcher.push(event)
         return copy.deepcopy(new)
 
-    def create(self, rt: ResourceType, namespace: str, obj: Obj, *, dry_run: bool = False) -> Obj:
+    def create(
+        self,
+        rt: ResourceType,
+        namespace: str,
+        obj: Obj,
+        *,
+        dry_run: bool = False,
+        write: fields.Write | None = None,
+    ) -> Obj:
+        """Create (POST semantics); `write` says who, for the object's managedFields."""
         with self.lock:
             md = meta(obj)
             if rt.namespaced:
@@ -302,6 +311,9 @@ class Store:
             if rt.crd is not None:
                 md["generation"] = 1
             prepare_core(rt, obj, None)
+            if write is not None:
+                tracked = fields.record([], write, None, obj, rt.status_subresource, at=now())
+                md["managedFields"] = tracked
             if dry_run:
                 return obj
             created = self._commit(rt, "ADDED", obj, None)
@@ -317,8 +329,10 @@ class Store:
         *,
         status: bool = False,
         dry_run: bool = False,
+        write: fields.Write | None = None,
     ) -> Obj:
-        """Replace an object (PUT semantics; patches arrive here already applied)."""
+        """Replace an object (PUT semantics; patches arrive here already applied); `write` says
+        who, for its managedFields (None: the server's own bookkeeping, which owns nothing)."""
         with self.lock:
             old = self.require(rt, namespace, name)
             md = meta(obj)
@@ -396,6 +410,12 @@ class Store:
                     )
                 prepare_core(rt, new, old)
             meta(new)["resourceVersion"] = old["metadata"]["resourceVersion"]
+            entries = old["metadata"].get("managedFields") or []
+            if write is not None:
+                entries = fields.record(entries, write, old, new, rt.status_subresource, at=now())
+            meta(new).pop("managedFields", None)
+            if entries:
+                meta(new)["managedFields"] = entries
             if dry_run:
                 return new
             if new == old:  # a no-op write keeps the resourceVersion, as the real server does
