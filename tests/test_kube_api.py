@@ -806,6 +806,68 @@ def test_compact_gives_410(server: LoopbackKubeServer, custom: client.CustomObje
     assert info.value.status == 410
 
 
+def _watch_from(custom: client.CustomObjectsApi, rv: str) -> list[str]:
+    """Names in a resumed rayjobs watch (1 s), through the client's own Watch."""
+    stream = watch.Watch().stream(
+        custom.list_namespaced_custom_object, "ray.io", "v1", NS, "rayjobs",
+        resource_version=rv, timeout_seconds=1,
+    )  # fmt: skip
+    return [e["object"]["metadata"]["name"] for e in stream]
+
+
+def test_a_version_that_fell_out_of_the_window_gets_410_without_compact() -> None:
+    """Kubernetes API concepts, "Efficient detection of changes": "A given Kubernetes server will
+    only preserve a historical record of changes for a limited time. [...] When the requested
+    watch operations fail because the historical version of that resource is not available,
+    clients must handle the case by recognizing the status code 410 Gone". kube-apiserver's watch
+    cache keeps a window per resource and answers "too old resource version: <asked>
+    (<oldest kept - 1>)" before it. Here the window is 3 events and nothing is fresh: after 5
+    RayJob creations, a watch from before them is 410 (no compact() called), one from inside the
+    window resumes, and the ConfigMaps' own history, which dropped nothing, still resumes."""
+    from prefect_nemo.testing.kube_api import WatchWindow
+
+    with LoopbackKubeServer([crd_dir()], watch_window=WatchWindow(min_events=3, fresh_s=0)) as srv:
+        custom = client.CustomObjectsApi(srv.api_client())
+        core = client.CoreV1Api(srv.api_client())
+        rv = custom.list_namespaced_custom_object("ray.io", "v1", NS, "rayjobs")["metadata"][
+            "resourceVersion"
+        ]
+        cm_rv = core.list_namespaced_config_map(NS).metadata.resource_version
+        names = [create_rayjob(custom, uniq("win"))["metadata"]["name"] for _ in range(5)]
+        third = custom.get_namespaced_custom_object("ray.io", "v1", NS, "rayjobs", names[2])
+        with pytest.raises(ApiException) as info:
+            _watch_from(custom, rv)
+        oldest_kept = int(third["metadata"]["resourceVersion"])
+        assert info.value.status == 410
+        body = json.loads(info.value.body) if info.value.body else {}
+        assert f"too old resource version: {rv} ({oldest_kept - 1})" in (
+            body.get("message") or info.value.reason
+        )
+        # what the window still holds resumes: the events after the 2nd creation, in order
+        second = custom.get_namespaced_custom_object("ray.io", "v1", NS, "rayjobs", names[1])
+        assert _watch_from(custom, second["metadata"]["resourceVersion"]) == names[2:]
+        # the history is per resource: the ConfigMaps' window dropped nothing
+        core.create_namespaced_config_map(NS, client.V1ConfigMap(metadata={"name": "cm"}))
+        resumed = watch.Watch().stream(
+            core.list_namespaced_config_map, NS, resource_version=cm_rv, timeout_seconds=1
+        )
+        assert [e["object"].metadata.name for e in resumed] == ["cm"]
+
+
+def test_the_default_window_keeps_every_fresh_event_past_its_first_100() -> None:
+    """The same rule's other side, with kube-apiserver's watch-cache defaults (at least 100
+    events, and every event younger than 75 s, up to 100*1024): 150 RayJob creations in a few
+    seconds are all still there to resume from, since the window doubles while its oldest event
+    is fresh; the history is "limited", not 100 events flat."""
+    with LoopbackKubeServer([crd_dir()]) as srv:  # the watch cache's defaults: 100 / 75 s
+        custom = client.CustomObjectsApi(srv.api_client())
+        rv = custom.list_namespaced_custom_object("ray.io", "v1", NS, "rayjobs")["metadata"][
+            "resourceVersion"
+        ]
+        names = [create_rayjob(custom, f"fresh-{i:03}")["metadata"]["name"] for i in range(150)]
+        assert _watch_from(custom, rv) == names  # young events: the window grew, none dropped
+
+
 # ---------------------------------------------------------------- deletion
 
 
@@ -1174,13 +1236,153 @@ def test_plain_http_upstream_via_http_server(
         httpd.shutdown()
 
 
-def test_server_side_apply_and_dry_run(core: client.CoreV1Api) -> None:
+# ---------------------------------------------------------------- server-side apply
+
+APPLY = "application/apply-patch+yaml"
+
+
+def _apply(core: client.CoreV1Api, name: str, manager: str, data: dict, **kw: Any) -> Any:
+    body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": data}
+    return core.patch_namespaced_config_map(
+        name, NS, body, field_manager=manager, _content_type=APPLY, **kw
+    )
+
+
+def _owners(core: client.CoreV1Api, name: str) -> dict[str, set[str]]:
+    """Each manager (name/operation) and the data keys it owns, from managedFields."""
+    obj = core.read_namespaced_config_map(name, NS)
+    return {
+        f"{m.manager}/{m.operation}": set((m.fields_v1 or {}).get("f:data", {}))
+        for m in obj.metadata.managed_fields or []
+    }
+
+
+def test_server_side_apply_conflicts_are_409_naming_the_manager_and_fields(
+    core: client.CoreV1Api,
+) -> None:
+    """Kubernetes docs, "Server-Side Apply": "When trying to apply an object, fields that have a
+    different value and are owned by another manager will result in a conflict. [...] Writes to
+    objects with managed fields can be forced, in which case the value of any conflicted field
+    will be overridden, and the ownership will be transferred." And, Conflicts: with `force`
+    "This forces the operation to succeed, changes the value of the field, and removes the field
+    from all other managers' entries in managedFields." The 409 is worded as kube-apiserver's
+    field manager words it ("Apply failed with 1 conflict: conflict with "m" using v1: .data.a",
+    one FieldManagerConflict cause per field). An Update (here a merge patch) never conflicts: it
+    takes the fields it changes, so the applier conflicts with it again afterwards."""
+    name = uniq("ssa")
+    core.create_namespaced_config_map(
+        NS, client.V1ConfigMap(metadata=client.V1ObjectMeta(name=name), data={"a": "1", "b": "2"}),
+        field_manager="creator",
+    )  # fmt: skip
+    exc, status = error_of(_apply, core, name, "applier", {"a": "9"})
+    assert exc.status == 409 and status["reason"] == "Conflict"
+    assert (
+        status["message"]
+        == 'Apply failed with 1 conflict: conflict with "creator" using v1: .data.a'
+    )
+    assert status["details"]["causes"] == [
+        {"reason": "FieldManagerConflict", "message": 'conflict with "creator" using v1',
+         "field": ".data.a"},
+    ]  # fmt: skip
+    _, status = error_of(_apply, core, name, "applier", {"a": "9", "b": "8"})
+    assert status["message"] == (
+        'Apply failed with 2 conflicts: conflicts with "creator" using v1:\n- .data.a\n- .data.b'
+    )
+    assert core.read_namespaced_config_map(name, NS).data == {"a": "1", "b": "2"}  # untouched
+
+    assert _apply(core, name, "applier", {"a": "9"}, force=True).data == {"a": "9", "b": "2"}
+    assert _owners(core, name) == {"creator/Update": {"f:b"}, "applier/Apply": {"f:a"}}
+
+    core.patch_namespaced_config_map(name, NS, {"data": {"a": "5"}}, field_manager="creator")
+    assert _owners(core, name) == {"creator/Update": {"f:a", "f:b"}}  # the applier lost .data.a
+    _, status = error_of(_apply, core, name, "applier", {"a": "9"})
+    assert status["message"].endswith('conflict with "creator" using v1: .data.a')
+
+
+def test_server_side_apply_shares_equal_values_and_drops_what_it_stops_applying(
+    core: client.CoreV1Api,
+) -> None:
+    """Kubernetes docs, "Server-Side Apply": "If two or more appliers set a field to the same
+    value, they share ownership of that field." and "If you remove a field from a manifest and
+    apply that manifest, Server-Side Apply checks if there are any other field managers that also
+    own the field. If the field is not owned by any other field managers, it is either deleted
+    from the live object or reset to its default value, if it has one." A shared field is kept
+    when one of its owners stops applying it; an Apply's own manager needs no force."""
+    name = uniq("ssa")
+    assert _apply(core, name, "one", {"a": "1", "b": "2"}).data == {"a": "1", "b": "2"}
+    assert _apply(core, name, "two", {"b": "2"}).data == {"a": "1", "b": "2"}  # equal: shared
+    assert _owners(core, name) == {"one/Apply": {"f:a", "f:b"}, "two/Apply": {"f:b"}}
+    assert _apply(core, name, "one", {"c": "3"}).data == {"b": "2", "c": "3"}  # a: nobody's
+    assert _owners(core, name) == {"one/Apply": {"f:c"}, "two/Apply": {"f:b"}}
+    before = core.read_namespaced_config_map(name, NS).metadata.resource_version
+    _apply(core, name, "one", {"c": "3"})  # the same apply again changes nothing
+    assert core.read_namespaced_config_map(name, NS).metadata.resource_version == before
+
+
+def test_apply_and_force_options_are_checked_and_the_default_manager_is_the_user_agent(
+    core: client.CoreV1Api,
+) -> None:
+    """PatchOptions as kube-apiserver validates them: an apply without fieldManager is 422
+    "fieldManager: Required value: is required for apply patch", and `force` on a non-apply
+    patch is 422 "force: Forbidden: may not be specified for non-apply patch". A write without
+    fieldManager is recorded under its User-Agent's product (the Python client's
+    "OpenAPI-Generator"), and an apply conflicting with it names that manager."""
     name = uniq("ssa")
     body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": {"a": "1"}}
-    apply = {"field_manager": "prefect-nemo", "_content_type": "application/apply-patch+yaml"}
-    assert core.patch_namespaced_config_map(name, NS, body, **apply).data == {"a": "1"}
-    body["data"] = {"b": "2"}
-    assert core.patch_namespaced_config_map(name, NS, body, **apply).data == {"a": "1", "b": "2"}
+    exc, status = error_of(core.patch_namespaced_config_map, name, NS, body, _content_type=APPLY)
+    assert exc.status == 422
+    assert "fieldManager: Required value: is required for apply patch" in status["message"]
+    core.create_namespaced_config_map(NS, body)
+    exc, status = error_of(core.patch_namespaced_config_map, name, NS, {"data": {}}, force=True)
+    assert exc.status == 422
+    assert "force: Forbidden: may not be specified for non-apply patch" in status["message"]
+    product = core.api_client.user_agent.split("/")[0]
+    assert _owners(core, name) == {f"{product}/Update": {"f:a"}}
+    _, status = error_of(_apply, core, name, "applier", {"a": "2"})
+    assert f'conflict with "{product}" using v1: .data.a' in status["message"]
+
+
+def test_server_side_apply_on_a_custom_resource_and_its_status(
+    custom: client.CustomObjectsApi,
+) -> None:
+    """The same rules on a custom resource with a status subresource: an operator's status
+    writes (an Update through /status) never conflict with an apply of the spec, an apply of
+    the spec that changes another applier's field is 409 naming the Apply manager without an
+    apiVersion ('conflict with "prefect-nemo": .spec.entrypoint'), and an apply to /status
+    that changes the operator's field names its subresource ('conflict with "kuberay-operator"
+    with subresource "status" using ray.io/v1: .status.jobStatus')."""
+    name = uniq("ssarj")
+    apply = {"_content_type": APPLY}
+    custom.patch_namespaced_custom_object(
+        "ray.io", "v1", NS, "rayjobs", name, rayjob(name), field_manager="prefect-nemo", **apply
+    )
+    custom.patch_namespaced_custom_object_status(
+        "ray.io", "v1", NS, "rayjobs", name, {"status": {"jobStatus": "RUNNING"}},
+        field_manager="kuberay-operator",
+    )  # fmt: skip
+    again = rayjob(name, entrypoint="python -c 'print(1)'", shutdownAfterJobFinishes=True)
+    custom.patch_namespaced_custom_object(
+        "ray.io", "v1", NS, "rayjobs", name, again, field_manager="prefect-nemo", **apply
+    )  # its own fields, the operator's status untouched: no conflict
+    changed = rayjob(name, entrypoint="python -c 'print(2)'")
+    _, status = error_of(
+        custom.patch_namespaced_custom_object, "ray.io", "v1", NS, "rayjobs", name, changed,
+        field_manager="someone", **apply,
+    )  # fmt: skip
+    assert status["message"] == (
+        'Apply failed with 1 conflict: conflict with "prefect-nemo": .spec.entrypoint'
+    )
+    _, status = error_of(
+        custom.patch_namespaced_custom_object_status, "ray.io", "v1", NS, "rayjobs", name,
+        {**rayjob(name), "status": {"jobStatus": "STOPPED"}}, field_manager="someone", **apply,
+    )  # fmt: skip
+    assert status["message"] == (
+        'Apply failed with 1 conflict: conflict with "kuberay-operator" with subresource '
+        '"status" using ray.io/v1: .status.jobStatus'
+    )
+
+
+def test_dry_run_creates_nothing(core: client.CoreV1Api) -> None:
     other = uniq("dry")
     core.create_namespaced_config_map(
         NS, client.V1ConfigMap(metadata=client.V1ObjectMeta(name=other)), dry_run="All"

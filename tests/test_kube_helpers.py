@@ -229,6 +229,105 @@ def test_informer_caches_and_calls_back(server: LoopbackKubeServer, api: kube.Ku
     assert not informer._thread.is_alive()
 
 
+# -- a version that falls out of the server's window: 410, list again ------------------------------
+
+
+@pytest.fixture
+def narrow() -> Iterator[LoopbackKubeServer]:
+    """A server whose watch window keeps 3 events per resource (none counts as fresh), so a
+    version expires after a few writes, with no compact() called."""
+    from prefect_nemo.testing.kube_api import WatchWindow
+
+    with LoopbackKubeServer([crd_dir()], watch_window=WatchWindow(min_events=3, fresh_s=0)) as srv:
+        yield srv
+
+
+def _push_out_of_window(server: LoopbackKubeServer, api: kube.KubeApi, tag: str) -> None:
+    """Write 5 RayJobs nobody watches for, then cut the watches: each resumes from a version
+    the window no longer holds, and the server answers 410 Gone."""
+    for i in range(5):
+        api.create(kube.RAY_JOB, rayjob(f"{tag}-{i}"))
+    server.drop_watches()
+
+
+def _lists(server: LoopbackKubeServer, selector: str) -> int:
+    return sum(
+        1 for e in server.requests.entries
+        if not e.is_watch and e.path.endswith("/rayjobs") and selector in str(e.query)
+    )  # fmt: skip
+
+
+def test_wait_for_lists_again_when_its_version_falls_out_of_the_window(
+    narrow: LoopbackKubeServer,
+) -> None:
+    """A 410 forced mid-wait, as a real server gives it: wait_for's field-selected watch sees
+    none of the other RayJobs' events, so its version falls out of the server's window; when
+    the stream drops, the resume answers 410 and wait_for lists again (a second list), then
+    sees the awaited status. Kubernetes API concepts, "Efficient detection of changes": "When
+    the requested watch operations fail because the historical version of that resource is not
+    available, clients must handle the case by recognizing the status code 410 Gone, clearing
+    their local cache, performing a new get or list operation, and starting the watch from the
+    resourceVersion that was returned."""
+    api = KubernetesCluster(kubeconfig=narrow.kubeconfig()).api()
+    api.create(kube.RAY_JOB, rayjob("waited"))
+
+    def go() -> None:
+        _push_out_of_window(narrow, api, "noise")
+        api.patch(
+            kube.RAY_JOB, "waited", {"status": {"jobStatus": "RUNNING"}}, subresource="status"
+        )
+
+    later(0.5, go)
+    got = kube.wait_for(
+        api, kube.RAY_JOB, "waited",
+        lambda o: bool(o) and o.get("status", {}).get("jobStatus") == "RUNNING", timeout_s=20,
+    )  # fmt: skip
+    assert got is not None and got["status"]["jobStatus"] == "RUNNING"
+    assert _lists(narrow, "metadata.name=waited") == 2  # the first list, and the one after 410
+
+
+def test_an_informer_lists_again_when_its_version_falls_out_of_the_window(
+    narrow: LoopbackKubeServer,
+) -> None:
+    """The same for the Informer behind every job backend's waits: its label-selected watch
+    sees none of the unlabelled RayJobs' events; after the drop its resume answers 410, it lists
+    again (without an error), and it still sees later changes (a DELETED). Kubernetes API
+    concepts, "Efficient detection of changes": "clients must handle the case by recognizing the
+    status code 410 Gone, clearing their local cache, performing a new get or list operation,
+    and starting the watch from the resourceVersion that was returned."""
+    api = KubernetesCluster(kubeconfig=narrow.kubeconfig()).api()
+    deleted = threading.Event()
+
+    def on_change(event: str, obj: dict) -> None:
+        if event == "DELETED" and obj["metadata"]["name"] == "mine":
+            deleted.set()
+
+    informer = kube.Informer(api, kube.RAY_JOB, label_selector="team=a", on_change=on_change)
+    informer.start()
+    try:
+        assert informer.synced.wait(5)
+        api.create(
+            kube.RAY_JOB, {**rayjob("mine"), "metadata": {"name": "mine", "labels": {"team": "a"}}}
+        )
+        assert _wait(lambda: informer.get("mine") is not None)
+        _push_out_of_window(narrow, api, "theirs")
+        assert _wait(lambda: _lists(narrow, "team=a") == 2), "the informer did not list again"
+        api.delete(kube.RAY_JOB, "mine")
+        assert deleted.wait(10) and informer.get("mine") is None
+        assert informer.error is None and not informer.dead
+    finally:
+        informer.stop(wait_s=5)
+
+
+def _wait(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return bool(predicate())
+
+
 # -- service proxy --------------------------------------------------------------------------------
 
 

@@ -43,6 +43,7 @@ class JobKind:
     running: Callable[[KubeApi, dict[str, Any]], bool]  # the job's object says it runs
     stopped: Callable[[dict[str, Any] | None], bool]  # ... that it was stopped (or is gone)
     done: dict[str, Any]  # a status patch that completes the job (no operator needed)
+    live: dict[str, Any]  # a status patch that says the job runs, on its object alone
 
 
 def _rayjob_running(api: KubeApi, obj: dict[str, Any]) -> bool:
@@ -60,12 +61,15 @@ KINDS = {
         "rayjob", RAY_JOB, _rayjob_running,
         stopped=lambda obj: obj is None or obj["status"].get("jobStatus") == "STOPPED",
         done={"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED", "jobId": "x"},
+        live={"jobDeploymentStatus": "Running", "jobStatus": "RUNNING", "jobId": "x"},
     ),
     "trainjob": JobKind(
         "trainjob", TRAIN_JOB, _trainjob_running,
         stopped=lambda obj: obj is None,  # stopped by deleting it
         done={"conditions": [{"type": "Complete", "status": "True", "reason": "Done",
                               "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"}]},
+        live={"jobsStatus": [{"name": "node", "ready": 1, "active": 1, "succeeded": 0,
+                              "failed": 0, "suspended": 0}]},
     ),
 }  # fmt: skip
 
@@ -185,8 +189,12 @@ class FlowInThread:
 
         @flow
         def job_flow() -> Any:
+            from prefect.runtime import flow_run
+
+            self.flow_run_id = str(flow_run.id)
             return run_job(spec, block, stream_logs=False)
 
+        self.flow_run_id = ""
         self.result: Any = None
         self.error: BaseException | None = None
         self.ended_at: float | None = None
@@ -408,3 +416,113 @@ def test_nothing_runs_on_after_the_server_stops_and_the_backend_closes(bare: Env
     finally:
         logging.getLogger("prefect_nemo").removeHandler(handler)
     assert not records, [r.getMessage() for r in records]
+
+
+# ---------------------------------------------------------------------------------------------
+# The sweeper's view: owned_jobs(), and a stop from a backend that submitted nothing
+
+
+def _foreign(env: Env, backend: Any, entrypoint: str) -> str:
+    """A job object of the kind created straight with the `kubernetes` client, as someone else
+    would: our manifest with no label or annotation of ours. Returns its name."""
+    from kubernetes import client as k8s
+
+    name = f"foreign-{uuid.uuid4().hex[:8]}"
+    manifest = backend.render(JobSpec(entrypoint=entrypoint), name, {})[-1]
+    manifest["metadata"].pop("labels")
+    manifest["metadata"].pop("annotations")
+    kind = env.job.kind
+    k8s.CustomObjectsApi(env.server.api_client()).create_namespaced_custom_object(
+        kind.group, kind.version, backend.namespace, kind.plural, manifest
+    )
+    return name
+
+
+def _sweeper_lists(env: Env) -> list[Any]:
+    """The list requests made with exactly our managed-by selector (the sweeper's listing)."""
+    ours = "app.kubernetes.io/managed-by=prefect-nemo"
+    return [e for e in env.server.requests.entries
+            if not e.is_watch and e.path.endswith(f"/{env.job.kind.plural}")
+            and e.query.get("labelSelector") == ours]  # fmt: skip
+
+
+def test_owned_jobs_is_one_list_of_our_live_jobs_with_their_owner(bare: Env) -> None:
+    """Issue 17 (1), the sweeper's view of a Kubernetes cluster, on its own (no operator: the
+    test writes each job's status): ONE list request by our managed-by label, whatever the
+    number of jobs; a live job is listed with the flow run its `prefect.io/flow-run-id` label
+    names (the full id; None for a job submitted without one), its state read from its object
+    alone (RUNNING: the RayJob's jobStatus, the TrainJob's jobsStatus), its creationTimestamp as
+    submitted_at; a job of ours that ended is not listed, nor is an object of the kind created
+    with the client without our label."""
+    from prefect_nemo.backends._kube_objects import parse_time
+    from prefect_nemo.jobs import META_FLOW_RUN, META_KEY
+
+    backend = _backend(bare)
+    owner = str(uuid.uuid4())
+    ids = {k: f"{k}-{uuid.uuid4().hex[:8]}" for k in ("live", "pending", "ended")}
+    for key, job_id in ids.items():
+        meta = {META_KEY: f"scope/{key}"} | ({} if key == "pending" else {META_FLOW_RUN: owner})
+        backend.submit(JobSpec(entrypoint="sleep 30"), job_id, meta)
+    api = bare.api()
+    api.patch(bare.job.kind, ids["live"], {"status": bare.job.live}, subresource="status")
+    api.patch(bare.job.kind, ids["ended"], {"status": bare.job.done}, subresource="status")
+    foreign = _foreign(bare, backend, "sleep 30")
+    bare.server.requests.clear()
+    owned = {j.job_id: j for j in backend.owned_jobs()}
+    assert len(bare.server.requests.entries) == 1 and len(_sweeper_lists(bare)) == 1
+    assert set(owned) == {ids["live"], ids["pending"]}, owned  # not ended, not foreign
+    assert foreign in {o["metadata"]["name"] for o in bare.objects()}
+    live = owned[ids["live"]]
+    assert live.state is JobState.RUNNING and live.flow_run_id == owner
+    assert owned[ids["pending"]].state is JobState.PENDING
+    assert owned[ids["pending"]].flow_run_id is None
+    created = (bare.get(ids["live"]) or {})["metadata"]["creationTimestamp"]
+    assert live.submitted_at is not None and live.submitted_at == parse_time(created)
+
+
+@pytest.mark.slow
+def test_a_sweeper_finds_a_flow_runs_job_and_stops_it_from_a_fresh_backend(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 17 (1), as the sweeper sees it on a cluster the operators run: a job run_job
+    submitted in a flow is listed by `owned_jobs()` of a FRESH backend instance (nothing
+    remembered of the submit, as in another process) with the flow run's full id, from the
+    job's label, in one list request; an object of the kind created with the client (no label of
+    ours) and a job of ours that ended are not listed. Stopping the job from that instance is
+    confirmed by `lifecycle.stop_and_confirm` (STOPPED), after which it is no longer listed and
+    the flow that waited on it ends with JobStopped."""
+    from prefect_nemo.backends._kube_objects import JobMemory
+    from prefect_nemo.errors import JobStopped
+    from prefect_nemo.jobs import META_FLOW_RUN, META_KEY
+    from prefect_nemo.lifecycle import stop_and_confirm
+
+    block = env.block()
+    running = FlowInThread(JobSpec(entrypoint="sleep 120", name="swept"), block)
+    job_id = running_job(env)
+    other = block.backend()
+    ended = f"ended-{uuid.uuid4().hex[:8]}"
+    other.submit(JobSpec(entrypoint="true"), ended,
+                 {META_FLOW_RUN: str(uuid.uuid4()), META_KEY: "scope/ended"})  # fmt: skip
+    assert wait_until(lambda: (s := other.find(ended)) is not None and s.state.is_terminal(), 90)
+    foreign = _foreign(env, other, "sleep 30")
+
+    sweeper = block.backend()
+    monkeypatch.setattr(type(sweeper), "memory", JobMemory())  # a new process remembers nothing
+
+    def listed() -> list[Any]:
+        return [j for j in sweeper.owned_jobs() if j.state is JobState.RUNNING]
+
+    assert wait_until(listed, 30), "the job never read RUNNING from its object"
+    env.server.requests.clear()
+    owned = sweeper.owned_jobs()
+    assert len(_sweeper_lists(env)) == 1
+    assert [(j.job_id, j.flow_run_id) for j in owned] == [(job_id, running.flow_run_id)]
+    assert len(running.flow_run_id) == 36  # the full UUID, not a truncated label value
+    assert {ended, foreign} <= {o["metadata"]["name"] for o in env.objects()}
+
+    final = stop_and_confirm(sweeper, job_id, timeout_s=60)
+    assert final is not None and final.state is JobState.STOPPED, final
+    assert job_id not in {j.job_id for j in sweeper.owned_jobs()}
+    running.join(90)
+    assert isinstance(running.error, JobStopped), running.error
+    sweeper.close()

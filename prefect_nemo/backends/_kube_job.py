@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable, Collection
 from typing import Any, ClassVar, Generic, TypeVar
 
-from prefect_nemo.backends._kube_objects import OWNED_ANNOTATION, JobMemory
+from prefect_nemo.backends._kube_objects import OWNED_ANNOTATION, JobMemory, parse_time
 from prefect_nemo.errors import (
     AuthenticationFailed,
     BackendClosed,
@@ -36,9 +36,10 @@ from prefect_nemo.errors import (
     InvalidJobSpec,
     JobAlreadyExists,
 )
-from prefect_nemo.jobs import JobHandle, JobState, JobStatus
+from prefect_nemo.jobs import JobHandle, JobState, JobStatus, OwnedJob
 from prefect_nemo.kube import (
     CONFIGMAP,
+    FLOW_RUN_LABEL,
     MANAGED_BY,
     POD,
     SECRET,
@@ -173,6 +174,29 @@ class KubeJobBackend(Generic[ConfigT]):
             if status is not None:
                 out[job_id] = status
         return out
+
+    def owned_jobs(self) -> list[OwnedJob]:
+        """Our jobs in the namespace that have not ended, from ONE list by our managed-by
+        label: the owner from the job's FLOW_RUN_LABEL, the state from the job's object alone
+        (no pod list), submitted_at from its creationTimestamp. An object without our label
+        (not submitted by prefect-nemo) is never listed."""
+        self._check_open()
+        items, _ = self.api.list(self.job_kind, self.namespace, label_selector=MANAGED)
+        owned = []
+        for obj in items:
+            state = self.job_status(obj, []).state
+            if state.is_terminal():
+                continue
+            meta = obj.get("metadata") or {}
+            owned.append(
+                OwnedJob(
+                    job_id=meta["name"],
+                    state=state,
+                    flow_run_id=(meta.get("labels") or {}).get(FLOW_RUN_LABEL) or None,
+                    submitted_at=parse_time(meta.get("creationTimestamp")),
+                )
+            )
+        return owned
 
     def subscribe(self, wake: Callable[[], None]) -> Callable[[], None]:
         """Wake the watcher on every change of our jobs (and their pods) in the namespace, and

@@ -36,6 +36,8 @@ condition Failed=True                FAILED ("<reason>: <message> (node <i> exit
 condition Suspended=True             STOPPED
 no condition, a pod Running          RUNNING (Trainer has no Running condition)
 no condition, pods ended             RUNNING (the JobSet is about to say how it ended)
+no condition, no pod read,           RUNNING (the TrainJob alone, as `owned_jobs` reads it:
+  jobsStatus counts a ready Job        Trainer copies JobSet's per-Job counts there)
 no condition, no pod running yet     PENDING
 (TrainJob gone)                      STOPPED if we deleted it, else absent
 ===================================  =======================================================
@@ -262,6 +264,7 @@ def status_from_trainjob(obj: dict[str, Any], pods: list[dict[str, Any]]) -> Job
     meta = obj.get("metadata") or {}
     name = meta.get("name", "")
     phases = [(p.get("status") or {}).get("phase") for p in pods]
+    child_jobs = (obj.get("status") or {}).get("jobsStatus") or []
     exit_code: int | None = None
     end: datetime | None = None
     if cond := _condition(obj, "Complete"):
@@ -280,6 +283,8 @@ def status_from_trainjob(obj: dict[str, Any], pods: list[dict[str, Any]]) -> Job
         message = cond.get("message") or f"TrainJob {name} is suspended"
         end = parse_time(cond.get("lastTransitionTime"))
     elif "Running" in phases or any(ph in ("Succeeded", "Failed") for ph in phases):
+        state, message = JobState.RUNNING, ""
+    elif not pods and any(j.get("ready") for j in child_jobs):
         state, message = JobState.RUNNING, ""
     else:
         state, message = JobState.PENDING, ""

@@ -12,8 +12,9 @@ import os
 from pathlib import Path
 
 from prefect_nemo.testing.kube_api.server import LoopbackKubeServer, RequestEntry, RequestLog
+from prefect_nemo.testing.kube_api.store import WatchWindow
 
-__all__ = ["LoopbackKubeServer", "RequestEntry", "RequestLog", "crd_dir"]
+__all__ = ["LoopbackKubeServer", "RequestEntry", "RequestLog", "WatchWindow", "crd_dir"]
 
 
 def crd_dir() -> Path:

@@ -72,6 +72,25 @@ def invalid(rt: ResourceType, name: str, causes: list[Cause]) -> ApiError:
     return ApiError(422, "Invalid", f'{rt.qualified_kind} "{name}" is invalid: {joined}', details)
 
 
+def apply_conflict(conflicts: list[tuple[str, str]]) -> ApiError:
+    """409 for an apply that would change fields other managers own, given (manager, field)
+    pairs sorted by manager, worded as kube-apiserver's field manager words it."""
+    causes = [
+        {"reason": "FieldManagerConflict", "message": f"conflict with {manager}", "field": path}
+        for manager, path in conflicts
+    ]
+    if len(conflicts) == 1:
+        manager, path = conflicts[0]
+        message = f"Apply failed with 1 conflict: conflict with {manager}: {path}"
+    else:
+        lines: list[str] = []
+        for manager in dict.fromkeys(m for m, _ in conflicts):
+            lines.append(f"conflicts with {manager}:")
+            lines += [f"- {path}" for m, path in conflicts if m == manager]
+        message = f"Apply failed with {len(conflicts)} conflicts: " + "\n".join(lines)
+    return ApiError(409, "Conflict", message, {"causes": causes})
+
+
 def bad_request(message: str) -> ApiError:
     return ApiError(400, "BadRequest", message)
 
@@ -115,4 +134,5 @@ def unauthorized() -> ApiError:
 
 
 def gone(requested: int, oldest: int) -> ApiError:
+    """A watch from `requested`, older than the `oldest` version the server can resume from."""
     return ApiError(410, "Expired", f"too old resource version: {requested} ({oldest})")

@@ -23,7 +23,7 @@ import yaml
 from aiohttp import web
 
 from prefect_nemo.testing.app_thread import AppThread
-from prefect_nemo.testing.kube_api import errors
+from prefect_nemo.testing.kube_api import errors, fields
 from prefect_nemo.testing.kube_api import patch as patches
 from prefect_nemo.testing.kube_api.errors import ApiError
 from prefect_nemo.testing.kube_api.schema import (
@@ -33,7 +33,7 @@ from prefect_nemo.testing.kube_api.schema import (
     resource_from_crd,
 )
 from prefect_nemo.testing.kube_api.selectors import field_matcher, label_matcher
-from prefect_nemo.testing.kube_api.store import Event, Obj, Store, Watcher, now
+from prefect_nemo.testing.kube_api.store import Event, Obj, Store, Watcher, WatchWindow, now
 
 ProxyHandler = Callable[[str, str, dict[str, str], bytes], tuple[int, dict[str, str], bytes]]
 _CRD_TYPE = ResourceType(
@@ -142,7 +142,8 @@ class LoopbackKubeServer:
     and the custom resources of the CRDs given (validated against their openAPIV3Schema). Runs
     its own event loop in a background thread. Service proxy requests need an existing Service
     object plus a target registered with
-    `set_service_proxy`. Server-side apply is a simplified merge (no field ownership).
+    `set_service_proxy`. Server-side apply tracks field ownership (`metadata.managedFields`) and
+    answers conflicts with 409 unless forced (see `fields.py` for what it simplifies).
     """
 
     def __init__(
@@ -153,6 +154,7 @@ class LoopbackKubeServer:
         tls: bool = False,
         namespaces: Iterable[str] = ("default",),
         strict_fields: bool = True,
+        watch_window: WatchWindow | None = None,
     ):
         self.token = token or secrets.token_urlsafe(24)
         self.tls = tls
@@ -160,7 +162,7 @@ class LoopbackKubeServer:
         self.requests = RequestLog()
         self.ca_pem: bytes | None = None
         self.url = ""
-        self._store = Store()
+        self._store = Store(watch_window)
         self._store.add_type(_CRD_TYPE)
         self._proxies: dict[tuple[str, str, str], str | ProxyHandler] = {}
         self._logs: dict[tuple[str, str, str | None], str | Callable[[], str]] = {}
@@ -352,7 +354,9 @@ class LoopbackKubeServer:
         return len(hit)
 
     def compact(self) -> None:
-        """Forget the event history: watches from an older resourceVersion get 410 Gone."""
+        """Forget the event history now (as an etcd compaction at the current revision): watches
+        from an older resourceVersion get 410 Gone. Without it, versions expire on their own once
+        they fall out of the `watch_window`."""
         self._store.compact()
 
     def get(
@@ -594,22 +598,23 @@ class LoopbackKubeServer:
         watcher = Watcher(self._server.loop, (rt.group, rt.plural), route.namespace or None, match)
         initial: list[Obj] = []
         with self._store.lock:
-            if since and since < self._store.compacted_rv:
-                expired = errors.gone(since, self._store.compacted_rv + 1)
-                initial.append({"type": "ERROR", "object": expired.status()})
-            else:
+            if not since:
+                items, _ = self._store.list(rt, route.namespace or None)
+                initial = [
+                    {"type": "ADDED", "object": self._render(rt, o, route.version)}
+                    for o in items
+                    if match(o)
+                ]
                 self._store.watchers.add(watcher)
-                if not since:
-                    items, _ = self._store.list(rt, route.namespace or None)
-                    initial = [
-                        {"type": "ADDED", "object": self._render(rt, o, route.version)}
-                        for o in items
-                        if match(o)
-                    ]
+            else:
+                try:
+                    events = self._store.events_after((rt.group, rt.plural), since)
+                except ApiError as expired:  # the real server streams it as an ERROR event
+                    initial.append({"type": "ERROR", "object": expired.status()})
                 else:
-                    for event in self._store.events_after(since):
-                        seen = watcher.translate(event)
-                        if seen:
+                    self._store.watchers.add(watcher)
+                    for event in events:
+                        if seen := watcher.translate(event):
                             initial.append(
                                 {"type": seen, "object": self._render(rt, event.new, route.version)}
                             )
@@ -723,7 +728,10 @@ class LoopbackKubeServer:
         body, warnings = self._prepare(route, await self._body(request), query)
         if rt.status_subresource and rt.crd is not None:
             body.pop("status", None)  # create ignores status when it is a subresource
-        created = self._store.create(rt, route.namespace, body, dry_run=_dry_run(query))
+        created = self._store.create(
+            rt, route.namespace, body, dry_run=_dry_run(query),
+            write=self._writer(request, route, query, "Update"),
+        )  # fmt: skip
         if rt is _CRD_TYPE and not _dry_run(query):
             created = self._install_crd(created)
         return _json(self._render(rt, created, route.version), 201, warnings)
@@ -737,9 +745,24 @@ class LoopbackKubeServer:
             body = self._status_merge(route, body)
         body, warnings = self._prepare(route, body, query, status_view=status)
         updated = self._store.update(
-            route.rt, route.namespace, route.name, body, status=status, dry_run=_dry_run(query)
-        )
+            route.rt, route.namespace, route.name, body, status=status, dry_run=_dry_run(query),
+            write=self._writer(request, route, query, "Update"),
+        )  # fmt: skip
         return _json(self._render(route.rt, updated, route.version), 200, warnings)
+
+    def _writer(
+        self, request: web.Request, route: _Route, query: dict[str, str], operation: str,
+        applied: Any = None,
+    ) -> fields.Write:  # fmt: skip
+        """Who this write is for managedFields: `fieldManager`, else (not for apply, which
+        requires it) the User-Agent's product, as the real server defaults it."""
+        manager = query.get("fieldManager") or request.headers.get("User-Agent", "").split("/")[0]
+        return fields.Write(
+            manager=manager[:128], operation=operation,
+            api_version=route.rt.api_version(route.version),
+            subresource="status" if route.sub == ["status"] else "",
+            applied=copy.deepcopy(applied) if isinstance(applied, dict) else None,
+        )  # fmt: skip
 
     def _status_merge(self, route: _Route, body: Obj) -> Obj:
         """What a status write produces: the current object with the new status and the sent rv."""
@@ -762,28 +785,23 @@ class LoopbackKubeServer:
         body = await self._body(request)
         status = route.sub == ["status"]
         current = self._store.get(rt, route.namespace, route.name)
-        if ctype == patches.APPLY:
-            if not query.get("fieldManager"):
-                raise errors.invalid(
-                    ResourceType(
-                        "meta.k8s.io", ["v1"], "patchoptions", "patchoption", "PatchOptions", False
-                    ),
-                    "",
-                    [
-                        Cause(
-                            "FieldValueRequired",
-                            "fieldManager",
-                            "Required value: is required for apply patch",
-                        )
-                    ],
-                )
-            if current is None and not status:
-                return await self._create_from(route, body, query)
+        apply = ctype == patches.APPLY
+        _check_patch_options(query, apply)
+        write = self._writer(request, route, query, "Apply" if apply else "Update", body)
+        if apply and current is None and not status:
+            return await self._create_from(route, body, query, write)
         if current is None:
             raise errors.not_found(rt, route.name)
         current = self._render(rt, current, route.version)
+        entries = current["metadata"].get("managedFields") or []
+        if apply and not _flag(query.get("force")):
+            if found := fields.conflicts(entries, write, current, rt.status_subresource):
+                raise errors.apply_conflict(found)
         try:
-            if ctype == patches.MERGE or ctype == patches.APPLY:
+            if apply:
+                merged = patches.merge_patch(current, body)
+                patched = fields.release(merged, entries, write, rt.status_subresource)
+            elif ctype == patches.MERGE:
                 patched = patches.merge_patch(current, body)
             elif ctype == patches.JSON_PATCH:
                 patched = patches.json_patch(current, body)
@@ -803,19 +821,22 @@ class LoopbackKubeServer:
             patched["metadata"]["resourceVersion"] = keep_rv or ""
         body, warnings = self._prepare(route, patched, query, status_view=status)
         updated = self._store.update(
-            rt, route.namespace, route.name, body, status=status, dry_run=_dry_run(query)
-        )
+            rt, route.namespace, route.name, body, status=status, dry_run=_dry_run(query),
+            write=write,
+        )  # fmt: skip
         return _json(self._render(rt, updated, route.version), 200, warnings)
 
     async def _create_from(
-        self, route: _Route, body: Any, query: dict[str, str]
+        self, route: _Route, body: Any, query: dict[str, str], write: fields.Write
     ) -> web.StreamResponse:
         if isinstance(body, dict):
             body.setdefault("metadata", {})["name"] = route.name
         prepared, warnings = self._prepare(route, body, query)
         if route.rt.status_subresource and route.rt.crd is not None:
             prepared.pop("status", None)
-        created = self._store.create(route.rt, route.namespace, prepared, dry_run=_dry_run(query))
+        created = self._store.create(
+            route.rt, route.namespace, prepared, dry_run=_dry_run(query), write=write
+        )
         return _json(self._render(route.rt, created, route.version), 201, warnings)
 
     async def _delete(
@@ -1066,6 +1087,25 @@ def _unreachable(url: str, exc: Exception) -> ApiError:
 
 def _page_not_found() -> ApiError:
     return ApiError(404, "NotFound", "the server could not find the requested resource", {})
+
+
+def _check_patch_options(query: dict[str, str], apply: bool) -> None:
+    """PatchOptions as the real server validates them: apply needs a fieldManager, and only
+    apply may say force."""
+    cause = None
+    if apply and not query.get("fieldManager"):
+        cause = Cause(
+            "FieldValueRequired", "fieldManager", "Required value: is required for apply patch"
+        )
+    elif not apply and "force" in query:
+        cause = Cause(
+            "FieldValueForbidden", "force", "Forbidden: may not be specified for non-apply patch"
+        )
+    if cause is not None:
+        options = ResourceType(
+            "meta.k8s.io", ["v1"], "patchoptions", "patchoption", "PatchOptions", False
+        )
+        raise errors.invalid(options, "", [cause])
 
 
 def _dry_run(query: dict[str, str]) -> bool:

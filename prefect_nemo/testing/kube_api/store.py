@@ -1,5 +1,5 @@
-"""Object storage with the apiserver's bookkeeping: resourceVersions, event history,
-finalizers and garbage collection.
+"""Object storage with the apiserver's bookkeeping: resourceVersions, a bounded event history
+per resource (the watch cache's window), finalizers and garbage collection.
 
 One `threading.RLock` guards everything: the HTTP handlers run on the server's event loop
 thread while tests peek from their own thread. Stored objects are never mutated in place
@@ -14,20 +14,21 @@ import copy
 import random
 import re
 import threading
+import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from prefect_nemo.testing.kube_api import errors
+from prefect_nemo.testing.kube_api import errors, fields
 from prefect_nemo.testing.kube_api.schema import CORE_TYPES, Cause, ResourceType
 
 Obj = dict[str, Any]
 Key = tuple[str, str]  # (group, plural)
 
 MAX_CONFIG_BYTES = 1024 * 1024
-MAX_HISTORY = 100_000
 # The apiserver's generateName alphabet (no vowels, no confusable digits).
 _SUFFIX_CHARS = "bcdfghjklmnpqrstvwxz2456789"
 
@@ -77,6 +78,57 @@ class Event:
     namespace: str
     old: Obj | None
     new: Obj
+
+
+@dataclass(frozen=True)
+class WatchWindow:
+    """How much event history the server keeps per resource, as kube-apiserver's watch cache
+    does (k8s.io/apiserver/pkg/storage/cacher, watch_cache history): at least the last
+    `min_events` (defaultLowerBoundCapacity), doubling up to `max_events`
+    (defaultUpperBoundCapacity) while all it holds is younger than `fresh_s`
+    (DefaultEventFreshDuration). A watch from a resourceVersion older than what is kept gets
+    410 Gone. Tests pass a small window to make versions expire without waiting."""
+
+    min_events: int = 100
+    fresh_s: float = 75.0
+    max_events: int = 100 * 1024
+
+
+class History:
+    """One resource's retained events, in the watch cache's ring-buffer rules: when full, the
+    capacity doubles if the oldest event is fresh, halves if even the newest quarter is stale,
+    else the oldest event is dropped; once one was dropped, a version before the oldest kept is
+    too old to resume from."""
+
+    def __init__(self, window: WatchWindow, floor: int) -> None:
+        self.window = window
+        self.capacity = window.min_events
+        self.events: deque[tuple[float, Event]] = deque()
+        self.floor = floor  # the oldest version to resume from while nothing was dropped
+        self.dropped = False
+
+    def add(self, event: Event, at: float) -> None:
+        w, events = self.window, self.events
+        if len(events) >= self.capacity:
+            if at - events[0][0] < w.fresh_s:
+                self.capacity = min(self.capacity * 2, w.max_events)
+            elif at - events[(len(events) - self.capacity // 4) % len(events)][0] > w.fresh_s:
+                self.capacity = max(self.capacity // 2, w.min_events)
+        while len(events) >= self.capacity:
+            events.popleft()
+            self.dropped = True
+        events.append((at, event))
+
+    def resumable_from(self) -> int:
+        """The oldest resourceVersion a watch may start from ("oldest-1" in the watch cache)."""
+        if not self.dropped or not self.events:
+            return self.floor
+        return self.events[0][1].rv - 1
+
+    def reset(self, rv: int) -> None:
+        """Forget everything up to rv (as a relist of the cache at rv does)."""
+        self.events.clear()
+        self.floor, self.dropped = rv, False
 
 
 @dataclass(eq=False)
@@ -131,13 +183,13 @@ def validate_name(rt: ResourceType, name: str) -> list[Cause]:
 class Store:
     """All objects of all types, one resourceVersion counter, event history, open watchers."""
 
-    def __init__(self) -> None:
+    def __init__(self, window: WatchWindow | None = None) -> None:
         self.lock = threading.RLock()
         self.rv = 0
-        self.compacted_rv = 0
+        self.window = window or WatchWindow()
         self.types: dict[Key, ResourceType] = {}
         self.objects: dict[Key, dict[tuple[str, str], Obj]] = {}
-        self.history: list[Event] = []
+        self.histories: dict[Key, History] = {}
         self.watchers: set[Watcher] = set()
         for rt in CORE_TYPES:
             self.add_type(copy.copy(rt))
@@ -146,6 +198,7 @@ class Store:
         with self.lock:
             self.types[(rt.group, rt.plural)] = rt
             self.objects.setdefault((rt.group, rt.plural), {})
+            self.histories.setdefault((rt.group, rt.plural), History(self.window, self.rv))
 
     def find_type(self, group: str, plural: str) -> ResourceType | None:
         return self.types.get((group, plural))
@@ -190,16 +243,21 @@ class Store:
         else:
             self.objects[key][ident] = new
         event = Event(self.rv, event_type, key, ident[0], old, new)
-        self.history.append(event)
-        if len(self.history) > MAX_HISTORY:
-            dropped = self.history[: len(self.history) // 2]
-            del self.history[: len(dropped)]
-            self.compacted_rv = dropped[-1].rv
+        self.histories[key].add(event, time.monotonic())
         for watcher in list(self.watchers):
             watcher.push(event)
         return copy.deepcopy(new)
 
-    def create(self, rt: ResourceType, namespace: str, obj: Obj, *, dry_run: bool = False) -> Obj:
+    def create(
+        self,
+        rt: ResourceType,
+        namespace: str,
+        obj: Obj,
+        *,
+        dry_run: bool = False,
+        write: fields.Write | None = None,
+    ) -> Obj:
+        """Create (POST semantics); `write` says who, for the object's managedFields."""
         with self.lock:
             md = meta(obj)
             if rt.namespaced:
@@ -253,6 +311,9 @@ class Store:
             if rt.crd is not None:
                 md["generation"] = 1
             prepare_core(rt, obj, None)
+            if write is not None:
+                tracked = fields.record([], write, None, obj, rt.status_subresource, at=now())
+                md["managedFields"] = tracked
             if dry_run:
                 return obj
             created = self._commit(rt, "ADDED", obj, None)
@@ -268,8 +329,10 @@ class Store:
         *,
         status: bool = False,
         dry_run: bool = False,
+        write: fields.Write | None = None,
     ) -> Obj:
-        """Replace an object (PUT semantics; patches arrive here already applied)."""
+        """Replace an object (PUT semantics; patches arrive here already applied); `write` says
+        who, for its managedFields (None: the server's own bookkeeping, which owns nothing)."""
         with self.lock:
             old = self.require(rt, namespace, name)
             md = meta(obj)
@@ -347,6 +410,12 @@ class Store:
                     )
                 prepare_core(rt, new, old)
             meta(new)["resourceVersion"] = old["metadata"]["resourceVersion"]
+            entries = old["metadata"].get("managedFields") or []
+            if write is not None:
+                entries = fields.record(entries, write, old, new, rt.status_subresource, at=now())
+            meta(new).pop("managedFields", None)
+            if entries:
+                meta(new)["managedFields"] = entries
             if dry_run:
                 return new
             if new == old:  # a no-op write keeps the resourceVersion, as the real server does
@@ -506,13 +575,18 @@ class Store:
         return False
 
     def compact(self) -> None:
+        """Forget every resource's history: any older version is now too old to watch from."""
         with self.lock:
-            self.compacted_rv = self.rv
-            self.history.clear()
+            for history in self.histories.values():
+                history.reset(self.rv)
 
-    def events_after(self, rv: int) -> list[Event]:
+    def events_after(self, key: Key, rv: int) -> list[Event]:
+        """The resource's events after rv; 410 Gone when rv is older than its window keeps."""
         with self.lock:
-            return [e for e in self.history if e.rv > rv]
+            history = self.histories[key]
+            if rv < (oldest := history.resumable_from()):
+                raise errors.gone(rv, oldest)
+            return [e for _, e in history.events if e.rv > rv]
 
 
 def _spec_of(rt: ResourceType, obj: Obj) -> Obj:
