@@ -236,6 +236,38 @@ def test_runai_outcomes_distributed_and_list_by_name(runai: RunaiServer) -> None
     assert [w["phase"] for w in exact] == ["Failed"]
 
 
+def test_runai_list_items_carry_project_and_env_not_labels(runai: RunaiServer) -> None:
+    """run:ai's ``Workload`` schema (the items of ``GET /workloads``, API 2.19 on) has
+    ``projectName`` and ``environmentVariables`` (an object of name to value) and no labels;
+    ``filterBy`` takes ``projectName``. Labels on a workload are ``{name, value, exclude}``
+    items whose name has 1-63 characters."""
+    executor = dgx_executor(runai)
+    token, project, cluster = ids(executor)
+    executor.env_vars = {"OWNER": "run-1"}
+    executor.custom_spec = {"labels": [{"name": "team", "value": "rl", "exclude": False}]}
+    created = executor.create_training_job(token, project, cluster, "labelled").json()
+    executor.custom_spec = {"labels": [{"name": "x" * 64, "value": "v"}]}
+    refused = executor.create_training_job(token, project, cluster, "bad-label")
+    assert refused.status_code == 400 and "spec.labels[0].name" in refused.json()["message"]
+    headers = executor._default_headers(token=token)
+    listed = requests.get(
+        f"{runai.base_url}/workloads",
+        params={"filterBy": "projectName==nemo-project"},
+        headers=headers,
+        timeout=5,
+    ).json()["workloads"]
+    (item,) = listed
+    assert item["id"] == created["workloadId"] and item["projectName"] == "nemo-project"
+    assert item["environmentVariables"] == {"OWNER": "run-1"} and "labels" not in item
+    other = requests.get(
+        f"{runai.base_url}/workloads",
+        params={"filterBy": "projectName==elsewhere"},
+        headers=headers,
+        timeout=5,
+    ).json()["workloads"]
+    assert other == []
+
+
 def test_runai_limits_are_enforced(runai: RunaiServer) -> None:
     executor = dgx_executor(runai)
     token, project, cluster = ids(executor)
@@ -361,6 +393,32 @@ def test_lepton_job_lifecycle_through_nemo_run(lepton: LeptonServer) -> None:
     assert bad.status_code == 400 and "spec.no_such_field" in bad.text
     with pytest.raises(ClientError, match=r"metadata\.id"):
         executor.create_lepton_job("Bad_Name")
+
+
+def test_lepton_list_selects_jobs_by_label(lepton: LeptonServer) -> None:
+    """leptonai documents ``list_all(query=...)`` as a label selector over the jobs'
+    ``metadata.labels``: equality, inequality, existence and absence, all of them must hold."""
+    from leptonai.api.v1.types.common import Metadata
+    from leptonai.api.v1.types.job import LeptonJob, LeptonJobUserSpec
+
+    client = APIClient()
+    for job_id, labels in (("lab-a", {"team": "rl", "run": "1"}), ("lab-b", {"team": "sft"})):
+        client.job.create(
+            LeptonJob(
+                metadata=Metadata(id=job_id, labels=labels),
+                spec=LeptonJobUserSpec(resource_shape="cpu.small"),
+            )
+        )
+    client.job.create(LeptonJob(metadata=Metadata(id="lab-c"), spec=LeptonJobUserSpec()))
+
+    def listed(selector: str) -> list[str]:
+        return sorted(j.metadata.id_ for j in client.job.list_all(query=selector))
+
+    assert listed("team=rl") == ["lab-a"] and listed("team==sft") == ["lab-b"]
+    assert listed("team!=rl") == ["lab-b", "lab-c"] and listed("team") == ["lab-a", "lab-b"]
+    assert listed("!team") == ["lab-c"] and listed("team=rl,run=2") == []
+    (job,) = client.job.list_all(query="run=1")
+    assert job.metadata.labels == {"team": "rl", "run": "1"}
 
 
 def test_lepton_stop_and_delete(lepton: LeptonServer) -> None:
