@@ -126,6 +126,17 @@ def ids(executor: DGXCloudExecutor) -> tuple[str, str, str]:
     return token, project, cluster
 
 
+def list_workloads(server: RunaiServer, token: str, filter_by: str) -> list[dict[str, Any]]:
+    """``GET /workloads?filterBy=...``: the listed items."""
+    response = requests.get(
+        f"{server.base_url}/workloads",
+        params={"filterBy": filter_by},
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=5,
+    )
+    return response.json()["workloads"]
+
+
 def test_runai_token_and_credentials(runai: RunaiServer) -> None:
     executor = dgx_executor(runai)
     token, project, cluster = ids(executor)
@@ -218,21 +229,10 @@ def test_runai_outcomes_distributed_and_list_by_name(runai: RunaiServer) -> None
     wait_for(lambda: executor.status(good["workloadId"]) is DGXCloudState.COMPLETED)
     wait_for(lambda: executor.status(bad["workloadId"]) is DGXCloudState.FAILED)
 
-    headers = executor._default_headers(token=token)
-    listed = requests.get(
-        f"{runai.base_url}/workloads",
-        params={"filterBy": "name=^good-run"},
-        headers=headers,
-        timeout=5,
-    ).json()["workloads"]
+    listed = list_workloads(runai, token, "name=^good-run")
     assert [w["id"] for w in listed] == [good["workloadId"]]
     assert listed[0]["type"] == "Distributed" and listed[0]["phase"] == "Completed"
-    exact = requests.get(
-        f"{runai.base_url}/workloads",
-        params={"filterBy": f"name=={bad['name']}"},
-        headers=headers,
-        timeout=5,
-    ).json()["workloads"]
+    exact = list_workloads(runai, token, f"name=={bad['name']}")
     assert [w["phase"] for w in exact] == ["Failed"]
 
 
@@ -249,23 +249,10 @@ def test_runai_list_items_carry_project_and_env_not_labels(runai: RunaiServer) -
     executor.custom_spec = {"labels": [{"name": "x" * 64, "value": "v"}]}
     refused = executor.create_training_job(token, project, cluster, "bad-label")
     assert refused.status_code == 400 and "spec.labels[0].name" in refused.json()["message"]
-    headers = executor._default_headers(token=token)
-    listed = requests.get(
-        f"{runai.base_url}/workloads",
-        params={"filterBy": "projectName==nemo-project"},
-        headers=headers,
-        timeout=5,
-    ).json()["workloads"]
-    (item,) = listed
+    (item,) = list_workloads(runai, token, "projectName==nemo-project")
     assert item["id"] == created["workloadId"] and item["projectName"] == "nemo-project"
     assert item["environmentVariables"] == {"OWNER": "run-1"} and "labels" not in item
-    other = requests.get(
-        f"{runai.base_url}/workloads",
-        params={"filterBy": "projectName==elsewhere"},
-        headers=headers,
-        timeout=5,
-    ).json()["workloads"]
-    assert other == []
+    assert list_workloads(runai, token, "projectName==elsewhere") == []
 
 
 def test_runai_limits_are_enforced(runai: RunaiServer) -> None:
