@@ -126,6 +126,17 @@ def ids(executor: DGXCloudExecutor) -> tuple[str, str, str]:
     return token, project, cluster
 
 
+def list_workloads(server: RunaiServer, token: str, filter_by: str) -> list[dict[str, Any]]:
+    """``GET /workloads?filterBy=...``: the listed items."""
+    response = requests.get(
+        f"{server.base_url}/workloads",
+        params={"filterBy": filter_by},
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=5,
+    )
+    return response.json()["workloads"]
+
+
 def test_runai_token_and_credentials(runai: RunaiServer) -> None:
     executor = dgx_executor(runai)
     token, project, cluster = ids(executor)
@@ -218,22 +229,30 @@ def test_runai_outcomes_distributed_and_list_by_name(runai: RunaiServer) -> None
     wait_for(lambda: executor.status(good["workloadId"]) is DGXCloudState.COMPLETED)
     wait_for(lambda: executor.status(bad["workloadId"]) is DGXCloudState.FAILED)
 
-    headers = executor._default_headers(token=token)
-    listed = requests.get(
-        f"{runai.base_url}/workloads",
-        params={"filterBy": "name=^good-run"},
-        headers=headers,
-        timeout=5,
-    ).json()["workloads"]
+    listed = list_workloads(runai, token, "name=^good-run")
     assert [w["id"] for w in listed] == [good["workloadId"]]
     assert listed[0]["type"] == "Distributed" and listed[0]["phase"] == "Completed"
-    exact = requests.get(
-        f"{runai.base_url}/workloads",
-        params={"filterBy": f"name=={bad['name']}"},
-        headers=headers,
-        timeout=5,
-    ).json()["workloads"]
+    exact = list_workloads(runai, token, f"name=={bad['name']}")
     assert [w["phase"] for w in exact] == ["Failed"]
+
+
+def test_runai_list_items_carry_project_and_env_not_labels(runai: RunaiServer) -> None:
+    """run:ai's ``Workload`` schema (the items of ``GET /workloads``, API 2.19 on) has
+    ``projectName`` and ``environmentVariables`` (an object of name to value) and no labels;
+    ``filterBy`` takes ``projectName``. Labels on a workload are ``{name, value, exclude}``
+    items whose name has 1-63 characters."""
+    executor = dgx_executor(runai)
+    token, project, cluster = ids(executor)
+    executor.env_vars = {"OWNER": "run-1"}
+    executor.custom_spec = {"labels": [{"name": "team", "value": "rl", "exclude": False}]}
+    created = executor.create_training_job(token, project, cluster, "labelled").json()
+    executor.custom_spec = {"labels": [{"name": "x" * 64, "value": "v"}]}
+    refused = executor.create_training_job(token, project, cluster, "bad-label")
+    assert refused.status_code == 400 and "spec.labels[0].name" in refused.json()["message"]
+    (item,) = list_workloads(runai, token, "projectName==nemo-project")
+    assert item["id"] == created["workloadId"] and item["projectName"] == "nemo-project"
+    assert item["environmentVariables"] == {"OWNER": "run-1"} and "labels" not in item
+    assert list_workloads(runai, token, "projectName==elsewhere") == []
 
 
 def test_runai_limits_are_enforced(runai: RunaiServer) -> None:
@@ -361,6 +380,32 @@ def test_lepton_job_lifecycle_through_nemo_run(lepton: LeptonServer) -> None:
     assert bad.status_code == 400 and "spec.no_such_field" in bad.text
     with pytest.raises(ClientError, match=r"metadata\.id"):
         executor.create_lepton_job("Bad_Name")
+
+
+def test_lepton_list_selects_jobs_by_label(lepton: LeptonServer) -> None:
+    """leptonai documents ``list_all(query=...)`` as a label selector over the jobs'
+    ``metadata.labels``: equality, inequality, existence and absence, all of them must hold."""
+    from leptonai.api.v1.types.common import Metadata
+    from leptonai.api.v1.types.job import LeptonJob, LeptonJobUserSpec
+
+    client = APIClient()
+    for job_id, labels in (("lab-a", {"team": "rl", "run": "1"}), ("lab-b", {"team": "sft"})):
+        client.job.create(
+            LeptonJob(
+                metadata=Metadata(id=job_id, labels=labels),
+                spec=LeptonJobUserSpec(resource_shape="cpu.small"),
+            )
+        )
+    client.job.create(LeptonJob(metadata=Metadata(id="lab-c"), spec=LeptonJobUserSpec()))
+
+    def listed(selector: str) -> list[str]:
+        return sorted(j.metadata.id_ for j in client.job.list_all(query=selector))
+
+    assert listed("team=rl") == ["lab-a"] and listed("team==sft") == ["lab-b"]
+    assert listed("team!=rl") == ["lab-b", "lab-c"] and listed("team") == ["lab-a", "lab-b"]
+    assert listed("!team") == ["lab-c"] and listed("team=rl,run=2") == []
+    (job,) = client.job.list_all(query="run=1")
+    assert job.metadata.labels == {"team": "rl", "run": "1"}
 
 
 def test_lepton_stop_and_delete(lepton: LeptonServer) -> None:

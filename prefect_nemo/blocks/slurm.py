@@ -94,7 +94,8 @@ def train():
     )
     additional_parameters: dict[str, Any] = Field(
         default_factory=dict,
-        description="Extra sbatch options by name, e.g. {'gres': 'gpu:8', 'exclusive': True}.",
+        description="Extra sbatch options by name, e.g. {'gres': 'gpu:8', 'exclusive': True}; "
+        "not 'comment', which prefect-nemo writes (the flow run that owns the job).",
     )
     setup_lines: str | None = Field(
         default=None,

@@ -1,7 +1,8 @@
 """A loopback DGX Cloud Lepton workspace API (v2) on 127.0.0.1, for leptonai's APIClient unchanged.
 
 Serves under ``{url}/api/v2/workspaces/{workspace_id}``: dedicated node groups and their nodes,
-``POST/GET/DELETE /jobs[/{id}]``, ``GET /jobs`` (paged, ``q`` substring), ``PATCH /jobs/{id}``
+``POST/GET/DELETE /jobs[/{id}]``, ``GET /jobs`` (paged; ``q`` a name substring, ``query`` a
+label selector on the jobs' ``metadata.labels``, as leptonai documents them), ``PATCH /jobs/{id}``
 (``{"spec": {"stopped": true}}`` stops), replicas and replica logs, and Ray clusters
 (``/rayclusters``), whose ``/rayclusters/{name}/dashboard/...`` is proxied to a real Ray
 dashboard when one is configured. A bearer token is required (a wrong one is 401). Incoming jobs
@@ -111,6 +112,10 @@ class Job:
             if start <= now:
                 current = phase
         return current
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return dict((self.body.get("metadata") or {}).get("labels") or {})
 
     def env(self) -> dict[str, str]:
         """Plain env vars of the job (secret references are not resolved here)."""
@@ -360,12 +365,17 @@ class LeptonServer(LoopbackHttpServer):
     async def _list_jobs(self, request: web.Request) -> web.Response:
         self._auth(request)
         q = request.query.get("q", "")
+        selector = request.query.get("query", "")
         mode = request.query.get("job_query_mode", "alive_only")
         page = int(request.query.get("page", "1"))
         size = int(request.query.get("page_size", "50"))
         now = time.time()
         with self.lock:
-            jobs = [j.as_json(now) for j in self.jobs.values() if q in j.id]
+            jobs = [
+                j.as_json(now)
+                for j in self.jobs.values()
+                if q in j.id and selects(selector, j.labels)
+            ]
         if mode == "alive_only":
             jobs = [j for j in jobs if j["status"]["state"] not in ("Completed", "Failed")]
         elif mode == "archive_only":
@@ -515,6 +525,22 @@ class LeptonServer(LoopbackHttpServer):
             payload = await upstream.read()
             out = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
             return web.Response(body=payload, status=upstream.status, headers=out)
+
+
+def selects(selector: str, labels: dict[str, str]) -> bool:
+    """A Kubernetes-style equality label selector (``k=v``, ``k==v``, ``k!=v``, ``k``, ``!k``,
+    comma-separated, all must hold) applied to `labels`; an empty selector selects all."""
+    for requirement in filter(None, (r.strip() for r in selector.split(","))):
+        key, op, value = re.fullmatch(r"(!?[^=!]+)(==|!=|=)?(.*)", requirement).groups()  # type: ignore[union-attr]
+        if op is None:
+            held = key.startswith("!") != (key.lstrip("!") in labels)
+        elif op == "!=":
+            held = labels.get(key) != value
+        else:
+            held = labels.get(key) == value
+        if not held:
+            return False
+    return True
 
 
 def _exec_failure(job: Job) -> str:

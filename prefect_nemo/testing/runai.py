@@ -3,10 +3,13 @@
 Serves what NeMo-Run and our backend call under ``{url}/api/v1``: ``POST /token``
 (client_credentials; a wrong secret is 401, tokens expire after ``token_ttl_s``),
 ``GET /org-unit/projects``, ``POST/GET/DELETE /workloads/{workspaces,trainings,distributed}``,
-``POST .../{id}/suspend`` and ``/resume``, and ``GET /workloads?filterBy=name==...``. Workload
+``POST .../{id}/suspend`` and ``/resume``, and ``GET /workloads?filterBy=name==...`` (each item
+with its ``projectName`` and ``environmentVariables``, a name-to-value object, as run:ai's
+``Workload`` schema has them since API 2.19; its labels are not in the list). Workload
 phases (Creating → Initializing → Running → Completed/Failed, Stopping → Stopped on suspend)
 follow the clock and the server's knobs; nothing runs. Payloads are checked as the real service
-checks them (required fields, an env var value <= 10,000 characters, args <= 9,500) and a
+checks them (required fields, an env var value <= 10,000 characters, args <= 9,500, labels and
+annotations as ``{name, value, exclude}`` items with a name of 1-63 characters) and a
 rejected one is a 400 with a message. Every request is recorded for tests.
 
 `LoopbackHttpServer` (an aiohttp app on its own event loop thread) is shared with the loopback
@@ -273,7 +276,7 @@ class Workload:
             "spec": self.spec,
         }
 
-    def list_item(self, now: float) -> dict[str, Any]:
+    def list_item(self, now: float, project_name: str) -> dict[str, Any]:
         phase = self.phase(now)
         return {
             "id": self.id,
@@ -281,6 +284,8 @@ class Workload:
             "type": KINDS[self.kind],
             "phase": phase,
             "projectId": self.project_id,
+            "projectName": project_name,
+            "environmentVariables": self.env(),
             "clusterId": self.cluster_id,
             "createdAt": _iso(self.created),
             "phaseUpdatedAt": _iso(max(s for s, _ in self.phases if s <= now)),
@@ -507,6 +512,13 @@ class RunaiServer(LoopbackHttpServer):
                     f"{where}.value: {len(value or '')} characters, more than "
                     f"{ENV_VALUE_LIMIT} allowed",
                 )
+        for key in ("labels", "annotations"):
+            for i, item in enumerate(spec.get(key) or []):
+                key_name = item.get("name") if isinstance(item, dict) else None
+                if not isinstance(key_name, str) or not 1 <= len(key_name) <= 63:
+                    raise ApiError(400, f"spec.{key}[{i}].name: required, 1-63 characters")
+                if set(item) - {"name", "value", "exclude"}:
+                    raise ApiError(400, f"spec.{key}[{i}]: only name, value and exclude")
         compute = spec.get("compute") or {}
         gpus = compute.get("gpuDevicesRequest")
         if gpus is not None and (not isinstance(gpus, int) or gpus < 0):
@@ -585,9 +597,10 @@ class RunaiServer(LoopbackHttpServer):
         offset = int(request.query.get("offset", "0"))
         limit = min(int(request.query.get("limit", "50")), 500)
         now = time.time()
+        names = {pid: name for name, pid in self.projects.items()}
         with self.lock:
             items = [
-                w.list_item(now)
+                w.list_item(now, names.get(w.project_id, ""))
                 for w in self.workloads.values()
                 if (w.deleted is not None) == deleted
             ]

@@ -22,6 +22,9 @@ executor's own ``launch()`` instead of torchx) implements:
   under NEMORUN_HOME (one machine; ``_app_status(entry)`` says whether a recorded app still
   exists); a backend whose service can look jobs up by name should do that instead, so a
   re-run from another machine attaches too.
+- ``owned_jobs()``: the live jobs we submitted, each with its owner flow run, read from the
+  service (never from the registry: a sweeper runs on another machine); ``carry_owner`` puts
+  the owner on the executor, where the service keeps it with the job (Slurm: the comment).
 - optionally ``make_task`` (the default runs the entrypoint as an inline bash script, plain env
   only), ``before_launch`` (the executor has its local job dir: put files there),
   ``before_schedule`` (after the dry run wrote the job's files, before submission:
@@ -63,13 +66,17 @@ from pydantic import SecretStr
 from prefect_nemo import names
 from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
 from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec, JobAlreadyExists
-from prefect_nemo.jobs import Backend, JobHandle, JobSpec, JobState, JobStatus
+from prefect_nemo.jobs import Backend, JobHandle, JobSpec, JobState, JobStatus, OwnedJob
 
 #: NeMo-Run experiment title of every job we launch: its files live under
 #: ``<NEMORUN_HOME>/experiments/prefect-nemo/prefect-nemo_<job id>/``.
 EXPERIMENT_TITLE = "prefect-nemo"
 #: A claim with no app handle after this long was left by a submitter that died mid-launch.
 STALE_CLAIM_S = 120.0
+#: The environment variable that carries a job's owner (the flow run that submitted it, or
+#: empty) where the service lists a job's env but not its labels (run:ai) or runs a process
+#: (local); the job can read it too.
+OWNER_ENV = "PREFECT_NEMO_FLOW_RUN_ID"
 
 # torchx AppState names -> ours. UNKNOWN is absent on purpose: it is no observation.
 _APP_STATES = {
@@ -142,6 +149,10 @@ class NemoRunBackend(ABC):
         run = nemo_run()
         return run.Script(inline=spec.entrypoint, env=plain_env(spec))
 
+    def carry_owner(self, executor: Any, metadata: dict[str, str]) -> None:  # noqa: B027
+        """Put the job's owner (the flow run in `metadata`) on the executor, where the service
+        keeps it with the job for `owned_jobs` (Slurm: its comment; local: its process env)."""
+
     def before_launch(self, spec: JobSpec, job_id: str, executor: Any) -> None:  # noqa: B027
         """Called once the executor is assigned its job dir, before NeMo-Run packages the task."""
 
@@ -193,8 +204,10 @@ class NemoRunBackend(ABC):
         self._entry(job_id).unlink(missing_ok=True)
 
     def record(self, job_id: str, app_handle: str, metadata: dict[str, str]) -> None:
-        """Store the app handle of a submitted job."""
+        """Store the app handle of a submitted job (or of one found on the service: this
+        machine may have no registry yet)."""
         path = self._entry(job_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"app_handle": app_handle, "metadata": metadata}))
         tmp.chmod(0o600)
@@ -246,6 +259,11 @@ class NemoRunBackend(ABC):
                 f"JobSpec.label_selector is Ray-only; on {self.kind} say where the job runs with "
                 "JobSpec.placement (node_labels)"
             )
+        if OWNER_ENV in spec.env:
+            raise InvalidJobSpec(
+                f"JobSpec.env['{OWNER_ENV}'] is set by prefect-nemo (the flow run that submitted "
+                "the job): pick another name"
+            )
         self.make_executor(spec, "validate")
 
     def check_access(self) -> None:  # noqa: B027
@@ -259,7 +277,7 @@ class NemoRunBackend(ABC):
         meta = {**spec.metadata, **metadata}
         self.claim(job_id, meta)
         try:
-            executor, app, name, dryrun_info = self.dry_run(spec, job_id)
+            executor, app, name, dryrun_info = self.dry_run(spec, job_id, meta)
             self.before_schedule(spec, job_id, executor, dryrun_info)
             with root_logger_kept():
                 app_handle, _ = launch(
@@ -276,7 +294,7 @@ class NemoRunBackend(ABC):
         return self.handle(job_id)
 
     def dry_run(
-        self, spec: JobSpec, job_id: str, local_dir: Path | None = None
+        self, spec: JobSpec, job_id: str, metadata: dict[str, str], local_dir: Path | None = None
     ) -> tuple[Any, Any, str, Any]:
         """NeMo-Run's own dry run of the job, the first half of `submit` and all of `render`:
         (executor, app, scheduler name, dryrun info); the job's files are written locally
@@ -287,6 +305,7 @@ class NemoRunBackend(ABC):
         from nemo_run.run.torchx_backend.schedulers.api import get_executor_str
 
         executor = self.assigned_executor(spec, job_id, local_dir)
+        self.carry_owner(executor, metadata)
         task = self.make_task(spec, job_id)
         self.before_launch(spec, job_id, executor)
         with root_logger_kept():
@@ -299,7 +318,8 @@ class NemoRunBackend(ABC):
         """What `submit` would send, from NeMo-Run's own dry run (`dry_run`), its files written
         to a scratch dir (a live job's dir is left alone) and shown at their real paths."""
         with tempfile.TemporaryDirectory(prefix="prefect-nemo-render-") as scratch:
-            executor, _, _, dryrun_info = self.dry_run(spec, job_id, Path(scratch))
+            meta = {**spec.metadata, **metadata}
+            executor, _, _, dryrun_info = self.dry_run(spec, job_id, meta, Path(scratch))
             documents = self.documents(spec, job_id, executor, dryrun_info)
         return relocated(documents, scratch, str(self.local_experiment_dir(job_id)))
 
@@ -352,6 +372,10 @@ class NemoRunBackend(ABC):
         """The statuses of the jobs that exist, one `job_status` call per job."""
         found = {job_id: self.job_status(job_id) for job_id in job_ids}
         return {job_id: status for job_id, status in found.items() if status is not None}
+
+    @abstractmethod
+    def owned_jobs(self) -> list[OwnedJob]:
+        """The live jobs we submitted, with their owner flow run, as the service lists them."""
 
     def request_stop(self, job_id: str) -> None:
         """Ask the scheduler to cancel the job (no waiting)."""

@@ -21,6 +21,12 @@ Initializing, Pending, Resuming, Unknown → PENDING; Running, Updating, Stoppin
 Terminating → RUNNING (still live); Completed → SUCCEEDED; Failed, Degraded → FAILED;
 Stopped → STOPPED.
 
+The owner: each workload carries our run:ai labels (``spec.labels``, which run:ai puts on its
+pods: managed-by prefect-nemo and the flow run that submitted it, `service.owner_labels`) and
+the `OWNER_ENV` variable with the same flow run id. `owned_jobs` reads the variable: run:ai's
+one workload listing, ``GET /workloads``, returns each workload's ``environmentVariables``
+(API 2.19 and later) but not its labels.
+
 Logs are the pods' ``log_<host>.out`` files on the PVC, read where the PVC is mounted (as
 NeMo-Run's ``fetch_logs`` reads them; it says "Logs are available in the Run:AI UI" otherwise):
 run:ai's REST API (``{base_url}``, its OpenAPI) has no workload log endpoint, so elsewhere the
@@ -39,7 +45,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from prefect_nemo.backends.nemo_run.base import EXPERIMENT_TITLE, experiment_id
+from prefect_nemo.backends.nemo_run.base import EXPERIMENT_TITLE, OWNER_ENV, experiment_id
 from prefect_nemo.backends.nemo_run.dry_run import Answer, Sent
 from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
 from prefect_nemo.backends.nemo_run.runai import (
@@ -49,9 +55,9 @@ from prefect_nemo.backends.nemo_run.runai import (
     runai_answer,
     workload_document,
 )
-from prefect_nemo.backends.nemo_run.service import ServiceBackend, nodes_and_gpus
+from prefect_nemo.backends.nemo_run.service import ServiceBackend, nodes_and_gpus, owner_labels
 from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec
-from prefect_nemo.jobs import JobSpec, JobState, JobStatus
+from prefect_nemo.jobs import META_FLOW_RUN, JobSpec, JobState, JobStatus, OwnedJob
 from prefect_nemo.packaging import TransportPlan
 from prefect_nemo.packaging.transport import RUNAI_ENV_VALUE_LIMIT
 
@@ -200,10 +206,26 @@ class DGXCloudBackend(ServiceBackend):
         item = self.client.named(job_id)
         return _handle(item["type"], item["id"]) if item is not None else None
 
-    def launch_app(self, spec: JobSpec, job_id: str, local_dir: Path | None = None) -> str | None:
-        """Create the workload through the DGXCloudExecutor, with our pod command."""
+    def carry_owner(self, executor: Any, metadata: dict[str, str]) -> None:
+        """The owner on the workload: our run:ai labels (merged over the block's custom_spec
+        labels) and `OWNER_ENV`, which the workload list returns."""
+        ours = owner_labels(metadata)
+        theirs = [
+            label
+            for label in executor.custom_spec.get("labels") or []
+            if label.get("name") not in ours
+        ]
+        labels = [*theirs, *({"name": k, "value": v} for k, v in ours.items())]
+        executor.custom_spec = {**executor.custom_spec, "labels": labels}
+        executor.env_vars = {**executor.env_vars, OWNER_ENV: metadata.get(META_FLOW_RUN, "")}
+
+    def launch_app(
+        self, spec: JobSpec, job_id: str, metadata: dict[str, str], local_dir: Path | None = None
+    ) -> str | None:
+        """Create the workload through the DGXCloudExecutor, with our pod command and owner."""
         executor = self.assigned_executor(spec, job_id, local_dir)
         plan = self.add_code_env(spec, executor)
+        self.carry_owner(executor, metadata)
         custom = {
             **executor.custom_spec,
             "command": "/bin/bash -c",
@@ -265,6 +287,26 @@ class DGXCloudBackend(ServiceBackend):
             start_time=_time(data.get("createdAt")),
             metadata=self.job_metadata(job_id),
         )
+
+    def owned_jobs(self) -> list[OwnedJob]:
+        """The project's live trainings and distributed workloads that carry `OWNER_ENV`, in
+        one listing; the job id is the workload's name without the suffix run:ai added."""
+        found = []
+        for item in self.client.workloads():
+            env = item.get("environmentVariables")
+            if not isinstance(env, dict) or OWNER_ENV not in env or item.get("type") not in KINDS:
+                continue
+            state = _PHASES.get(str(item.get("phase") or "Unknown"), JobState.PENDING)
+            if not state.is_terminal():
+                found.append(
+                    OwnedJob(
+                        job_id=str(item.get("name", "")).rsplit("-", 1)[0],
+                        state=state,
+                        flow_run_id=str(env[OWNER_ENV]) or None,
+                        submitted_at=_time(item.get("createdAt")),
+                    )
+                )
+        return found
 
     def _app_status(self, entry: dict[str, Any]) -> Any:
         """For the base's claim: is the recorded workload still there? (not the torchx runner:

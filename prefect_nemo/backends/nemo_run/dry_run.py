@@ -11,6 +11,10 @@ DGX Cloud modules go to that same adapter, and their ``time.sleep`` returns at o
 answers each request (placeholders for what only the service knows: ids, tokens) and chooses
 which to keep. Outside a recording context the stand-ins are the real modules.
 
+The same leptonai stand-in adds the labels NeMo-Run's ``create_lepton_job`` cannot set (its
+``Metadata(id=name)`` has none) to the job it creates, in a dry run and in a real submit alike:
+inside `job_labels(job_id, labels)` the created job with that id carries them.
+
 Nothing here imports Prefect.
 """
 
@@ -39,6 +43,9 @@ Answer = Callable[[str, str, Any], tuple[int, Any]]
 _CHUNK = re.compile(re.escape(ENV_PREFIX) + r"(\d+)")
 
 _recording: ContextVar[Recorder | None] = ContextVar("prefect_nemo_recording", default=None)
+_labels: ContextVar[tuple[str, dict[str, str]] | None] = ContextVar(
+    "prefect_nemo_job_labels", default=None
+)
 _install_lock = threading.Lock()
 _installed = False
 
@@ -98,6 +105,18 @@ def recording(
         yield recorder
     finally:
         _recording.reset(token)
+
+
+@contextlib.contextmanager
+def job_labels(job_id: str, labels: dict[str, str]) -> Iterator[None]:
+    """Within the block, the Lepton job NeMo-Run creates with id `job_id` (in this context)
+    carries `labels` in its ``metadata.labels``, sent or recorded."""
+    _install()
+    token = _labels.set((job_id, dict(labels)))
+    try:
+        yield
+    finally:
+        _labels.reset(token)
 
 
 def code_chunks_summarized(value: Any) -> Any:
@@ -167,10 +186,26 @@ class _Client:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         recorder = _recording.get()
         if recorder is None:
-            return self.real(*args, **kwargs)
-        client = self.real(**recorder.client_args) if recorder.client_args else self.real()
-        client._session = recorder.session()
+            client = self.real(*args, **kwargs)
+        else:
+            client = self.real(**recorder.client_args) if recorder.client_args else self.real()
+            client._session = recorder.session()
+        labels = _labels.get()
+        if labels is not None:
+            _label_created_job(client, *labels)
         return client
+
+
+def _label_created_job(client: Any, job_id: str, labels: dict[str, str]) -> None:
+    """Make `client.job.create` add `labels` to the job it creates with id `job_id`."""
+    create = client.job.create
+
+    def labelled(job: Any) -> Any:
+        if job.metadata is not None and job.metadata.id_ == job_id:
+            job.metadata.labels = {**(job.metadata.labels or {}), **labels}
+        return create(job)
+
+    client.job.create = labelled
 
 
 class _Time:

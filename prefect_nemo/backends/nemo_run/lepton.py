@@ -18,6 +18,10 @@ States: Starting, Queueing, Awaiting, PendingRetry, Restarting, UNK → PENDING;
 replicas ready; else PENDING, as NeMo-Run does), Stopping, Deleting → RUNNING; Completed,
 Archived → SUCCEEDED; Failed → FAILED; Stopped, Deleted → STOPPED. Stop is
 ``PATCH {"spec": {"stopped": true}}`` (the job and its logs stay); NeMo-Run's cancel deletes.
+
+Each job carries our labels (``metadata.labels``: managed-by prefect-nemo and the flow run that
+submitted it, `service.owner_labels`), added to the job NeMo-Run creates (`dry_run.job_labels`);
+`owned_jobs` lists the live jobs by that label (leptonai's ``query``, a label selector).
 """
 
 from __future__ import annotations
@@ -34,11 +38,17 @@ from typing import Any, TypeVar
 
 import requests
 
-from prefect_nemo.backends.nemo_run.dry_run import Answer, Sent, code_chunks_summarized
+from prefect_nemo.backends.nemo_run.dry_run import (
+    Answer,
+    Sent,
+    code_chunks_summarized,
+    job_labels,
+)
 from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
-from prefect_nemo.backends.nemo_run.service import ServiceBackend, nodes_and_gpus
+from prefect_nemo.backends.nemo_run.service import ServiceBackend, nodes_and_gpus, owner_labels
 from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable, InvalidJobSpec
-from prefect_nemo.jobs import JobSpec, JobState, JobStatus
+from prefect_nemo.jobs import JobSpec, JobState, JobStatus, OwnedJob
+from prefect_nemo.kube import FLOW_RUN_LABEL, managed_labels
 from prefect_nemo.packaging.transport import ARG_STRLEN_LIMIT
 
 T = TypeVar("T")
@@ -275,9 +285,12 @@ class LeptonBackend(ServiceBackend):
         """``lepton://<job id>`` when the workspace has a job by that id."""
         return f"lepton://{job_id}" if self._get(job_id) is not None else None
 
-    def launch_app(self, spec: JobSpec, job_id: str, local_dir: Path | None = None) -> str | None:
+    def launch_app(
+        self, spec: JobSpec, job_id: str, metadata: dict[str, str], local_dir: Path | None = None
+    ) -> str | None:
         """Launch through the LeptonExecutor, the code unpacked by a pre-launch command on
-        rank 0; None when Lepton answers 409 (another machine created the job first)."""
+        rank 0, the job labelled with its owner; None when Lepton answers 409 (another machine
+        created the job first)."""
         from leptonai.api.v1.api_resource import ClientError
 
         executor = self.assigned_executor(spec, job_id, local_dir)
@@ -287,7 +300,11 @@ class LeptonBackend(ServiceBackend):
             setup = plan.setup_command(dest, shared=True, rank_env=RANK_ENV)
             executor.pre_launch_commands = [*executor.pre_launch_commands, f"{setup} || exit 1"]
         try:
-            with workspace_env(self.config), root_logger_kept():
+            with (
+                workspace_env(self.config),
+                root_logger_kept(),
+                job_labels(job_id, owner_labels(metadata)),
+            ):
                 self._call(lambda: executor.launch(name=job_id, cmd=[spec.entrypoint]), "launching")
         except ClientError as exc:
             if exc.response.status_code == 409:
@@ -334,10 +351,7 @@ class LeptonBackend(ServiceBackend):
         job = self._get(job_id)
         if job is None or job.status is None:
             return None
-        raw = job.status.state.value if job.status.state is not None else "UNK"
-        state = _STATES.get(raw, JobState.PENDING)
-        if raw == "Running" and (job.status.ready or 0) < (job.status.active or 0):
-            state = JobState.PENDING  # some replicas still starting (as NeMo-Run reads it)
+        raw, state = _state(job)
         return JobStatus(
             job_id=job_id,
             state=state,
@@ -346,6 +360,32 @@ class LeptonBackend(ServiceBackend):
             end_time=_seconds(job.status.completion_time),
             metadata=self.job_metadata(job_id),
         )
+
+    def owned_jobs(self) -> list[OwnedJob]:
+        """The workspace's live jobs with our label, in one listing (leptonai's ``list_all``:
+        ``query`` is a label selector; it pages itself), each owner read from its labels."""
+        ours = managed_labels()
+        selector = ",".join(f"{k}={v}" for k, v in ours.items())
+        jobs = self._call(
+            lambda: self.client.job.list_all(job_query_mode="alive_only", query=selector),
+            "listing jobs",
+        )
+        found = []
+        for job in jobs:
+            labels = (job.metadata.labels if job.metadata else None) or {}
+            if any(labels.get(k) != v for k, v in ours.items()) or job.status is None:
+                continue  # the selector already says so; a job we did not label is never ours
+            _, state = _state(job)
+            if not state.is_terminal():
+                found.append(
+                    OwnedJob(
+                        job_id=str(job.metadata.id_),
+                        state=state,
+                        flow_run_id=labels.get(FLOW_RUN_LABEL) or None,
+                        submitted_at=_seconds(job.status.creation_time),
+                    )
+                )
+        return found
 
     def request_stop(self, job_id: str) -> None:
         """``PATCH {"spec": {"stopped": true}}``: the replicas end, the job and logs stay."""
@@ -436,6 +476,16 @@ def lepton_answer(config: LeptonConfig, node_group_id: str | None = None) -> Ans
         return 404, {"code": "NotFound", "message": f"{tail} does not exist yet (dry run)"}
 
     return answer
+
+
+def _state(job: Any) -> tuple[str, JobState]:
+    """Lepton's state of a job and ours: Running with replicas still starting is PENDING (as
+    NeMo-Run reads it)."""
+    raw = job.status.state.value if job.status.state is not None else "UNK"
+    state = _STATES.get(raw, JobState.PENDING)
+    if raw == "Running" and (job.status.ready or 0) < (job.status.active or 0):
+        state = JobState.PENDING
+    return raw, state
 
 
 def _job_id(body: Any) -> str:

@@ -1,16 +1,24 @@
-"""Jobs as local processes through NeMo-Run's LocalExecutor (tests, laptops)."""
+"""Jobs as local processes through NeMo-Run's LocalExecutor (tests, laptops).
+
+NeMo-Run's local scheduler keeps the processes it started in memory, in this process's runner:
+only this process lists (`owned_jobs`) and stops them. Each process carries its owner in its
+environment (`OWNER_ENV`)."""
 
 from __future__ import annotations
 
 import socket
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
-from prefect_nemo.backends.nemo_run.base import NemoRunBackend
-from prefect_nemo.backends.nemo_run.isolation import nemo_run
+from prefect_nemo.backends.nemo_run.base import OWNER_ENV, NemoRunBackend, job_state
+from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
 from prefect_nemo.errors import InvalidJobSpec
-from prefect_nemo.jobs import JobSpec
+from prefect_nemo.jobs import META_FLOW_RUN, JobSpec, OwnedJob
 from prefect_nemo.packaging import collect_source, stage_source
+
+#: NeMo-Run's torchx scheduler for the LocalExecutor (its app handles' scheme).
+SCHEDULER = "local_persistent"
 
 
 class NemoRunLocalBackend(NemoRunBackend):
@@ -44,6 +52,42 @@ class NemoRunLocalBackend(NemoRunBackend):
         """A LocalExecutor; env from the block, then the job's plain env."""
         run = nemo_run()
         return run.LocalExecutor(ntasks_per_node=1, env_vars=dict(self._env))
+
+    def carry_owner(self, executor: Any, metadata: dict[str, str]) -> None:
+        """The owner in the process's environment."""
+        executor.env_vars = {**executor.env_vars, OWNER_ENV: metadata.get(META_FLOW_RUN, "")}
+
+    def owned_jobs(self) -> list[OwnedJob]:
+        """The live jobs of this process's local runner whose process carries `OWNER_ENV`,
+        read from the process's environment (torchx's local scheduler has no public view of
+        its processes: its apps are read directly)."""
+        import psutil
+
+        scheduler = self.runner._scheduler(SCHEDULER)
+        found = []
+        for app_id, app in list(scheduler._apps.items()):
+            with root_logger_kept():
+                described = scheduler.describe(app_id)  # polls the processes
+            state = job_state(described.state) if described else None
+            replicas = [r for rs in app.role_replicas.values() for r in rs]
+            if state is None or state.is_terminal() or not replicas:
+                continue
+            try:
+                process = psutil.Process(replicas[0].proc.pid)
+                env = process.environ()
+                started = datetime.fromtimestamp(process.create_time(), tz=UTC)
+            except psutil.Error:  # ended meanwhile, or not ours to read
+                continue
+            if OWNER_ENV in env:
+                found.append(
+                    OwnedJob(
+                        job_id=app_id.rsplit("-", 1)[0],  # torchx's app id: <job id>-<suffix>
+                        state=state,
+                        flow_run_id=env[OWNER_ENV] or None,
+                        submitted_at=started,
+                    )
+                )
+        return found
 
     def documents(
         self, spec: JobSpec, job_id: str, executor: Any, dryrun_info: Any

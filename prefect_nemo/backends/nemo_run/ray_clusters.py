@@ -53,8 +53,7 @@ from prefect_nemo.backends.nemo_run.lepton import (
 )
 from prefect_nemo.backends.ray_jobs import RayJobsBackend
 from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec
-from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus
-from prefect_nemo.lifecycle import META_FLOW_RUN
+from prefect_nemo.jobs import META_FLOW_RUN, JobHandle, JobSpec, JobState, JobStatus, OwnedJob
 from prefect_nemo.packaging import TransportPlan
 
 #: Lepton RayCluster names: NeMo-Run cuts longer ones to 34 characters.
@@ -363,6 +362,11 @@ class LeptonRayBackend:
             return {}
         return self.ray.statuses(job_ids)
 
+    def owned_jobs(self) -> list[OwnedJob]:
+        """Our live Ray jobs on the cluster (one Ray list call: their metadata names the
+        owner); none when the cluster is not up."""
+        return self.ray.owned_jobs() if self._cluster_up() else []
+
     def request_stop(self, job_id: str) -> None:
         """Ask Ray to stop the job."""
         if self._cluster_up():
@@ -426,13 +430,17 @@ class DGXCloudRayBackend(DGXCloudBackend):
                 f"run:ai takes at most {ARGS_LIMIT}: move the long part into working_dir"
             )
 
-    def launch_app(self, spec: JobSpec, job_id: str, local_dir: Path | None = None) -> str | None:
-        """Start NeMo-Run's DGXCloudRayJob: one distributed workload that bootstraps Ray."""
+    def launch_app(
+        self, spec: JobSpec, job_id: str, metadata: dict[str, str], local_dir: Path | None = None
+    ) -> str | None:
+        """Start NeMo-Run's DGXCloudRayJob: one distributed workload that bootstraps Ray,
+        carrying its owner as `DGXCloudBackend`'s workloads do."""
         nemo_run()
         from nemo_run.run.ray.dgxcloud import DGXCloudRayJob  # NeMo-Run's, unchanged
 
         executor = self.make_executor(spec, job_id)
         plan = self.add_code_env(spec, executor)
+        self.carry_owner(executor, metadata)
         job = DGXCloudRayJob(name=job_id, executor=executor)
         with root_logger_kept(), _quiet():
             try:

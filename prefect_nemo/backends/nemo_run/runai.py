@@ -1,5 +1,6 @@
 """The run:ai REST API as prefect-nemo calls it (`RunaiClient`: token, project, workload
-lookup, the documented suspend), the DGX Cloud backend's config, and how a dry run answers
+lookup, the project's workload list, the documented suspend), the DGX Cloud backend's config,
+and how a dry run answers
 NeMo-Run's run:ai calls (`runai_answer`) and shows a workload creation (`workload_document`).
 
 Nothing here imports Prefect.
@@ -153,6 +154,29 @@ class RunaiClient:
             if rest and "-" not in rest and item.get("type") in KINDS:
                 return item
         return None
+
+    def workloads(self) -> list[dict[str, Any]]:
+        """Every live workload of the project: ``GET /workloads`` filtered by project, paged
+        (500 a page, `next` the following offset)."""
+        items: list[dict[str, Any]] = []
+        offset = 0
+        while True:
+            params = {
+                "filterBy": f"projectName=={self.config.project_name}",
+                "limit": "500",
+                "offset": str(offset),
+            }
+            response = self.request("GET", "/workloads", params=params)
+            if response.status_code != 200:
+                raise BackendUnavailable(
+                    f"DGX Cloud answered {response.status_code} listing the workloads of project "
+                    f"'{self.config.project_name}': {response.text[:200]}"
+                )
+            body = _json(response)
+            items += body.get("workloads") or []
+            if body.get("next") is None:
+                return items
+            offset = int(body["next"])
 
     def workload(self, kind: str, workload_id: str) -> dict[str, Any] | None:
         """The workload's data, or None when run:ai has no such workload."""

@@ -15,7 +15,8 @@ from typing import Any, ClassVar
 from prefect_nemo.backends.nemo_run.base import NemoRunBackend, relocated
 from prefect_nemo.backends.nemo_run.dry_run import Answer, Sent, recording
 from prefect_nemo.errors import InvalidJobSpec, JobAlreadyExists
-from prefect_nemo.jobs import JobHandle, JobSpec
+from prefect_nemo.jobs import META_FLOW_RUN, JobHandle, JobSpec
+from prefect_nemo.kube import managed_labels
 from prefect_nemo.packaging import TransportPlan, build_archive, plan_for
 from prefect_nemo.packaging.transport import Backend as Transport
 
@@ -26,9 +27,11 @@ class ServiceBackend(NemoRunBackend):
     name from any machine, so submit-or-attach holds across machines.
 
     A subclass implements ``find_app`` (the service's job of that name), ``launch_app`` (create
-    it: `assigned_executor` and `add_code_env` prepare the executor), ``env_refusal`` and, for
-    dry runs, ``dry_run_answer`` and ``sent_documents``; it may extend ``check_code``, and sets
-    ``transport`` (`packaging.plan_for`), ``noun`` and ``secret_env_fix``.
+    it, labelled with its owner (`owner_labels`): `assigned_executor` and `add_code_env` prepare
+    the executor), ``owned_jobs`` (one listing of the service's jobs with our labels),
+    ``env_refusal`` and, for dry runs, ``dry_run_answer`` and ``sent_documents``; it may extend
+    ``check_code``, and sets ``transport`` (`packaging.plan_for`), ``noun`` and
+    ``secret_env_fix``.
     """
 
     #: How the job's code travels to this service (env-var chunks within its limits).
@@ -67,10 +70,13 @@ class ServiceBackend(NemoRunBackend):
         """The app handle of the service's job named job_id (any machine's), or None."""
 
     @abstractmethod
-    def launch_app(self, spec: JobSpec, job_id: str, local_dir: Path | None = None) -> str | None:
-        """Create the job on the service: its app handle, or None when the service answers
-        that the name is taken (another machine won the race). `local_dir`: where the job's
-        local files go (a dry run's scratch dir; default: its own dir)."""
+    def launch_app(
+        self, spec: JobSpec, job_id: str, metadata: dict[str, str], local_dir: Path | None = None
+    ) -> str | None:
+        """Create the job on the service, labelled with its owner (`owner_labels(metadata)`):
+        its app handle, or None when the service answers that the name is taken (another
+        machine won the race). `local_dir`: where the job's local files go (a dry run's
+        scratch dir; default: its own dir)."""
 
     @abstractmethod
     def dry_run_answer(self) -> Answer:
@@ -95,7 +101,7 @@ class ServiceBackend(NemoRunBackend):
             tempfile.TemporaryDirectory(prefix="prefect-nemo-render-") as scratch,
             recording(self.dry_run_answer(), _creates, self.dry_run_client_args()) as recorder,
         ):
-            self.launch_app(spec, job_id, Path(scratch))
+            self.launch_app(spec, job_id, {**spec.metadata, **metadata}, Path(scratch))
             documents = self.sent_documents(job_id, Path(scratch), recorder.sent)
         return relocated(documents, scratch, str(self.local_experiment_dir(job_id)))
 
@@ -105,7 +111,7 @@ class ServiceBackend(NemoRunBackend):
         self.claim(job_id, meta)  # this machine's submitters, one at a time
         try:
             found = self.find_app(job_id)  # any machine's
-            launched = None if found else self.launch_app(spec, job_id)
+            launched = None if found else self.launch_app(spec, job_id, meta)
             if not found and not launched:
                 found = self.find_app(job_id)
         except BaseException:
@@ -124,6 +130,12 @@ class ServiceBackend(NemoRunBackend):
         plan = code_plan(spec, self.transport)
         executor.env_vars = {**executor.env_vars, **spec.plain_env(), **(plan.env if plan else {})}
         return plan
+
+
+def owner_labels(metadata: dict[str, str]) -> dict[str, str]:
+    """The labels a job we submit carries on the service (those of our Kubernetes jobs): ours,
+    and the flow run that submitted it when there is one (the sweeper's owner)."""
+    return managed_labels(metadata.get(META_FLOW_RUN) or None)
 
 
 def _creates(method: str, path: str) -> bool:

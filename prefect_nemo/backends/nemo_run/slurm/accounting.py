@@ -1,6 +1,7 @@
 """What Slurm answers, read: the squeue/sacct rows of a poll, the state table, Slurm time
-formats, and sbatch's refusals mapped to the block field they are about. No SSH here: the
-executor runs the commands this module writes and hands it their output."""
+formats, sbatch's refusals mapped to the block field they are about, and the owner comment our
+jobs carry (the sweeper's listing). No SSH here: the executor runs the commands this module
+writes and hands it their output."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec
-from prefect_nemo.jobs import JobState, JobStatus
+from prefect_nemo.jobs import META_FLOW_RUN, JobState, JobStatus, OwnedJob
 
 #: sacct/squeue state (first word) -> ours.
 SLURM_STATES = {
@@ -210,3 +211,42 @@ def id_lookup_command(job_id: str, job_dir: str) -> str:
         f'[ -n "$s" ] || s=$(squeue -h --name={q(job_id)} -o %i | head -1); '
         f'[ -n "$s" ] || s=$({sacct_id_command(job_id, job_dir)}); echo {q(job_id)} "$s"'
     )
+
+
+def owner_comment(flow_run_id: str) -> str:
+    """The Slurm comment (``sbatch --comment``) of a job we submit: the flow run that submitted
+    it, empty when none; the mark `parse_owned` finds our jobs by."""
+    return f"{META_FLOW_RUN}={flow_run_id}"
+
+
+def owned_command() -> str:
+    """One squeue of the login user's jobs still in the queue: id, name, state, submit time
+    (epoch), comment, and the batch script (the command, last: it may hold a '|')."""
+    return "export SLURM_TIME_FORMAT=%s; squeue -h -u \"$(id -un)\" -o '%i|%j|%T|%V|%k|%o'"
+
+
+def parse_owned(output: str, script_dir: str) -> list[OwnedJob]:
+    """Our live jobs in `owned_command`'s output: those whose comment is an `owner_comment`
+    and whose batch script is under `script_dir` (this block's job dir); the job id is the
+    Slurm job name (ours)."""
+    prefix = owner_comment("")
+    found = []
+    for line in output.splitlines():
+        parts = line.strip().split("|", 5)
+        if len(parts) != 6:
+            continue
+        _, name, state, submitted, comment, script = parts
+        if not comment.startswith(prefix) or not script.startswith(script_dir.rstrip("/") + "/"):
+            continue
+        ours = SLURM_STATES.get(state.split()[0] if state else "", JobState.PENDING)
+        if ours.is_terminal():
+            continue
+        found.append(
+            OwnedJob(
+                job_id=name,
+                state=ours,
+                flow_run_id=comment.removeprefix(prefix) or None,
+                submitted_at=_epoch(submitted),
+            )
+        )
+    return found

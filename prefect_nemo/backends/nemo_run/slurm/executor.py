@@ -6,7 +6,9 @@ lacks: an SSH connection that never prompts or exits (key only, host key checked
 `known_hosts` is given), the job dir shipped over SFTP (no rsync, no key file on disk), a
 race-safe claim of the job id on the cluster, secret env values in a 0600 file that the
 batch script sources and deletes, batched status (one ``squeue`` + ``sacct`` per poll for all
-jobs), and ``sbatch --dependency=afterok:`` for upstream jobs on the same cluster.
+jobs), ``sbatch --dependency=afterok:`` for upstream jobs on the same cluster, and the owner
+flow run in each job's Slurm comment (``--comment=prefect_nemo.flow_run_id=<id>``), which
+`owned_jobs` reads back with one ``squeue``.
 
 Remote layout under `job_dir` (the block's remote job dir)::
 
@@ -48,6 +50,9 @@ from prefect_nemo.backends.nemo_run.base import (
 from prefect_nemo.backends.nemo_run.isolation import nemo_run
 from prefect_nemo.backends.nemo_run.slurm.accounting import (
     id_lookup_command,
+    owned_command,
+    owner_comment,
+    parse_owned,
     parse_rows,
     row_status,
     sacct_id_command,
@@ -62,7 +67,15 @@ from prefect_nemo.errors import (
     InvalidJobSpec,
     JobAlreadyExists,
 )
-from prefect_nemo.jobs import META_EXPERIMENT, JobHandle, JobSpec, JobState, JobStatus
+from prefect_nemo.jobs import (
+    META_EXPERIMENT,
+    META_FLOW_RUN,
+    JobHandle,
+    JobSpec,
+    JobState,
+    JobStatus,
+    OwnedJob,
+)
 from prefect_nemo.packaging import build_archive, plan_for
 from prefect_nemo.placement.errors import PlacementError
 from prefect_nemo.placement.spec import to_slurm
@@ -243,6 +256,11 @@ class SlurmBackend(NemoRunBackend):
             raise InvalidJobSpec(
                 f"JobSpec.resources.gpus={res.gpus}: Slurm allocates whole GPUs: use an integer"
             )
+        if {k.replace("_", "-") for k in self.config.additional_parameters} & {"comment"}:
+            raise InvalidJobSpec(
+                f"{self._field}.additional_parameters['comment']: prefect-nemo writes each job's "
+                "Slurm comment (the flow run that owns it, for `prefect-nemo sweep`): remove it"
+            )
         time = self.config.time
         limit = slurm_seconds(time, f"{self._field}.time")
         if spec.timeout_s is not None and limit is not None and spec.timeout_s > limit:
@@ -312,6 +330,10 @@ class SlurmBackend(NemoRunBackend):
 
         executor.job_details = SlurmJobDetails(job_name=job_id)
         return executor
+
+    def carry_owner(self, executor: Any, metadata: dict[str, str]) -> None:
+        """The owner flow run in the job's Slurm comment (NeMo-Run writes ``#SBATCH --comment``)."""
+        executor.comment = owner_comment(metadata.get(META_FLOW_RUN, ""))
 
     def make_task(self, spec: JobSpec, job_id: str) -> Any:
         """The entrypoint as an inline script; env goes through setup_lines (quoted, case kept)."""
@@ -508,6 +530,12 @@ class SlurmBackend(NemoRunBackend):
         }
         self._clean_secrets([j for j, s in out.items() if s.state.is_terminal()])
         return out
+
+    def owned_jobs(self) -> list[OwnedJob]:
+        """Our live jobs of this job dir: one squeue of the login user's queue, keeping the jobs
+        whose comment names an owner (`owner_comment`) and whose batch script is in this job
+        dir; a job sbatch'ed by hand has no such comment and is never listed."""
+        return parse_owned(self.run(owned_command()).stdout, self.remote_root())
 
     def _clean_secrets(self, ended: list[str]) -> None:
         """Delete the secret env file of jobs that ended without running (cancelled while
