@@ -32,6 +32,7 @@ from prefect_nemo.jobs import DryRun, JobHandle, JobResult, JobSpec, JobState, J
 # backends stay importable (and fast to import) without pulling in Prefect.
 _LAZY = {
     "run_job": "prefect_nemo.tasks",
+    "run_jobs": "prefect_nemo.tasks",
     "submit_job": "prefect_nemo.tasks",
     "wait_for_job": "prefect_nemo.tasks",
     "stop_job": "prefect_nemo.tasks",

@@ -18,6 +18,17 @@ class BackendUnavailable(PrefectNemoError):
     """The cluster could not be reached (or kept answering errors) within the retry budget."""
 
 
+class Throttled(BackendUnavailable):
+    """The cluster pushed back (HTTP 429/503, a scheduler's submit limit): slow down and retry.
+
+    `retry_after_s`: how long the cluster asked us to wait (Retry-After), when it said.
+    """
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class AuthenticationFailed(BackendUnavailable):
     """The cluster rejected our credentials (missing or wrong token)."""
 

@@ -9,6 +9,7 @@ called back for a decision.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -155,9 +156,13 @@ class Supervisor:
         submission = self.submit(spec, identity)
         return self.wait(submission.handle, attached=submission.attached)
 
-    def submit(self, spec: JobSpec, identity: JobIdentity) -> Submission:
-        """Check access, then submit the job under its deterministic id or attach to it."""
-        self.backend.check_access()  # auth and reachability fail here, before any submit
+    def submit(
+        self, spec: JobSpec, identity: JobIdentity, *, check_access: bool = True
+    ) -> Submission:
+        """Check access (unless the caller did, once for many jobs), then submit the job under
+        its deterministic id or attach to it."""
+        if check_access:
+            self.backend.check_access()  # auth and reachability fail here, before any submit
         submission = submit_or_attach(
             self.backend,
             spec,
@@ -192,22 +197,49 @@ class Supervisor:
                 on_change=on_change,
                 interrupted=self.interrupted,
             )
-        except JobTimedOut as exc:
+        except (JobTimedOut, JobInterrupted) as exc:
             final, stopped = self._stop(handle), True
-            result = self._result(handle, final, attached)
-            raise JobTimedOut(self.redact(str(exc)), result) from None
-        except JobInterrupted as exc:
-            final, stopped = self._stop(handle), True
-            result = self._result(handle, final, attached)
-            raise JobStopped(
-                f"job {handle.job_id} {result.state.value}: {exc.reason}", result
-            ) from None
+            raise self._stopped_error(handle, final, attached, exc) from None
         finally:
             logs.close()
             if final is None and not stopped:  # cancelled, crashed or lost the cluster
                 self._stop(handle)
             self.observer.ended(handle)
         return self._outcome(handle, final, attached, logs.whole)
+
+    async def wait_async(self, handle: JobHandle, *, attached: bool = False) -> JobResult:
+        """`wait` on an event loop: the wait holds no thread; what blocks (stopping, reading
+        the log) runs in the loop's executor."""
+        stop = partial(self._stop_quietly, handle)
+        self.observer.live(handle, stop)
+        logs = _LogStream(self, handle)
+        final: JobStatus | None = None
+        stopped = False
+
+        def on_change(status: JobStatus) -> None:
+            if not status.state.is_terminal():  # the end is told after its log was read
+                logs.update(status)
+                self.observer.changed(handle, status)
+
+        try:
+            final = await wait_until_terminal_async(
+                self.watcher,
+                handle,
+                timeout_s=self.policy.timeout_s,
+                on_change=on_change,
+                interrupted=self.interrupted,
+            )
+            await asyncio.to_thread(logs.update, final)
+            self.observer.changed(handle, final)
+        except (JobTimedOut, JobInterrupted) as exc:
+            final, stopped = await asyncio.to_thread(self._stop, handle), True
+            raise self._stopped_error(handle, final, attached, exc) from None
+        finally:
+            await asyncio.to_thread(logs.close)
+            if final is None and not stopped:  # cancelled, crashed or lost the cluster
+                await asyncio.to_thread(self._stop, handle)
+            self.observer.ended(handle)
+        return await asyncio.to_thread(self._outcome, handle, final, attached, logs.whole)
 
     def render(self, spec: JobSpec, identity: JobIdentity) -> DryRun:
         """What `run`/`submit` would send for this job (its first attempt), secrets masked;
@@ -253,6 +285,19 @@ class Supervisor:
         if status is not None:
             self.observer.changed(handle, status)
         return status
+
+    def _stopped_error(
+        self,
+        handle: JobHandle,
+        final: JobStatus | None,
+        attached: bool,
+        why: JobTimedOut | JobInterrupted,
+    ) -> JobStopped:
+        """What a wait we ended (timeout, interruption) raises, once the job was stopped."""
+        result = self._result(handle, final, attached)
+        if isinstance(why, JobTimedOut):
+            return JobTimedOut(self.redact(str(why)), result)
+        return JobStopped(f"job {handle.job_id} {result.state.value}: {why.reason}", result)
 
     def _stop_quietly(self, handle: JobHandle) -> str:
         try:
@@ -406,6 +451,44 @@ def job_metadata(
     return {**(metadata or {}), META_KEY: f"{scope}/{key}", META_SPEC: spec.fingerprint()}
 
 
+class _TerminalWait:
+    """The rules of waiting for one job, whoever waits (a thread or a coroutine): each new
+    status is passed on once, a terminal one ends the wait, `interrupted()` and the timeout
+    (counted from the job's start on the cluster, so re-attaching does not extend it) raise."""
+
+    def __init__(
+        self,
+        handle: JobHandle,
+        timeout_s: float | None,
+        on_change: Callable[[JobStatus], None],
+        interrupted: Callable[[], str | bool | None],
+    ) -> None:
+        self.handle, self.timeout_s = handle, timeout_s
+        self.on_change, self.interrupted = on_change, interrupted
+        self.waited_from = datetime.now(UTC)
+        self.seen: JobStatus | None = None
+
+    def step(self, status: JobStatus | None) -> JobStatus | None:
+        """Take the watcher's latest status: the terminal status, or None to wait on."""
+        if status is not None and status != self.seen:
+            self.seen = status
+            self.on_change(status)
+        if self.seen is not None and self.seen.state.is_terminal():
+            return self.seen
+        if reason := self.interrupted():
+            raise JobInterrupted(
+                self.handle.job_id,
+                reason if isinstance(reason, str) else "the flow run is being cancelled",
+            )
+        started = (self.seen.start_time if self.seen else None) or self.waited_from
+        timeout_s = self.timeout_s
+        if timeout_s is not None and (datetime.now(UTC) - started).total_seconds() > timeout_s:
+            raise JobTimedOut(
+                f"job '{self.handle.job_id}' ran past its timeout of {timeout_s:g}s: stopping it"
+            )
+        return None
+
+
 def wait_until_terminal(
     watcher: ClusterWatcher,
     handle: JobHandle,
@@ -422,27 +505,31 @@ def wait_until_terminal(
     `interrupted()` gives a reason (or True: the run is being cancelled), or
     BackendUnavailable.
     """
-    waited_from = datetime.now(UTC)
-    seen: JobStatus | None = None
+    waiting = _TerminalWait(handle, timeout_s, on_change, interrupted)
     with watcher.watching(handle.job_id):
         while True:
             # Bounded waits keep the thread responsive to signals (Prefect's cancellation).
-            status = watcher.next_status(handle.job_id, seen, timeout_s=tick_s)
-            if status is not None and status != seen:
-                seen = status
-                on_change(status)
-            if seen is not None and seen.state.is_terminal():
-                return seen
-            if reason := interrupted():
-                raise JobInterrupted(
-                    handle.job_id,
-                    reason if isinstance(reason, str) else "the flow run is being cancelled",
-                )
-            started = (seen.start_time if seen else None) or waited_from
-            if timeout_s is not None and (datetime.now(UTC) - started).total_seconds() > timeout_s:
-                raise JobTimedOut(
-                    f"job '{handle.job_id}' ran past its timeout of {timeout_s:g}s: stopping it"
-                )
+            status = watcher.next_status(handle.job_id, waiting.seen, timeout_s=tick_s)
+            if (final := waiting.step(status)) is not None:
+                return final
+
+
+async def wait_until_terminal_async(
+    watcher: ClusterWatcher,
+    handle: JobHandle,
+    *,
+    timeout_s: float | None = None,
+    on_change: Callable[[JobStatus], None] = lambda status: None,
+    interrupted: Callable[[], str | bool | None] = _never,
+    tick_s: float = 1.0,
+) -> JobStatus:
+    """`wait_until_terminal` on an event loop: the wait holds no thread."""
+    waiting = _TerminalWait(handle, timeout_s, on_change, interrupted)
+    with watcher.watching(handle.job_id):
+        while True:
+            status = await watcher.next_status_async(handle.job_id, waiting.seen, tick_s)
+            if (final := waiting.step(status)) is not None:
+                return final
 
 
 def stop_and_confirm(

@@ -1,15 +1,19 @@
 """One poller per cluster serves every job waited on in this process.
 
-A waiting task registers its job with the cluster's watcher and blocks on a condition; the
-watcher's thread asks the backend for all watched jobs in one call per tick (Ray: one
-`list_jobs`), so the request rate does not grow with the number of jobs. The tick interval
+A waiting task registers its job with the cluster's watcher and blocks on a condition (or, on an
+event loop, awaits an asyncio event that the watcher sets only when that job changed: a thousand
+waits then hold no thread and wake nobody else); the watcher's thread asks the backend for all
+watched jobs in one call per tick (Ray: one `list_jobs`), so the request rate does not grow
+with the number of jobs. The tick interval
 adapts to the youngest live job: fast while jobs are young (short jobs finish soon), slower
 for long-running ones. No Prefect import here.
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import contextlib
 import logging
 import threading
 import time
@@ -48,6 +52,8 @@ class ClusterWatcher:
         self._error: BackendUnavailable | None = None
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        # async waiters by job: woken (on their own loop) when that job's status changes
+        self._async_waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self.ticks = 0  # polls made; read by tests and benchmarks
 
     @contextmanager
@@ -88,15 +94,55 @@ class ClusterWatcher:
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
-                if self._error is not None:
-                    raise type(self._error)(str(self._error))
-                current = self._latest.get(job_id)
-                if current is not None and _changed(current, seen):
+                if (current := self._settled(job_id, seen)) is not None:
                     return current
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return current
+                    return self._latest.get(job_id)
                 self._cond.wait(remaining)
+
+    async def next_status_async(
+        self, job_id: str, seen: JobStatus | None, timeout_s: float
+    ) -> JobStatus | None:
+        """`next_status` for a coroutine: awaits without holding a thread; woken only when
+        job_id's status changes (or the watcher fails)."""
+        loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+        with self._cond:
+            if (early := self._settled(job_id, seen)) is not None:
+                return early
+            waiter = (loop, event)
+            self._async_waiters.setdefault(job_id, []).append(waiter)
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    await event.wait()
+        finally:
+            with self._cond:
+                waiters = self._async_waiters.get(job_id, [])
+                if waiter in waiters:
+                    waiters.remove(waiter)
+                if not waiters:
+                    self._async_waiters.pop(job_id, None)
+        with self._cond:
+            if self._error is not None:
+                raise type(self._error)(str(self._error))
+            return self._latest.get(job_id)
+
+    def _settled(self, job_id: str, seen: JobStatus | None) -> JobStatus | None:
+        """The new status if job_id already changed since `seen` (raises the watcher's
+        error); None to wait. Call with the lock held."""
+        if self._error is not None:
+            raise type(self._error)(str(self._error))
+        current = self._latest.get(job_id)
+        return current if current is not None and _changed(current, seen) else None
+
+    def _wake_async(self, job_ids: Iterable[str]) -> None:
+        """Set the events of these jobs' async waiters, each on its loop. Lock held."""
+        for job_id in job_ids:
+            for loop, event in self._async_waiters.get(job_id, ()):
+                with contextlib.suppress(RuntimeError):  # its loop closed: nobody waits
+                    loop.call_soon_threadsafe(event.set)
 
     def close(self) -> None:
         """Stop polling: waiters get BackendClosed at once and the thread ends."""
@@ -166,6 +212,7 @@ class ClusterWatcher:
 
     def _publish(self, job_ids: list[str], statuses: dict[str, JobStatus]) -> None:
         with self._cond:
+            changed = []
             for job_id in job_ids:
                 status = statuses.get(job_id)
                 if status is None:
@@ -179,14 +226,18 @@ class ClusterWatcher:
                 else:
                     self._missing.pop(job_id, None)
                 if status is not None and job_id in self._refs:
+                    if _changed(status, self._latest.get(job_id)):
+                        changed.append(job_id)
                     self._latest[job_id] = status
             self._cond.notify_all()
+            self._wake_async(changed)
 
     def _fail(self, error: BackendUnavailable) -> None:
         with self._cond:
             self._error = error
             self._thread = None
             self._cond.notify_all()
+            self._wake_async(list(self._async_waiters))
         if isinstance(error, BackendClosed):  # the next waiter gets a watcher of a live backend
             with _watchers_lock:
                 if _watchers.get(self.backend.cluster) is self:

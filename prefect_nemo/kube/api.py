@@ -24,6 +24,7 @@ from prefect_nemo.errors import (
     BackendUnavailable,
     InvalidJobSpec,
     PrefectNemoError,
+    Throttled,
 )
 from prefect_nemo.kube.kinds import POD, Kind
 
@@ -429,10 +430,24 @@ class KubeApi:
             return Expired(code, reason, message)
         if code in (400, 422):
             return Invalid(code, reason, f"the API server rejected {what}: {message}")
-        if code >= 500 or code == 429:
+        if code in (429, 503):  # the API server's own backpressure (APF, overload)
+            return Throttled(
+                f"the Kubernetes API pushed back on {verb} {what} ({code}): {message}",
+                _retry_after(exc),
+            )
+        if code >= 500:
             return BackendUnavailable(f"the Kubernetes API failed to {verb} {what}: {message}")
         return KubeError(code, reason, f"{verb} {what}: {message}")
 
     @staticmethod
     def _json(resp: Any) -> dict:
         return json.loads(resp.data) if resp is not None else {}
+
+
+def _retry_after(exc: Any) -> float | None:
+    """The Retry-After seconds of a 429/503 answer, if it gave them."""
+    headers = getattr(exc, "headers", None) or {}
+    try:
+        return float(headers.get("Retry-After"))
+    except (TypeError, ValueError):
+        return None

@@ -1,12 +1,14 @@
 """Where Prefect meets the engines: the only package that imports Prefect's task/flow machinery.
 
-`jobs` (run_job, submit_job, wait_for_job, stop_job), `experiments` (start_experiment,
-wait_for_experiments), `dgd` (Dynamo inference graphs), `replicas` (serve_replicas and its
-tasks); `_run` is the one run context (flow run, experiment, teardown of live work, cancel
-watch) and `reporting` the one way to report (events, table artifacts, the job reporter).
+`jobs` (run_job, submit_job, wait_for_job, stop_job), `batch` (run_jobs: many jobs on one
+loop), `experiments` (start_experiment, wait_for_experiments), `dgd` (Dynamo inference graphs),
+`replicas` (serve_replicas and its tasks); `_run` is the one run context (flow run, experiment,
+teardown of live work, cancel watch) and `reporting` the one way to report (events, table
+artifacts, the job reporter).
 """
 
 from prefect_nemo.tasks._blocks import resolve_block, resolve_cluster, resolve_kube
+from prefect_nemo.tasks.batch import run_jobs
 from prefect_nemo.tasks.dgd import (
     DeployedDgd,
     deploy_dgd,
@@ -32,6 +34,7 @@ __all__ = [
     "resolve_cluster",
     "resolve_kube",
     "run_job",
+    "run_jobs",
     "run_key",
     "serve_replicas",
     "start_experiment",

@@ -118,27 +118,32 @@ class Outbox:
 
     def _run(self) -> None:
         failures = 0
-        while True:
-            with self._cond:
-                if not self._items:
-                    self._thread = None
+        clients = _Clients()  # one client per API for the whole drain, not one per batch
+        try:
+            while True:
+                with self._cond:
+                    if not self._items:
+                        self._thread = None
+                        self._cond.notify_all()
+                        return
+                    batch = self._batch()
+                try:
+                    self._send(batch, clients)
+                except Exception as exc:
+                    failures += 1
+                    clients.close()  # a fresh connection for the next try
+                    self._failed(exc)
+                    time.sleep(BACKOFF_S[min(failures, len(BACKOFF_S)) - 1])
+                    continue
+                failures = 0
+                with self._cond:
+                    for _ in batch:
+                        self._items.popleft()
+                    self.delivered += len(batch)
                     self._cond.notify_all()
-                    return
-                batch = self._batch()
-            try:
-                self._send(batch)
-            except Exception as exc:
-                failures += 1
-                self._failed(exc)
-                time.sleep(BACKOFF_S[min(failures, len(BACKOFF_S)) - 1])
-                continue
-            failures = 0
-            with self._cond:
-                for _ in batch:
-                    self._items.popleft()
-                self.delivered += len(batch)
-                self._cond.notify_all()
-            self._caught_up()
+                self._caught_up()
+        finally:
+            clients.close()
 
     def _batch(self) -> list[_Item]:
         """The oldest items of one kind and one API, up to BATCH (a call goes alone)."""
@@ -154,22 +159,21 @@ class Outbox:
                 break
         return batch
 
-    def _send(self, batch: list[_Item]) -> None:
+    def _send(self, batch: list[_Item], clients: _Clients) -> None:
         # the settings the items were made under (the API URL); a copy, since the original may
         # be entered in the caller's thread right now and a context is entered once at a time
         settings = batch[0].settings
         with settings.model_copy() if settings else contextlib.nullcontext():
             if batch[0].kind == "event":
-                for item in batch:
-                    _attach_related(item)
-            with get_client(sync_client=True) as client:
-                if batch[0].kind == "log":
-                    client.create_logs([item.value for item in batch])
-                elif batch[0].kind == "event":
-                    payload = [item.value.model_dump(mode="json") for item in batch]
-                    client.request("POST", "/events", json=payload)  # type: ignore[arg-type]
-                else:
-                    batch[0].value(client)
+                _attach_related([item for item in batch if not item.related_done])
+            client = clients.get(settings)
+            if batch[0].kind == "log":
+                client.create_logs([item.value for item in batch])
+            elif batch[0].kind == "event":
+                payload = [item.value.model_dump(mode="json") for item in batch]
+                client.request("POST", "/events", json=payload)  # type: ignore[arg-type]
+            else:
+                batch[0].value(client)
 
     def _failed(self, exc: Exception) -> None:
         if self._failing_since is None:
@@ -190,23 +194,55 @@ class Outbox:
             )
 
 
-def _attach_related(item: _Item) -> None:
-    """Add the run's related resources to an event once (Prefect's emit_event does this in its
-    worker, from the run context captured when the event was made)."""
-    if item.related_done or item.context is None:
-        return
-    event: Event = item.value
+class _Clients:
+    """The outbox thread's sync clients, one per settings object (API), kept for a drain."""
 
-    async def related() -> list[Any]:
+    def __init__(self) -> None:
+        self._open: dict[int, Any] = {}
+
+    def get(self, settings: SettingsContext | None) -> Any:
+        """The open client of these settings (made under them: the caller entered them)."""
+        key = id(settings)
+        if key not in self._open:
+            client = get_client(sync_client=True)
+            client.__enter__()
+            self._open[key] = client
+        return self._open[key]
+
+    def close(self) -> None:
+        clients, self._open = list(self._open.values()), {}
+        for client in clients:
+            with contextlib.suppress(Exception):
+                client.__exit__(None, None, None)
+
+
+def _attach_related(items: list[_Item]) -> None:
+    """Add each event's run's related resources once (Prefect's emit_event does this in its
+    worker, from the run context captured when the event was made): one loop and one client
+    for the whole batch, each lookup in its own event's context."""
+    items = [item for item in items if item.context is not None]
+    if not items:
+        return
+
+    async def related(client: Any, item: _Item) -> list[Any]:
+        exclude = {r.id for r in item.value.involved_resources}
+        return await related_resources_from_run_context(client, exclude=exclude)
+
+    async def all_related() -> list[list[Any]]:
         from prefect.client.orchestration import get_client as get_async_client
 
         async with get_async_client() as client:
-            exclude = {r.id for r in event.involved_resources}
-            return await related_resources_from_run_context(client, exclude=exclude)
+            lookups = [
+                asyncio.create_task(related(client, item), context=item.context.copy())
+                for item in items
+                if item.context is not None
+            ]
+            return await asyncio.gather(*lookups)
 
-    found = item.context.run(asyncio.run, related())
-    event.related = [*event.related, *found]
-    item.related_done = True
+    for item, found in zip(items, asyncio.run(all_related()), strict=True):
+        event: Event = item.value
+        event.related = [*event.related, *found]
+        item.related_done = True
 
 
 outbox = Outbox()

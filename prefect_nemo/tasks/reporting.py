@@ -64,14 +64,52 @@ def say(run: RunContext, level: int, message: str) -> None:
     )
 
 
-class RunTable:
+class _CoalescedWrites:
+    """One artifact per flow run, rewritten in place. A write is queued only when none is
+    waiting already, and it serializes the state current when it is sent: a thousand changes
+    between two sends cost one write, and the last state is always the one written."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: set[str] = set()  # flow runs with a write waiting in the outbox
+        self._artifacts: dict[str, UUID] = {}
+
+    def _changed(self, flow_run_id: str) -> None:
+        """Queue a write of the run's artifact unless one is waiting. Call with _lock held."""
+        if flow_run_id in self._pending:
+            return
+        self._pending.add(flow_run_id)
+        outbox.call(lambda client: self._write(client, flow_run_id))
+
+    def _data(self, flow_run_id: str) -> tuple[str, Any, str]:
+        """(artifact type, data, description) as they are now. Called with _lock held."""
+        raise NotImplementedError
+
+    def _write(self, client: Any, flow_run_id: str) -> None:
+        """Create the run's artifact, or rewrite it (the outbox runs writes in order)."""
+        with self._lock:
+            self._pending.discard(flow_run_id)
+            kind, data, description = self._data(flow_run_id)
+        artifact_id = self._artifacts.get(flow_run_id)
+        if artifact_id is None:
+            # the flow run's artifact, not one task's: it covers everything of the run
+            artifact = client.create_artifact(
+                ArtifactCreate(
+                    type=kind, data=data, description=description, flow_run_id=UUID(flow_run_id)
+                )
+            )
+            self._artifacts[flow_run_id] = artifact.id
+        else:
+            client.update_artifact(artifact_id, ArtifactUpdate(data=data))
+
+
+class RunTable(_CoalescedWrites):
     """One table artifact per flow run, rewritten in place as its rows change."""
 
     def __init__(self, description: str) -> None:
+        super().__init__()
         self.description = description
-        self._lock = threading.Lock()
         self._rows: dict[str, dict[str, dict[str, Any]]] = {}  # flow run -> row id -> row
-        self._artifacts: dict[str, UUID] = {}
 
     def rows(self, flow_run_id: str) -> list[dict[str, Any]]:
         """The rows recorded in this process for a flow run (for summaries and tests)."""
@@ -86,32 +124,40 @@ class RunTable:
         defaults: Callable[[], dict[str, Any]] = dict,
     ) -> None:
         """Merge each row's fields (by row id) into the table, a new row starting from
-        `defaults()`, and rewrite the artifact once. No-op outside a flow run."""
+        `defaults()`, and have the artifact rewritten. No-op outside a flow run."""
         if flow_run_id is None:
             return
         with self._lock:
             table = self._rows.setdefault(flow_run_id, {})
             for row_id, fields in changes.items():
                 table.setdefault(row_id, defaults()).update(fields)
-            data = json.dumps(list(table.values()), default=str)
-        outbox.call(lambda client: self._write(client, flow_run_id, data))
+            self._changed(flow_run_id)
 
-    def _write(self, client: Any, flow_run_id: str, data: str) -> None:
-        """Create the run's artifact, or rewrite it (the outbox runs writes in order)."""
-        artifact_id = self._artifacts.get(flow_run_id)
-        if artifact_id is None:
-            # the flow run's artifact, not one task's: it lists everything of the run
-            artifact = client.create_artifact(
-                ArtifactCreate(
-                    type="table",
-                    data=data,
-                    description=self.description,
-                    flow_run_id=UUID(flow_run_id),
-                )
-            )
-            self._artifacts[flow_run_id] = artifact.id
-        else:
-            client.update_artifact(artifact_id, ArtifactUpdate(data=data))
+    def _data(self, flow_run_id: str) -> tuple[str, Any, str]:
+        rows = list(self._rows.get(flow_run_id, {}).values())
+        return "table", json.dumps(rows, default=str), self.description
+
+
+class RunProgress(_CoalescedWrites):
+    """One progress artifact per flow run (percent done), its description saying k/N."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what = what
+        self._counts: dict[str, tuple[int, int]] = {}  # flow run -> (done, total)
+
+    def update(self, flow_run_id: str | None, done: int, total: int) -> None:
+        """Record k of N done and have the artifact rewritten. No-op outside a flow run."""
+        if flow_run_id is None:
+            return
+        with self._lock:
+            self._counts[flow_run_id] = (done, total)
+            self._changed(flow_run_id)
+
+    def _data(self, flow_run_id: str) -> tuple[str, Any, str]:
+        done, total = self._counts[flow_run_id]
+        percent = 100.0 * done / total if total else 100.0
+        return "progress", percent, f"{done}/{total} {self.what} (prefect-nemo)"
 
 
 # ---------------------------------------------------------------------------------------------

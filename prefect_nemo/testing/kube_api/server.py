@@ -88,13 +88,14 @@ def _flag(value: str | None) -> bool:
 
 
 class RequestEntry(NamedTuple):
-    """One request the server saw: (method, path, query, is_watch, time)."""
+    """One request the server saw: (method, path, query, is_watch, time, User-Agent)."""
 
     method: str
     path: str
     query: dict[str, str]
     is_watch: bool
     time: float
+    agent: str = ""  # tells a simulator's requests from the client's under test
 
 
 @dataclass
@@ -385,7 +386,14 @@ class LoopbackKubeServer:
             query = dict(request.query)
             is_watch = _flag(query.get("watch"))
             self.requests.add(
-                RequestEntry(request.method, "/" + "/".join(parts), query, is_watch, time.time())
+                RequestEntry(
+                    request.method,
+                    "/" + "/".join(parts),
+                    query,
+                    is_watch,
+                    time.time(),
+                    request.headers.get("User-Agent", ""),
+                )
             )
             return await self._dispatch(request, parts, query, is_watch)
         except ApiError as exc:

@@ -7,12 +7,14 @@ DynamoGraphDeployment, with a fake frontend behind the service proxy) and `Train
 """
 
 from prefect_nemo.testing.operators.dynamo import DgdBehavior, DynamoSimulator
+from prefect_nemo.testing.operators.fake_ray import FakeRay
 from prefect_nemo.testing.operators.kuberay import KubeRaySimulator, validate_rayjob
 from prefect_nemo.testing.operators.trainer import TrainJobSimulator
 
 __all__ = [
     "DgdBehavior",
     "DynamoSimulator",
+    "FakeRay",
     "KubeRaySimulator",
     "TrainJobSimulator",
     "validate_rayjob",

@@ -43,6 +43,7 @@ from prefect_nemo.testing.operators._controller import (
     set_condition,
     set_pod_status,
 )
+from prefect_nemo.testing.operators.fake_ray import FakeRay
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ class KubeRaySimulator(Controller):
     def __init__(
         self,
         server: Any,
-        ray_dashboard_url: str,
+        ray_dashboard_url: str | FakeRay,
         ray_token: str | None,
         *,
         namespace: str | None = None,
@@ -173,7 +174,9 @@ class KubeRaySimulator(Controller):
     ) -> None:
         super().__init__(server.api_client(), namespace=namespace, name="kuberay-sim")
         self.server = server
-        self.ray_dashboard_url = ray_dashboard_url.rstrip("/")
+        # a FakeRay runs jobs on a clock (scale tests): no Ray, no process per job
+        self.fake_ray = ray_dashboard_url if isinstance(ray_dashboard_url, FakeRay) else None
+        self.ray_dashboard_url = "" if self.fake_ray else str(ray_dashboard_url).rstrip("/")
         self.head_ready_delay_s = head_ready_delay_s
         self._ray_headers = {"Authorization": f"Bearer {ray_token}"} if ray_token else {}
         self._ray: TimedJobClient | None = None
@@ -228,8 +231,11 @@ class KubeRaySimulator(Controller):
     # -- Ray ------------------------------------------------------------------------------------
 
     @property
-    def ray(self) -> TimedJobClient:
-        """The Jobs API client of the real Ray (created once: creating it asks Ray's version)."""
+    def ray(self) -> Any:
+        """The Jobs API client of the real Ray (created once: creating it asks Ray's version),
+        or the FakeRay."""
+        if self.fake_ray is not None:
+            return self.fake_ray
         with self._ray_lock:
             if self._ray is None:
                 self._ray = TimedJobClient(
@@ -349,7 +355,10 @@ class KubeRaySimulator(Controller):
         if (ns, svc["metadata"]["name"]) not in self._proxied:
             for port in (DEFAULT_PORTS["dashboard"], "dashboard"):
                 self.server.set_service_proxy(
-                    ns, svc["metadata"]["name"], port, self.ray_dashboard_url
+                    ns,
+                    svc["metadata"]["name"],
+                    port,
+                    self.fake_ray.handle if self.fake_ray else self.ray_dashboard_url,
                 )
             self._proxied.add((ns, svc["metadata"]["name"]))
 

@@ -1,0 +1,285 @@
+"""run_jobs: many jobs from one flow run, each its own `run_job` task run, in a bounded window.
+
+Why not `run_job.submit` a thousand times: Prefect's default task runner gives every submitted
+task a thread (no limit), and each of those threads sits in its job's wait, so 1,000 jobs hold
+1,000 threads whose wakeups all contend for the one watcher lock. Here every job is an async
+`run_job` task run on ONE event loop that run_jobs owns for the length of the call: its wait
+awaits the cluster's watcher, which wakes only the waiter whose job changed, and holds no
+thread; what blocks (submit, stop, reading a log) runs in a small executor. Each job keeps its
+own task run, logs, state and events; cancellation, timeout and crash stop every job the same
+way run_job does (the run's stop hooks and cancel watch, the wait's own stop).
+
+The window: at most `max_in_flight` jobs are submitted and not yet ended; a task run starts
+only once its job has a slot. When the cluster pushes back (`Throttled`: HTTP 429/503), the
+window halves and the submit is retried after the wait the cluster asked for (or a backoff);
+every job submitted afterwards grows it by one again, up to `max_in_flight`.
+
+Progress: one progress artifact (k/N done) and the run's one job table, rewritten in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.context import AsyncClientContext
+
+from prefect_nemo.errors import InvalidJobSpec, JobFailed, JobStopped, Throttled
+from prefect_nemo.jobs import JobResult, JobSpec, JobState
+from prefect_nemo.lifecycle import JobIdentity, Submission, Supervisor, WaitPolicy
+from prefect_nemo.redaction import Redactor
+from prefect_nemo.tasks._blocks import ClusterLike, resolve_cluster
+from prefect_nemo.tasks._run import RunContext, current_run
+from prefect_nemo.tasks.jobs import _identity, _track_cluster
+from prefect_nemo.tasks.reporting import JobReporter, RunProgress, say
+
+T = TypeVar("T")
+
+DEFAULT_MAX_IN_FLIGHT = 256
+BLOCKING_THREADS = 8  # submits, stops and log reads in flight at once (they are short)
+MAX_BACKOFF_S = 30.0
+
+_progress = RunProgress("jobs ended")
+
+
+class _Window:
+    """At most `limit` jobs in flight; the limit halves on pushback and grows back by one per
+    accepted submit, up to `most`."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self.limit = most
+        self.in_flight = 0
+        self._cond = asyncio.Condition()
+
+    async def acquire(self) -> None:
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.in_flight < self.limit)
+            self.in_flight += 1
+
+    async def release(self) -> None:
+        async with self._cond:
+            self.in_flight -= 1
+            self._cond.notify_all()
+
+    def shrink(self) -> int:
+        self.limit = max(1, self.limit // 2)
+        return self.limit
+
+    async def grow(self) -> None:
+        async with self._cond:
+            if self.limit < self.most:
+                self.limit += 1
+                self._cond.notify_all()
+
+
+class _Batch:
+    """One run_jobs call: its specs, the one backend they share, the window, the progress."""
+
+    def __init__(
+        self,
+        specs: list[JobSpec],
+        block: Any,
+        run: RunContext,
+        *,
+        max_in_flight: int,
+        stream_logs: bool,
+    ) -> None:
+        self.specs = specs
+        self.block = block
+        self.backend = block.backend()  # ONE backend: one API client, one set of informers
+        self.run = run
+        self.stream_logs = stream_logs
+        self.window = _Window(max_in_flight)
+        secrets = list(self.backend.secrets) + [v for s in specs for v in s.secret_values()]
+        self.redact = Redactor(secrets)
+        self.done = 0
+
+    def validate(self) -> None:
+        """Every spec checked before anything is sent (the first bad one names itself)."""
+        for i, spec in enumerate(self.specs):
+            try:
+                self.backend.validate(spec)
+            except InvalidJobSpec as exc:
+                raise InvalidJobSpec(f"specs[{i}] ({spec.name}): {exc}") from None
+
+    async def run_all(self) -> list[JobResult | BaseException]:
+        """Every job through its own task run, at most the window's limit in flight."""
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(
+            ThreadPoolExecutor(BLOCKING_THREADS, thread_name_prefix="prefect-nemo-jobs")
+        )
+        await asyncio.to_thread(self.backend.check_access)  # once, not once per job
+        _progress.update(self.run.flow_run_id, 0, len(self.specs))
+        # one Prefect client on this loop for every task run (else each makes its own)
+        async with AsyncClientContext.get_or_create():
+            outcomes = await asyncio.gather(
+                *(self._one(i) for i in range(len(self.specs))), return_exceptions=True
+            )
+        return list(outcomes)
+
+    async def _one(self, index: int) -> JobResult:
+        await self.window.acquire()
+        try:
+            if reason := self.run.interrupted():
+                raise JobStopped(f"job {self.specs[index].name} was not submitted: {reason}")
+            return await _run_job(self, index, self.specs[index].name or "")
+        finally:
+            await self.window.release()
+            self.done += 1
+            _progress.update(self.run.flow_run_id, self.done, len(self.specs))
+
+    async def run_one(self, index: int) -> JobResult:
+        """The body of one job's task run: submit (with backpressure), then wait."""
+        run = current_run()
+        spec = self.specs[index]
+        policy = WaitPolicy(
+            timeout_s=spec.timeout_s,
+            stream_logs=self.stream_logs,
+            max_poll_interval_s=self.block.max_poll_interval_s,
+            unreachable_budget_s=self.block.unreachable_budget_s,
+            stop_timeout_s=self.block.stop_timeout_s,
+        )
+        supervisor = Supervisor(
+            self.backend, policy, JobReporter(run, self.redact), run.interrupted, self.redact
+        )
+        submission = await self._submit(supervisor, spec, _identity(spec, run), run)
+        return await supervisor.wait_async(submission.handle, attached=submission.attached)
+
+    async def _submit(
+        self, supervisor: Supervisor, spec: JobSpec, identity: JobIdentity, run: RunContext
+    ) -> Submission:
+        """Submit (or attach); on pushback halve the window and retry after the asked wait.
+        A retried submit is safe: the id is deterministic, a job created meanwhile is attached."""
+        backoff = 0.5
+        while True:
+            try:
+                submission = await asyncio.to_thread(
+                    supervisor.submit, spec, identity, check_access=False
+                )
+            except Throttled as exc:
+                limit = self.window.shrink()
+                delay = min(exc.retry_after_s or backoff, MAX_BACKOFF_S)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+                say(
+                    run,
+                    logging.WARNING,
+                    self.redact(
+                        f"{self.backend.cluster} pushed back ({exc}): at most {limit} jobs in "
+                        f"flight now; submitting {identity.key} again in {delay:g}s"
+                    ),
+                )
+                await asyncio.sleep(delay)
+                continue
+            await self.window.grow()
+            return submission
+
+
+@task(name="run_job", cache_policy=NO_CACHE, task_run_name="{name}")
+async def _run_job(batch: _Batch, index: int, name: str) -> JobResult:
+    """One job of a run_jobs call (named after the job), as its own task run."""
+    return await batch.run_one(index)
+
+
+def run_jobs(
+    specs: Iterable[JobSpec],
+    cluster: ClusterLike = None,
+    *,
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    stream_logs: bool = False,
+    raise_on_failure: bool = True,
+) -> list[JobResult]:
+    """Run many jobs from this flow, each its own `run_job` task run; return their results in
+    the order of `specs`.
+
+    At most `max_in_flight` jobs are submitted and not ended at a time; the window halves when
+    the cluster pushes back (HTTP 429/503) and grows back as submits are accepted. A job
+    without a name is named `job-<index>`; names must be unique (they make the job ids, so a
+    re-run attaches). Progress is one progress artifact (k/N ended) plus the run's job table.
+    `stream_logs`: follow every running job's log live (off by default: at a thousand jobs that
+    is a thousand streams; a failed job's log tail is still read into its error). With
+    `raise_on_failure`, JobFailed is raised after every job ended if any did not succeed (its
+    `.result` holds all results); else the results of failed jobs are returned too.
+    """
+    specs = _named(specs)
+    if not isinstance(max_in_flight, int) or max_in_flight < 1:
+        raise InvalidJobSpec(f"max_in_flight: expected a whole number >= 1, got {max_in_flight!r}")
+    batch = _Batch(
+        specs,
+        resolve_cluster(cluster),
+        current_run(),
+        max_in_flight=max_in_flight,
+        stream_logs=stream_logs,
+    )
+    batch.validate()
+    if not specs:
+        return []
+    # the cluster a backend creates for this run (Ray on Lepton) goes when the run ends
+    _track_cluster(Supervisor(batch.backend), batch.run)
+    outcomes = _on_own_loop(batch.run_all)
+    return _results(specs, outcomes, raise_on_failure)
+
+
+def _named(specs: Iterable[JobSpec]) -> list[JobSpec]:
+    """The specs, each with its name (`job-<index>` when it has none); names unique."""
+    named: list[JobSpec] = []
+    seen: dict[str, int] = {}
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, JobSpec):
+            raise InvalidJobSpec(f"specs[{i}]: expected a JobSpec, got {type(spec).__name__}")
+        if not spec.name:
+            spec = spec.model_copy(update={"name": f"job-{i:04d}"})
+        assert spec.name is not None
+        if spec.name in seen:
+            raise InvalidJobSpec(
+                f"specs[{i}].name: '{spec.name}' is also the name of specs[{seen[spec.name]}]; "
+                "give every job its own name (the name makes the job id)"
+            )
+        seen[spec.name] = i
+        named.append(spec)
+    return named
+
+
+def _on_own_loop(main: Callable[[], Awaitable[T]]) -> T:
+    """Run main() on a new event loop in this thread (the flow's, blocked in this call anyway),
+    or, called from a coroutine, in one new thread; the loop and its executor end with it."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(main())  # type: ignore[arg-type]
+    context = contextvars.copy_context()
+    with ThreadPoolExecutor(1, thread_name_prefix="prefect-nemo-run-jobs") as pool:
+        return pool.submit(context.run, asyncio.run, main()).result()  # type: ignore[arg-type]
+
+
+def _results(
+    specs: list[JobSpec], outcomes: list[JobResult | BaseException], raise_on_failure: bool
+) -> list[JobResult]:
+    """Each job's JobResult (a failed job's from its error); raises as run_jobs documents."""
+    results: list[JobResult] = []
+    errors: list[BaseException] = []
+    for outcome in outcomes:
+        if isinstance(outcome, JobResult):
+            results.append(outcome)
+        elif isinstance(outcome, JobFailed) and isinstance(outcome.result, JobResult):
+            results.append(outcome.result)
+        else:
+            errors.append(outcome)
+    if errors:  # no result at all (not submitted, cluster lost): the first error, with a count
+        first = errors[0]
+        if len(errors) > 1:
+            first.add_note(f"{len(errors) - 1} more of the {len(specs)} jobs ended with no result")
+        raise first
+    failed = [r for r in results if r.state is not JobState.SUCCEEDED]
+    if failed and raise_on_failure:
+        names = ", ".join(f"{r.handle.job_id} ({r.state.value})" for r in failed[:10])
+        more = f" and {len(failed) - 10} more" if len(failed) > 10 else ""
+        message = f"{len(failed)} of {len(specs)} jobs did not succeed: {names}{more}"
+        raise JobFailed(message, results)
+    return results
