@@ -186,6 +186,9 @@ class Store:
     def __init__(self, window: WatchWindow | None = None) -> None:
         self.lock = threading.RLock()
         self.rv = 0
+        # whether a garbage collection pass can find work: only a deletion, a deletion
+        # timestamp or a change of owner references makes some (a pass visits every object)
+        self._gc_due = False
         self.window = window or WatchWindow()
         self.types: dict[Key, ResourceType] = {}
         self.objects: dict[Key, dict[tuple[str, str], Obj]] = {}
@@ -242,6 +245,13 @@ class Store:
             self.objects[key].pop(ident, None)
         else:
             self.objects[key][ident] = new
+        old_refs = meta(old).get("ownerReferences") if old is not None else None
+        if (
+            event_type == "DELETED"
+            or md.get("deletionTimestamp")
+            or md.get("ownerReferences") != old_refs
+        ):
+            self._gc_due = True
         event = Event(self.rv, event_type, key, ident[0], old, new)
         self.histories[key].add(event, time.monotonic())
         for watcher in list(self.watchers):
@@ -489,6 +499,9 @@ class Store:
     def collect_garbage(self) -> None:
         """One synchronous pass of the garbage collector, repeated until nothing changes."""
         with self.lock:
+            if not self._gc_due:
+                return
+            self._gc_due = False
             while self._gc_step():
                 pass
 
