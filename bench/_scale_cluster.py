@@ -4,7 +4,8 @@ A loopback API server, the KubeRay simulator on a FakeRay (jobs run on a clock: 
 process per job) and one ready RayCluster 'shared'. Kept out of the measured process, so its
 RSS and threads are the flow's alone. Driven over stdin/stdout, one JSON line each way:
 `{"cmd": "requests", "since": t}` (requests by anyone but the simulator since t),
-`{"cmd": "running"}` (jobs still running on the fake Ray), `{"cmd": "quit"}`.
+`{"cmd": "completed"}` (when the simulator last wrote each RayJob's status: for an ended job,
+when it ended), `{"cmd": "running"}` (jobs still running on the fake Ray), `{"cmd": "quit"}`.
 """
 
 from __future__ import annotations
@@ -57,6 +58,13 @@ def main() -> None:
                             for m in {e.method for e in entries}
                         },
                     }
+                elif cmd["cmd"] == "completed":  # when the simulator last wrote each status
+                    out = {"completed": {}}
+                    for e in list(server.requests.entries):
+                        parts = e.path.rstrip("/").split("/")
+                        if e.agent == SIM_AGENT and e.method == "PATCH" and parts[-1] == "status":
+                            if parts[-3] == "rayjobs":
+                                out["completed"][parts[-2]] = e.time
                 elif cmd["cmd"] == "running":
                     out = {"running": len(fake.running()), "jobs": len(fake.list_jobs())}
                 else:

@@ -1,5 +1,8 @@
-"""The one way our reports reach the Prefect API: events, log lines and artifact writes, sent in
-the order they were made and each delivered once, by one thread, through API outages.
+"""The one way our reports reach the Prefect API: events, log lines and artifact writes, each kind
+sent in the order its items were made and each item delivered once, by one thread, through API
+outages. The oldest items (up to BATCH, for one API) go together: their log lines in one
+request, their events in one, then their artifact writes in order; a thousand jobs interleave
+logs, events and writes, and one request per item would not keep up.
 
 Prefect's own event and log workers drop what they cannot send after a few retries, so an API
 outage of a minute loses the events that deployment triggers wait for and the log lines of that
@@ -46,6 +49,7 @@ class _Item:
     settings: SettingsContext | None
     context: contextvars.Context | None = None  # the run context, for an event's related resources
     related_done: bool = field(default=False)
+    sent: bool = field(default=False)  # delivered while others of its batch were not (retry)
 
 
 class Outbox:
@@ -146,13 +150,11 @@ class Outbox:
             clients.close()
 
     def _batch(self) -> list[_Item]:
-        """The oldest items of one kind and one API, up to BATCH (a call goes alone)."""
+        """The oldest items for one API, up to BATCH."""
         first = self._items[0]
-        if first.kind == "call":
-            return [first]
         batch = []
         for item in self._items:
-            if item.kind != first.kind or item.settings is not first.settings:
+            if item.settings is not first.settings:
                 break
             batch.append(item)
             if len(batch) == BATCH:
@@ -160,20 +162,27 @@ class Outbox:
         return batch
 
     def _send(self, batch: list[_Item], clients: _Clients) -> None:
+        """The batch's log lines in one request, its events in one, then its calls in order;
+        each marked sent once delivered, so a retry after a failure sends only the rest."""
         # the settings the items were made under (the API URL); a copy, since the original may
         # be entered in the caller's thread right now and a context is entered once at a time
         settings = batch[0].settings
         with settings.model_copy() if settings else contextlib.nullcontext():
-            if batch[0].kind == "event":
-                _attach_related([item for item in batch if not item.related_done])
             client = clients.get(settings)
-            if batch[0].kind == "log":
-                client.create_logs([item.value for item in batch])
-            elif batch[0].kind == "event":
-                payload = [item.value.model_dump(mode="json") for item in batch]
+            logs = [item for item in batch if item.kind == "log" and not item.sent]
+            if logs:
+                client.create_logs([item.value for item in logs])
+                _mark_sent(logs)
+            events = [item for item in batch if item.kind == "event" and not item.sent]
+            if events:
+                _attach_related([item for item in events if not item.related_done])
+                payload = [item.value.model_dump(mode="json") for item in events]
                 client.request("POST", "/events", json=payload)  # type: ignore[arg-type]
-            else:
-                batch[0].value(client)
+                _mark_sent(events)
+            for item in batch:
+                if item.kind == "call" and not item.sent:
+                    item.value(client)
+                    item.sent = True
 
     def _failed(self, exc: Exception) -> None:
         if self._failing_since is None:
@@ -192,6 +201,11 @@ class Outbox:
             get_logger("prefect_nemo").info(
                 f"the Prefect API answers again after {down:.0f}s: everything kept was sent{lost}"
             )
+
+
+def _mark_sent(items: list[_Item]) -> None:
+    for item in items:
+        item.sent = True
 
 
 class _Clients:

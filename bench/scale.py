@@ -1,0 +1,292 @@
+"""Scale: one flow run runs and tracks N jobs (`make bench-scale`; too long for `make bench`).
+
+Kubernetes path: a loopback API server with the KubeRay simulator on a FakeRay (jobs of 5 s on
+a clock, no pods, no Ray), in its own process (`_scale_cluster`), a fresh one per measurement.
+Each measurement runs in a fresh process too, so peak RSS (VmHWM) and threads are its own:
+
+- ours: a flow calling `run_jobs(specs, cluster, max_in_flight=N)` (every job its own task run).
+- raw: the kubernetes client creating the same N RayJobs (our manifests) and ONE watch until
+  all ended: what a script without Prefect would do.
+
+Figures (each with its raw baseline from the same run), N = 100 and 1,000:
+scale_kube_wall_ratio_<N> (ours flow wall / raw wall), scale_kube_rss_mb_<N>,
+scale_kube_threads_<N> (peaks of the flow process), scale_kube_detect_p50_s_<N> (from the
+simulator's write of the final status to run_jobs' wait seeing it; raw: its watch seeing it),
+scale_kube_api_requests_per_job_<N>, scale_prefect_api_requests_per_job_<N> (HTTP; events on
+Prefect's websocket counted apart), scale_kube_per_job_cost_growth (per-job wall overhead over
+raw at 1,000 / at 100), scale_prefect_ui_page_s_max_1000 (the flow-run page's API requests,
+timed every second during the 1,000-job run), scale_kube_leaks_1000 (threads + fds the run
+left over its start). The last results are kept in `bench/.last-scale.txt` for `make bench`.
+
+    .venv/bin/python -m bench.scale            # everything
+    .venv/bin/python -m bench.scale 100        # only N = 100
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+LAST = Path(__file__).with_name(".last-scale.txt")
+SIZES = (100, 1000)
+JOB_S = 5.0
+
+
+def log(message: str) -> None:
+    print(f"[scale] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The measured processes (`python -m bench.scale child <ours|raw> N <kubeconfig.json>`)
+
+
+def child(kind: str, n: int, kubeconfig_path: str) -> dict[str, Any]:
+    """One measurement in this fresh process; returns its figures."""
+    from bench._scale_probe import Sampler, open_fds, peak_rss_mb
+
+    kubeconfig = json.loads(Path(kubeconfig_path).read_text())
+    before = (threading.active_count(), open_fds())
+    with Sampler() as sampler:
+        out = _ours(n, kubeconfig) if kind == "ours" else _raw(n, kubeconfig)
+    time.sleep(2.0)  # threads that end with the run get to end
+    after = (threading.active_count(), open_fds())
+    out.update(
+        peak_threads=sampler.peak_threads,
+        peak_rss_mb=peak_rss_mb(),
+        threads_left=after[0] - before[0],  # Prefect's own workers stay for the process
+        ours_left=[t.name for t in threading.enumerate() if t.name.startswith("prefect-nemo")],
+        fds_left=after[1] - before[1],
+    )
+    return out
+
+
+def _specs(n: int) -> list[Any]:
+    from prefect_nemo import JobSpec
+
+    return [JobSpec(entrypoint=f"sleep {JOB_S:g}", name=f"s{i:04d}") for i in range(n)]
+
+
+def _ours(n: int, kubeconfig: dict[str, Any]) -> dict[str, Any]:
+    from prefect import flow
+    from prefect.settings import PREFECT_API_URL
+
+    import prefect_nemo.lifecycle as lifecycle
+    from bench._scale_probe import PrefectRequestCounter
+    from prefect_nemo import run_jobs
+    from prefect_nemo.blocks import KubeRayCluster
+    from prefect_nemo.blocks.kubernetes import KubernetesCluster
+
+    counter = PrefectRequestCounter(str(PREFECT_API_URL.value())).install()
+    seen: dict[str, float] = {}
+    wait = lifecycle.wait_until_terminal_async
+
+    async def timed_wait(watcher: Any, handle: Any, **kw: Any) -> Any:  # when each end was seen
+        status = await wait(watcher, handle, **kw)
+        seen[handle.job_id] = time.time()
+        return status
+
+    lifecycle.wait_until_terminal_async = timed_wait  # type: ignore[assignment]
+    block = KubeRayCluster(
+        kubernetes=KubernetesCluster(kubeconfig=kubeconfig), ray_cluster_name="shared"
+    )
+    specs = _specs(n)
+
+    @flow(name="scale-bench")
+    def scale_bench() -> tuple[float, dict[str, int]]:
+        t0 = time.monotonic()
+        results = run_jobs(specs, block, max_in_flight=n)
+        states = [r.state.value for r in results]
+        return time.monotonic() - t0, {s: states.count(s) for s in set(states)}
+
+    t0 = time.monotonic()
+    jobs_wall, states = scale_bench()
+    return {
+        "wall_s": time.monotonic() - t0,
+        "jobs_wall_s": jobs_wall,
+        "states": states,
+        "seen": seen,
+        "prefect_requests": counter.requests,
+        "prefect_events": counter.events,
+        "prefect_by_path": counter.by_path,
+    }
+
+
+def _raw(n: int, kubeconfig: dict[str, Any]) -> dict[str, Any]:
+    from kubernetes import config, watch
+    from kubernetes.client import CustomObjectsApi
+
+    from prefect_nemo.backends.kuberay import RayJobConfig
+    from prefect_nemo.backends.kuberay.manifests import rayjob_documents
+
+    custom = CustomObjectsApi(config.new_client_from_config_dict(kubeconfig))
+    cfg = RayJobConfig(ray_cluster_name="shared")
+    manifests = [
+        rayjob_documents(s, f"raw-{s.name}", {}, cfg, namespace="default")[0] for s in _specs(n)
+    ]
+    t0 = time.monotonic()
+    for manifest in manifests:
+        custom.create_namespaced_custom_object("ray.io", "v1", "default", "rayjobs", manifest)
+    seen: dict[str, float] = {}
+    stream = watch.Watch().stream(
+        custom.list_namespaced_custom_object, "ray.io", "v1", "default", "rayjobs"
+    )
+    for event in stream:
+        obj = event["object"]
+        name = obj["metadata"]["name"]
+        if (obj.get("status") or {}).get("jobDeploymentStatus") in ("Complete", "Failed"):
+            seen.setdefault(name, time.time())
+            if len(seen) == n:
+                break
+    return {"wall_s": time.monotonic() - t0, "seen": seen}
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver
+
+
+def measure(kind: str, n: int, api_url: str | None, ui: list[float] | None) -> dict[str, Any]:
+    """One measurement: a fresh simulated cluster, a fresh measured process."""
+    from bench._scale_probe import SimulatedCluster
+
+    with SimulatedCluster() as cluster:
+        path = Path(f"/tmp/prefect-nemo-scale-{os.getpid()}.json")
+        path.write_text(json.dumps(cluster.kubeconfig))
+        since = time.time()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if api_url:
+            env["PREFECT_API_URL"] = api_url
+        stop = threading.Event()
+        pager = None
+        if ui is not None and api_url:
+            pager = threading.Thread(target=_time_ui, args=(api_url, ui, stop), daemon=True)
+            pager.start()
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "bench.scale", "child", kind, str(n), str(path)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL if kind == "ours" else None,
+                text=True,
+                timeout=900,
+            )
+        finally:
+            stop.set()
+            if pager is not None:
+                pager.join()
+            path.unlink(missing_ok=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(f"{kind} N={n} failed (exit {proc.returncode})")
+        out = json.loads(lines[-1])
+        out["kube"] = cluster.ask("requests", since=since)
+        completed = cluster.ask("completed")["completed"]
+    detect = [
+        t - completed[name] for name, t in out["seen"].items() if name in completed
+    ]  # fmt: skip
+    out["detect_p50_s"] = _percentile(detect, 50) if detect else float("nan")
+    out.pop("seen")
+    return out
+
+
+def _time_ui(api_url: str, samples: list[float], stop: threading.Event) -> None:
+    """Time the flow-run page's API requests every second while a flow runs."""
+    import httpx
+
+    with httpx.Client(base_url=api_url, timeout=30) as client:
+        while not stop.wait(1.0):
+            try:
+                t0 = time.monotonic()
+                runs = client.post(
+                    "/flow_runs/filter",
+                    json={"flow_runs": {"state": {"type": {"any_": ["RUNNING"]}}}, "limit": 1},
+                ).json()
+                if not runs:
+                    continue
+                run_id = runs[0]["id"]
+                client.get(f"/flow_runs/{run_id}").raise_for_status()
+                flt = {"flow_runs": {"id": {"any_": [run_id]}}}
+                client.post("/task_runs/filter", json={**flt, "limit": 100}).raise_for_status()
+                client.post("/task_runs/count", json=flt).raise_for_status()
+                client.post("/logs/filter", json={"logs": {"flow_run_id": {"any_": [run_id]}},
+                                                  "limit": 100}).raise_for_status()  # fmt: skip
+                client.post("/artifacts/filter", json=flt).raise_for_status()
+                samples.append(time.monotonic() - t0)
+            except Exception as exc:  # a slow or failing page is what we measure: note it
+                log(f"UI page request failed: {exc}")
+                samples.append(float("inf"))
+
+
+def _percentile(values: list[float], q: float) -> float:
+    from bench.ray_overhead import percentile
+
+    return percentile(values, q)
+
+
+def main(sizes: tuple[int, ...] = SIZES) -> int:
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    from bench.run_all import format_value
+
+    lines: list[str] = []
+
+    def report(key: str, value: object) -> None:
+        line = f"{key}={format_value(value)}"
+        lines.append(line)
+        print(line, flush=True)
+
+    overhead: dict[int, float] = {}
+    with prefect_test_harness(server_startup_timeout=180):
+        api_url = str(PREFECT_API_URL.value())
+        for n in sizes:
+            log(f"raw kubernetes client, N={n}")
+            raw = measure("raw", n, None, None)
+            log(f"raw: {raw['wall_s']:.1f}s")
+            ui: list[float] = []
+            log(f"run_jobs in one flow run, N={n}")
+            ours = measure("ours", n, api_url, ui if n >= 1000 else None)
+            log(f"ours: {ours['wall_s']:.1f}s (jobs {ours['jobs_wall_s']:.1f}s) {ours['states']}")
+            report(f"scale_kube_wall_s_{n}", ours["wall_s"])
+            report(f"scale_kube_wall_s_raw_{n}", raw["wall_s"])
+            report(f"scale_kube_wall_ratio_{n}", ours["wall_s"] / raw["wall_s"])
+            report(f"scale_kube_jobs_wall_s_{n}", ours["jobs_wall_s"])
+            report(f"scale_kube_rss_mb_{n}", ours["peak_rss_mb"])
+            report(f"scale_kube_rss_mb_raw_{n}", raw["peak_rss_mb"])
+            report(f"scale_kube_threads_{n}", ours["peak_threads"])
+            report(f"scale_kube_threads_raw_{n}", raw["peak_threads"])
+            report(f"scale_kube_detect_p50_s_{n}", ours["detect_p50_s"])
+            report(f"scale_kube_detect_p50_s_raw_{n}", raw["detect_p50_s"])
+            report(f"scale_kube_api_requests_per_job_{n}", ours["kube"]["requests"] / n)
+            report(f"scale_kube_api_requests_per_job_raw_{n}", raw["kube"]["requests"] / n)
+            report(f"scale_prefect_api_requests_per_job_{n}", ours["prefect_requests"] / n)
+            report(f"scale_prefect_events_per_job_{n}", ours["prefect_events"] / n)
+            leaks = (
+                f"threads:{ours['threads_left']},ours:{len(ours['ours_left'])},"
+                f"fds:{ours['fds_left']}"
+            )
+            report(f"scale_kube_leaks_{n}", leaks)
+            if ui:
+                report(f"scale_prefect_ui_page_s_max_{n}", max(ui))
+                report(f"scale_prefect_ui_page_s_p50_{n}", _percentile(ui, 50))
+            overhead[n] = (ours["wall_s"] - raw["wall_s"]) / n
+            report(f"scale_kube_per_job_overhead_s_{n}", overhead[n])
+    if 100 in overhead and 1000 in overhead and overhead[100] > 0:
+        report("scale_kube_per_job_cost_growth", overhead[1000] / overhead[100])
+    LAST.write_text(
+        f"# bench/scale.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}\n" + "\n".join(lines) + "\n"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "child":
+        print(json.dumps(child(sys.argv[2], int(sys.argv[3]), sys.argv[4])), flush=True)
+    else:
+        sys.exit(main(tuple(int(a) for a in sys.argv[1:]) or SIZES))
