@@ -8,7 +8,7 @@ NR_VENV := .venv-nemo-run
 NR_BIN := $(NR_VENV)/bin
 NR_STAMP := $(NR_VENV)/.installed-nemo-run
 
-.PHONY: demo test test-core test-extras test-fast bench lint install system clean
+.PHONY: demo test test-core test-extras test-fast bench bench-scale lint install system clean
 
 # The virtualenv, installed with the pinned versions of constraints/core.txt.
 $(STAMP): pyproject.toml constraints/core.txt
@@ -59,6 +59,10 @@ lint: $(STAMP)
 ## Every benchmark; prints one key=value line per figure.
 bench: $(STAMP)
 	$(BIN)/python -m bench.run_all
+
+## One flow run with 100 and 1,000 jobs vs the raw client (~10 min); `make bench` prints its last.
+bench-scale: $(STAMP)
+	$(BIN)/python -m bench.scale
 
 clean:
 	rm -rf $(VENV) $(NR_VENV) .prefect-nemo .pytest_cache

@@ -15,6 +15,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import bench
 
@@ -42,6 +43,19 @@ def benchmark_modules() -> list[str]:
     )
 
 
+def print_last_scale() -> None:
+    """The figures of the last `make bench-scale` (too long to run here), with when it ran."""
+    last = Path(bench.__path__[0]) / ".last-scale.txt"
+    if not last.exists():
+        print("[bench] scale: no results yet (make bench-scale)", file=sys.stderr, flush=True)
+        return
+    for line in last.read_text().splitlines():
+        if line.startswith("#"):
+            print(f"[bench] scale: last results {line[1:].strip()}", file=sys.stderr, flush=True)
+        elif "=" in line:
+            print(line, flush=True)
+
+
 def main() -> int:
     """Run each benchmark module in turn; exit 1 if any of them raised."""
     failed: list[str] = []
@@ -59,6 +73,7 @@ def main() -> int:
             traceback.print_exc()
             failed.append(name)
         print(f"[bench] {name}: {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
+    print_last_scale()
     print(
         f"[bench] all done in {time.monotonic() - started:.1f}s"
         + (f"; FAILED: {', '.join(failed)}" if failed else ""),
