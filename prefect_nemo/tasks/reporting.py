@@ -100,7 +100,9 @@ class _CoalescedWrites:
             )
             self._artifacts[flow_run_id] = artifact.id
         else:
-            client.update_artifact(artifact_id, ArtifactUpdate(data=data))
+            client.update_artifact(
+                artifact_id, ArtifactUpdate(data=data, description=description)
+            )
 
 
 class RunTable(_CoalescedWrites):

@@ -16,6 +16,7 @@ class ApiError(Exception):
         self.reason = reason
         self.message = message
         self.details = details
+        self.headers: dict[str, str] = {}
 
     def status(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -127,6 +128,16 @@ def method_not_allowed() -> ApiError:
 
 def service_unavailable(message: str) -> ApiError:
     return ApiError(503, "ServiceUnavailable", message)
+
+
+def too_many_requests(retry_after_s: int) -> ApiError:
+    """What API Priority and Fairness answers a request it rejects: 429 with Retry-After."""
+    error = ApiError(
+        429, "TooManyRequests", "Too many requests, please try again later.",
+        {"retryAfterSeconds": retry_after_s},
+    )  # fmt: skip
+    error.headers["Retry-After"] = str(retry_after_s)
+    return error
 
 
 def unauthorized() -> ApiError:

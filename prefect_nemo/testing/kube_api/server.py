@@ -168,6 +168,10 @@ class LoopbackKubeServer:
         self._proxies: dict[tuple[str, str, str], str | ProxyHandler] = {}
         self._logs: dict[tuple[str, str, str | None], str | Callable[[], str]] = {}
         self._forbidden: set[tuple[str, str, str]] = set()
+        self._throttled: dict[tuple[str, str, str], int] = {}  # requests left to answer 429
+        self._throttle_lock = threading.Lock()
+        self.throttle_retry_after_s = 1
+        self.throttled_answers = 0
         self._server = AppThread("loopback-kube-api")
         self._session: aiohttp.ClientSession | None = None
         self._open_responses: set[web.StreamResponse] = set()
@@ -317,6 +321,15 @@ class LoopbackKubeServer:
     def forbid(self, verb: str, resource: str, group: str = "") -> None:
         """Answer 403 Forbidden for this verb on this resource (plural, or `plural/subresource`)."""
         self._forbidden.add((verb, resource, group))
+
+    def throttle(
+        self, verb: str, resource: str, group: str = "", *, times: int, retry_after_s: int = 1
+    ) -> None:
+        """Answer the next `times` requests of this verb on this resource with 429 Too Many
+        Requests and a Retry-After, as API Priority and Fairness rejects what it cannot queue."""
+        with self._throttle_lock:
+            self._throttled[(verb, resource, group)] = times
+            self.throttle_retry_after_s = retry_after_s
 
     def allow(self, verb: str, resource: str, group: str = "") -> None:
         """Undo `forbid`."""
@@ -487,6 +500,12 @@ class LoopbackKubeServer:
         resource = f"{rt.plural}/{sub}" if sub else rt.plural
         if {(verb, resource, rt.group), ("*", resource, rt.group)} & self._forbidden:
             raise errors.forbidden(rt, verb, route.name, route.namespace or None, sub)
+        with self._throttle_lock:
+            left = self._throttled.get((verb, resource, rt.group), 0)
+            if left > 0:
+                self._throttled[(verb, resource, rt.group)] = left - 1
+                self.throttled_answers += 1
+                raise errors.too_many_requests(self.throttle_retry_after_s)
 
     # discovery ---------
     def _group_list(self) -> Obj:
@@ -1135,4 +1154,6 @@ def _json(body: Any, status: int = 200, warnings: list[str] | None = None) -> we
 
 
 def _status_response(exc: ApiError) -> web.Response:
-    return _json(exc.status(), exc.code)
+    response = _json(exc.status(), exc.code)
+    response.headers.update(exc.headers)
+    return response
