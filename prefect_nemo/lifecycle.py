@@ -13,7 +13,6 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from functools import partial
 from typing import Protocol
 
@@ -44,7 +43,9 @@ from prefect_nemo.jobs import (
 )
 from prefect_nemo.logs import LogFollower, log_pump
 from prefect_nemo.redaction import Redactor
-from prefect_nemo.watcher import ClusterWatcher, watcher_for
+from prefect_nemo.watcher import ClusterWatcher, _never, watcher_for
+from prefect_nemo.watcher import wait_until_terminal as wait_until_terminal  # where callers look
+from prefect_nemo.watcher import wait_until_terminal_async as wait_until_terminal_async
 
 MAX_ATTEMPTS = 100
 LOG_TAIL_LINES = 40
@@ -126,10 +127,6 @@ class QuietObserver:
 
     def unstopped(self, handle: JobHandle, message: str) -> None:
         """Nothing."""
-
-
-def _never() -> str | None:
-    return None
 
 
 @dataclass
@@ -449,87 +446,6 @@ def job_metadata(
     """The metadata written on every job: the caller's, its (scope, key) and the spec's
     fingerprint (to spot drift when attaching)."""
     return {**(metadata or {}), META_KEY: f"{scope}/{key}", META_SPEC: spec.fingerprint()}
-
-
-class _TerminalWait:
-    """The rules of waiting for one job, whoever waits (a thread or a coroutine): each new
-    status is passed on once, a terminal one ends the wait, `interrupted()` and the timeout
-    (counted from the job's start on the cluster, so re-attaching does not extend it) raise."""
-
-    def __init__(
-        self,
-        handle: JobHandle,
-        timeout_s: float | None,
-        on_change: Callable[[JobStatus], None],
-        interrupted: Callable[[], str | bool | None],
-    ) -> None:
-        self.handle, self.timeout_s = handle, timeout_s
-        self.on_change, self.interrupted = on_change, interrupted
-        self.waited_from = datetime.now(UTC)
-        self.seen: JobStatus | None = None
-
-    def step(self, status: JobStatus | None) -> JobStatus | None:
-        """Take the watcher's latest status: the terminal status, or None to wait on."""
-        if status is not None and status != self.seen:
-            self.seen = status
-            self.on_change(status)
-        if self.seen is not None and self.seen.state.is_terminal():
-            return self.seen
-        if reason := self.interrupted():
-            raise JobInterrupted(
-                self.handle.job_id,
-                reason if isinstance(reason, str) else "the flow run is being cancelled",
-            )
-        started = (self.seen.start_time if self.seen else None) or self.waited_from
-        timeout_s = self.timeout_s
-        if timeout_s is not None and (datetime.now(UTC) - started).total_seconds() > timeout_s:
-            raise JobTimedOut(
-                f"job '{self.handle.job_id}' ran past its timeout of {timeout_s:g}s: stopping it"
-            )
-        return None
-
-
-def wait_until_terminal(
-    watcher: ClusterWatcher,
-    handle: JobHandle,
-    *,
-    timeout_s: float | None = None,
-    on_change: Callable[[JobStatus], None] = lambda status: None,
-    interrupted: Callable[[], str | bool | None] = _never,
-    tick_s: float = 1.0,
-) -> JobStatus:
-    """Block until the job is terminal, calling on_change once per observed change.
-
-    The timeout counts from the job's start on the cluster, so re-attaching after a crash does
-    not extend it. Raises JobTimedOut (the caller stops the job), JobInterrupted when
-    `interrupted()` gives a reason (or True: the run is being cancelled), or
-    BackendUnavailable.
-    """
-    waiting = _TerminalWait(handle, timeout_s, on_change, interrupted)
-    with watcher.watching(handle.job_id):
-        while True:
-            # Bounded waits keep the thread responsive to signals (Prefect's cancellation).
-            status = watcher.next_status(handle.job_id, waiting.seen, timeout_s=tick_s)
-            if (final := waiting.step(status)) is not None:
-                return final
-
-
-async def wait_until_terminal_async(
-    watcher: ClusterWatcher,
-    handle: JobHandle,
-    *,
-    timeout_s: float | None = None,
-    on_change: Callable[[JobStatus], None] = lambda status: None,
-    interrupted: Callable[[], str | bool | None] = _never,
-    tick_s: float = 1.0,
-) -> JobStatus:
-    """`wait_until_terminal` on an event loop: the wait holds no thread."""
-    waiting = _TerminalWait(handle, timeout_s, on_change, interrupted)
-    with watcher.watching(handle.job_id):
-        while True:
-            status = await watcher.next_status_async(handle.job_id, waiting.seen, tick_s)
-            if (final := waiting.step(status)) is not None:
-                return final
 
 
 def stop_and_confirm(

@@ -4,9 +4,9 @@ A waiting task registers its job with the cluster's watcher and blocks on a cond
 event loop, awaits an asyncio event that the watcher sets only when that job changed: a thousand
 waits then hold no thread and wake nobody else); the watcher's thread asks the backend for all
 watched jobs in one call per tick (Ray: one `list_jobs`), so the request rate does not grow
-with the number of jobs. The tick interval
-adapts to the youngest live job: fast while jobs are young (short jobs finish soon), slower
-for long-running ones. No Prefect import here.
+with the number of jobs. The tick interval adapts to the youngest live job: fast while jobs are
+young (short jobs finish soon), slower for long-running ones. `wait_until_terminal` (and its
+`_async` twin) is the one wait for a job to end on it. No Prefect import here.
 """
 
 from __future__ import annotations
@@ -18,11 +18,18 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 
-from prefect_nemo.errors import AuthenticationFailed, BackendClosed, BackendUnavailable
-from prefect_nemo.jobs import Backend, JobState, JobStatus, PushesChanges
+from prefect_nemo.errors import (
+    AuthenticationFailed,
+    BackendClosed,
+    BackendUnavailable,
+    JobInterrupted,
+    JobTimedOut,
+)
+from prefect_nemo.jobs import Backend, JobHandle, JobState, JobStatus, PushesChanges
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +271,95 @@ class ClusterWatcher:
 
 def _changed(current: JobStatus, seen: JobStatus | None) -> bool:
     return seen is None or (current.state, current.message) != (seen.state, seen.message)
+
+
+def _never() -> str | None:
+    return None
+
+
+# -------------------------------------------------------------------------------------------------
+# Waiting for one job to end, on the watcher
+
+
+class _TerminalWait:
+    """The rules of waiting for one job, whoever waits (a thread or a coroutine): each new
+    status is passed on once, a terminal one ends the wait, `interrupted()` and the timeout
+    (counted from the job's start on the cluster, so re-attaching does not extend it) raise."""
+
+    def __init__(
+        self,
+        handle: JobHandle,
+        timeout_s: float | None,
+        on_change: Callable[[JobStatus], None],
+        interrupted: Callable[[], str | bool | None],
+    ) -> None:
+        self.handle, self.timeout_s = handle, timeout_s
+        self.on_change, self.interrupted = on_change, interrupted
+        self.waited_from = datetime.now(UTC)
+        self.seen: JobStatus | None = None
+
+    def step(self, status: JobStatus | None) -> JobStatus | None:
+        """Take the watcher's latest status: the terminal status, or None to wait on."""
+        if status is not None and status != self.seen:
+            self.seen = status
+            self.on_change(status)
+        if self.seen is not None and self.seen.state.is_terminal():
+            return self.seen
+        if reason := self.interrupted():
+            raise JobInterrupted(
+                self.handle.job_id,
+                reason if isinstance(reason, str) else "the flow run is being cancelled",
+            )
+        started = (self.seen.start_time if self.seen else None) or self.waited_from
+        timeout_s = self.timeout_s
+        if timeout_s is not None and (datetime.now(UTC) - started).total_seconds() > timeout_s:
+            raise JobTimedOut(
+                f"job '{self.handle.job_id}' ran past its timeout of {timeout_s:g}s: stopping it"
+            )
+        return None
+
+
+def wait_until_terminal(
+    watcher: ClusterWatcher,
+    handle: JobHandle,
+    *,
+    timeout_s: float | None = None,
+    on_change: Callable[[JobStatus], None] = lambda status: None,
+    interrupted: Callable[[], str | bool | None] = _never,
+    tick_s: float = 1.0,
+) -> JobStatus:
+    """Block until the job is terminal, calling on_change once per observed change.
+
+    The timeout counts from the job's start on the cluster, so re-attaching after a crash does
+    not extend it. Raises JobTimedOut (the caller stops the job), JobInterrupted when
+    `interrupted()` gives a reason (or True: the run is being cancelled), or
+    BackendUnavailable.
+    """
+    waiting = _TerminalWait(handle, timeout_s, on_change, interrupted)
+    with watcher.watching(handle.job_id):
+        while True:
+            # Bounded waits keep the thread responsive to signals (Prefect's cancellation).
+            status = watcher.next_status(handle.job_id, waiting.seen, timeout_s=tick_s)
+            if (final := waiting.step(status)) is not None:
+                return final
+
+
+async def wait_until_terminal_async(
+    watcher: ClusterWatcher,
+    handle: JobHandle,
+    *,
+    timeout_s: float | None = None,
+    on_change: Callable[[JobStatus], None] = lambda status: None,
+    interrupted: Callable[[], str | bool | None] = _never,
+    tick_s: float = 1.0,
+) -> JobStatus:
+    """`wait_until_terminal` on an event loop: the wait holds no thread."""
+    waiting = _TerminalWait(handle, timeout_s, on_change, interrupted)
+    with watcher.watching(handle.job_id):
+        while True:
+            status = await watcher.next_status_async(handle.job_id, waiting.seen, tick_s)
+            if (final := waiting.step(status)) is not None:
+                return final
 
 
 _watchers: dict[str, ClusterWatcher] = {}

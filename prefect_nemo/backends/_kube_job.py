@@ -92,6 +92,8 @@ class KubeJobBackend(Generic[ConfigT]):
         self._informers: tuple[Informer, ...] = ()  # (jobs, pods?) while subscribed
         self._wakes: list[Callable[[], None]] = []
         self._closed = False
+        # statuses() memo: job id -> (resourceVersions of its object and pods, its status)
+        self._parsed: dict[str, tuple[tuple[str, ...], JobStatus]] = {}
 
     # -- to implement ---------------------------------------------------------------------------
 
@@ -166,13 +168,22 @@ class KubeJobBackend(Generic[ConfigT]):
         cached = self._cached() if self._checked_informers() else None
         objects, pods = cached or self._listed()
         out: dict[str, JobStatus] = {}
+        parsed: dict[str, tuple[tuple[str, ...], JobStatus]] = {}
         for job_id in job_ids:
             obj = objects.get(job_id)
-            status = (
-                self.find(job_id) if obj is None else self.job_status(obj, pods.get(job_id, []))
-            )
+            if obj is None:
+                status = self.find(job_id)
+            else:  # a thousand watched jobs: map only the objects that changed since last time
+                job_pods = pods.get(job_id, [])
+                versions = tuple(o["metadata"].get("resourceVersion", "") for o in [obj, *job_pods])
+                known = self._parsed.get(job_id)
+                status = known[1] if known and known[0] == versions else None
+                if status is None:
+                    status = self.job_status(obj, job_pods)
+                parsed[job_id] = (versions, status)
             if status is not None:
                 out[job_id] = status
+        self._parsed = parsed
         return out
 
     def owned_jobs(self) -> list[OwnedJob]:
@@ -278,7 +289,9 @@ class KubeJobBackend(Generic[ConfigT]):
         """
         job_id = manifest["metadata"]["name"]
         taken = f"{self.job_kind.kind} '{job_id}' already exists"
-        existing = self.api.get(self.job_kind, job_id, self.namespace)
+        # with objects to create first, look before making them again for a job that exists;
+        # without, the create itself tells (one request per submit, not two)
+        existing = self.api.get(self.job_kind, job_id, self.namespace) if owned else None
         if existing is not None:
             self._adopt(existing)
             raise JobAlreadyExists(taken)
