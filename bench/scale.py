@@ -20,6 +20,7 @@ left over its start). The last results are kept in `bench/.last-scale.txt` for `
 
     .venv/bin/python -m bench.scale            # everything
     .venv/bin/python -m bench.scale 100        # only N = 100
+    .venv/bin/python -m bench.scale before 100 # the way before run_jobs: N run_job.submit
 """
 
 from __future__ import annotations
@@ -53,7 +54,10 @@ def child(kind: str, n: int, kubeconfig_path: str) -> dict[str, Any]:
     kubeconfig = json.loads(Path(kubeconfig_path).read_text())
     before = (threading.active_count(), open_fds())
     with Sampler() as sampler:
-        out = _ours(n, kubeconfig) if kind == "ours" else _raw(n, kubeconfig)
+        if kind == "raw":
+            out = _raw(n, kubeconfig)
+        else:
+            out = _ours(n, kubeconfig, submit=kind == "submit")
     time.sleep(2.0)  # threads that end with the run get to end
     after = (threading.active_count(), open_fds())
     out.update(
@@ -72,13 +76,15 @@ def _specs(n: int) -> list[Any]:
     return [JobSpec(entrypoint=f"sleep {JOB_S:g}", name=f"s{i:04d}") for i in range(n)]
 
 
-def _ours(n: int, kubeconfig: dict[str, Any]) -> dict[str, Any]:
+def _ours(n: int, kubeconfig: dict[str, Any], *, submit: bool = False) -> dict[str, Any]:
+    """run_jobs in one flow run (`submit`: the way before it, N run_job.submit calls)."""
     from prefect import flow
+    from prefect.futures import wait as wait_futures
     from prefect.settings import PREFECT_API_URL
 
     import prefect_nemo.lifecycle as lifecycle
     from bench._scale_probe import PrefectRequestCounter
-    from prefect_nemo import run_jobs
+    from prefect_nemo import run_job, run_jobs
     from prefect_nemo.blocks import KubeRayCluster
     from prefect_nemo.blocks.kubernetes import KubernetesCluster
 
@@ -86,12 +92,20 @@ def _ours(n: int, kubeconfig: dict[str, Any]) -> dict[str, Any]:
     seen: dict[str, float] = {}
     wait = lifecycle.wait_until_terminal_async
 
+    wait_sync = lifecycle.wait_until_terminal
+
     async def timed_wait(watcher: Any, handle: Any, **kw: Any) -> Any:  # when each end was seen
         status = await wait(watcher, handle, **kw)
         seen[handle.job_id] = time.time()
         return status
 
+    def timed_wait_sync(watcher: Any, handle: Any, **kw: Any) -> Any:
+        status = wait_sync(watcher, handle, **kw)
+        seen[handle.job_id] = time.time()
+        return status
+
     lifecycle.wait_until_terminal_async = timed_wait  # type: ignore[assignment]
+    lifecycle.wait_until_terminal = timed_wait_sync  # type: ignore[assignment]
     block = KubeRayCluster(
         kubernetes=KubernetesCluster(kubeconfig=kubeconfig), ray_cluster_name="shared"
     )
@@ -100,8 +114,13 @@ def _ours(n: int, kubeconfig: dict[str, Any]) -> dict[str, Any]:
     @flow(name="scale-bench")
     def scale_bench() -> tuple[float, dict[str, int]]:
         t0 = time.monotonic()
-        results = run_jobs(specs, block, max_in_flight=n)
-        states = [r.state.value for r in results]
+        if submit:
+            futures = [run_job.submit(s, block, stream_logs=False) for s in specs]
+            wait_futures(futures)
+            states = [f.state.type.value for f in futures]
+        else:
+            results = run_jobs(specs, block, max_in_flight=n)
+            states = [r.state.value for r in results]
         return time.monotonic() - t0, {s: states.count(s) for s in set(states)}
 
     t0 = time.monotonic()
@@ -171,7 +190,7 @@ def measure(kind: str, n: int, api_url: str | None, ui: list[float] | None) -> d
                 [sys.executable, "-m", "bench.scale", "child", kind, str(n), str(path)],
                 env=env,
                 stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL if kind == "ours" else None,
+                stderr=None if kind == "raw" else subprocess.DEVNULL,
                 text=True,
                 timeout=900,
             )
@@ -226,6 +245,22 @@ def _percentile(values: list[float], q: float) -> float:
     from bench.ray_overhead import percentile
 
     return percentile(values, q)
+
+
+def before(n: int) -> int:
+    """What N run_job.submit calls in one flow run cost (the default thread per task), as the
+    same figures; printed only (not kept for `make bench`)."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        out = measure("submit", n, str(PREFECT_API_URL.value()), None)
+    for key in ("wall_s", "jobs_wall_s", "peak_rss_mb", "peak_threads", "detect_p50_s"):
+        print(f"scale_before_kube_{key}_{n}={out[key]:.3f}")
+    print(f"scale_before_kube_api_requests_per_job_{n}={out['kube']['requests'] / n:.3f}")
+    print(f"scale_before_prefect_api_requests_per_job_{n}={out['prefect_requests'] / n:.3f}")
+    print(f"scale_before_states_{n}={out['states']}")
+    return 0
 
 
 def main(sizes: tuple[int, ...] = SIZES) -> int:
@@ -288,5 +323,7 @@ def main(sizes: tuple[int, ...] = SIZES) -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "child":
         print(json.dumps(child(sys.argv[2], int(sys.argv[3]), sys.argv[4])), flush=True)
+    elif len(sys.argv) > 1 and sys.argv[1] == "before":
+        sys.exit(before(int(sys.argv[2]) if len(sys.argv) > 2 else 100))
     else:
         sys.exit(main(tuple(int(a) for a in sys.argv[1:]) or SIZES))
