@@ -201,12 +201,15 @@ def sweep(
     targets = _targets(blocks, run)
     found: list[tuple[str, ClusterBlock, Any, list[OwnedJob]]] = []
     for name, block in targets:
-        backend = block.backend()
+        backend = None
         try:
+            backend = block.backend()
             found.append((name, block, backend, backend.owned_jobs()))
         except PrefectNemoError as exc:
-            redact = Redactor(backend.secrets)
-            say(run, logging.ERROR, redact(f"sweep: cannot list the jobs of {name}: {exc}"))
+            redact = Redactor(backend.secrets if backend is not None else ())
+            say(run, logging.ERROR, redact(
+                f"sweep: cannot list the jobs of {name}, so none of them was judged or stopped "
+                f"(the other clusters are swept): {exc}"))  # fmt: skip
     owners = {job.flow_run_id for *_, jobs in found for job in jobs if job.flow_run_id}
     evidence = gather_evidence(owners, lease_s)
     verdicts: list[Verdict] = []
@@ -221,14 +224,17 @@ def sweep(
 
 
 def _targets(blocks: Sequence[ClusterBlock | str], run: Any) -> list[tuple[str, ClusterBlock]]:
-    """(name, block) of each block to sweep; every saved cluster block when none is named."""
-    if not blocks:
-        blocks = _saved_cluster_blocks()
+    """(name, block) of each block to sweep; every saved cluster block when none is named.
+    A named block that cannot be loaded is bad input: InvalidJobSpec before anything is
+    judged; a saved one that cannot is reported and the others are swept."""
+    named = bool(blocks)
     out = []
-    for ref in blocks:
+    for ref in blocks or _saved_cluster_blocks():
         try:
             block = resolve_block(ref, ClusterBlock, "blocks", "kube-ray-cluster/prod", "cluster")
         except InvalidJobSpec as exc:
+            if named:
+                raise
             say(run, logging.ERROR, f"sweep: {exc}")
             continue
         name = ref if isinstance(ref, str) else (block._block_document_name or type(block).__name__)
