@@ -52,6 +52,10 @@ STOP_PENDING_EVENT = "prefect-nemo.job.stop-pending"
 SWEPT_EVENT = "prefect-nemo.job.swept"
 # Prefect's own liveness signal of worker and served runs (PREFECT_RUNNER_HEARTBEAT_FREQUENCY)
 PREFECT_HEARTBEAT_EVENT = "prefect.flow-run.heartbeat"
+# Prefect's event persister writes events in batches, "the maximum number of seconds between
+# flushes" being 5 (PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL): the newest heartbeats
+# may not be readable yet, so each vouches this much past its lease (twice the default flush).
+EVENTS_DELAY_S = 10.0
 LOOKBACK = timedelta(days=2)  # how far back stop-pending records are honoured
 FAILED_RUN_STATES = {StateType.FAILED, StateType.CRASHED, StateType.CANCELLED}
 
@@ -118,8 +122,10 @@ def judge(
         dead_since = run.state.timestamp
         why = f"its flow run is {state.value}"
     else:
+        # the job's submission stands in for its heartbeat until one names it (a later lease
+        # must not outlast the heartbeats of a run killed just after it submitted)
         signs = [beat, evidence.run_beats.get(owner)]
-        if job.submitted_at is not None:
+        if beat is None and job.submitted_at is not None:
             signs.append(Beat(job.submitted_at, job.submitted_at + timedelta(seconds=lease_s)))
         dead_since = max((b.until for b in signs if b is not None), default=evidence.now)
         if dead_since > evidence.now:
@@ -132,7 +138,8 @@ def judge(
 
 
 def gather_evidence(owners: Iterable[str], lease_s: float) -> Evidence:
-    """Recent heartbeats (ours carry their lease; Prefect's own get `lease_s`), stop-pending
+    """Recent heartbeats (ours carry their lease; Prefect's own get `lease_s`; each vouches
+    EVENTS_DELAY_S longer, as newer ones may not be readable yet), stop-pending
     records, and the owner runs, from the Prefect API: three reads, whatever the number of
     jobs."""
     now = datetime.now(UTC)
@@ -151,7 +158,8 @@ def gather_evidence(owners: Iterable[str], lease_s: float) -> Evidence:
                 "prefect.resource.id"
             ].removeprefix("prefect.flow-run.")
             at = _time(event["occurred"])
-            beat = Beat(at, at + timedelta(seconds=float(payload.get("lease_s", lease_s))))
+            vouches_s = float(payload.get("lease_s", lease_s)) + EVENTS_DELAY_S
+            beat = Beat(at, at + timedelta(seconds=vouches_s))
             run_beats[run_id] = newer(run_beats.get(run_id), beat)
             for job in payload.get("jobs", []):
                 key = (job["cluster"], job["job_id"])
