@@ -209,6 +209,8 @@ def test_a_run_killed_just_after_it_submitted_is_dead_once_its_heartbeats_lapse(
 # ---------------------------------------------------------------------------------------------
 # kill -9 of a plain script with 6 running jobs, end to end (real Prefect API, real engines)
 
+# the states of ended jobs, as Ray (and RayJobs) and Slurm's squeue say them
+ENDED = {"STOPPED", "SUCCEEDED", "FAILED", "CANCELLED", "COMPLETED", "TIMEOUT"}
 HEARTBEAT_S = 1  # the scripts' runs renew their lease (twice this) every second
 
 SCRIPT = textwrap.dedent(
@@ -240,6 +242,8 @@ class Engine:
     ref: str  # the block's saved name: what the script runs its jobs on
     states: Callable[[], dict[str, str]]  # job id -> state, for every job on the cluster
     stop: Callable[[str], None]  # stop a job by hand (cleanup)
+    # what counts as running before the kill (the scenario waits for six jobs in it)
+    running: frozenset[str] = frozenset({"RUNNING"})
 
 
 @dataclass
@@ -280,19 +284,21 @@ def kill_9_scenario(engine: Engine, prefect_api: str, logs: Path, lease_s: float
                 stdout=out, stderr=subprocess.STDOUT, env=env,
             )  # fmt: skip
 
-    def jobs(key: str, state: str | None = None) -> list[str]:
-        """The cluster's jobs of this run key (ids start with it), in `state` if given."""
+    def jobs(key: str, *, live: bool = False) -> list[str]:
+        """The cluster's jobs of this run key (ids start with it); `live`: those not ended."""
         return sorted(
             j for j, s in engine.states().items()
-            if j.startswith(f"{key}-") and (state is None or s == state)
+            if j.startswith(f"{key}-") and (not live or s not in ENDED)
         )  # fmt: skip
 
     def six_running(key: str, proc: subprocess.Popen[bytes]) -> list[str]:
         def check() -> list[str] | None:
             assert proc.poll() is None, (logs / f"{key}.log").read_text()[-3000:]
-            return ids if len(ids := jobs(key, "RUNNING")) == 6 else None
+            ids = [j for j, s in engine.states().items() if j.startswith(f"{key}-")
+                   and s in engine.running]  # fmt: skip
+            return sorted(ids) if len(ids) == 6 else None
 
-        return wait_for(check, 180, f"six RUNNING jobs of {key}")
+        return wait_for(check, 180, f"six running jobs of {key}")
 
     def kill(proc: subprocess.Popen[bytes]) -> float:
         os.kill(proc.pid, signal.SIGKILL)
@@ -324,7 +330,7 @@ def kill_9_scenario(engine: Engine, prefect_api: str, logs: Path, lease_s: float
         sweep_run_id, mine = wait_for(swept, grace + 60, "the sweeper to stop them")
         assert sorted(v.job_id for v in mine) == killed, "all six in one sweep"
         assert {v.outcome for v in mine} == {"STOPPED"}, mine
-        wait_for(lambda: not jobs(lost, "RUNNING"), 30, "the engine to show them stopped")
+        wait_for(lambda: not jobs(lost, live=True), 30, "the engine to show them stopped")
         stopped_after = time.monotonic() - killed_at
         assert stopped_after <= grace + 60, stopped_after
         assert jobs(lost) == killed, "no other job of that run key"
@@ -343,7 +349,7 @@ def kill_9_scenario(engine: Engine, prefect_api: str, logs: Path, lease_s: float
         verdicts = [v for v in sweep([engine.block], lease_s=lease_s) if v.job_id in ids]
         assert len(verdicts) == 6 and not [v for v in verdicts if v.stop], verdicts
         assert all("a run named it" in v.why for v in verdicts), verdicts
-        assert jobs(again, "RUNNING") == ids and jobs(again) == ids, "6 of 6 attached, no other"
+        assert jobs(again, live=True) == ids and jobs(again) == ids, "6 of 6 attached, no other"
         assert retry.poll() is None, "the re-run still waits on them"
         return Swept(killed, sweep_run_id, stopped_after)
     finally:
@@ -352,7 +358,7 @@ def kill_9_scenario(engine: Engine, prefect_api: str, logs: Path, lease_s: float
                 proc.kill()
                 proc.wait()
         for key in (lost, again):
-            for job_id in jobs(key, "RUNNING") + jobs(key, "PENDING"):
+            for job_id in jobs(key, live=True):
                 engine.stop(job_id)
 
 
@@ -480,15 +486,20 @@ def test_slurm_kill_9_the_sweeper_scancels_the_dead_runs_jobs_and_spares_a_rerun
         out = slurm.run(["squeue", "-h", "-t", "all", "-o", "%j|%T|%i"]).stdout
         return {line.split("|")[0]: line.split("|")[1] for line in out.splitlines() if line}
 
-    hand = f"hand-{uuid.uuid4().hex[:6]}"
+    hand = f"hand-{uuid.uuid4().hex[:6]}"  # held: it takes no slot of the small test cluster
     sid = slurm.run(
-        ["sbatch", "--parsable", "-A", slurm.account, "-p", slurm.partition, "-J", hand,
-         "-o", "/dev/null", "--wrap", "sleep 120"]
+        ["sbatch", "--parsable", "--hold", "-A", slurm.account, "-p", slurm.partition,
+         "-J", hand, "-o", "/dev/null", "--wrap", "sleep 120"]
     ).stdout.strip()  # fmt: skip
-    engine = Engine(block, f"slurm-cluster/{name}", states, block.backend().request_stop)
+    # other tests' jobs may hold slots of the shared 2-core test cluster: a job of ours may
+    # wait PENDING, and the sweeper must stop it all the same
+    engine = Engine(
+        block, f"slurm-cluster/{name}", states, block.backend().request_stop,
+        running=frozenset({"RUNNING", "PENDING"}),
+    )  # fmt: skip
     try:
         swept = kill_9_scenario(engine, prefect_api, tmp_path)
-        assert states()[hand] in ("RUNNING", "PENDING"), "a job we did not sbatch is untouched"
+        assert states()[hand] == "PENDING", "a job we did not sbatch is untouched"
     finally:
         slurm.run(["scancel", sid], check=False)
     assert len(swept.killed) == 6
