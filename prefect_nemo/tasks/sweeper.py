@@ -22,8 +22,10 @@ event per job. A job we did not submit is never listed, so never touched.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -202,9 +204,9 @@ def sweep(
     dry_run: bool = False,
 ) -> list[Verdict]:
     """Judge every job prefect-nemo submitted to these clusters (default: every saved cluster
-    block) and stop the ones nobody vouches for (not with `dry_run`); returns every verdict.
-    A cluster that cannot be reached or a block that cannot be loaded is reported and the
-    others are swept."""
+    block) and stop the ones nobody vouches for (in parallel; not with `dry_run`); returns
+    every verdict. A named block that cannot be loaded fails first (InvalidJobSpec); a cluster
+    that cannot be reached is reported and the others are swept."""
     run = current_run()
     targets = _targets(blocks, run)
     found: list[tuple[str, ClusterBlock, Any, list[OwnedJob]]] = []
@@ -220,13 +222,21 @@ def sweep(
                 f"(the other clusters are swept): {exc}"))  # fmt: skip
     owners = {job.flow_run_id for *_, jobs in found for job in jobs if job.flow_run_id}
     evidence = gather_evidence(owners, lease_s)
-    verdicts: list[Verdict] = []
-    for name, block, backend, jobs in found:
-        for job in jobs:
-            verdict = judge(name, backend.cluster, job, evidence, block.sweep_grace_s, lease_s)
-            if verdict.stop and not dry_run:
-                verdict = _stop(backend, block, job, verdict)
-            verdicts.append(verdict)
+    judged = [
+        (backend, block, job, judge(name, backend.cluster, job, evidence, block.sweep_grace_s,
+                                    lease_s))
+        for name, block, backend, jobs in found
+        for job in jobs
+    ]  # fmt: skip
+    verdicts = [verdict for *_, verdict in judged]
+    todo = [] if dry_run else [n for n, verdict in enumerate(verdicts) if verdict.stop]
+    if todo:  # each stop waits for its confirmation: in parallel, each in this run's context
+        with ThreadPoolExecutor(max_workers=min(16, len(todo))) as pool:
+            futures = [
+                pool.submit(contextvars.copy_context().run, _stop, *judged[n]) for n in todo
+            ]
+            for n, future in zip(todo, futures, strict=True):
+                verdicts[n] = future.result()
     _report(run, verdicts, dry_run)
     return verdicts
 
