@@ -333,6 +333,7 @@ def kill_9_scenario(engine: Engine, prefect_api: str, logs: Path, lease_s: float
         assert {v.outcome for v in mine} == {"STOPPED"}, mine
         wait_for(lambda: not jobs(lost, live=True), 30, "the engine to show them stopped")
         stopped_after = time.monotonic() - killed_at
+        print(f"sweep_{engine.block.get_block_type_slug()}_stopped_after_kill_s={stopped_after:.1f}")
         assert stopped_after <= grace + 60, stopped_after
         assert jobs(lost) == killed, "no other job of that run key"
 
@@ -454,7 +455,7 @@ def test_kuberay_kill_9_the_sweeper_stops_the_dead_runs_rayjobs_and_spares_a_rer
 
     hand = f"hand-{uuid.uuid4().hex[:6]}"  # made by someone else on the same RayCluster
     manifest = rayjob_manifest(
-        JobSpec(entrypoint="sleep 120"), hand, {}, block._config(), namespace="default"
+        JobSpec(entrypoint="sleep 600"), hand, {}, block._config(), namespace="default"
     )
     manifest["metadata"]["labels"] = {}
     api.create(RAY_JOB, manifest)
@@ -492,7 +493,7 @@ def test_slurm_kill_9_the_sweeper_scancels_the_dead_runs_jobs_and_spares_a_rerun
     hand = f"hand-{uuid.uuid4().hex[:6]}"  # held: it takes no slot of the small test cluster
     sid = slurm.run(
         ["sbatch", "--parsable", "--hold", "-A", slurm.account, "-p", slurm.partition,
-         "-J", hand, "-o", "/dev/null", "--wrap", "sleep 120"]
+         "-J", hand, "-o", "/dev/null", "--wrap", "sleep 600"]
     ).stdout.strip()  # fmt: skip
     # other tests' jobs may hold slots of the shared 2-core test cluster: a job of ours may
     # wait PENDING, and the sweeper must stop it all the same
