@@ -11,7 +11,6 @@ and 0 stopped. The same for KubeRay and Slurm (loopback API / real Slurm)."
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -19,7 +18,7 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -49,28 +48,11 @@ from prefect_nemo.tasks.sweeper import (
     sweep,
 )
 from tests.conftest import subprocess_env
+from tests.test_kuberay import cluster_spec
 
 # ---------------------------------------------------------------------------------------------
 # Bad inputs, on the loopback Kubernetes API: RayJobs on a RayCluster that does not exist stay
 # PENDING (nothing runs), which is all the sweeper looks at.
-
-
-@pytest.fixture
-def logged() -> Iterator[list[str]]:
-    """Messages of Prefect's loggers (the sweeper's own lines included) during the test."""
-    messages: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            messages.append(record.getMessage())
-
-    handler = Collect(logging.DEBUG)
-    logger = logging.getLogger("prefect")
-    logger.addHandler(handler)
-    try:
-        yield messages
-    finally:
-        logger.removeHandler(handler)
 
 
 def pending_block(kube_block: KubernetesCluster, **kw: Any) -> KubeRayCluster:
@@ -126,19 +108,31 @@ def test_an_unknown_block_fails_before_anything_is_stopped(
 
 
 def test_an_unreachable_cluster_is_reported_and_the_others_are_swept(
-    prefect_api: str, kube_server: Any, kube_block: KubernetesCluster, logged: list[str]
+    prefect_api: str, kube_server: Any, kube_block: KubernetesCluster
 ) -> None:
-    """"a block whose cluster is unreachable": said (which block, why), and the clusters that
-    answer are still swept."""
+    """"a block whose cluster is unreachable": said in the sweep run's log in the Prefect API
+    (which block, why, that none of its jobs was touched), and the clusters that answer are
+    still swept."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
     block = pending_block(kube_block)
     dead = submit(block, str(uuid.uuid4()))
     config = kube_server.kubeconfig()
     config["clusters"][0]["cluster"]["server"] = "http://127.0.0.1:9"  # nothing listens there
     away = pending_block(KubernetesCluster(kubeconfig=config, request_timeout_s=2))
-    verdicts = sweep([away, block])
+
+    @flow(name="sweep-in-test")
+    def sweeping() -> list[Verdict]:
+        return sweep([away, block])
+
+    state = sweeping(return_state=True)
+    verdicts = state.result()
     assert [(v.job_id, v.stop, v.outcome) for v in verdicts] == [(dead, True, "STOPPED")]
     assert not live(block, dead)
-    said = "\n".join(logged)
+    only = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id]))
+    with get_client(sync_client=True) as client:
+        said = "\n".join(log.message for log in client.read_logs(log_filter=only))
     assert (
         "sweep: cannot list the jobs of KubeRayCluster, so none of them was judged or stopped "
         "(the other clusters are swept): cannot reach the Kubernetes API at http://127.0.0.1:9"
@@ -146,7 +140,7 @@ def test_an_unreachable_cluster_is_reported_and_the_others_are_swept(
 
 
 def test_a_job_without_our_labels_or_owner_is_left_alone(
-    prefect_api: str, kube_server: Any, kube_block: KubernetesCluster, logged: list[str]
+    prefect_api: str, kube_server: Any, kube_block: KubernetesCluster
 ) -> None:
     """"it never touches ... a job we did not submit": a RayJob made by hand (no labels of
     ours) is never listed; one we submitted outside any flow run (no owner) is listed, kept,
@@ -422,8 +416,6 @@ def shared_raycluster(kube_block: KubernetesCluster, kuberay: Any) -> str:
     """An existing RayCluster the scenario's RayJobs run on (the KubeRay simulator brings it
     up; every simulated cluster runs on the session's one real Ray)."""
     from prefect_nemo.backends.kuberay import ensure_ray_cluster, wait_ray_cluster_ready
-    from tests.test_kuberay import cluster_spec
-
     ensure_ray_cluster(kube_block.api(), cluster_spec(), "sweep-shared")
     wait_ray_cluster_ready(kube_block.api(), "sweep-shared", timeout_s=60)
     return "sweep-shared"
