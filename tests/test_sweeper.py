@@ -110,7 +110,7 @@ def test_kill_9_then_the_sweeper_stops_every_job_of_the_dead_run_and_spares_a_re
     attached and 0 stopped (`kill_9_scenario`, shared with KubeRay and Slurm). A job submitted
     by hand is never touched."""
     from prefect_nemo import RayJobsCluster
-    from tests.test_sweeper_backends import Engine, kill_9_scenario
+    from tests.sweep_scenario import Engine, kill_9_scenario
 
     block = RayJobsCluster(
         dashboard_url=ray_head.dashboard_url, auth_token=ray_head.token, sweep_grace_s=5
