@@ -8,13 +8,14 @@ comment, Lepton and run:ai labels). Every run that submitted or waits on jobs em
 nobody vouches for it:
 
 - a heartbeat of a run that waits on it (a retry or a re-run that attached counts) named it
-  within the lease that heartbeat grants: kept;
+  within the lease that heartbeat grants (plus EVENTS_DELAY_S: the API shows events late): kept;
 - a `prefect-nemo.job.stop-pending` event says a stop was asked for and never confirmed (the
   cluster was unreachable): stopped now, whatever its run says;
 - its run COMPLETED: kept (a job submitted and not waited for was left running on purpose);
-- its run FAILED, CRASHED or CANCELLED, or is gone, or has stopped renewing its lease: stopped
-  once that has lasted `sweep_grace_s` (the block's setting), so a retry of a crashed run that
-  comes within the grace attaches instead.
+- its run FAILED, CRASHED or CANCELLED, or is gone, or has stopped renewing its lease (the
+  job's submission counts as its heartbeat until one names it): stopped once that has lasted
+  `sweep_grace_s` (the block's setting), so a retry of a crashed run that comes within the
+  grace attaches instead.
 
 What was stopped is reported: a table artifact of the sweep's run and a `prefect-nemo.job.swept`
 event per job. A job we did not submit is never listed, so never touched.
@@ -222,12 +223,11 @@ def sweep(
                 f"(the other clusters are swept): {exc}"))  # fmt: skip
     owners = {job.flow_run_id for *_, jobs in found for job in jobs if job.flow_run_id}
     evidence = gather_evidence(owners, lease_s)
-    judged = [
-        (backend, block, job, judge(name, backend.cluster, job, evidence, block.sweep_grace_s,
-                                    lease_s))
-        for name, block, backend, jobs in found
-        for job in jobs
-    ]  # fmt: skip
+    judged: list[tuple[Any, ClusterBlock, OwnedJob, Verdict]] = []
+    for name, block, backend, jobs in found:
+        for job in jobs:
+            verdict = judge(name, backend.cluster, job, evidence, block.sweep_grace_s, lease_s)
+            judged.append((backend, block, job, verdict))
     verdicts = [verdict for *_, verdict in judged]
     todo = [] if dry_run else [n for n, verdict in enumerate(verdicts) if verdict.stop]
     if todo:  # each stop waits for its confirmation: in parallel, each in this run's context
