@@ -28,9 +28,14 @@ from tests.conftest import subprocess_env
 
 # the states of ended jobs, as Ray (and RayJobs) and Slurm's squeue say them
 ENDED = {"STOPPED", "SUCCEEDED", "FAILED", "CANCELLED", "COMPLETED", "TIMEOUT"}
-RETRY_GRACE_S = 30.0  # the grace within which the scenario's re-run attaches
+# The grace within which the scenario's re-run attaches and its heartbeats reach the API: on a
+# busy 2-core machine a re-run took 28 s to start, and the burst of reports at its attach held
+# its heartbeats back ~15 s more (30 s of grace was too short there).
+RETRY_GRACE_S = 60.0
 HEARTBEAT_S = 1  # the scripts' runs renew their lease (twice this) every second
 
+# The plain script: six jobs, each `sleep 240` (long enough to outlive the scenario on a busy
+# machine, short of the Slurm test block's 5-minute time limit), waited on by one flow run.
 SCRIPT = textwrap.dedent(
     """
     import sys
@@ -40,7 +45,7 @@ SCRIPT = textwrap.dedent(
 
     @flow
     def six_jobs():
-        futures = [run_job.submit(JobSpec(entrypoint="sleep 120", name=f"s{i}"), block)
+        futures = [run_job.submit(JobSpec(entrypoint="sleep 240", name=f"s{i}"), block)
                    for i in range(count)]
         print("SUBMITTED", flush=True)
         for f in futures:
@@ -154,8 +159,8 @@ def kill_9_scenario(engine: Engine, prefect_api: str, logs: Path, lease_s: float
         assert stopped_after <= grace + 60, stopped_after
         assert jobs(lost) == killed, "no other job of that run key"
 
-        # 2. killed, then run again within the grace (a longer one: a re-run takes 10-20 s to
-        # start and attach on a busy 2-core machine): it attaches; the sweeper spares all six
+        # 2. killed, then run again within the grace (a longer one, RETRY_GRACE_S): the re-run
+        # attaches; the sweeper spares all six
         patient = engine.block.model_copy(update={"sweep_grace_s": RETRY_GRACE_S})
         started.append(first := start(again))
         ids = six_running(again, first)
