@@ -6,6 +6,7 @@ environment (`OWNER_ENV`)."""
 
 from __future__ import annotations
 
+import os
 import socket
 from datetime import UTC, datetime
 from pathlib import Path
@@ -111,16 +112,31 @@ class NemoRunLocalBackend(NemoRunBackend):
         return out
 
     def make_task(self, spec: JobSpec, job_id: str) -> Any:
-        """The entrypoint as an inline script in working_dir (staged), secrets in its env only.
+        """The entrypoint as an inline script in working_dir (staged), secrets in its env only;
+        a JobSpec.task as it is (its env, `task_env`, on the executor).
 
         The local scheduler hands the env to the process (Popen) and keeps none of it on disk.
         """
+        if spec.task is not None:
+            return super().make_task(spec, job_id)
         run = nemo_run()
         command = spec.entrypoint
         if spec.working_dir is not None:
-            staged = stage_source(collect_source(spec.working_dir, exclude=spec.exclude))
-            command = f"cd {_quote(staged)} && {command}"
+            command = f"cd {_quote(self._staged(spec))} && {command}"
         return run.Script(inline=command, env=spec.plain_env())
+
+    def task_env(self, spec: JobSpec) -> dict[str, str]:
+        """The whole env, secrets included (Popen keeps them off disk), and the staged
+        working_dir first on PYTHONPATH, where NeMo-Run's runner imports the task's code."""
+        env = spec.plain_env()
+        if spec.working_dir is not None:
+            path = [str(self._staged(spec)), env.get("PYTHONPATH", "")]
+            env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
+        return env
+
+    def _staged(self, spec: JobSpec) -> Path:
+        assert spec.working_dir is not None
+        return stage_source(collect_source(spec.working_dir, exclude=spec.exclude))
 
 
 def _quote(path: Path) -> str:

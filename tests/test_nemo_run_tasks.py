@@ -1,0 +1,274 @@
+"""NeMo-Run tasks as job definitions (issue 15): one run.Partial of one small real function
+(numpy work that writes a file and prints a metric, tests/nemo_task_code/metric_task.py), run
+unchanged on every backend; its identity from its configuration; bad tasks refused before submit;
+its secrets kept out of everything we write."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import uuid
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect import flow
+from pydantic import SecretStr
+
+from prefect_nemo import InvalidJobSpec, JobSpec, JobState, run_job
+
+CODE = Path(__file__).parent / "nemo_task_code"
+CANARY = "canary-task-secret-5d09e1"
+BACKENDS = ["ray-jobs", "nemo-run-local"]
+
+pytestmark = pytest.mark.nemo_run
+
+
+@pytest.fixture
+def metric(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The task's module, imported from CODE as the job imports it (working_dir=CODE); nemo_run
+    first imported through prefect-nemo, which keeps its NEMORUN_HOME isolated."""
+    from prefect_nemo.backends.nemo_run.isolation import nemo_run
+
+    nemo_run()
+    monkeypatch.syspath_prepend(str(CODE))
+    import metric_task
+
+    return metric_task
+
+
+def _local_block() -> Any:
+    from prefect_nemo.backends.nemo_run.local import NemoRunLocalBackend
+    from prefect_nemo.blocks.base import ClusterBlock
+
+    class NemoRunLocalTasks(ClusterBlock):
+        """Test block: NeMo-Run's LocalExecutor; NeMo-Run's runner runs this env's python."""
+
+        _block_type_slug = "test-nemo-run-local-tasks"
+
+        def backend(self) -> NemoRunLocalBackend:
+            """The local backend, this interpreter first on PATH."""
+            path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+            return NemoRunLocalBackend(env={"PATH": path})
+
+    return NemoRunLocalTasks(max_poll_interval_s=0.5)
+
+
+def _block(backend: str, request: pytest.FixtureRequest) -> Any:
+    if backend == "ray-jobs":
+        return request.getfixturevalue("ray_head").block()
+    return _local_block()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_partial_runs_unchanged_on_every_backend(
+    backend, request, metric, prefect_api, tmp_path
+):
+    """"One small real function (for example numpy work that writes a file and prints a metric)
+    as a `run.Partial` runs to SUCCEEDED, unchanged, on: local, real Slurm, a real local Ray
+    cluster (Ray Jobs) ... One parametrized test over the backends, asserting the output, not
+    just the state." On Ray Jobs it runs through NeMo-Run's runner entrypoint; on the NeMo-Run
+    local executor NeMo-Run packages and runs it itself."""
+    import nemo_run as run
+
+    block = _block(backend, request)
+    out = tmp_path / "out" / "summary.json"
+    task = run.Partial(metric.summarize, n=2000, seed=7, out=str(out), token=SecretStr(CANARY))
+    spec = JobSpec(task=task, working_dir=CODE, timeout_s=240)
+
+    @flow
+    def nemo_task_flow():
+        return run_job(spec, cluster=block)
+
+    result = nemo_task_flow()
+    assert result.state is JobState.SUCCEEDED
+    std = metric.expected(2000, 7)
+    log = block.backend().logs(result.handle.job_id)
+    assert f"metric std={std}" in log, log
+    record = json.loads(out.read_text())
+    assert record["std"] == std and record["n"] == 2000
+    assert record["token_sha256"] == hashlib.sha256(CANARY.encode()).hexdigest(), (
+        "the SecretStr reached the function as a SecretStr with its value"
+    )
+    assert CANARY not in log
+    if backend == "ray-jobs":
+        info = request.getfixturevalue("ray_client").get_job_info(result.handle.job_id)
+        runner = "python -m nemo_run.core.runners.fdl_runner -n summarize "
+        assert info.entrypoint.startswith(runner), "NeMo-Run's own runner entrypoint"
+
+
+def test_identity_is_the_configuration(metric):
+    """"Its identity (the job id) is derived from the task's serialized configuration, so a
+    re-run of the same task attaches": the same task gives the same key, any change another."""
+    import nemo_run as run
+
+    def spec(**kw: Any) -> JobSpec:
+        args = {"n": 10, "seed": 1, "out": "/tmp/x.json", **kw}
+        return JobSpec(task=run.Partial(metric.summarize, **args), working_dir=CODE)
+
+    first, again, other = spec(), spec(), spec(seed=2)
+    assert first.task.key == again.task.key and first.task.key.startswith("summarize-")
+    assert first.fingerprint() == again.fingerprint()
+    assert other.task.key != first.task.key
+    with_secret = spec(token=SecretStr("a")).task.key
+    assert spec(token=SecretStr("b")).task.key == with_secret, "secret values are not identity"
+    assert JobSpec(**first.model_dump()) == first, "the spec round-trips as data"
+
+
+@pytest.mark.slow
+def test_a_rerun_of_the_same_task_attaches(metric, ray_head, ray_client, prefect_api, tmp_path):
+    """A second run_job of the same task in the same run attaches to the first job (its id is
+    the configuration's); the same function with another argument is another job."""
+    import nemo_run as run
+
+    block = ray_head.block()
+    out = str(tmp_path / "s.json")
+
+    @flow
+    def twice():
+        a = run_job(JobSpec(task=run.Partial(metric.summarize, n=50, seed=3, out=out),
+                            working_dir=CODE), cluster=block)
+        b = run_job(JobSpec(task=run.Partial(metric.summarize, n=50, seed=3, out=out),
+                            working_dir=CODE), cluster=block)
+        c = run_job(JobSpec(task=run.Partial(metric.summarize, n=50, seed=4, out=out),
+                            working_dir=CODE), cluster=block)
+        return a, b, c
+
+    a, b, c = twice()
+    assert b.handle.job_id == a.handle.job_id and b.attached and not a.attached
+    assert c.handle.job_id != a.handle.job_id and not c.attached
+
+
+def _in_main() -> None:
+    """Stands for a function a notebook cell defines."""
+
+
+_in_main.__module__ = "__main__"
+
+
+def test_bad_tasks_fail_before_submit_naming_task_and_reason(metric, tmp_path):
+    """"A task whose function cannot be imported in the job, or that is not serializable,
+    fails before submit with an error naming the task and the reason." """
+    import nemo_run as run
+    import numpy as np
+
+    def local_fn() -> None:
+        pass
+
+    cases = [
+        (run.Partial(local_fn), None, "local_fn", "defined inside a function"),
+        (run.Partial(_in_main), None, "_in_main", "defined in __main__"),
+        (run.Partial(metric.summarize, n=1, seed=1, out="x"), None, "metric_task.summarize",
+         "neither an installed package nor under JobSpec.working_dir"),
+        (run.Partial(metric.summarize, n=1, seed=1, out="x"), tmp_path, "metric_task.summarize",
+         "neither an installed package nor under JobSpec.working_dir"),
+        (run.Partial(metric.summarize, n=np.arange(3), seed=1, out="x"), CODE,
+         "metric_task.summarize", "not serializable by NeMo-Run's serializer"),
+    ]
+    for task, working_dir, names_task, reason in cases:
+        with pytest.raises(InvalidJobSpec) as info:
+            JobSpec(task=task, working_dir=working_dir)
+        assert "JobSpec.task" in str(info.value) and names_task in str(info.value)
+        assert reason in str(info.value), str(info.value)
+    with pytest.raises(InvalidJobSpec, match="each say what the job runs"):
+        JobSpec(entrypoint="true", task=run.Partial(metric.summarize), working_dir=CODE)
+
+
+@pytest.mark.slow
+def test_bad_task_through_run_job_submits_nothing(metric, ray_head, ray_client, prefect_api):
+    """The notebook path, `run_job(run.Partial(fn, ...), cluster)`, refuses a function defined in
+    a cell (__main__) before anything reaches the cluster."""
+    import nemo_run as run
+
+    before = {j.submission_id for j in ray_client.list_jobs()}
+
+    @flow
+    def from_a_cell():
+        return run_job(run.Partial(_in_main), cluster=ray_head.block())
+
+    state = from_a_cell(return_state=True)
+    with pytest.raises(InvalidJobSpec, match=r"task __main__\._in_main cannot be imported"):
+        state.result()
+    assert {j.submission_id for j in ray_client.list_jobs()} == before
+
+
+@pytest.mark.slow
+def test_task_secrets_stay_out_of_payload_dry_run_logs_and_artifacts(
+    metric, ray_head, prefect_api, tmp_path, caplog, capfd
+):
+    """"Secrets in the task's configuration (SecretStr values) never appear in the serialized
+    payload we log, the artifacts, or the dry-run output." The payload is decoded (base64, zlib)
+    before it is searched: a compressed secret would hide from a plain text search."""
+    import nemo_run as run
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from tests.test_secrets import _logs_of_flow_run
+
+    task = run.Partial(
+        metric.summarize, n=10, seed=1, out=str(tmp_path / "o.json"), token=SecretStr(CANARY)
+    )
+    spec = JobSpec(task=task, working_dir=CODE, name=f"secret-{uuid.uuid4().hex[:6]}")
+    payload = spec.entrypoint.rsplit(" ", 1)[-1]
+    decoded = zlib.decompress(base64.urlsafe_b64decode(payload)).decode()
+    assert CANARY not in decoded and "PREFECT_NEMO_TASK_SECRET_0" in decoded
+
+    @flow
+    def secret_flow():
+        dry = run_job(spec, cluster=ray_head.block(), dry_run=True)
+        return dry, run_job(spec, cluster=ray_head.block())
+
+    state = secret_flow(return_state=True)
+    dry, result = state.result()
+    assert result.state is JobState.SUCCEEDED
+    flow_run_id = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        )
+        logs = _logs_of_flow_run(client, flow_run_id, until=result.handle.job_id)
+    haystacks = {
+        "dry run": dry.yaml,
+        "artifacts": json.dumps([a.model_dump(mode="json") for a in artifacts]),
+        "prefect logs": logs,
+        "caplog": caplog.text,
+        "stdout/stderr": "".join(capfd.readouterr()),
+        "spec": repr(spec) + spec.model_dump_json(),
+    }
+    assert payload in haystacks["dry run"], "the dry run shows the payload it would send"
+    for where, text in haystacks.items():
+        assert CANARY not in text, f"the task's secret leaked into {where}"
+    assert json.loads((tmp_path / "o.json").read_text())["token_sha256"] == hashlib.sha256(
+        CANARY.encode()
+    ).hexdigest()
+
+
+def test_without_nemo_run_a_task_names_the_extra():
+    """"nemo-run stays an optional extra; without it, passing a NeMo-Run task raises an
+    ImportError naming `prefect-nemo[nemo-run]`." nemo_run is made unimportable in a child."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('nemo_run',):\n"
+        "            raise ImportError('No module named ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from types import SimpleNamespace\n"
+        "from prefect_nemo import JobSpec\n"
+        "try:\n"
+        "    JobSpec(task=SimpleNamespace(fn=print))\n"
+        "except ImportError as exc:\n"
+        "    print('ImportError:', exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert "ImportError:" in out.stdout and "prefect-nemo[nemo-run]" in out.stdout, (
+        out.stdout + out.stderr[-2000:]
+    )
