@@ -24,7 +24,7 @@ from prefect_nemo import InvalidJobSpec, JobSpec, JobState, run_job
 
 CODE = Path(__file__).parent / "nemo_task_code"
 CANARY = "canary-task-secret-5d09e1"
-BACKENDS = ["ray-jobs", "nemo-run-local"]
+BACKENDS = ["ray-jobs", "nemo-run-local", "slurm"]
 
 pytestmark = pytest.mark.nemo_run
 
@@ -59,10 +59,29 @@ def _local_block() -> Any:
     return NemoRunLocalTasks(max_poll_interval_s=0.5)
 
 
-def _block(backend: str, request: pytest.FixtureRequest) -> Any:
+def _block(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """The cluster block of `backend`; only its own fixtures are started."""
     if backend == "ray-jobs":
         return request.getfixturevalue("ray_head").block()
-    return _local_block()
+    if backend == "nemo-run-local":
+        return _local_block()
+    from prefect_nemo.blocks.slurm import SlurmCluster
+
+    slurm = request.getfixturevalue("slurm")
+    return SlurmCluster(
+        host=slurm.host,
+        port=slurm.port,
+        user=slurm.user,
+        identity_key=SecretStr(slurm.identity.read_text()),
+        known_hosts=slurm.known_hosts.read_text(),
+        job_dir=str(tmp_path / "slurm-jobs"),
+        account=slurm.account,
+        partition=slurm.partition,
+        time="00:10:00",
+        max_poll_interval_s=0.5,
+        # the compute node is this machine: NeMo-Run's runner runs this env's python
+        setup_lines=f"export PATH={Path(sys.executable).parent}:$PATH",
+    )
 
 
 @pytest.mark.slow
@@ -77,7 +96,7 @@ def test_one_partial_runs_unchanged_on_every_backend(
     local executor NeMo-Run packages and runs it itself."""
     import nemo_run as run
 
-    block = _block(backend, request)
+    block = _block(backend, request, tmp_path)
     out = tmp_path / "out" / "summary.json"
     task = run.Partial(metric.summarize, n=2000, seed=7, out=str(out), token=SecretStr(CANARY))
     spec = JobSpec(task=task, working_dir=CODE, timeout_s=240)

@@ -336,8 +336,17 @@ class SlurmBackend(NemoRunBackend):
         executor.comment = owner_comment(metadata.get(META_FLOW_RUN, ""))
 
     def make_task(self, spec: JobSpec, job_id: str) -> Any:
-        """The entrypoint as an inline script; env goes through setup_lines (quoted, case kept)."""
+        """The entrypoint as an inline script, or the spec's NeMo-Run task as it is (run in
+        the code dir, where NeMo-Run's runner imports it); env goes through setup_lines
+        (quoted, case kept)."""
+        if spec.task is not None:
+            return spec.task.build()
         return nemo_run().Script(inline=spec.entrypoint)
+
+    def task_env(self, spec: JobSpec) -> dict[str, str]:
+        """Nothing on the executor: setup_lines carries the env (NeMo-Run's own export of
+        env_vars upper-cases names and leaves values unquoted)."""
+        return {}
 
     def _setup_lines(self, spec: JobSpec, job_id: str) -> str:
         # NeMo-Run writes `export KEY.upper()=value` unquoted; we write the env ourselves.
