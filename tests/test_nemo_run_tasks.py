@@ -24,7 +24,7 @@ from prefect_nemo import InvalidJobSpec, JobSpec, JobState, run_job
 
 CODE = Path(__file__).parent / "nemo_task_code"
 CANARY = "canary-task-secret-5d09e1"
-BACKENDS = ["ray-jobs", "nemo-run-local", "slurm", "kuberay", "kubeflow"]
+BACKENDS = ["ray-jobs", "nemo-run-local", "slurm", "kuberay", "kubeflow", "lepton", "dgx-cloud"]
 
 pytestmark = pytest.mark.nemo_run
 
@@ -36,6 +36,15 @@ def trainer(kube_server: Any) -> Any:
 
     with TrainJobSimulator(kube_server) as sim:
         yield sim
+
+
+@pytest.fixture
+def _stack() -> Any:
+    """Loopback servers a test starts on demand, stopped when it ends."""
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        yield stack
 
 
 @pytest.fixture
@@ -69,7 +78,8 @@ def _local_block() -> Any:
 
 
 def _block(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> Any:
-    """The cluster block of `backend`; only its own fixtures are started."""
+    """The cluster block of `backend`; only its own fixtures are started (the loopback Lepton
+    and run:ai servers stay up until the test ends)."""
     if backend == "ray-jobs":
         return request.getfixturevalue("ray_head").block()
     if backend == "nemo-run-local":
@@ -85,6 +95,45 @@ def _block(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> Any:
         wait_ray_cluster_ready(kube.api(), "tasks", timeout_s=60)
         token = request.getfixturevalue("ray_head").token
         return KubeRayCluster(kubernetes=kube, ray_token=token, ray_cluster_name="tasks")
+    if backend == "lepton":
+        from prefect_nemo.blocks.lepton import LeptonWorkspace
+        from prefect_nemo.testing.lepton import LeptonServer
+
+        lepton = request.getfixturevalue("_stack").enter_context(
+            LeptonServer(token="lep-" + uuid.uuid4().hex[:12], start_s=0.1, running_s=0.4)
+        )
+        request.node.lepton = lepton
+        shared = tmp_path / "shared"
+        return LeptonWorkspace(
+            workspace_id=lepton.workspace_id,
+            workspace_url=lepton.api_url,
+            token=lepton.token,
+            node_group="nemo-nodes",
+            nemo_run_dir=str(shared / "nemo-run"),
+            mounts=[{"path": "/", "mount_path": str(shared), "from": "node-nfs:shared"}],
+            max_poll_interval_s=0.2,
+        )
+    if backend == "dgx-cloud":
+        from prefect_nemo.blocks.dgx_cloud import DGXCloudCluster
+        from prefect_nemo.testing.runai import RunaiServer
+
+        secret = "dgx-" + uuid.uuid4().hex[:12]
+        runai = request.getfixturevalue("_stack").enter_context(
+            RunaiServer(client_secret=secret, creating_s=0.05, initializing_s=0.05, execute=True)
+        )
+        # the fake's pods inherit this PATH (an image's PATH): this env's python first
+        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        request.getfixturevalue("monkeypatch").setenv("PATH", path)
+        pvc = tmp_path / "pvc"
+        return DGXCloudCluster(
+            base_url=runai.base_url,
+            client_id=runai.client_id,
+            client_secret=secret,
+            project_name="nemo-project",
+            pvc_nemo_run_dir=str(pvc / "nemo-run"),
+            pvcs=[{"path": str(pvc), "claimName": "nemo-pvc", "existingPvc": True}],
+            max_poll_interval_s=0.2,
+        )
     if backend == "kubeflow":
         from prefect_nemo.blocks import KubeflowTrainerCluster
 
@@ -137,7 +186,10 @@ def test_one_partial_runs_unchanged_on_every_backend(
     result = nemo_task_flow()
     assert result.state is JobState.SUCCEEDED
     std = metric.expected(2000, 7)
-    log = block.backend().logs(result.handle.job_id)
+    if backend == "lepton":  # the fake runs nothing: run its pod's payload here
+        log = _run_lepton_pod(request.node.lepton, block, result.handle.job_id)
+    else:
+        log = block.backend().logs(result.handle.job_id)
     assert f"metric std={std}" in log, log
     record = json.loads(out.read_text())
     assert record["std"] == std and record["n"] == 2000
@@ -153,6 +205,29 @@ def test_one_partial_runs_unchanged_on_every_backend(
         # NeMo-Run's torchrun component: a Partial runs as `torchrun ... -m <fdl_runner> -n ..`
         assert '--nproc-per-node="$PET_NPROC_PER_NODE"' in command
         assert " -m nemo_run.core.runners.fdl_runner -n summarize " in command
+
+
+def _run_lepton_pod(lepton: Any, block: Any, job_id: str) -> str:
+    """What the Lepton job's pod runs, run here: its launch script's code unpacking (on the
+    shared mount), then its last line, the task's command, in the unpacked code dir (the
+    script's /nemo_run/code; the image-specific lines, a wget of Lepton's env script and the
+    /nemo_run symlink, are left out). Returns the pod's output."""
+    job = lepton.jobs[job_id]
+    job_dir = block.backend().local_experiment_dir(job_id) / job_id
+    lines = (job_dir / "launch_script.sh").read_text().strip().splitlines()
+    (setup,) = [line for line in lines if line.endswith("|| exit 1")]
+    assert lines[-2] == "cd /nemo_run/code"
+    assert lines[-1].startswith("python -m nemo_run.core.runners.fdl_runner -n summarize ")
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = {**lepton.pod_env(job, 0), "PATH": path}
+    code = Path(block.nemo_run_dir).joinpath(*job_dir.relative_to(
+        block.backend().local_experiment_dir(job_id).parents[2]).parts, "code")
+    out = subprocess.run(["/bin/bash", "-c", setup], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    out = subprocess.run(["/bin/bash", "-c", lines[-1]], env=env, cwd=code, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
 
 
 def test_identity_is_the_configuration(metric):
