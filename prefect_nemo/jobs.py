@@ -12,7 +12,7 @@ from contextvars import ContextVar
 from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from pydantic import (
     BaseModel,
@@ -124,7 +124,7 @@ class JobSpec(_Model):
     resources and limits.
 
     Fields: entrypoint, task, name, env, working_dir, exclude, resources, label_selector,
-    placement, runtime_env, labels, metadata, timeout_s.
+    placement, runtime_env, labels, metadata, timeout_s, launcher.
     """
 
     entrypoint: StrictStr | None = Field(
@@ -184,6 +184,13 @@ class JobSpec(_Model):
     )
     timeout_s: float | None = Field(
         None, gt=0, description="Seconds the job may run before it is stopped; None = no limit."
+    )
+    launcher: Literal["torchrun"] | None = Field(
+        None,
+        description="How each node starts the job's processes: 'torchrun' runs placement.nodes "
+        "x placement.gpus_per_node processes (NeMo-Run's Torchrun launcher on Slurm, Lepton, DGX "
+        "Cloud and local; the Torch plugin's rendezvous on Kubeflow Trainer); None runs the "
+        "command once per node (Ray flows: Ray starts its own workers).",
     )
 
     @field_validator("entrypoint")
@@ -336,6 +343,17 @@ class JobSpec(_Model):
         }
         blob = json.dumps(data, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def refuse_launcher(spec: JobSpec, kind: str) -> None:
+    """A Ray job (Ray Jobs, KubeRay, Ray on Lepton / DGX Cloud) takes no launcher: its
+    entrypoint is the driver, run once, and Ray starts the workers."""
+    if spec.launcher is not None:
+        raise InvalidJobSpec(
+            f"JobSpec.launcher={spec.launcher!r}: a {kind} job's entrypoint is a Ray driver, run "
+            "once; Ray starts its workers (a Ray flow takes launcher=None). Use launcher=None, or "
+            "run the torchrun job on a Slurm, Kubeflow Trainer, Lepton, DGX Cloud or local cluster"
+        )
 
 
 class JobHandle(BaseModel):

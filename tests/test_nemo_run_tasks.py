@@ -401,3 +401,114 @@ def test_without_nemo_run_a_task_names_the_extra():
     assert "ImportError:" in out.stdout and "prefect-nemo[nemo-run]" in out.stdout, (
         out.stdout + out.stderr[-2000:]
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers (issue 15 item 3): rendered by each backend's dry run, nothing submitted
+
+
+def _torchrun_spec(metric: Any, nodes: int, gpus: int) -> JobSpec:
+    import nemo_run as run
+
+    from prefect_nemo.placement import PlacementSpec
+
+    return JobSpec(
+        task=run.Partial(metric.summarize, n=10, seed=1, out="/tmp/unused.json"),
+        working_dir=CODE,
+        launcher="torchrun",
+        placement=PlacementSpec(
+            nodes=nodes, gpus_per_node=gpus, strategy="spread" if nodes > 1 else "pack"
+        ),
+    )
+
+
+def test_torchrun_is_refused_for_a_ray_job_naming_the_field(metric):
+    """"Bad combinations (torchrun with a Ray cluster job ...) fail before submission, naming
+    the field." A Ray job's entrypoint is the driver, run once; Ray starts its workers."""
+    from prefect_nemo.backends.ray_jobs import RayJobsBackend
+
+    spec = _torchrun_spec(metric, 1, 0)
+    with pytest.raises(InvalidJobSpec, match=r"JobSpec\.launcher='torchrun'.*launcher=None"):
+        RayJobsBackend("http://127.0.0.1:9").validate(spec)  # no request: nothing listens
+
+
+def test_torchrun_on_kubeflow_needs_the_blocks_torchrun_and_matching_gpus(metric):
+    """Kubeflow Trainer: the block's shape is the runtime's; torchrun off in the block, or a
+    placement whose GPUs per node differ from the block's, fail naming the field."""
+    from prefect_nemo.backends.kubeflow import TrainerConfig
+    from prefect_nemo.backends.kubeflow.trainjob import check_spec
+
+    spec = _torchrun_spec(metric, 1, 2)
+    with pytest.raises(InvalidJobSpec, match=r"KubeflowTrainerCluster\.torchrun is off"):
+        check_spec(spec, TrainerConfig(image="img", gpus_per_node=2, torchrun=False))
+    with pytest.raises(InvalidJobSpec, match=r"JobSpec\.placement\.gpus_per_node: 2.* is 4"):
+        check_spec(spec, TrainerConfig(image="img", gpus_per_node=4))
+    check_spec(spec, TrainerConfig(image="img", gpus_per_node=2))
+
+
+def test_torchrun_on_local_is_nemo_runs_torchrun_with_procs_from_placement(metric, tmp_path):
+    """NeMo-Run's torchrun component (`torchx_backend/components/torchrun.py`) runs a Partial as
+    `torchrun ... --nnodes <n> --nproc-per-node <p> ... -m nemo_run.core.runners.fdl_runner`,
+    `j=f"{executor.nnodes()}x{executor.nproc_per_node()}"`: on the local executor p is
+    placement.gpus_per_node."""
+    from prefect_nemo.backends.nemo_run.local import NemoRunLocalBackend
+
+    backend = NemoRunLocalBackend()
+    spec = _torchrun_spec(metric, 1, 2)
+    backend.validate(spec)
+    [doc] = backend.render(spec, f"tr-{uuid.uuid4().hex[:6]}", {})
+    command = " ".join(doc["command"])
+    assert doc["command"][0] == "torchrun", command
+    assert "--nnodes 1 " in command and "--nproc-per-node 2 " in command
+    assert " -m nemo_run.core.runners.fdl_runner -n " in command
+
+
+@pytest.mark.slow
+def test_torchrun_on_slurm_is_one_task_per_node_and_a_process_per_gpu(metric, slurm, tmp_path):
+    """On Slurm NeMo-Run's SlurmExecutor under Torchrun sets `ntasks_per_node=1` and
+    `torchrun_nproc_per_node` ("Detected Torchrun launcher, setting ntasks_per_node=1"): the
+    sbatch script asks for the placement's nodes and GPUs and srun starts torchrun once per
+    node with one process per GPU."""
+    from tests.test_nemo_run_slurm import slurm_block
+
+    (tmp_path / "jobs").mkdir()
+    backend = slurm_block(slurm, tmp_path / "jobs").backend()
+    spec = _torchrun_spec(metric, 2, 4)
+    script = backend.render(spec, f"tr-{uuid.uuid4().hex[:6]}", {})[0]["script"]
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=1" in script
+    assert "#SBATCH --gpus-per-node=4" in script
+    assert "torchrun" in script and "--nnodes 2" in script and "--nproc-per-node 4" in script
+    assert "-m nemo_run.core.runners.fdl_runner -n " in script
+
+
+def test_torchrun_on_lepton_and_dgx_cloud_is_nemo_runs_pod_command(metric, tmp_path):
+    """Lepton and DGX Cloud run what NeMo-Run's packaging makes of the Partial under Torchrun
+    (the command NeMo-Run's Lepton / DGX Cloud schedulers hand to `executor.launch`): Lepton's
+    with `--node-rank $NODE_RANK --master-addr $MASTER_ADDR`, DGX Cloud's with `--nnodes` and
+    `--nproc-per-node` only (run:ai's PyTorch operator sets the rendezvous env). A launcher
+    around a plain command is refused there, naming the field."""
+    from prefect_nemo.testing.lepton import LeptonServer
+    from prefect_nemo.testing.runai import RunaiServer
+    from tests.test_dry_run import LEPTON_ENV
+    from tests.test_nemo_run_dgx_cloud import cluster_block
+    from tests.test_nemo_run_lepton import workspace_block
+
+    spec = _torchrun_spec(metric, 2, 1)
+    with LeptonServer(token="lep-" + uuid.uuid4().hex[:12], start_s=0.1) as lepton:
+        block = workspace_block(lepton, tmp_path, **LEPTON_ENV)
+        documents = block.backend().render(spec, f"tr-{uuid.uuid4().hex[:6]}", {})
+        script = next(d for d in documents if d["kind"] == "LeptonLaunchScript")["script"]
+        assert not lepton.requests.entries
+    line = script.strip().splitlines()[-1]
+    assert line.startswith("torchrun --nnodes 2 --nproc-per-node 1 --node-rank $NODE_RANK "), line
+    assert " -m nemo_run.core.runners.fdl_runner -n summarize " in line
+    with pytest.raises(InvalidJobSpec, match=r"JobSpec\.launcher='torchrun': on lepton"):
+        block.backend().validate(spec.model_copy(update={"task": None}))
+
+    with RunaiServer(client_secret="dgx-" + uuid.uuid4().hex[:8]) as runai:
+        block = cluster_block(runai, tmp_path / "pvc", gpus_per_node=1, nodes=2)
+        [doc] = block.backend().render(spec, f"tr-{uuid.uuid4().hex[:6]}", {})
+        assert not runai.requests.entries
+    args = doc["request"]["spec"]["args"]
+    assert "torchrun --nnodes 2 --nproc-per-node 1 " in args
+    assert " -m nemo_run.core.runners.fdl_runner -n summarize " in args

@@ -344,6 +344,8 @@ class NemoRunBackend(ABC):
         """`make_executor`, assigned its experiment and a fresh local job dir (`local_dir` for
         a dry run: the remote paths still follow the real local layout, which they mirror)."""
         executor = self.make_executor(spec, job_id)
+        if spec.launcher is not None:  # NeMo-Run's own launcher; nodes x procs from make_executor
+            executor.launcher = spec.launcher
         exp_dir = self.local_experiment_dir(job_id)
         executor.assign(experiment_id(job_id), str(exp_dir), job_id, job_id)
         if local_dir is None:

@@ -6,6 +6,7 @@ environment (`OWNER_ENV`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from datetime import UTC, datetime
@@ -50,9 +51,13 @@ class NemoRunLocalBackend(NemoRunBackend):
         super().validate(spec)
 
     def make_executor(self, spec: JobSpec, job_id: str) -> Any:
-        """A LocalExecutor; env from the block, then the job's plain env."""
+        """A LocalExecutor; env from the block, then the job's plain env; under torchrun one
+        process per GPU of the placement (at least one)."""
         run = nemo_run()
-        return run.LocalExecutor(ntasks_per_node=1, env_vars=dict(self._env))
+        procs = 1
+        if spec.launcher == "torchrun" and spec.placement is not None:
+            procs = max(1, spec.placement.gpus_per_node)
+        return run.LocalExecutor(ntasks_per_node=procs, env_vars=dict(self._env))
 
     def carry_owner(self, executor: Any, metadata: dict[str, str]) -> None:
         """The owner in the process's environment."""
@@ -98,7 +103,9 @@ class NemoRunLocalBackend(NemoRunBackend):
         out = []
         for replicas in dryrun_info.request.role_params.values():
             for params in replicas:
-                script = Path(params.args[-1])
+                script, text = Path(params.args[-1]) if params.args else Path(), ""
+                with contextlib.suppress(OSError):  # a task's last argument is its payload
+                    text = script.read_text() if script.is_file() else ""
                 out.append(
                     {
                         "kind": "LocalProcess",
@@ -106,7 +113,7 @@ class NemoRunLocalBackend(NemoRunBackend):
                         "cwd": params.cwd,
                         "env": dict(params.env),
                         "log": params.combined,
-                        "script": script.read_text() if script.is_file() else "",
+                        "script": text,
                     }
                 )
         return out

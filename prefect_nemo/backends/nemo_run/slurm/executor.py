@@ -329,6 +329,8 @@ class SlurmBackend(NemoRunBackend):
         from nemo_run.core.execution.slurm import SlurmJobDetails
 
         executor.job_details = SlurmJobDetails(job_name=job_id)
+        if spec.launcher == "torchrun":  # one srun task per node, torchrun starts one per GPU
+            executor.torchrun_nproc_per_node = alloc.get("gpus_per_node") or 1
         return executor
 
     def carry_owner(self, executor: Any, metadata: dict[str, str]) -> None:
