@@ -155,6 +155,22 @@ def from_object(
     return NemoTask(kind=kind, target=target, config=payload), {**env, **secrets}
 
 
+def home_dir(value: Any) -> Path | None:
+    """Where the module of a task's function was imported from when it is a local file (not
+    an installed package): the sys.path entry that holds it (a notebook's directory, say), the
+    working_dir a bare task is shipped with. None for installed code or a Script."""
+    fn = getattr(value, "__fn_or_cls__", None)
+    module = sys.modules.get(getattr(fn, "__module__", "") or "")
+    file = getattr(module, "__file__", None)
+    if fn is None or not file or _installed(fn.__module__) or _in_site(Path(file).resolve()):
+        return None
+    path = Path(file).resolve()
+    roots = [Path(p or ".").resolve() for p in sys.path]
+    depth = fn.__module__.count(".") + 1 + (path.name == "__init__.py")  # a.b: 2 levels down
+    root = path.parents[depth - 1]
+    return root if root in roots else None
+
+
 def unimportable(fn: Any, working_dir: Path | None) -> str | None:
     """Why the job cannot import `fn` by its module and name, or None when it can: its module
     must be installed (so the job's image has it) or shipped in working_dir."""

@@ -512,3 +512,51 @@ def test_torchrun_on_lepton_and_dgx_cloud_is_nemo_runs_pod_command(metric, tmp_p
     args = doc["request"]["spec"]["args"]
     assert "torchrun --nnodes 2 --nproc-per-node 1 " in args
     assert " -m nemo_run.core.runners.fdl_runner -n summarize " in args
+
+
+# ---------------------------------------------------------------------------------------------
+# The notebook path (issue 15 item 6)
+
+
+def test_a_bare_task_ships_the_directory_its_module_came_from(metric):
+    """`run_job(run.Partial(fn, ...), cluster)` with no JobSpec: the task's working_dir is the
+    sys.path entry its module was imported from (a module written next to a notebook); code
+    that is installed ships nothing."""
+    import nemo_run as run
+
+    from prefect_nemo.tasks.jobs import job_spec
+
+    spec = job_spec(run.Partial(metric.summarize, n=1, seed=1, out="x"))
+    assert spec.working_dir == CODE.resolve() and spec.task.target == "metric_task.summarize"
+    assert job_spec(run.Partial(json.dumps, obj=1)).working_dir is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_example_notebook_runs_a_partial(prefect_api, ray_head, tmp_path):
+    """examples/nemo_run_task.ipynb, executed headless against the session's Prefect API and Ray:
+    "`run_job(run.Partial(my_fn, x=1), cluster)` from a notebook cell works; the example
+    notebook shows it"."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    from tests.test_notebook import _kernel_manager, _outputs
+
+    path = Path(__file__).parent.parent / "examples" / "nemo_run_task.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        assert cell.cell_type != "code" or not cell.outputs, "committed without outputs"
+    env = dict(
+        os.environ,
+        PREFECT_API_URL=prefect_api,
+        RAY_API_SERVER_ADDRESS=ray_head.dashboard_url,
+        RAY_AUTH_TOKEN=ray_head.token or "",
+    )
+    env.pop("PREFECT_PROFILE", None)
+    client = NotebookClient(
+        nb, km=_kernel_manager(tmp_path), timeout=300,
+        resources={"metadata": {"path": str(path.parent)}},
+    )  # fmt: skip
+    client.execute(env=env)
+    stdout, _ = _outputs(nb, "run-task")
+    assert ": SUCCEEDED" in stdout and "'n': 1000" in stdout, stdout

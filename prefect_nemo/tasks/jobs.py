@@ -39,7 +39,7 @@ from prefect_nemo.jobs import (
     RunScopedCluster,
 )
 from prefect_nemo.lifecycle import META_FLOW_RUN, JobIdentity, Supervisor, WaitPolicy
-from prefect_nemo.nemo_task import is_task_object
+from prefect_nemo.nemo_task import home_dir, is_task_object
 from prefect_nemo.redaction import Redactor
 from prefect_nemo.tasks._blocks import ClusterLike, resolve_cluster
 from prefect_nemo.tasks._run import RunContext, current_run
@@ -103,9 +103,12 @@ def _identity(spec: JobSpec, run: RunContext) -> JobIdentity:
 
 
 def job_spec(spec: JobSpec | Any) -> JobSpec:
-    """The spec itself, or a NeMo-Run task (run.Partial / run.Script) as JobSpec(task=...):
-    a notebook cell may pass the task alone."""
-    return JobSpec(task=spec) if is_task_object(spec) else spec
+    """The spec itself, or a NeMo-Run task (run.Partial / run.Script) as JobSpec(task=...),
+    shipped with the directory its function's module was imported from (a module written
+    next to a notebook): a notebook cell may pass the task alone."""
+    if not is_task_object(spec):
+        return spec
+    return JobSpec(task=spec, working_dir=home_dir(spec))
 
 
 # ---------------------------------------------------------------------------------------------
