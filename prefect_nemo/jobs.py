@@ -216,28 +216,7 @@ class JobSpec(_Model):
         secret values secret env vars; a spec needs one of entrypoint and task."""
         if not isinstance(data, dict) or data.get("task") is None:
             return data
-        data, task, task_env = dict(data), data["task"], {}
-        if not isinstance(task, NemoTask | dict):
-            try:
-                task, task_env = nemo_task.from_object(task, data.get("working_dir"))
-            except ValueError as exc:
-                raise ValueError(f"JobSpec.task: {exc}") from None
-        task = NemoTask.model_validate(task)
-        command = task.command()
-        if data.get("entrypoint") not in (None, command):
-            raise ValueError(
-                "JobSpec.entrypoint and JobSpec.task each say what the job runs: keep one"
-            )
-        if len(command) > MAX_ENTRYPOINT_CHARS:
-            raise ValueError(
-                f"JobSpec.task {task.target}: its serialized configuration makes a {len(command)} "
-                f"character command; the limit is {MAX_ENTRYPOINT_CHARS}: pass large values as "
-                "files (paths in working_dir) instead"
-            )
-        env = dict(data.get("env") or {})
-        if clash := sorted(set(task_env) & set(env)):
-            raise ValueError(f"JobSpec.env: {clash} are set by the task too: set them once")
-        return {**data, "task": task, "entrypoint": command, "env": {**env, **task_env}}
+        return nemo_task.spec_fields(data, MAX_ENTRYPOINT_CHARS)
 
     @field_validator("name")
     @classmethod

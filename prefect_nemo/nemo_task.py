@@ -86,6 +86,32 @@ class NemoTask(BaseModel):
         return shlex.join([*head, script.path, *script.args])
 
 
+def spec_fields(data: dict[str, Any], max_command: int) -> dict[str, Any]:
+    """A JobSpec's fields with its `task` (a NeMo-Run object or a NemoTask) as a NemoTask, its
+    command as the entrypoint and its env (a Script's, the secret values) added to the env;
+    ValueError naming the field when they clash or the command is too long."""
+    task, task_env = data["task"], {}
+    if not isinstance(task, NemoTask | dict):
+        try:
+            task, task_env = from_object(task, data.get("working_dir"))
+        except ValueError as exc:
+            raise ValueError(f"JobSpec.task: {exc}") from None
+    task = NemoTask.model_validate(task)
+    command = task.command()
+    if data.get("entrypoint") not in (None, command):
+        raise ValueError("JobSpec.entrypoint and JobSpec.task each say what the job runs: keep one")
+    if len(command) > max_command:
+        raise ValueError(
+            f"JobSpec.task {task.target}: its serialized configuration makes a {len(command)} "
+            f"character command; the limit is {max_command}: pass large values as files (paths "
+            "in working_dir) instead"
+        )
+    env = dict(data.get("env") or {})
+    if clash := sorted(set(task_env) & set(env)):
+        raise ValueError(f"JobSpec.env: {clash} are set by the task too: set them once")
+    return {**data, "task": task, "entrypoint": command, "env": {**env, **task_env}}
+
+
 def require_nemo_run() -> Any:
     """The nemo_run module (isolated), or an ImportError naming the extra to install."""
     try:
