@@ -207,6 +207,37 @@ def test_one_partial_runs_unchanged_on_every_backend(
         assert " -m nemo_run.core.runners.fdl_runner -n summarize " in command
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["ray-jobs", "nemo-run-local", "kubeflow"])
+def test_a_script_task_runs_with_its_env(backend, request, prefect_api, tmp_path):
+    """A `run.Script` is a job definition too: its env travels as the job's env, its inline
+    text runs as its entrypoint runs it (`bash -c`). On Kubeflow Trainer, NeMo-Run's torchrun
+    component runs a non-Python script under torchrun with `--no-python` (`if no_python: cmd +=
+    ["--no-python"]`): two processes per node here, each with its torch RANK."""
+    import nemo_run as run
+
+    from prefect_nemo.backends.nemo_run.isolation import nemo_run
+
+    nemo_run()
+    block = _block(backend, request, tmp_path)
+    if backend == "kubeflow":
+        block = block.model_copy(update={"procs_per_node": 2})
+    task = run.Script(inline='echo "script rank=${RANK:-none} greeting=$GREETING"',
+                      env={"GREETING": "hello"})  # fmt: skip
+
+    @flow
+    def script_flow():
+        return run_job(task, cluster=block)
+
+    result = script_flow()
+    assert result.state is JobState.SUCCEEDED
+    log = block.backend().logs(result.handle.job_id)
+    if backend == "kubeflow":
+        assert "script rank=0 greeting=hello" in log and "script rank=1 greeting=hello" in log
+    else:
+        assert "script rank=none greeting=hello" in log, log
+
+
 def _run_lepton_pod(lepton: Any, block: Any, job_id: str) -> str:
     """What the Lepton job's pod runs, run here: its launch script's code unpacking (on the
     shared mount), then its last line, the task's command, in the unpacked code dir (the
