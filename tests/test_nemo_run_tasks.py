@@ -591,3 +591,80 @@ def test_the_example_notebook_runs_a_partial(prefect_api, ray_head, tmp_path):
     client.execute(env=env)
     stdout, _ = _outputs(nb, "run-task")
     assert ": SUCCEEDED" in stdout and "'n': 1000" in stdout, stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# ${auto_mount:git+...} container mounts on Slurm (issue 15 item 5)
+
+
+def _git_repo(path: Path) -> tuple[str, str]:
+    """A local git repository with one commit; (its file:// URL, the commit)."""
+    path.mkdir(parents=True)
+    (path / "VERSION").write_text("v1\n")
+    git = ["git", "-C", str(path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git[:3], "init", "--quiet"], check=True)
+    subprocess.run([*git, "add", "VERSION"], check=True)
+    subprocess.run([*git, "commit", "--quiet", "-m", "one"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
+    return f"file://{path}", head.stdout.strip()
+
+
+def _mount_block(slurm: Any, tmp_path: Path, mounts: list[str], image: str | None) -> Any:
+    from tests.test_nemo_run_slurm import slurm_block
+
+    (tmp_path / "jobs").mkdir(exist_ok=True)
+    block = slurm_block(slurm, tmp_path / "jobs")
+    return block.model_copy(update={"container_mounts": mounts, "container_image": image})
+
+
+@pytest.mark.slow
+def test_auto_mounts_are_bind_mounts_in_the_sbatch_script(slurm, tmp_path):
+    """Nemotron's container mounts `${auto_mount:git+<url>@<ref>,<target>}` (its resolver
+    "Returns a placeholder that gets filtered out from container_mounts", which is how such a
+    mount went missing from the sbatch script): here each is a `<clone>:<target>` bind mount in
+    the script NeMo-Run writes (`srun --container-mounts`), the dry run shows it and clones
+    nothing; a submit clones the repository at the ref on the cluster, once."""
+    url, commit = _git_repo(tmp_path / "repo")
+    entry = f"${{auto_mount:git+{url}@{commit},/opt/repo}}"
+    block = _mount_block(slurm, tmp_path, ["/data:/data", entry], "nvcr.io/nvidia/nemo:25.04")
+    backend = block.backend()
+    spec = JobSpec(entrypoint="cat /opt/repo/VERSION", name="mounts")
+    [clone] = backend.git_mounts()
+    assert clone.clone_dir.startswith(backend.remote_root() + "/git-mounts/repo-")
+    script = backend.render(spec, f"mnt-{uuid.uuid4().hex[:6]}", {})[0]["script"]
+    assert f"--container-mounts /data:/data,{clone.clone_dir}:/opt/repo," in script, script
+    assert "${auto_mount" not in script
+    assert not Path(clone.clone_dir).exists(), "the dry run cloned"
+
+    # The real submit clones it on the cluster (over the SSH tunnel) before sbatch; this
+    # Slurm has no pyxis, so the containerised step itself cannot start here.
+    job_id = f"mnt-{uuid.uuid4().hex[:6]}"
+    backend.submit(spec, job_id, {})
+    try:
+        assert (Path(clone.clone_dir) / "VERSION").read_text() == "v1\n"
+        head = subprocess.run(["git", "-C", clone.clone_dir, "rev-parse", "HEAD"],
+                              capture_output=True, text=True)  # fmt: skip
+        assert head.stdout.strip() == commit
+        sent = Path(backend.remote_dir(job_id), f"{job_id}_sbatch.sh").read_text()
+        assert f"{clone.clone_dir}:/opt/repo" in sent
+    finally:
+        from prefect_nemo.lifecycle import stop_and_confirm
+
+        stop_and_confirm(backend, job_id, timeout_s=60)
+
+
+def test_bad_auto_mounts_fail_before_submit_naming_the_field(tmp_path):
+    """A malformed entry, or an auto_mount without a container image (no mount would reach the
+    sbatch script), fails in validate, naming the block field."""
+    from prefect_nemo.backends.nemo_run.slurm import SlurmBackend, SlurmConfig
+
+    def backend(mounts: list[str], image: str | None) -> Any:
+        config = SlurmConfig(host="127.0.0.1", user="u", job_dir=str(tmp_path), account="a",
+                             container_image=image, container_mounts=mounts)  # fmt: skip
+        return SlurmBackend(config)
+
+    spec = JobSpec(entrypoint="true")
+    with pytest.raises(InvalidJobSpec, match=r"SlurmCluster\.container_mounts\[1\]"):
+        backend(["/a:/a", "${auto_mount:git+https://x/y.git,/opt/y}"], "img").validate(spec)
+    with pytest.raises(InvalidJobSpec, match=r"set SlurmCluster\.container_image"):
+        backend(["${auto_mount:git+https://x/y.git@main,/opt/y}"], None).validate(spec)
