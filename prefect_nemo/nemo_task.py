@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import importlib.metadata
+import importlib.util
 import os
 import shlex
 import sys
@@ -113,14 +114,19 @@ def spec_fields(data: dict[str, Any], max_command: int) -> dict[str, Any]:
 
 
 def require_nemo_run() -> Any:
-    """The nemo_run module (isolated), or an ImportError naming the extra to install."""
+    """The nemo_run module, or an ImportError naming the extra to install. Imported here first,
+    it is imported isolated (`isolation.nemo_run`); one the caller imported is used as it is
+    (building a task writes no file)."""
+    if (module := sys.modules.get("nemo_run")) is not None:
+        return module
     try:
-        import nemo_run.core.serialization.zlib_json
-    except ImportError as exc:
+        found = importlib.util.find_spec("nemo_run") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
         raise ImportError(
-            f"a NeMo-Run task (run.Partial / run.Script) needs nemo-run: pip install '{EXTRA}' "
-            f"({exc})"
-        ) from None
+            f"a NeMo-Run task (run.Partial / run.Script) needs nemo-run: pip install '{EXTRA}'"
+        )
     from prefect_nemo.backends.nemo_run.isolation import nemo_run
 
     return nemo_run()

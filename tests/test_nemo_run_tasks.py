@@ -96,44 +96,25 @@ def _block(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> Any:
         token = request.getfixturevalue("ray_head").token
         return KubeRayCluster(kubernetes=kube, ray_token=token, ray_cluster_name="tasks")
     if backend == "lepton":
-        from prefect_nemo.blocks.lepton import LeptonWorkspace
         from prefect_nemo.testing.lepton import LeptonServer
+        from tests.test_nemo_run_lepton import workspace_block
 
         lepton = request.getfixturevalue("_stack").enter_context(
             LeptonServer(token="lep-" + uuid.uuid4().hex[:12], start_s=0.1, running_s=0.4)
         )
         request.node.lepton = lepton
-        shared = tmp_path / "shared"
-        return LeptonWorkspace(
-            workspace_id=lepton.workspace_id,
-            workspace_url=lepton.api_url,
-            token=lepton.token,
-            node_group="nemo-nodes",
-            nemo_run_dir=str(shared / "nemo-run"),
-            mounts=[{"path": "/", "mount_path": str(shared), "from": "node-nfs:shared"}],
-            max_poll_interval_s=0.2,
-        )
+        return workspace_block(lepton, tmp_path)
     if backend == "dgx-cloud":
-        from prefect_nemo.blocks.dgx_cloud import DGXCloudCluster
         from prefect_nemo.testing.runai import RunaiServer
+        from tests.test_nemo_run_dgx_cloud import cluster_block
 
-        secret = "dgx-" + uuid.uuid4().hex[:12]
         runai = request.getfixturevalue("_stack").enter_context(
-            RunaiServer(client_secret=secret, creating_s=0.05, initializing_s=0.05, execute=True)
+            RunaiServer(creating_s=0.05, initializing_s=0.05, execute=True)
         )
         # the fake's pods inherit this PATH (an image's PATH): this env's python first
         path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
         request.getfixturevalue("monkeypatch").setenv("PATH", path)
-        pvc = tmp_path / "pvc"
-        return DGXCloudCluster(
-            base_url=runai.base_url,
-            client_id=runai.client_id,
-            client_secret=secret,
-            project_name="nemo-project",
-            pvc_nemo_run_dir=str(pvc / "nemo-run"),
-            pvcs=[{"path": str(pvc), "claimName": "nemo-pvc", "existingPvc": True}],
-            max_poll_interval_s=0.2,
-        )
+        return cluster_block(runai, tmp_path / "pvc")
     if backend == "kubeflow":
         from prefect_nemo.blocks import KubeflowTrainerCluster
 
@@ -143,23 +124,10 @@ def _block(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> Any:
             image="nvcr.io/nvidia/nemo:25.04",
             max_poll_interval_s=0.5,
         )
-    from prefect_nemo.blocks.slurm import SlurmCluster
+    from tests.test_nemo_run_slurm import slurm_block
 
-    slurm = request.getfixturevalue("slurm")
-    return SlurmCluster(
-        host=slurm.host,
-        port=slurm.port,
-        user=slurm.user,
-        identity_key=SecretStr(slurm.identity.read_text()),
-        known_hosts=slurm.known_hosts.read_text(),
-        job_dir=str(tmp_path / "slurm-jobs"),
-        account=slurm.account,
-        partition=slurm.partition,
-        time="00:10:00",
-        max_poll_interval_s=0.5,
-        # the compute node is this machine: NeMo-Run's runner runs this env's python
-        setup_lines=f"export PATH={Path(sys.executable).parent}:$PATH",
-    )
+    (tmp_path / "slurm-jobs").mkdir()
+    return slurm_block(request.getfixturevalue("slurm"), tmp_path / "slurm-jobs")
 
 
 @pytest.mark.slow
