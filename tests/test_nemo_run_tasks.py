@@ -21,6 +21,8 @@ from prefect import flow
 from pydantic import SecretStr
 
 from prefect_nemo import InvalidJobSpec, JobSpec, JobState, run_job
+from prefect_nemo.backends.nemo_run.local import NemoRunLocalBackend
+from prefect_nemo.blocks.base import ClusterBlock
 
 CODE = Path(__file__).parent / "nemo_task_code"
 CANARY = "canary-task-secret-5d09e1"
@@ -60,21 +62,15 @@ def metric(monkeypatch: pytest.MonkeyPatch) -> Any:
     return metric_task
 
 
-def _local_block() -> Any:
-    from prefect_nemo.backends.nemo_run.local import NemoRunLocalBackend
-    from prefect_nemo.blocks.base import ClusterBlock
+class NemoRunLocalTasks(ClusterBlock):
+    """Test block: NeMo-Run's LocalExecutor; NeMo-Run's runner runs this env's python."""
 
-    class NemoRunLocalTasks(ClusterBlock):
-        """Test block: NeMo-Run's LocalExecutor; NeMo-Run's runner runs this env's python."""
+    _block_type_slug = "test-nemo-run-local-tasks"
 
-        _block_type_slug = "test-nemo-run-local-tasks"
-
-        def backend(self) -> NemoRunLocalBackend:
-            """The local backend, this interpreter first on PATH."""
-            path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-            return NemoRunLocalBackend(env={"PATH": path})
-
-    return NemoRunLocalTasks(max_poll_interval_s=0.5)
+    def backend(self) -> NemoRunLocalBackend:
+        """The local backend, this interpreter first on PATH."""
+        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        return NemoRunLocalBackend(env={"PATH": path})
 
 
 def _block(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> Any:
@@ -83,7 +79,7 @@ def _block(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> Any:
     if backend == "ray-jobs":
         return request.getfixturevalue("ray_head").block()
     if backend == "nemo-run-local":
-        return _local_block()
+        return NemoRunLocalTasks(max_poll_interval_s=0.5)
     if backend == "kuberay":
         from prefect_nemo.backends.kuberay import ensure_ray_cluster, wait_ray_cluster_ready
         from prefect_nemo.blocks import KubeRayCluster
