@@ -314,7 +314,7 @@ class JobSpec(_Model):
         Secret values are left out (a hash of a short secret could be brute-forced).
         """
         data = self.model_dump(mode="json", exclude={"timeout_s"})
-        for absent in ("placement", "task"):  # absent, not null: older specs keep theirs
+        for absent in ("placement", "task", "launcher"):  # absent, not null: old specs keep theirs
             if data[absent] is None:
                 del data[absent]
         data["env"] = {

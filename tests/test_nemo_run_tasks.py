@@ -243,6 +243,12 @@ def test_identity_is_the_configuration(metric):
     assert JobSpec(**first.model_dump()) == first, "the spec round-trips as data"
 
 
+def test_specs_without_task_or_launcher_keep_their_fingerprint():
+    """The new fields are left out of the fingerprint when unset, so a job submitted before
+    them is not reported as drifted when a re-run attaches (the value main computes)."""
+    assert JobSpec(entrypoint="python train.py", name="x").fingerprint() == "4f9559a1a0ac5536"
+
+
 @pytest.mark.slow
 def test_a_rerun_of_the_same_task_attaches(metric, ray_head, ray_client, prefect_api, tmp_path):
     """A second run_job of the same task in the same run attaches to the first job (its id is
