@@ -202,6 +202,39 @@ def test_a_script_task_runs_with_its_env(backend, request, prefect_api, tmp_path
         assert "script rank=none greeting=hello" in log, log
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_task_secret_reaches_the_function_and_nothing_else(backend, request, metric, prefect_api,
+                                                             tmp_path):  # fmt: skip
+    """"Secrets in the task's configuration (SecretStr values) never appear in the serialized
+    payload we log, the artifacts, or the dry-run output", on every backend: the dry run holds
+    no secret; where the backend delivers secret env values (Ray Jobs, local, Slurm, Kubeflow)
+    the function receives the SecretStr; where it would have to store them in plain text
+    (KubeRay on an existing RayCluster, Lepton, DGX Cloud) the task is refused before submit,
+    naming the field."""
+    import nemo_run as run
+
+    block = _block(backend, request, tmp_path)
+    out = tmp_path / "secret.json"
+    task = run.Partial(metric.summarize, n=10, seed=2, out=str(out), token=SecretStr(CANARY))
+    spec = JobSpec(task=task, working_dir=CODE, timeout_s=240)
+
+    @flow
+    def secret_task_flow(dry_run: bool):
+        return run_job(spec, cluster=block, dry_run=dry_run)
+
+    if backend in ("kuberay", "lepton", "dgx-cloud"):
+        with pytest.raises(InvalidJobSpec, match=r"PREFECT_NEMO_TASK_SECRET_0"):
+            secret_task_flow(dry_run=True)
+        return
+    assert CANARY not in secret_task_flow(dry_run=True).yaml
+    result = secret_task_flow(dry_run=False)
+    assert result.state is JobState.SUCCEEDED
+    assert CANARY not in block.backend().logs(result.handle.job_id)
+    sent = json.loads(out.read_text())["token_sha256"]
+    assert sent == hashlib.sha256(CANARY.encode()).hexdigest()
+
+
 def _run_lepton_pod(lepton: Any, block: Any, job_id: str) -> str:
     """What the Lepton job's pod runs, run here: its launch script's code unpacking (on the
     shared mount), then its last line, the task's command, in the unpacked code dir (the
