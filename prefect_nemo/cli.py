@@ -299,16 +299,22 @@ def sweep(refs: list[str], dry_run: bool, every_s: float | None) -> int:
     api_url, _ = ensure_prefect_server()
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    from prefect_nemo.errors import PrefectNemoError
     from prefect_nemo.tasks.sweeper import sweep_flow
 
     with temporary_settings({PREFECT_API_URL: api_url}):
         while True:
-            verdicts = sweep_flow(blocks=refs, dry_run=dry_run)
+            try:
+                verdicts = sweep_flow(blocks=refs, dry_run=dry_run)
+            except PrefectNemoError as exc:  # e.g. an unknown block: nothing was stopped
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
             stopped = [v for v in verdicts if v["stop"]]
             for v in stopped:
                 outcome = v["outcome"] or "would stop"
                 print(f"{v['block']}: {v['job_id']}: {v['why']} -> {outcome}")
-            print(f"swept {len(verdicts)} live job(s), {len(stopped)} stopped", flush=True)
+            verb = "would stop" if dry_run else "stopped"
+            print(f"swept {len(verdicts)} live job(s), {verb} {len(stopped)}", flush=True)
             if every_s is None:
                 return 0
             time.sleep(every_s)

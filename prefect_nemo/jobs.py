@@ -12,7 +12,7 @@ from contextvars import ContextVar
 from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from pydantic import (
     BaseModel,
@@ -25,7 +25,9 @@ from pydantic import (
     model_validator,
 )
 
+from prefect_nemo import nemo_task
 from prefect_nemo.errors import InvalidJobSpec
+from prefect_nemo.nemo_task import NemoTask
 from prefect_nemo.placement.spec import PlacementSpec  # plain pydantic: no Ray, no Prefect
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -85,7 +87,10 @@ def explain(exc: ValidationError, model: str) -> str:
         reason = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             reason = "unknown field: check the spelling (see the class docstring for the fields)"
-        lines.append(f"{model}.{where}: {reason}")
+        if where == "(root)":  # a check across fields names its fields itself
+            lines.append(reason if reason.startswith(f"{model}.") else f"{model}: {reason}")
+        else:
+            lines.append(f"{model}.{where}: {reason}")
     return "invalid job configuration:\n  " + "\n  ".join(lines)
 
 
@@ -115,13 +120,18 @@ class Resources(_Model):
 
 
 class JobSpec(_Model):
-    """What to run: a shell entrypoint with its environment, code, resources and limits.
+    """What to run: a shell entrypoint (or a NeMo-Run task) with its environment, code,
+    resources and limits.
 
-    Fields: entrypoint, name, env, working_dir, exclude, resources, label_selector,
-    placement, runtime_env, labels, metadata, timeout_s.
+    Fields: entrypoint, task, name, env, working_dir, exclude, resources, label_selector,
+    placement, runtime_env, labels, metadata, timeout_s, launcher.
     """
 
-    entrypoint: StrictStr = Field(description="Shell command the job runs, e.g. 'python train.py'.")
+    entrypoint: StrictStr | None = Field(
+        None,
+        description="Shell command the job runs, e.g. 'python train.py'; set from `task` when "
+        "a NeMo-Run task is given instead (NeMo-Run's runner command).",
+    )
     name: StrictStr | None = Field(
         None,
         description="Stable name of this job within its experiment; part of the job id, so a "
@@ -141,6 +151,14 @@ class JobSpec(_Model):
     )
     exclude: tuple[StrictStr, ...] = Field(
         (), description="Extra gitignore-style patterns left out of working_dir."
+    )
+    task: NemoTask | None = Field(
+        None,
+        description="A NeMo-Run task (run.Partial, run.Script or run.Config; needs "
+        f"{nemo_task.EXTRA}) instead of an entrypoint: serialized by NeMo-Run, its functions "
+        "imported in the job (installed there, or shipped in working_dir), its SecretStr "
+        "values delivered as secret env vars. Without a name, its configuration is its "
+        "identity: a re-run of the same task attaches.",
     )
     resources: Resources = Field(default_factory=Resources, description="Entrypoint resources.")
     label_selector: dict[StrictStr, StrictStr] = Field(
@@ -167,10 +185,19 @@ class JobSpec(_Model):
     timeout_s: float | None = Field(
         None, gt=0, description="Seconds the job may run before it is stopped; None = no limit."
     )
+    launcher: Literal["torchrun"] | None = Field(
+        None,
+        description="How each node starts the job's processes: 'torchrun' runs placement.nodes "
+        "x placement.gpus_per_node processes (NeMo-Run's Torchrun launcher on Slurm, Lepton, DGX "
+        "Cloud and local; the Torch plugin's rendezvous on Kubeflow Trainer); None runs the "
+        "command once per node (Ray flows: Ray starts its own workers).",
+    )
 
     @field_validator("entrypoint")
     @classmethod
-    def _entrypoint_ok(cls, value: str) -> str:
+    def _entrypoint_ok(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
         if not value.strip():
             raise ValueError("must be a non-empty shell command, e.g. 'python train.py'")
         if "\x00" in value:
@@ -181,6 +208,15 @@ class JobSpec(_Model):
                 "argument at 128 KiB): ship large inputs through working_dir instead"
             )
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _task_is_the_entrypoint(cls, data: Any) -> Any:
+        """A NeMo-Run task becomes a NemoTask, its runner command the entrypoint and its
+        secret values secret env vars; a spec needs one of entrypoint and task."""
+        if not isinstance(data, dict) or data.get("task") is None:
+            return data
+        return nemo_task.spec_fields(data, MAX_ENTRYPOINT_CHARS)
 
     @field_validator("name")
     @classmethod
@@ -233,6 +269,15 @@ class JobSpec(_Model):
         return value
 
     @model_validator(mode="after")
+    def _something_to_run(self) -> JobSpec:
+        if self.entrypoint is None:
+            raise ValueError(
+                "JobSpec.entrypoint is required (a shell command, e.g. 'python train.py'), or "
+                "give JobSpec.task (a NeMo-Run run.Partial / run.Script)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _one_way_to_place(self) -> JobSpec:
         if self.placement is None:
             return self
@@ -269,13 +314,25 @@ class JobSpec(_Model):
         Secret values are left out (a hash of a short secret could be brute-forced).
         """
         data = self.model_dump(mode="json", exclude={"timeout_s"})
-        if self.placement is None:  # absent, not null: specs without one keep their fingerprint
-            del data["placement"]
+        for absent in ("placement", "task", "launcher"):  # absent, not null: old specs keep theirs
+            if data[absent] is None:
+                del data[absent]
         data["env"] = {
             k: "<secret>" if isinstance(v, SecretStr) else v for k, v in self.env.items()
         }
         blob = json.dumps(data, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def refuse_launcher(spec: JobSpec, kind: str) -> None:
+    """A Ray job (Ray Jobs, KubeRay, Ray on Lepton / DGX Cloud) takes no launcher: its
+    entrypoint is the driver, run once, and Ray starts the workers."""
+    if spec.launcher is not None:
+        raise InvalidJobSpec(
+            f"JobSpec.launcher={spec.launcher!r}: a {kind} job's entrypoint is a Ray driver, run "
+            "once; Ray starts its workers (a Ray flow takes launcher=None). Use launcher=None, or "
+            "run the torchrun job on a Slurm, Kubeflow Trainer, Lepton, DGX Cloud or local cluster"
+        )
 
 
 class JobHandle(BaseModel):

@@ -8,12 +8,6 @@ we did not submit"."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import textwrap
-import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -22,9 +16,8 @@ from typing import Any
 
 import pytest
 
-from prefect_nemo.jobs import META_FLOW_RUN, META_KEY, JobState, OwnedJob
+from prefect_nemo.jobs import JobState, OwnedJob
 from prefect_nemo.tasks.sweeper import Beat, Evidence, judge
-from tests.conftest import subprocess_env
 
 NOW = datetime(2026, 11, 25, 12, 0, tzinfo=UTC)
 LEASE, GRACE = 30.0, 300.0
@@ -106,26 +99,6 @@ def test_an_unconfirmed_stop_is_finished_whatever_the_owner_says() -> None:
 # ---------------------------------------------------------------------------------------------
 # Against a real Ray cluster (token auth) and a real Prefect API
 
-SCRIPT = textwrap.dedent(
-    """
-    import sys
-    from prefect import flow
-    from prefect_nemo import JobSpec, RayJobsCluster, run_job
-    address, token, count = sys.argv[1:4]
-    cluster = RayJobsCluster(dashboard_url=address, auth_token=token, sweep_grace_s=5)
-
-    @flow
-    def six_jobs():
-        futures = [run_job.submit(JobSpec(entrypoint="sleep 120", name=f"s{i}"), cluster)
-                   for i in range(int(count))]
-        print("SUBMITTED", flush=True)
-        for f in futures:
-            f.wait()
-
-    six_jobs()
-    """
-)
-
 
 @pytest.mark.slow
 def test_kill_9_then_the_sweeper_stops_every_job_of_the_dead_run_and_spares_a_retry(
@@ -134,79 +107,25 @@ def test_kill_9_then_the_sweeper_stops_every_job_of_the_dead_run_and_spares_a_re
     """kill -9 of a flow process with 6 running Ray jobs (token auth on), no retry: 0 jobs of the
     killed run still running sweep_grace_s + 60 s after the kill; with a retry (the same plain
     script run again with its run key, $PREFECT_NEMO_RUN_KEY) inside the grace, 6 of 6
-    attached and 0 stopped."""
+    attached and 0 stopped (`kill_9_scenario`, shared with KubeRay and Slurm). A job submitted
+    by hand is never touched."""
     from prefect_nemo import RayJobsCluster
-    from prefect_nemo.tasks.sweeper import sweep
+    from tests.sweep_scenario import Engine, kill_9_scenario
 
-    lease = 4.0
     block = RayJobsCluster(
         dashboard_url=ray_head.dashboard_url, auth_token=ray_head.token, sweep_grace_s=5
     )
+    name = f"sweep-e2e-{uuid.uuid4().hex[:6]}"
+    block.save(name)
     stranger = f"stranger-{uuid.uuid4().hex[:6]}"  # submitted by hand: never ours to stop
-    ray_client.submit_job(entrypoint="sleep 120", submission_id=stranger)
+    ray_client.submit_job(entrypoint="sleep 600", submission_id=stranger)
 
-    def start(key: str, log: Path) -> subprocess.Popen:
-        env = subprocess_env(prefect_api, PREFECT_NEMO_RUN_KEY=key, PREFECT_NEMO_HEARTBEAT_S="1")
-        with open(log, "w") as out:
-            return subprocess.Popen(
-                [sys.executable, "-c", SCRIPT, ray_head.dashboard_url, ray_head.token, "6"],
-                stdout=out, stderr=subprocess.STDOUT, env=env,
-            )  # fmt: skip
+    def states() -> dict[str, str]:
+        return {j.submission_id: j.status.value for j in ray_client.list_jobs() if j.submission_id}
 
-    def running(key: str) -> list[Any]:
-        return [
-            j for j in ray_client.list_jobs()
-            if (j.metadata or {}).get(META_KEY, "").startswith(f"run-key:{key}/")
-            and j.status.value == "RUNNING"
-        ]  # fmt: skip
-
-    def wait_for(predicate: Any, timeout_s: float, what: str) -> Any:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if value := predicate():
-                return value
-            time.sleep(0.5)
-        raise AssertionError(f"timed out waiting for {what}")
-
-    # 1. killed, no retry: the sweeper stops all six once the lease and the grace are out
-    lost = f"lost-{uuid.uuid4().hex[:6]}"
-    proc = start(lost, tmp_path / "lost.log")
-    wait_for(lambda: len(running(lost)) == 6, 120, "six RUNNING jobs")
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    killed_at = time.monotonic()
-    kept = sweep([block], lease_s=lease)  # within the lease and the grace: nothing stopped
-    assert not [v for v in kept if v.stop], kept
-    wait_for(lambda: [v for v in sweep([block], lease_s=lease) if v.stop] or None,
-             block.sweep_grace_s + 60, "the sweeper to stop them")  # fmt: skip
-    wait_for(lambda: not running(lost), 30, "the jobs to be STOPPED")
-    assert time.monotonic() - killed_at <= block.sweep_grace_s + 60
-    owners = {
-        j.metadata[META_FLOW_RUN]
-        for j in ray_client.list_jobs()
-        if (j.metadata or {}).get(META_KEY, "").startswith(f"run-key:{lost}/")
-    }
-    assert len(owners) == 1, "all six were the killed run's"
-    assert ray_client.get_job_status(stranger).value == "RUNNING", "not ours: never touched"
-
-    # 2. killed, then run again within the grace: the re-run attaches, the sweeper spares them
-    again = f"again-{uuid.uuid4().hex[:6]}"
-    first = start(again, tmp_path / "first.log")
-    wait_for(lambda: len(running(again)) == 6, 120, "six RUNNING jobs")
-    ids = sorted(j.submission_id for j in running(again))
-    os.kill(first.pid, signal.SIGKILL)
-    first.wait()
-    retry = start(again, tmp_path / "retry.log")
     try:
-        wait_for(lambda: "SUBMITTED" in (tmp_path / "retry.log").read_text(), 120, "the retry")
-        time.sleep(block.sweep_grace_s + 2 * lease)  # past the killed run's grace
-        verdicts = sweep([block], lease_s=lease)
-        mine = [v for v in verdicts if v.job_id in ids]
-        assert len(mine) == 6 and not [v for v in mine if v.stop], mine
-        assert sorted(j.submission_id for j in running(again)) == ids, "6 of 6 attached"
+        engine = Engine(block, f"ray-jobs-cluster/{name}", states, ray_client.stop_job)
+        kill_9_scenario(engine, prefect_api, tmp_path)
+        assert ray_client.get_job_status(stranger).value == "RUNNING", "not ours: never touched"
     finally:
-        retry.kill()
-        retry.wait()
-        for job in [*running(again), *running(lost)]:
-            ray_client.stop_job(job.submission_id)
         ray_client.stop_job(stranger)

@@ -34,6 +34,7 @@ from prefect_nemo.jobs import (
     JobState,
     JobStatus,
     OwnedJob,
+    refuse_launcher,
 )
 from prefect_nemo.packaging import collect_source, stage_source
 from prefect_nemo.placement.errors import PlacementError
@@ -201,6 +202,7 @@ class RayJobsBackend:
 
     def validate(self, spec: JobSpec) -> None:
         """Reject what the Ray Jobs API would refuse, before anything is sent."""
+        refuse_launcher(spec, self.kind)
         # the head's id is only known at submit; a stand-in checks everything else
         _, selector, sources = self._placement(spec, "head-node-id")
         if selector and "entrypoint_label_selector" not in self._submit_params():

@@ -90,7 +90,10 @@ def train():
         description="Container image for srun (needs pyxis/enroot); empty runs on the host.",
     )
     container_mounts: list[str] = Field(
-        default_factory=list, description="Container mounts, 'src:dst' each (with an image)."
+        default_factory=list,
+        description="Container mounts, 'src:dst' each (with an image); "
+        "'${auto_mount:git+<url>@<ref>,<dst>}' clones the repository at ref on the cluster "
+        "(once, under job_dir) and bind-mounts it at dst.",
     )
     additional_parameters: dict[str, Any] = Field(
         default_factory=dict,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -38,6 +39,7 @@ from prefect_nemo.jobs import (
     RunScopedCluster,
 )
 from prefect_nemo.lifecycle import META_FLOW_RUN, JobIdentity, Supervisor, WaitPolicy
+from prefect_nemo.nemo_task import home_dir, is_task_object
 from prefect_nemo.redaction import Redactor
 from prefect_nemo.tasks._blocks import ClusterLike, resolve_cluster
 from prefect_nemo.tasks._run import RunContext, current_run
@@ -60,7 +62,9 @@ def _supervisor(
     here, before any request (and before any wait for upstream jobs). A spec brings its own
     timeout."""
     if spec is not None and not isinstance(spec, JobSpec):
-        raise InvalidJobSpec(f"spec: expected a JobSpec, got {type(spec).__name__}")
+        raise InvalidJobSpec(
+            f"spec: expected a JobSpec or a NeMo-Run task, got {type(spec).__name__}"
+        )
     block = resolve_cluster(cluster)
     backend = block.backend()
     secrets = list(backend.secrets)
@@ -94,7 +98,17 @@ def _identity(spec: JobSpec, run: RunContext) -> JobIdentity:
     metadata = {META_FLOW_RUN: run.flow_run_id or ""}
     if run.experiment:
         metadata[META_EXPERIMENT] = run.experiment
-    return JobIdentity(run.scope, spec.name or run.task_key or "job", run.readable, metadata)
+    key = spec.name or (spec.task.key if spec.task else None) or run.task_key or "job"
+    return JobIdentity(run.scope, key, run.readable, metadata)
+
+
+def job_spec(spec: JobSpec | Any) -> JobSpec:
+    """The spec itself, or a NeMo-Run task (run.Partial / run.Script) as JobSpec(task=...),
+    shipped with the directory its function's module was imported from (a module written
+    next to a notebook): a notebook cell may pass the task alone."""
+    if not is_task_object(spec):
+        return spec
+    return JobSpec(task=spec, working_dir=home_dir(spec))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,7 +214,7 @@ def _ensure_limit(name: str, limit: int) -> None:
 
 @task(name="run_job", cache_policy=NO_CACHE)
 def run_job(
-    spec: JobSpec,
+    spec: JobSpec | Any,
     cluster: ClusterLike = None,
     *,
     stream_logs: bool = True,
@@ -214,8 +228,9 @@ def run_job(
     `after`: upstream jobs or experiments to wait for first (natively where the scheduler can,
     e.g. Slurm afterok; else here); DependencyFailed if one failed. `dry_run`: return what
     would be sent (a DryRun: manifests, request body or script, secrets masked) and send
-    nothing.
+    nothing. `spec` may be a NeMo-Run task (run.Partial / run.Script), run as JobSpec(task=...).
     """
+    spec = job_spec(spec)
     block, run, supervisor = _supervisor(spec, cluster, stream_logs=stream_logs)
     identity = _identity(spec, run)
     if dry_run:
@@ -228,7 +243,7 @@ def run_job(
 
 @task(name="submit_job", cache_policy=NO_CACHE)
 def submit_job(
-    spec: JobSpec,
+    spec: JobSpec | Any,
     cluster: ClusterLike = None,
     *,
     after: Iterable[Upstream] = (),
@@ -238,8 +253,9 @@ def submit_job(
 
     The concurrency cap is not held across tasks: use run_job where the cap matters. `after`
     as in run_job: with native dependencies the job is queued at once and starts only after
-    its upstream jobs succeed. `dry_run` as in run_job.
+    its upstream jobs succeed. `dry_run` and a NeMo-Run task as `spec` as in run_job.
     """
+    spec = job_spec(spec)
     _, run, supervisor = _supervisor(spec, cluster)
     identity = _identity(spec, run)
     if dry_run:

@@ -8,13 +8,14 @@ comment, Lepton and run:ai labels). Every run that submitted or waits on jobs em
 nobody vouches for it:
 
 - a heartbeat of a run that waits on it (a retry or a re-run that attached counts) named it
-  within the lease that heartbeat grants: kept;
+  within the lease that heartbeat grants (plus EVENTS_DELAY_S: the API shows events late): kept;
 - a `prefect-nemo.job.stop-pending` event says a stop was asked for and never confirmed (the
   cluster was unreachable): stopped now, whatever its run says;
 - its run COMPLETED: kept (a job submitted and not waited for was left running on purpose);
-- its run FAILED, CRASHED or CANCELLED, or is gone, or has stopped renewing its lease: stopped
-  once that has lasted `sweep_grace_s` (the block's setting), so a retry of a crashed run that
-  comes within the grace attaches instead.
+- its run FAILED, CRASHED or CANCELLED, or is gone, or has stopped renewing its lease (the
+  job's submission counts as its heartbeat until one names it): stopped once that has lasted
+  `sweep_grace_s` (the block's setting), so a retry of a crashed run that comes within the
+  grace attaches instead.
 
 What was stopped is reported: a table artifact of the sweep's run and a `prefect-nemo.job.swept`
 event per job. A job we did not submit is never listed, so never touched.
@@ -22,8 +23,10 @@ event per job. A job we did not submit is never listed, so never touched.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -52,6 +55,10 @@ STOP_PENDING_EVENT = "prefect-nemo.job.stop-pending"
 SWEPT_EVENT = "prefect-nemo.job.swept"
 # Prefect's own liveness signal of worker and served runs (PREFECT_RUNNER_HEARTBEAT_FREQUENCY)
 PREFECT_HEARTBEAT_EVENT = "prefect.flow-run.heartbeat"
+# Prefect's event persister writes events in batches, "the maximum number of seconds between
+# flushes" being 5 (PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL): the newest heartbeats
+# may not be readable yet, so each vouches this much past its lease (twice the default flush).
+EVENTS_DELAY_S = 10.0
 LOOKBACK = timedelta(days=2)  # how far back stop-pending records are honoured
 FAILED_RUN_STATES = {StateType.FAILED, StateType.CRASHED, StateType.CANCELLED}
 
@@ -118,8 +125,10 @@ def judge(
         dead_since = run.state.timestamp
         why = f"its flow run is {state.value}"
     else:
+        # the job's submission stands in for its heartbeat until one names it (a later lease
+        # must not outlast the heartbeats of a run killed just after it submitted)
         signs = [beat, evidence.run_beats.get(owner)]
-        if job.submitted_at is not None:
+        if beat is None and job.submitted_at is not None:
             signs.append(Beat(job.submitted_at, job.submitted_at + timedelta(seconds=lease_s)))
         dead_since = max((b.until for b in signs if b is not None), default=evidence.now)
         if dead_since > evidence.now:
@@ -132,7 +141,8 @@ def judge(
 
 
 def gather_evidence(owners: Iterable[str], lease_s: float) -> Evidence:
-    """Recent heartbeats (ours carry their lease; Prefect's own get `lease_s`), stop-pending
+    """Recent heartbeats (ours carry their lease; Prefect's own get `lease_s`; each vouches
+    EVENTS_DELAY_S longer, as newer ones may not be readable yet), stop-pending
     records, and the owner runs, from the Prefect API: three reads, whatever the number of
     jobs."""
     now = datetime.now(UTC)
@@ -151,7 +161,8 @@ def gather_evidence(owners: Iterable[str], lease_s: float) -> Evidence:
                 "prefect.resource.id"
             ].removeprefix("prefect.flow-run.")
             at = _time(event["occurred"])
-            beat = Beat(at, at + timedelta(seconds=float(payload.get("lease_s", lease_s))))
+            vouches_s = float(payload.get("lease_s", lease_s)) + EVENTS_DELAY_S
+            beat = Beat(at, at + timedelta(seconds=vouches_s))
             run_beats[run_id] = newer(run_beats.get(run_id), beat)
             for job in payload.get("jobs", []):
                 key = (job["cluster"], job["job_id"])
@@ -194,41 +205,54 @@ def sweep(
     dry_run: bool = False,
 ) -> list[Verdict]:
     """Judge every job prefect-nemo submitted to these clusters (default: every saved cluster
-    block) and stop the ones nobody vouches for (not with `dry_run`); returns every verdict.
-    A cluster that cannot be reached or a block that cannot be loaded is reported and the
-    others are swept."""
+    block) and stop the ones nobody vouches for (in parallel; not with `dry_run`); returns
+    every verdict. A named block that cannot be loaded fails first (InvalidJobSpec); a cluster
+    that cannot be reached is reported and the others are swept."""
     run = current_run()
     targets = _targets(blocks, run)
     found: list[tuple[str, ClusterBlock, Any, list[OwnedJob]]] = []
     for name, block in targets:
-        backend = block.backend()
+        backend = None
         try:
+            backend = block.backend()
             found.append((name, block, backend, backend.owned_jobs()))
         except PrefectNemoError as exc:
-            redact = Redactor(backend.secrets)
-            say(run, logging.ERROR, redact(f"sweep: cannot list the jobs of {name}: {exc}"))
+            redact = Redactor(backend.secrets if backend is not None else ())
+            say(run, logging.ERROR, redact(
+                f"sweep: cannot list the jobs of {name}, so none of them was judged or stopped "
+                f"(the other clusters are swept): {exc}"))  # fmt: skip
     owners = {job.flow_run_id for *_, jobs in found for job in jobs if job.flow_run_id}
     evidence = gather_evidence(owners, lease_s)
-    verdicts: list[Verdict] = []
+    judged: list[tuple[Any, ClusterBlock, OwnedJob, Verdict]] = []
     for name, block, backend, jobs in found:
         for job in jobs:
             verdict = judge(name, backend.cluster, job, evidence, block.sweep_grace_s, lease_s)
-            if verdict.stop and not dry_run:
-                verdict = _stop(backend, block, job, verdict)
-            verdicts.append(verdict)
+            judged.append((backend, block, job, verdict))
+    verdicts = [verdict for *_, verdict in judged]
+    todo = [] if dry_run else [n for n, verdict in enumerate(verdicts) if verdict.stop]
+    if todo:  # each stop waits for its confirmation: in parallel, each in this run's context
+        with ThreadPoolExecutor(max_workers=min(16, len(todo))) as pool:
+            futures = [
+                pool.submit(contextvars.copy_context().run, _stop, *judged[n]) for n in todo
+            ]
+            for n, future in zip(todo, futures, strict=True):
+                verdicts[n] = future.result()
     _report(run, verdicts, dry_run)
     return verdicts
 
 
 def _targets(blocks: Sequence[ClusterBlock | str], run: Any) -> list[tuple[str, ClusterBlock]]:
-    """(name, block) of each block to sweep; every saved cluster block when none is named."""
-    if not blocks:
-        blocks = _saved_cluster_blocks()
+    """(name, block) of each block to sweep; every saved cluster block when none is named.
+    A named block that cannot be loaded is bad input: InvalidJobSpec before anything is
+    judged; a saved one that cannot is reported and the others are swept."""
+    named = bool(blocks)
     out = []
-    for ref in blocks:
+    for ref in blocks or _saved_cluster_blocks():
         try:
             block = resolve_block(ref, ClusterBlock, "blocks", "kube-ray-cluster/prod", "cluster")
         except InvalidJobSpec as exc:
+            if named:
+                raise
             say(run, logging.ERROR, f"sweep: {exc}")
             continue
         name = ref if isinstance(ref, str) else (block._block_document_name or type(block).__name__)

@@ -63,14 +63,18 @@ def trainer_command(spec: JobSpec, config: TrainerConfig, setup: str | None = No
         pkgs = " ".join(shlex.quote(p) for p in config.extra_packages)
         lines.append(f"python -m pip install --quiet --disable-pip-version-check {pkgs}")
     # the entrypoint runs under the shell's usual rules (its last command's status is the job's)
-    lines += ["set +e", torchrun_entrypoint(spec.entrypoint, config)]
+    lines += ["set +e", torchrun_entrypoint(spec.entrypoint or "", config, script=_is_script(spec))]
     return ["sh", "-c", "\n".join(lines)]
 
 
-def torchrun_entrypoint(entrypoint: str, config: TrainerConfig) -> str:
+def torchrun_entrypoint(entrypoint: str, config: TrainerConfig, *, script: bool = False) -> str:
     """`python x.py a` → `torchrun <rendezvous flags> x.py a` (also `python -m mod a`); any
-    other command (`python -c ...`, a shell script), or torchrun off, is left as is."""
+    other command (`python -c ...`, a shell script), or torchrun off, is left as is. A
+    run.Script task's non-Python command runs under torchrun as NeMo-Run's torchrun component
+    runs one: `torchrun ... --no-python <command>` (`script`)."""
     match = _PYTHON.match(entrypoint)
+    if config.torchrun and script and match is None:
+        return f"torchrun {TORCHRUN_FLAGS} --no-python {entrypoint}"
     if not config.torchrun or match is None:
         return entrypoint
     rest = entrypoint[match.end() :]
@@ -81,6 +85,10 @@ def torchrun_entrypoint(entrypoint: str, config: TrainerConfig) -> str:
     if first != "-m" and not first.endswith(".py"):
         return entrypoint
     return f"torchrun {TORCHRUN_FLAGS} {rest}"
+
+
+def _is_script(spec: JobSpec) -> bool:
+    return spec.task is not None and spec.task.kind == "script"
 
 
 def code_patch(plan: TransportPlan) -> dict[str, Any]:

@@ -144,6 +144,12 @@ def check_spec(spec: JobSpec, config: TrainerConfig) -> None:
         )
     if spec.placement is not None:
         check_placement(spec.placement, config)
+    if spec.launcher == "torchrun" and not config.torchrun:
+        raise InvalidJobSpec(
+            "JobSpec.launcher='torchrun', but KubeflowTrainerCluster.torchrun is off: turn it on "
+            "(each node then runs num_nodes x gpus_per_node processes under torchrun) or drop "
+            "the launcher"
+        )
     if spec.runtime_env:
         raise InvalidJobSpec(
             "JobSpec.runtime_env: a Ray runtime_env does not apply to TrainJobs: ship code with "

@@ -64,7 +64,7 @@ from prefect_nemo.backends.kuberay.manifests import (
 from prefect_nemo.backends.kuberay.raycluster import DASHBOARD_PORT, head_service, ray_jobs_backend
 from prefect_nemo.backends.ray_jobs import RayJobsBackend
 from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec
-from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus
+from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus, refuse_launcher
 from prefect_nemo.kube import RAY_CLUSTER, RAY_JOB, KubeApi
 from prefect_nemo.packaging import collect_source, stage_source
 
@@ -185,6 +185,7 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
 
     def validate(self, spec: JobSpec) -> None:
         """Everything we can check without the API server (names, sizes, secrets, code)."""
+        refuse_launcher(spec, self.kind)
         check_spec(spec, self.config)
         # a dry build with the longest name catches sizes (annotations, the ~1 MB object limit)
         rayjob_manifest(spec, "j" * MAX_RAYJOB_NAME, {}, self.config, namespace=self.namespace)

@@ -142,12 +142,21 @@ class NemoRunBackend(ABC):
         """The NeMo-Run executor that runs `spec`, with no secret in it."""
 
     def make_task(self, spec: JobSpec, job_id: str) -> Any:
-        """The NeMo-Run task: the entrypoint as an inline bash script with the plain env.
+        """The NeMo-Run task: the spec's own (JobSpec.task: a run.Partial or run.Script, as
+        NeMo-Run runs it; its env goes on the executor, `task_env`), else the entrypoint as an
+        inline bash script with the plain env.
 
         Secret env values are not put here (NeMo-Run may write the task to disk): a backend
         delivers them its own way (see `secret_env`)."""
+        if spec.task is not None:
+            return spec.task.build()
         run = nemo_run()
         return run.Script(inline=spec.entrypoint, env=plain_env(spec))
+
+    def task_env(self, spec: JobSpec) -> dict[str, str]:
+        """The env a JobSpec.task's executor gets (NeMo-Run packages it with the task): the
+        plain env; secrets go their backend's own way."""
+        return plain_env(spec)
 
     def carry_owner(self, executor: Any, metadata: dict[str, str]) -> None:  # noqa: B027
         """Put the job's owner (the flow run in `metadata`) on the executor, where the service
@@ -306,6 +315,8 @@ class NemoRunBackend(ABC):
 
         executor = self.assigned_executor(spec, job_id, local_dir)
         self.carry_owner(executor, metadata)
+        if spec.task is not None:
+            executor.env_vars = {**executor.env_vars, **self.task_env(spec)}
         task = self.make_task(spec, job_id)
         self.before_launch(spec, job_id, executor)
         with root_logger_kept():
@@ -333,6 +344,8 @@ class NemoRunBackend(ABC):
         """`make_executor`, assigned its experiment and a fresh local job dir (`local_dir` for
         a dry run: the remote paths still follow the real local layout, which they mirror)."""
         executor = self.make_executor(spec, job_id)
+        if spec.launcher is not None:  # NeMo-Run's own launcher; nodes x procs from make_executor
+            executor.launcher = spec.launcher
         exp_dir = self.local_experiment_dir(job_id)
         executor.assign(experiment_id(job_id), str(exp_dir), job_id, job_id)
         if local_dir is None:

@@ -145,20 +145,22 @@ class DGXCloudBackend(ServiceBackend):
         pvc_job_dir = Path(
             self.config.pvc_nemo_run_dir, "experiments", EXPERIMENT_TITLE, experiment_id(longest)
         )
-        args = self._args(spec, plan, str(pvc_job_dir / longest))
+        command = self.pod_command(spec, self.make_executor(spec, "validate"))
+        args = self._args(command, plan, str(pvc_job_dir / longest))
         if len(args) > ARGS_LIMIT:
             raise InvalidJobSpec(
                 f"JobSpec.entrypoint: the pod command is {len(args)} characters; run:ai takes at "
                 f"most {ARGS_LIMIT}: move the long part into a script under working_dir"
             )
 
-    def _args(self, spec: JobSpec, plan: TransportPlan | None, pvc_job_dir: str) -> str:
+    def _args(self, command: str, plan: TransportPlan | None, pvc_job_dir: str) -> str:
         """The pod's one-line shell script, quoted as run:ai's ``args`` (as NeMo-Run's data
-        mover does): unpack the code (rank 0; the others wait), then run the entrypoint in
-        it, everything tee'd to ``<pvc job dir>/log_<host>.out``; a failed unpack fails the pod.
+        mover does): unpack the code (rank 0; the others wait), then run the command (the
+        entrypoint, or `pod_command`'s) in it, everything tee'd to ``<pvc job dir>/log_<host>.out``;
+        a failed unpack fails the pod.
         """
         job_dir = shlex.quote(pvc_job_dir)
-        run = spec.entrypoint
+        run = command
         if plan is not None:
             dest = f"{pvc_job_dir}/{CODE_SUBDIR}"
             run = f"{plan.setup_command(dest, shared=True)} && cd {shlex.quote(dest)} && {run}"
@@ -229,7 +231,7 @@ class DGXCloudBackend(ServiceBackend):
         custom = {
             **executor.custom_spec,
             "command": "/bin/bash -c",
-            "args": self._args(spec, plan, executor.pvc_job_dir),
+            "args": self._args(self.pod_command(spec, executor), plan, executor.pvc_job_dir),
         }
         if self.config.secret_env:  # references to Kubernetes secrets, never values
             custom["environmentVariables"] = [

@@ -305,7 +305,8 @@ class LeptonBackend(ServiceBackend):
                 root_logger_kept(),
                 job_labels(job_id, owner_labels(metadata)),
             ):
-                self._call(lambda: executor.launch(name=job_id, cmd=[spec.entrypoint]), "launching")
+                cmd = [self.pod_command(spec, executor)]
+                self._call(lambda: executor.launch(name=job_id, cmd=cmd), "launching")
         except ClientError as exc:
             if exc.response.status_code == 409:
                 return None

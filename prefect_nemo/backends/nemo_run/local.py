@@ -6,6 +6,8 @@ environment (`OWNER_ENV`)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 from datetime import UTC, datetime
 from pathlib import Path
@@ -49,9 +51,13 @@ class NemoRunLocalBackend(NemoRunBackend):
         super().validate(spec)
 
     def make_executor(self, spec: JobSpec, job_id: str) -> Any:
-        """A LocalExecutor; env from the block, then the job's plain env."""
+        """A LocalExecutor; env from the block, then the job's plain env; under torchrun one
+        process per GPU of the placement (at least one)."""
         run = nemo_run()
-        return run.LocalExecutor(ntasks_per_node=1, env_vars=dict(self._env))
+        procs = 1
+        if spec.launcher == "torchrun" and spec.placement is not None:
+            procs = max(1, spec.placement.gpus_per_node)
+        return run.LocalExecutor(ntasks_per_node=procs, env_vars=dict(self._env))
 
     def carry_owner(self, executor: Any, metadata: dict[str, str]) -> None:
         """The owner in the process's environment."""
@@ -97,7 +103,9 @@ class NemoRunLocalBackend(NemoRunBackend):
         out = []
         for replicas in dryrun_info.request.role_params.values():
             for params in replicas:
-                script = Path(params.args[-1])
+                script, text = Path(params.args[-1]) if params.args else Path(), ""
+                with contextlib.suppress(OSError):  # a task's last argument is its payload
+                    text = script.read_text() if script.is_file() else ""
                 out.append(
                     {
                         "kind": "LocalProcess",
@@ -105,22 +113,37 @@ class NemoRunLocalBackend(NemoRunBackend):
                         "cwd": params.cwd,
                         "env": dict(params.env),
                         "log": params.combined,
-                        "script": script.read_text() if script.is_file() else "",
+                        "script": text,
                     }
                 )
         return out
 
     def make_task(self, spec: JobSpec, job_id: str) -> Any:
-        """The entrypoint as an inline script in working_dir (staged), secrets in its env only.
+        """The entrypoint as an inline script in working_dir (staged), secrets in its env only;
+        a JobSpec.task as it is (its env, `task_env`, on the executor).
 
         The local scheduler hands the env to the process (Popen) and keeps none of it on disk.
         """
+        if spec.task is not None:
+            return super().make_task(spec, job_id)
         run = nemo_run()
         command = spec.entrypoint
         if spec.working_dir is not None:
-            staged = stage_source(collect_source(spec.working_dir, exclude=spec.exclude))
-            command = f"cd {_quote(staged)} && {command}"
+            command = f"cd {_quote(self._staged(spec))} && {command}"
         return run.Script(inline=command, env=spec.plain_env())
+
+    def task_env(self, spec: JobSpec) -> dict[str, str]:
+        """The whole env, secrets included (Popen keeps them off disk), and the staged
+        working_dir first on PYTHONPATH, where NeMo-Run's runner imports the task's code."""
+        env = spec.plain_env()
+        if spec.working_dir is not None:
+            path = [str(self._staged(spec)), env.get("PYTHONPATH", "")]
+            env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
+        return env
+
+    def _staged(self, spec: JobSpec) -> Path:
+        assert spec.working_dir is not None
+        return stage_source(collect_source(spec.working_dir, exclude=spec.exclude))
 
 
 def _quote(path: Path) -> str:

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from prefect_nemo.backends.nemo_run.base import NemoRunBackend, relocated
 from prefect_nemo.backends.nemo_run.dry_run import Answer, Sent, recording
+from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
 from prefect_nemo.errors import InvalidJobSpec, JobAlreadyExists
 from prefect_nemo.jobs import META_FLOW_RUN, JobHandle, JobSpec
 from prefect_nemo.kube import managed_labels
@@ -56,7 +57,30 @@ class ServiceBackend(NemoRunBackend):
                     f"JobSpec.env['{key}'] is {len(value)} characters; {why}: ship large "
                     "inputs through working_dir"
                 )
+        if spec.launcher is not None and (spec.task is None or spec.task.kind != "partial"):
+            raise InvalidJobSpec(
+                f"JobSpec.launcher={spec.launcher!r}: on {self.kind} a launcher wraps a "
+                "run.Partial task (JobSpec.task); run a command under torchrun by writing it in "
+                "the entrypoint ('torchrun --nnodes ... train.py')"
+            )
         self.check_code(spec, code_plan(spec, self.transport))  # TransportTooLarge first
+
+    def pod_command(self, spec: JobSpec, executor: Any) -> str:
+        """What the pods run: the entrypoint, or for a run.Partial task what NeMo-Run's own
+        packaging makes of it for this executor (the command NeMo-Run's Lepton and DGX Cloud
+        schedulers hand to ``executor.launch``), under NeMo-Run's Torchrun launcher (nodes x
+        procs per node from the executor) when JobSpec.launcher says so."""
+        if spec.task is None or spec.task.kind != "partial":
+            return spec.entrypoint or ""
+        nemo_run()
+        from nemo_run.run.torchx_backend.packaging import package
+
+        if spec.launcher is not None:
+            executor.launcher = spec.launcher
+        with root_logger_kept():
+            app = package(spec.task.run_name, spec.task.build(), executor=executor)
+        role = app.roles[0]
+        return " ".join([role.entrypoint, *role.args])  # as NeMo-Run's schedulers join it
 
     @abstractmethod
     def env_refusal(self, key: str, value: str) -> str | None:

@@ -60,6 +60,7 @@ from prefect_nemo.backends.nemo_run.slurm.accounting import (
     slurm_seconds,
     status_command,
 )
+from prefect_nemo.backends.nemo_run.slurm.git_mounts import GitMount, git_mounts, is_auto_mount
 from prefect_nemo.backends.nemo_run.slurm.ssh import SafeSSH
 from prefect_nemo.errors import (
     BackendUnavailable,
@@ -262,6 +263,13 @@ class SlurmBackend(NemoRunBackend):
                 "Slurm comment (the flow run that owns it, for `prefect-nemo sweep`): remove it"
             )
         time = self.config.time
+        mounts = self.git_mounts()
+        if mounts and not self.config.container_image:
+            raise InvalidJobSpec(
+                f"{self._field}.container_mounts: {mounts[0].url} is a container bind mount "
+                f"(auto_mount): set {self._field}.container_image, or drop the entry (without a "
+                "container NeMo-Run writes no mount into the sbatch script)"
+            )
         limit = slurm_seconds(time, f"{self._field}.time")
         if spec.timeout_s is not None and limit is not None and spec.timeout_s > limit:
             raise InvalidJobSpec(
@@ -315,7 +323,10 @@ class SlurmBackend(NemoRunBackend):
             ntasks_per_node=self.config.ntasks_per_node,
             qos=self.config.qos,
             container_image=self.config.container_image,
-            container_mounts=list(self.config.container_mounts),
+            container_mounts=[
+                *(m for m in self.config.container_mounts if not is_auto_mount(m)),
+                *(m.mount for m in self.git_mounts()),
+            ],
             additional_parameters=extra or None,
             setup_lines=self._setup_lines(spec, job_id),
             tunnel=self._ssh.tunnel(self.job_dir),
@@ -329,15 +340,31 @@ class SlurmBackend(NemoRunBackend):
         from nemo_run.core.execution.slurm import SlurmJobDetails
 
         executor.job_details = SlurmJobDetails(job_name=job_id)
+        if spec.launcher == "torchrun":  # one srun task per node, torchrun starts one per GPU
+            executor.torchrun_nproc_per_node = alloc.get("gpus_per_node") or 1
         return executor
+
+    def git_mounts(self) -> list[GitMount]:
+        """The block's ``${auto_mount:git+...}`` container mounts, cloned under our job dir."""
+        root = f"{self.remote_root()}/git-mounts"
+        return git_mounts(self.config.container_mounts, root, f"{self._field}.container_mounts")
 
     def carry_owner(self, executor: Any, metadata: dict[str, str]) -> None:
         """The owner flow run in the job's Slurm comment (NeMo-Run writes ``#SBATCH --comment``)."""
         executor.comment = owner_comment(metadata.get(META_FLOW_RUN, ""))
 
     def make_task(self, spec: JobSpec, job_id: str) -> Any:
-        """The entrypoint as an inline script; env goes through setup_lines (quoted, case kept)."""
+        """The entrypoint as an inline script, or the spec's NeMo-Run task as it is (run in
+        the code dir, where NeMo-Run's runner imports it); env goes through setup_lines
+        (quoted, case kept)."""
+        if spec.task is not None:
+            return spec.task.build()
         return nemo_run().Script(inline=spec.entrypoint)
+
+    def task_env(self, spec: JobSpec) -> dict[str, str]:
+        """Nothing on the executor: setup_lines carries the env (NeMo-Run's own export of
+        env_vars upper-cases names and leaves values unquoted)."""
+        return {}
 
     def _setup_lines(self, spec: JobSpec, job_id: str) -> str:
         # NeMo-Run writes `export KEY.upper()=value` unquoted; we write the env ourselves.
@@ -448,7 +475,10 @@ class SlurmBackend(NemoRunBackend):
         return out
 
     def before_schedule(self, spec: JobSpec, job_id: str, executor: Any, dryrun_info: Any) -> None:
-        """Ship the local job dir (script, code) over SFTP, and the secret env file (0600)."""
+        """Clone the auto_mount repositories (once), ship the local job dir (script, code) over
+        SFTP, and the secret env file (0600)."""
+        for mount in self.git_mounts():
+            self.run(mount.clone_command())
         local = Path(executor.experiment_dir)
         remote = self.remote_dir(job_id)
         buf = io.BytesIO()
