@@ -36,7 +36,7 @@ from prefect_nemo.lifecycle import JobIdentity, Submission, Supervisor, WaitPoli
 from prefect_nemo.redaction import Redactor
 from prefect_nemo.tasks._blocks import ClusterLike, resolve_cluster
 from prefect_nemo.tasks._run import RunContext, current_run
-from prefect_nemo.tasks.jobs import _identity, _track_cluster
+from prefect_nemo.tasks.jobs import _identity, _track_cluster, job_spec
 from prefect_nemo.tasks.reporting import JobReporter, RunProgress, say
 
 T = TypeVar("T")
@@ -188,7 +188,7 @@ async def _run_job(batch: _Batch, index: int, name: str) -> JobResult:
 
 
 def run_jobs(
-    specs: Iterable[JobSpec],
+    specs: Iterable[JobSpec | Any],
     cluster: ClusterLike = None,
     *,
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
@@ -196,7 +196,7 @@ def run_jobs(
     raise_on_failure: bool = True,
 ) -> list[JobResult]:
     """Run many jobs from this flow, each its own `run_job` task run; return their results in
-    the order of `specs`.
+    the order of `specs` (JobSpecs, or NeMo-Run tasks as run_job takes them).
 
     At most `max_in_flight` jobs are submitted and not ended at a time; the window halves when
     the cluster pushes back (HTTP 429/503) and grows back as submits are accepted. A job
@@ -226,15 +226,19 @@ def run_jobs(
     return _results(specs, outcomes, raise_on_failure)
 
 
-def _named(specs: Iterable[JobSpec]) -> list[JobSpec]:
-    """The specs, each with its name (`job-<index>` when it has none); names unique."""
+def _named(specs: Iterable[JobSpec | Any]) -> list[JobSpec]:
+    """The specs, each with its name (its task's key, else `job-<index>`); names unique."""
     named: list[JobSpec] = []
     seen: dict[str, int] = {}
-    for i, spec in enumerate(specs):
+    for i, given in enumerate(specs):
+        spec = job_spec(given)  # a NeMo-Run task runs as JobSpec(task=...), as in run_job
         if not isinstance(spec, JobSpec):
-            raise InvalidJobSpec(f"specs[{i}]: expected a JobSpec, got {type(spec).__name__}")
+            raise InvalidJobSpec(
+                f"specs[{i}]: expected a JobSpec or a NeMo-Run task, got {type(spec).__name__}"
+            )
         if not spec.name:
-            spec = spec.model_copy(update={"name": f"job-{i:04d}"})
+            name = (spec.task.key if spec.task else None) or f"job-{i:04d}"
+            spec = spec.model_copy(update={"name": name})
         assert spec.name is not None
         if spec.name in seen:
             raise InvalidJobSpec(
