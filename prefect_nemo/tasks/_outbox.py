@@ -7,7 +7,10 @@ window. Here an item that cannot be delivered is kept and sent again (with backo
 API answers; the outbox says once that it is waiting and once that it caught up. How long the
 API has been unreachable (`unreachable_for`) is what the run context's outage budget reads.
 
-Events keep their id across retries (the API stores an event id once). Log lines go with
+Events keep their id across retries (the API stores an event id once). A heartbeat (`beat`)
+skips the queue: it proves a run is alive now, so it goes before whatever waits (a backlog of
+log lines must not make a live run look dead to the sweeper), and only the newest of each
+resource is kept. Log lines go with
 `send_to_api` off through the run logger (the console shows them at once) and through here to
 the API. The thread runs while items wait and ends when the outbox is empty; at interpreter
 exit a last flush is tried for a few seconds.
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from prefect.client.orchestration import get_client
-from prefect.context import SettingsContext
+from prefect.context import FlowRunContext, SettingsContext, TaskRunContext
 from prefect.events import Event
 from prefect.events.related import related_resources_from_run_context
 from prefect.logging import get_logger
@@ -53,6 +56,8 @@ class Outbox:
 
     def __init__(self, max_items: int = MAX_ITEMS) -> None:
         self._items: deque[_Item] = deque()
+        self._beats: dict[str, _Item] = {}  # resource id -> the newest heartbeat not sent yet
+        self._related: dict[tuple[str, str], list[Any]] = {}  # run context -> its resources
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._max_items = max_items
@@ -67,6 +72,13 @@ class Outbox:
         run, deployment, flow, tags), as Prefect's own emit_event attaches them."""
         self._put(_Item("event", event, SettingsContext.get(),
                         contextvars.copy_context() if from_run else None))  # fmt: skip
+
+    def beat(self, event: Event) -> None:
+        """Send a heartbeat ahead of everything queued, replacing an unsent older one of the
+        same resource (no related resources are added)."""
+        with self._cond:
+            self._beats[event.resource.id] = _Item("event", event, SettingsContext.get())
+            self._wake()
 
     def log(self, record: dict[str, Any]) -> None:
         """Send a log line (a LogCreate as a JSON dict: name, level, message, timestamp,
@@ -84,12 +96,16 @@ class Outbox:
             while len(self._items) > self._max_items:
                 self._items.popleft()
                 self._dropped += 1
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="prefect-nemo-outbox", daemon=True
-                )
-                self._thread.start()
-            self._cond.notify()
+            self._wake()
+
+    def _wake(self) -> None:
+        """Start the sending thread if it is not running (the caller holds the lock)."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="prefect-nemo-outbox", daemon=True
+            )
+            self._thread.start()
+        self._cond.notify()
 
     # -- state --------------------------------------------------------------------------------
 
@@ -101,13 +117,13 @@ class Outbox:
     def pending(self) -> int:
         """Items not delivered yet."""
         with self._cond:
-            return len(self._items)
+            return len(self._items) + len(self._beats)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until everything put so far was delivered; False on timeout."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._items:
+            while self._items or self._beats:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
@@ -120,11 +136,13 @@ class Outbox:
         failures = 0
         while True:
             with self._cond:
-                if not self._items:
+                if not self._items and not self._beats:
                     self._thread = None
                     self._cond.notify_all()
                     return
-                batch = self._batch()
+                beats = list(self._beats.values())
+                beats = [b for b in beats if b.settings is beats[0].settings]
+                batch = beats or self._batch()
             try:
                 self._send(batch)
             except Exception as exc:
@@ -134,8 +152,14 @@ class Outbox:
                 continue
             failures = 0
             with self._cond:
-                for _ in batch:
-                    self._items.popleft()
+                if beats:  # sent: forget them unless a newer one replaced them
+                    for item in batch:
+                        key = item.value.resource.id
+                        if self._beats.get(key) is item:
+                            del self._beats[key]
+                else:
+                    for _ in batch:
+                        self._items.popleft()
                 self.delivered += len(batch)
                 self._cond.notify_all()
             self._caught_up()
@@ -161,7 +185,7 @@ class Outbox:
         with settings.model_copy() if settings else contextlib.nullcontext():
             if batch[0].kind == "event":
                 for item in batch:
-                    _attach_related(item)
+                    self._attach_related(item)
             with get_client(sync_client=True) as client:
                 if batch[0].kind == "log":
                     client.create_logs([item.value for item in batch])
@@ -170,6 +194,23 @@ class Outbox:
                     client.request("POST", "/events", json=payload)  # type: ignore[arg-type]
                 else:
                     batch[0].value(client)
+
+    def _attach_related(self, item: _Item) -> None:
+        """Add the run's related resources to an event once (Prefect's emit_event does this in
+        its worker, from the run context captured when the event was made); looked up once per
+        flow run and task run, not once per event."""
+        if item.related_done or item.context is None:
+            return
+        event: Event = item.value
+        key = item.context.run(_run_ids)
+        if key not in self._related:
+            if len(self._related) > 1000:
+                self._related.clear()
+            self._related[key] = item.context.run(asyncio.run, _related())
+        involved = {r.id for r in event.involved_resources}
+        found = [r for r in self._related[key] if r.id not in involved]
+        event.related = [*event.related, *found]
+        item.related_done = True
 
     def _failed(self, exc: Exception) -> None:
         if self._failing_since is None:
@@ -190,23 +231,19 @@ class Outbox:
             )
 
 
-def _attach_related(item: _Item) -> None:
-    """Add the run's related resources to an event once (Prefect's emit_event does this in its
-    worker, from the run context captured when the event was made)."""
-    if item.related_done or item.context is None:
-        return
-    event: Event = item.value
+def _run_ids() -> tuple[str, str]:
+    """(flow run id, task run id) of the current run context."""
+    flow_ctx, task_ctx = FlowRunContext.get(), TaskRunContext.get()
+    flow_run = getattr(flow_ctx, "flow_run", None)
+    task_run = getattr(task_ctx, "task_run", None)
+    return (str(getattr(flow_run, "id", "")), str(getattr(task_run, "id", "")))
 
-    async def related() -> list[Any]:
-        from prefect.client.orchestration import get_client as get_async_client
 
-        async with get_async_client() as client:
-            exclude = {r.id for r in event.involved_resources}
-            return await related_resources_from_run_context(client, exclude=exclude)
+async def _related() -> list[Any]:
+    from prefect.client.orchestration import get_client as get_async_client
 
-    found = item.context.run(asyncio.run, related())
-    event.related = [*event.related, *found]
-    item.related_done = True
+    async with get_async_client() as client:
+        return await related_resources_from_run_context(client)
 
 
 outbox = Outbox()

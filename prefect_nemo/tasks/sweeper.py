@@ -119,7 +119,7 @@ def judge(
         why = f"its flow run is {state.value}"
     else:
         signs = [beat, evidence.run_beats.get(owner)]
-        if job.submitted_at is not None:
+        if job.submitted_at is not None and not any(signs):  # a heartbeat's own lease rules
             signs.append(Beat(job.submitted_at, job.submitted_at + timedelta(seconds=lease_s)))
         dead_since = max((b.until for b in signs if b is not None), default=evidence.now)
         if dead_since > evidence.now:

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -75,8 +75,8 @@ class Engines:
         self, key: str, entrypoints: list[str], block: dict[str, Any] | None = None, **env: str
     ) -> Script:
         """Start the chaos flow as a plain script with run key `key` (job ids start with it)."""
-        log = self.workdir / f"{key}.log"
-        events = self.workdir / f"{key}.events"
+        name = f"{key}-{uuid.uuid4().hex[:4]}"  # a re-run of the same key gets its own files
+        log, events = self.workdir / f"{name}.log", self.workdir / f"{name}.events"
         full_env = {
             **self.server.env(),
             "PYTHONUNBUFFERED": "1",
@@ -150,154 +150,13 @@ def flow_run_of(jobs: list[Any]) -> str:
     return str(owners.pop())
 
 
-def _counting(lines: int, seconds: float) -> str:
+def counting(lines: int, seconds: float) -> str:
     """An entrypoint that prints line-1..line-<lines> over about `seconds`."""
     pause = seconds / lines
     return f"for i in $(seq 1 {lines}); do echo line-$i; sleep {pause:.2f}; done"
 
 
-# ---------------------------------------------------------------------------------------------
-# Prefect server down mid-run (issue 17 items 4 and 5)
-
-
-def server_down(engines: Engines, down_s: float = 20.0, count: int = 4) -> dict[str, Any]:
-    """A script waits on `count` Ray jobs; the Prefect server is stopped for `down_s` and started
-    again on the same database. Half the jobs end during the outage, half after. Measures
-    duplicates, final states, the job events and log lines present in the API against what the
-    run emitted, and whether an automation waiting for every `prefect-nemo.job.succeeded`
-    fired after the outage."""
-    key = f"down-{uuid.uuid4().hex[:6]}"
-    lines = [int(down_s * f) + 6 for f in (0.4, 0.8, 1.3, 1.6)][:count]
-    lines += [lines[-1]] * (count - len(lines))
-    automation = _succeeded_automation(engines.server, key, count)
-    started = datetime.now(UTC)
-    script = engines.script(key, [_counting(n, n * 0.5) for n in lines])
-    try:
-        jobs = wait_until(lambda: running(engines, key, count), 120, f"{count} RUNNING jobs")
-        time.sleep(2)  # some lines reach the API before the outage
-        engines.server.stop()
-        down_at = datetime.now(UTC)
-        time.sleep(down_s)
-        up_at = datetime.now(UTC)
-        engines.server.start()
-        code = script.wait(down_s + max(lines) + 240)
-    finally:
-        script.kill()
-        engines.stop_all(key)
-    run_id = flow_run_of(jobs)
-    out = script.output()
-    with client(engines.server) as c:
-        state = c.read_flow_run(uuid.UUID(run_id)).state
-        emitted = script.emitted()
-        present = {e["id"] for e in _events(c, started, JOB_EVENTS) if e["id"] in
-                   {x["id"] for x in emitted}}  # fmt: skip
-        logs = _job_log_lines(c, run_id)
-        fired = _automation_fired(c, automation, started)
-    job_states = engines.states(key)
-    expected = {j.submission_id: [f"line-{i}" for i in range(1, n + 1)]
-                for j, n in zip(sorted(jobs, key=lambda j: j.submission_id), _by_name(jobs, lines),
-                                strict=True)}  # fmt: skip
-    present_lines = sum(
-        len(expected[job]) for job in expected if logs.get(job, []) == expected[job]
-    )
-    during = [e for e in emitted if e["event"].endswith(".succeeded")]
-    return {
-        "exit_code": code,
-        "final_state": state.type.value if state else "NONE",
-        "state_message": state.message if state else "",
-        "jobs": len(job_states),
-        "duplicates": len(job_states) - count,
-        "succeeded": job_states.count("SUCCEEDED"),
-        "events_emitted": len(emitted),
-        "events_present": len(present),
-        "succeeded_events_emitted": len(during),
-        "log_lines_expected": sum(len(v) for v in expected.values()),
-        "log_lines_present": present_lines,
-        "log_lines_seen": sum(len(v) for v in logs.values()),
-        "lines_during_outage": _lines_between(engines.server, run_id, down_at, up_at),
-        "trigger_fired_after_outage": fired is not None and fired > up_at,
-        "trigger_fired_s_after_return": (fired - up_at).total_seconds() if fired else None,
-        "output": out[-3000:],
-    }
-
-
-def server_down_past_budget(
-    engines: Engines, down_s: float = 20.0, budget_s: float = 5.0, count: int = 2
-) -> dict[str, Any]:
-    """The Prefect server stays down past $PREFECT_NEMO_API_OUTAGE_BUDGET_S: the run must stop
-    its jobs (confirmed on Ray while the server is still down) and fail naming the outage."""
-    key = f"budget-{uuid.uuid4().hex[:6]}"
-    script = engines.script(key, ["sleep 300"] * count,
-                            PREFECT_NEMO_API_OUTAGE_BUDGET_S=str(budget_s))  # fmt: skip
-    try:
-        jobs = wait_until(lambda: running(engines, key, count), 120, f"{count} RUNNING jobs")
-        engines.server.stop()
-        down = time.monotonic()
-        stopped = None
-        with contextlib.suppress(AssertionError):
-            wait_until(lambda: engines.states(key) == ["STOPPED"] * count, down_s, "STOPPED")
-            stopped = time.monotonic() - down
-        time.sleep(max(0.0, down_s - (time.monotonic() - down)))
-        engines.server.start()
-        code = script.wait(240)
-    finally:
-        script.kill()
-        engines.stop_all(key)
-    run_id = flow_run_of(jobs)
-    with client(engines.server) as c:
-        state = wait_until(lambda: _terminal(c, run_id), 60, "the flow run to end")
-    return {
-        "exit_code": code,
-        "stopped_s_after_outage": stopped,
-        "job_states": engines.states(key),
-        "final_state": state.type.value,
-        "state_message": state.message or "",
-        "output": script.output()[-3000:],
-    }
-
-
-def _by_name(jobs: list[Any], lines: list[int]) -> list[int]:
-    """The line count of each job (job j<i> got lines[i]), in submission-id order."""
-    named = {j.submission_id: lines[int(j.metadata[META_KEY].rsplit("/j", 1)[1])] for j in jobs}
-    return [named[k] for k in sorted(named)]
-
-
-def _succeeded_automation(server: PrefectServer, key: str, count: int) -> uuid.UUID:
-    """An automation (on the real server) that fires once `count` jobs of run key `key` sent
-    `prefect-nemo.job.succeeded`."""
-    from prefect.events.actions import DoNothing
-    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
-
-    automation = AutomationCore(
-        name=f"all-succeeded-{key}",
-        trigger=EventTrigger(
-            expect={"prefect-nemo.job.succeeded"},
-            match={"prefect.resource.name": f"{key}*"},
-            posture=Posture.Reactive,
-            threshold=count,
-            within=timedelta(hours=1),
-        ),
-        actions=[DoNothing()],
-    )
-    with client(server) as c:
-        return c.create_automation(automation)
-
-
-def _automation_fired(c: Any, automation: uuid.UUID, since: datetime) -> datetime | None:
-    """When the automation fired (its `prefect.automation.triggered` event), if it did."""
-
-    def fired() -> datetime | None:
-        for event in _events(c, since, "prefect.automation.triggered"):
-            if event["resource"]["prefect.resource.id"] == f"prefect.automation.{automation}":
-                return _time(event["occurred"])
-        return None
-
-    with contextlib.suppress(AssertionError):
-        return wait_until(fired, 60, "the automation to fire", every=2)
-    return None
-
-
-def _events(c: Any, since: datetime, prefix: str) -> list[dict[str, Any]]:
+def events(c: Any, since: datetime, prefix: str) -> list[dict[str, Any]]:
     """Every event whose name starts with `prefix` since `since`, all pages."""
     body = {
         "filter": {
@@ -315,38 +174,176 @@ def _events(c: Any, since: datetime, prefix: str) -> list[dict[str, Any]]:
     return events
 
 
-def _job_logs(c: Any, run_id: str) -> list[Any]:
-    """Every log line of the flow run in the API, oldest first."""
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-
-    found: list[Any] = []
-    flt = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[uuid.UUID(run_id)]))
-    while batch := c.read_logs(log_filter=flt, limit=200, offset=len(found)):
-        found += batch
-    return found
-
-
-def _job_log_lines(c: Any, run_id: str) -> dict[str, list[str]]:
-    """job id -> the lines of its own log in the flow run's log, in order."""
-    lines: dict[str, list[str]] = {}
-    for log in _job_logs(c, run_id):
-        if log.message.startswith("[") and "] line-" in log.message:
-            job, line = log.message[1:].split("] ", 1)
-            lines.setdefault(job, []).append(line)
-    return lines
-
-
-def _lines_between(server: PrefectServer, run_id: str, start: datetime, end: datetime) -> int:
-    """How many job log lines were made while the server was down."""
-    with client(server) as c:
-        return sum(1 for log in _job_logs(c, run_id)
-                   if "] line-" in log.message and start <= log.timestamp <= end)  # fmt: skip
-
-
-def _terminal(c: Any, run_id: str) -> Any:
+def terminal(c: Any, run_id: str) -> Any:
     state = c.read_flow_run(uuid.UUID(run_id)).state
     return state if state is not None and state.is_final() else None
 
 
-def _time(text: str) -> datetime:
+def parse_time(text: str) -> datetime:
     return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+# ---------------------------------------------------------------------------------------------
+# `prefect flow-run cancel` of a script-started run (issue 17 item 3)
+
+
+def cancel_script_run(engines: Engines, count: int = 3) -> dict[str, Any]:
+    """A plain script waits on `count` running jobs; `prefect flow-run cancel <id>` (the real
+    CLI). Measures the seconds from the CLI's return until Ray says every job is STOPPED, and
+    the flow run's final state and message."""
+    key = f"cancel-{uuid.uuid4().hex[:6]}"
+    script = engines.script(key, ["sleep 300"] * count)
+    try:
+        jobs = wait_until(lambda: running(engines, key, count), 120, f"{count} RUNNING jobs")
+        run_id = flow_run_of(jobs)
+        prefect = str(Path(sys.executable).parent / "prefect")
+        cli = subprocess.run([prefect, "flow-run", "cancel", run_id], env=engines.server.env(),
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        asked = time.monotonic()
+        wait_until(lambda: engines.states(key) == ["STOPPED"] * count, 60, "STOPPED", every=0.1)
+        stopped_s = time.monotonic() - asked
+        code = script.wait(120)
+    finally:
+        script.kill()
+        engines.stop_all(key)
+    with client(engines.server) as c:
+        state = wait_until(lambda: terminal(c, run_id), 60, "the flow run to end")
+    return {
+        "cli_exit_code": cli.returncode,
+        "cli_output": (cli.stdout + cli.stderr)[-500:],
+        "stopped_s": stopped_s,
+        "exit_code": code,
+        "final_state": state.type.value,
+        "state_message": state.message or "",
+        "job_ids": sorted(j.submission_id for j in jobs),
+        "output": script.output()[-3000:],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# A stop the cluster could not confirm (issue 17 item 1's stop-pending rule)
+
+
+def stop_pending(
+    engines: Engines, down_s: float = 25.0, budget_s: float = 5.0, stop_timeout_s: float = 5.0
+) -> dict[str, Any]:
+    """The Ray dashboard (behind a TcpProxy) goes away for `down_s` while a script waits on a
+    job; with an unreachable budget and a stop timeout shorter than that, the task fails and
+    its stop is not confirmed. Once the dashboard is back, the sweeper (run every few seconds
+    from here, another process) must stop the job; measures how long after the return."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from prefect_nemo.blocks.ray_jobs import RayJobsCluster
+    from prefect_nemo.tasks.sweeper import STOP_PENDING_EVENT, sweep
+    from prefect_nemo.testing.proxy import TcpProxy
+
+    key = f"pending-{uuid.uuid4().hex[:6]}"
+    port = int(engines.ray.dashboard_url.rsplit(":", 1)[1])
+    started = datetime.now(UTC)
+    limits = {"unreachable_budget_s": budget_s, "stop_timeout_s": stop_timeout_s}
+    with TcpProxy("127.0.0.1", port) as proxy:
+        script = engines.script(key, ["sleep 150"], block=limits, CHAOS_RAY_URL=proxy.url)
+        try:
+            jobs = wait_until(lambda: running(engines, key, 1), 120, "a RUNNING job")
+            proxy.go_down()
+            cut = time.monotonic()
+            code = script.wait(down_s + 60)
+            failed_s = time.monotonic() - cut
+            state_at_return = engines.states(key)
+            time.sleep(max(0.0, down_s - (time.monotonic() - cut)))
+            proxy.come_back()
+            back = time.monotonic()
+            block = RayJobsCluster(dashboard_url=proxy.url, auth_token=engines.ray.token, **limits)
+            verdicts: list[Any] = []
+            with temporary_settings(updates={PREFECT_API_URL: engines.server.api_url}):
+                while engines.states(key) != ["STOPPED"] and time.monotonic() - back < 90:
+                    verdicts += [v for v in sweep([block]) if v.stop]
+                    time.sleep(2)
+            stopped_s = time.monotonic() - back if engines.states(key) == ["STOPPED"] else None
+        finally:
+            script.kill()
+            engines.stop_all(key)
+    with client(engines.server) as c:
+        pending = [e for e in events(c, started, STOP_PENDING_EVENT)
+                   if e["resource"]["prefect.resource.name"] == jobs[0].submission_id]  # fmt: skip
+    return {
+        "exit_code": code,
+        "failed_s_after_cut": failed_s,
+        "states_when_task_failed": state_at_return,
+        "stop_pending_events": len(pending),
+        "stopped_after_return_s": stopped_s,
+        "final_states": engines.states(key),
+        "swept": [(v.job_id, v.why, v.outcome) for v in verdicts],
+        "output": script.output()[-3000:],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# kill -9 of a plain script, then the sweeper (issue 17 item 1)
+
+
+def kill9(engines: Engines, count: int = 6, grace_s: float = 20.0) -> dict[str, Any]:
+    """kill -9 of a script waiting on `count` running jobs. No retry: the sweeper (run every 5 s
+    from here, another process; the deployment's schedule runs it every 60 s) must leave none
+    of the killed run's jobs running `grace_s + 60` s after the kill. A re-run of the script
+    (same run key) within the grace: it attaches to all of them and the sweeper stops none."""
+    import os
+    import signal
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from prefect_nemo.blocks.ray_jobs import RayJobsCluster
+    from prefect_nemo.tasks.sweeper import sweep
+
+    block = RayJobsCluster(dashboard_url=engines.ray.dashboard_url,
+                           auth_token=engines.ray.token, sweep_grace_s=grace_s)  # fmt: skip
+    fields = {"sweep_grace_s": grace_s}
+    lost, again = f"lost-{uuid.uuid4().hex[:6]}", f"again-{uuid.uuid4().hex[:6]}"
+    scripts: list[Script] = []
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: engines.server.api_url}):
+            # 1. killed, nobody runs it again
+            scripts.append(first := engines.script(lost, ["sleep 600"] * count, block=fields))
+            wait_until(lambda: running(engines, lost, count), 180, f"{count} RUNNING jobs")
+            os.kill(first.proc.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            early = [v for v in sweep([block]) if v.stop and v.job_id.startswith(lost)]
+            deadline = killed + grace_s + 60
+            while engines.states(lost).count("RUNNING") and time.monotonic() < deadline:
+                sweep([block])
+                time.sleep(5)
+            left = engines.states(lost).count("RUNNING")
+            stopped_after = None if left else time.monotonic() - killed
+            # 2. killed, and the same script run again within the grace
+            scripts.append(victim := engines.script(again, ["sleep 600"] * count, block=fields))
+            jobs = wait_until(lambda: running(engines, again, count), 180, f"{count} RUNNING")
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            scripts.append(retry := engines.script(again, ["sleep 600"] * count, block=fields))
+            wait_until(lambda: "SUBMITTED" in retry.output(), 120, "the re-run to start")
+            attached = wait_until(lambda: _attached(retry, count), 120, "the re-run to attach")
+            time.sleep(max(0.0, grace_s + 10 - (time.monotonic() - killed)))  # past the grace
+            ids = {j.submission_id for j in jobs}
+            swept = [v for v in sweep([block]) if v.stop and v.job_id in ids]
+            still = sorted(j.submission_id for j in engines.jobs(again)
+                           if j.status.value == "RUNNING")  # fmt: skip
+    finally:
+        for script in scripts:
+            script.kill()
+        engines.stop_all(lost)
+        engines.stop_all(again)
+    return {
+        "early_stops": len(early),
+        "left_running": left,
+        "stopped_after_s": stopped_after,
+        "retry_attached": attached,
+        "retry_stopped": len(swept),
+        "retry_same_jobs": still == sorted(ids),
+        "retry_duplicates": len(engines.jobs(again)) - count,
+    }
+
+
+def _attached(script: Script, count: int) -> int | None:
+    """How many jobs the run attached to, once it attached to `count`."""
+    found = sum(1 for e in script.emitted() if e["event"] == "prefect-nemo.job.attached")
+    return found if found >= count else None

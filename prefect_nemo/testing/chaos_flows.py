@@ -34,9 +34,8 @@ def cluster() -> RayJobsCluster:
 def chaos_jobs(entrypoints: list[str]) -> list[str]:
     """One job per entrypoint (named j0, j1, ...), all waited on; their final states."""
     block = cluster()
-    futures = [
-        run_job.submit(JobSpec(entrypoint=e, name=f"j{i}"), block) for i, e in enumerate(entrypoints)
-    ]
+    specs = [JobSpec(entrypoint=e, name=f"j{i}") for i, e in enumerate(entrypoints)]
+    futures = [run_job.submit(spec, block) for spec in specs]
     print("SUBMITTED", flush=True)
     return [f.result().state.value for f in futures]
 

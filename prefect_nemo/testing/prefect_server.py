@@ -63,7 +63,7 @@ class PrefectServer:
         }
         prefect = str(Path(sys.executable).parent / "prefect")
         cmd = [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
-        log = open(self.home / "server.log", "ab")  # noqa: SIM115 (the child keeps it open)
+        log = open(self.home / "server.log", "ab")  # the child keeps it open
         self.process = subprocess.Popen(
             cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -78,7 +78,7 @@ class PrefectServer:
                 return self
             time.sleep(0.3)
         self.stop()
-        raise RuntimeError(f"prefect server did not answer within {timeout_s:g}s:\n{self.log_tail()}")
+        raise RuntimeError(f"prefect server silent for {timeout_s:g}s:\n{self.log_tail()}")
 
     def healthy(self) -> bool:
         """True when /api/health answers 200."""
