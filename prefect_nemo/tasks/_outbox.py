@@ -130,6 +130,16 @@ class Outbox:
                 self._cond.wait(min(remaining, 0.1))
         return True
 
+    def settle(self, outage_budget_s: float, quick_s: float = 2.0) -> None:
+        """Wait until what was put so far is delivered: for up to `quick_s` while the API
+        answers; while it is unreachable, until it answers again, unless it has been away for
+        more than `outage_budget_s`."""
+        quick_until = time.monotonic() + quick_s
+        while not self.flush(timeout_s=0.5):
+            down = self.unreachable_for()
+            if down > outage_budget_s or (not down and time.monotonic() > quick_until):
+                return
+
     # -- the sending thread -------------------------------------------------------------------
 
     def _run(self) -> None:

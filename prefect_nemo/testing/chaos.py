@@ -274,6 +274,7 @@ def stop_pending(
         "stopped_after_return_s": stopped_s,
         "final_states": engines.states(key),
         "swept": [(v.job_id, v.why, v.outcome) for v in verdicts],
+        "said_not_confirmed": "asked to stop but is still" in script.output(),
         "output": script.output()[-3000:],
     }
 
