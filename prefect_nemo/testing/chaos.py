@@ -157,21 +157,10 @@ def counting(lines: int, seconds: float) -> str:
 
 
 def events(c: Any, since: datetime, prefix: str) -> list[dict[str, Any]]:
-    """Every event whose name starts with `prefix` since `since`, all pages."""
-    body = {
-        "filter": {
-            "occurred": {"since": since.isoformat(), "until": datetime.now(UTC).isoformat()},
-            "event": {"prefix": [prefix]},
-            "order": "ASC",
-        },
-        "limit": 50,
-    }
-    page = c.request("POST", "/events/filter", json=body).json()
-    events = list(page.get("events") or [])
-    while page.get("next_page"):
-        page = c._client.get(page["next_page"]).json()
-        events += page.get("events") or []
-    return events
+    """Every event whose name starts with `prefix` since `since`."""
+    from prefect_nemo.tasks.sweeper import read_events
+
+    return read_events(c, since, prefix=[prefix])
 
 
 def terminal(c: Any, run_id: str) -> Any:
