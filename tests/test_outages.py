@@ -16,7 +16,7 @@ import pytest
 
 from prefect_nemo.jobs import JobState, OwnedJob
 from prefect_nemo.tasks.sweeper import LEASE_S, Beat, Evidence, judge
-from prefect_nemo.testing.chaos import Engines, cancel_script_run, stop_pending
+from prefect_nemo.testing.chaos import Engines, cancel_script_run, stop_pending, wait_until
 from prefect_nemo.testing.chaos_server import server_down, server_down_past_budget
 from prefect_nemo.testing.prefect_server import PrefectServer
 
@@ -122,3 +122,40 @@ def test_a_heartbeat_lease_rules_over_the_submission_sign() -> None:
     evidence = Evidence(now, {("c", "job-1"): beat}, {"run-a": beat}, {}, {"run-a": run})
     verdict = judge("b", "c", job, evidence, grace_s=10.0, lease_s=LEASE_S)
     assert verdict.stop and "stopped saying it is alive" in verdict.why, verdict
+
+
+def test_a_heartbeat_goes_before_a_backlog_and_only_the_newest_is_kept(prefect_api: str) -> None:
+    """Issue 17 item 1: a run proves it is alive with "a lease/heartbeat the run renews while it
+    waits on jobs"; a heartbeat that waits behind a backlog of log lines comes too late for its
+    lease (the sweeper then stops a live run's jobs). Against the real API: the newest of two
+    heartbeats goes in the second batch at the latest, behind 1,200 queued log lines."""
+    from prefect.client.orchestration import get_client
+    from prefect.events import Event
+
+    from prefect_nemo.tasks._outbox import Outbox
+    from prefect_nemo.tasks.sweeper import read_events
+
+    sent: list[str] = []
+
+    class Recording(Outbox):
+        def _send(self, batch: list[Any]) -> None:
+            super()._send(batch)
+            sent.append(batch[0].kind if batch[0].kind != "event" else batch[0].value.event)
+
+    box, since = Recording(), datetime.now(UTC)
+    run = f"test-{since.timestamp()}"
+    for i in range(1200):
+        box.log({"name": "t", "level": 20, "message": f"line {i}", "timestamp": since.isoformat()})
+    for n in (1, 2):
+        box.beat(Event(event="prefect-nemo.run.heartbeat", payload={"n": n},
+                       resource={"prefect.resource.id": f"prefect-nemo.run.{run}"}))  # fmt: skip
+    assert box.flush(timeout_s=60)
+    assert "prefect-nemo.run.heartbeat" in sent[:2], sent
+
+    def stored() -> list[int]:  # the server persists events a moment after it takes them
+        with get_client(sync_client=True) as client:
+            found = read_events(client, since, name=["prefect-nemo.run.heartbeat"])
+        ours = [e for e in found if e["resource"]["prefect.resource.id"].endswith(run)]
+        return [e["payload"]["n"] for e in ours]
+
+    assert wait_until(stored, 30, "the heartbeat stored") == [2], "only the newest unsent goes"

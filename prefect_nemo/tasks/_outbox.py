@@ -167,9 +167,10 @@ class Outbox:
                         key = item.value.resource.id
                         if self._beats.get(key) is item:
                             del self._beats[key]
-                else:
-                    for _ in batch:
-                        self._items.popleft()
+                else:  # by identity: past MAX_ITEMS, _put may have dropped some meanwhile
+                    for item in batch:
+                        if self._items and self._items[0] is item:
+                            self._items.popleft()
                 self.delivered += len(batch)
                 self._cond.notify_all()
             self._caught_up()
