@@ -32,13 +32,14 @@ def server_down(engines: Engines, down_s: float = 20.0, count: int = 4) -> dict[
     run emitted, and whether an automation waiting for every `prefect-nemo.job.succeeded`
     fired after the outage."""
     key = f"down-{uuid.uuid4().hex[:6]}"
-    lines = [int(2 * (down_s * f + 3)) for f in (0.4, 0.8, 1.3, 1.6)][:count]  # 2 a second
+    # 2 lines a second; the shortest job outlasts the others' start (staggered under load)
+    lines = [int(2 * (down_s * f + 10)) for f in (0.4, 0.8, 1.3, 1.6)][:count]
     lines += [lines[-1]] * (count - len(lines))
     automation = _succeeded_automation(engines.server, key, count)
     started = datetime.now(UTC)
     script = engines.script(key, [counting(n, n * 0.5) for n in lines])
     try:
-        jobs = wait_until(lambda: running(engines, key, count), 120, f"{count} RUNNING jobs")
+        jobs = wait_until(lambda: _started(engines, key, count), 180, f"{count} started jobs")
         time.sleep(2)  # some lines reach the API before the outage
         engines.server.stop()
         down_at = datetime.now(UTC)
@@ -119,6 +120,13 @@ def server_down_past_budget(
         "state_message": state.message or "",
         "output": script.output()[-3000:],
     }
+
+
+def _started(engines: Engines, key: str, count: int) -> list[Any] | None:
+    """The run's jobs once `count` of them are RUNNING or over."""
+    jobs = engines.jobs(key)
+    ok = len(jobs) == count and all(j.status.value != "PENDING" for j in jobs)
+    return jobs if ok else None
 
 
 def _by_name(jobs: list[Any], lines: list[int]) -> list[int]:
