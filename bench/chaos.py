@@ -46,7 +46,7 @@ def chaos(engines: Engines) -> None:
     report("chaos_kill9_retry_duplicates", k["retry_duplicates"])
 
     p = _timed("stop_pending", stop_pending, engines, down_s=25, budget_s=5, stop_timeout_s=5)
-    report("chaos_stop_pending_task_failed_after_cut_s", p["failed_s_after_cut"])
+    report("chaos_stop_pending_script_exited_after_cut_s", p["exited_s_after_cut"])
     report("chaos_stop_pending_events", p["stop_pending_events"])
     report("chaos_stop_pending_stopped_after_return_s", p["stopped_after_return_s"])
     report("chaos_stop_pending_final_state", ",".join(p["final_states"]))
@@ -58,6 +58,7 @@ def chaos(engines: Engines) -> None:
     report("chaos_cancel_message_names_jobs", f"{named}/{len(c['job_ids'])}")
 
     d = _timed("server_down", server_down, engines, down_s=90, count=4)
+    report("chaos_server_down_outage_s", d["outage_s"])
     report("chaos_server_down_duplicates", d["duplicates"])
     report("chaos_server_down_succeeded", f"{d['succeeded']}/4")
     report("chaos_server_down_final_state", d["final_state"])

@@ -237,7 +237,7 @@ def stop_pending(
             proxy.go_down()
             cut = time.monotonic()
             code = script.wait(down_s + 60)
-            failed_s = time.monotonic() - cut
+            exited_s = time.monotonic() - cut
             state_at_return = engines.states(key)
             time.sleep(max(0.0, down_s - (time.monotonic() - cut)))
             proxy.come_back()
@@ -257,7 +257,7 @@ def stop_pending(
                    if e["resource"]["prefect.resource.name"] == jobs[0].submission_id]  # fmt: skip
     return {
         "exit_code": code,
-        "failed_s_after_cut": failed_s,
+        "exited_s_after_cut": exited_s,
         "states_when_task_failed": state_at_return,
         "stop_pending_events": len(pending),
         "stopped_after_return_s": stopped_s,

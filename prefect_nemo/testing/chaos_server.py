@@ -41,11 +41,12 @@ def server_down(engines: Engines, down_s: float = 20.0, count: int = 4) -> dict[
     try:
         jobs = wait_until(lambda: _started(engines, key, count), 180, f"{count} started jobs")
         time.sleep(2)  # some lines reach the API before the outage
+        down_at, down = datetime.now(UTC), time.monotonic()  # SIGINT: it stops answering at once
         engines.server.stop()
-        down_at = datetime.now(UTC)
-        time.sleep(down_s)
+        time.sleep(max(0.0, down_s - (time.monotonic() - down)))
         up_at = datetime.now(UTC)
         engines.server.start()
+        outage_s = time.monotonic() - down  # until it answered again
         code = script.wait(down_s + max(lines) + 240)
     finally:
         script.kill()
@@ -69,6 +70,7 @@ def server_down(engines: Engines, down_s: float = 20.0, count: int = 4) -> dict[
     during = [e for e in emitted if e["event"].endswith(".succeeded")]
     return {
         "exit_code": code,
+        "outage_s": outage_s,
         "final_state": state.type.value if state else "NONE",
         "state_message": state.message if state else "",
         "jobs": len(job_states),
@@ -97,8 +99,8 @@ def server_down_past_budget(
                             PREFECT_NEMO_API_OUTAGE_BUDGET_S=str(budget_s))  # fmt: skip
     try:
         jobs = wait_until(lambda: running(engines, key, count), 120, f"{count} RUNNING jobs")
+        down = time.monotonic()  # SIGINT: it stops answering at once
         engines.server.stop()
-        down = time.monotonic()
         stopped = None
         with contextlib.suppress(AssertionError):
             wait_until(lambda: engines.states(key) == ["STOPPED"] * count, down_s, "STOPPED")
