@@ -56,8 +56,14 @@ def server_down(engines: Engines, down_s: float = 20.0, count: int = 4) -> dict[
     with client(engines.server) as c:
         state = c.read_flow_run(uuid.UUID(run_id)).state
         emitted = script.emitted()
-        present = {e["id"] for e in events(c, started, JOB_EVENTS) if e["id"] in
-                   {x["id"] for x in emitted}}  # fmt: skip
+        ids = {x["id"] for x in emitted}
+
+        def stored() -> set[str]:
+            return ids & {e["id"] for e in events(c, started, JOB_EVENTS)}
+
+        with contextlib.suppress(AssertionError):  # the server stores events a moment later
+            wait_until(lambda: stored() == ids, 30, "every job event stored", every=1)
+        present = stored()
         logs = _job_log_lines(c, run_id)
         fired = _automation_fired(c, automation, started)
     job_states = engines.states(key)
