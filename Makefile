@@ -8,7 +8,7 @@ NR_VENV := .venv-nemo-run
 NR_BIN := $(NR_VENV)/bin
 NR_STAMP := $(NR_VENV)/.installed-nemo-run
 
-.PHONY: demo test test-core test-extras test-fast bench bench-scale lint install system clean
+.PHONY: demo test test-core test-extras test-fast bench bench-scale chaos lint install system clean
 
 # The virtualenv, installed with the pinned versions of constraints/core.txt.
 $(STAMP): pyproject.toml constraints/core.txt
@@ -52,6 +52,11 @@ test-extras: $(NR_STAMP)
 ## The quick subset: no cluster, no server.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+## Reliability under chaos at issue 17's sizes (kill -9 + sweeper, Ray dashboard down, flow-run
+## cancel, Prefect server down 90 s) on a real Prefect server and local Ray; key=value lines.
+chaos: $(STAMP)
+	$(BIN)/python -m bench.chaos
 
 lint: $(STAMP)
 	$(BIN)/ruff check prefect_nemo flows tests bench examples

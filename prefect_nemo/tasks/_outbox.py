@@ -10,7 +10,10 @@ window. Here an item that cannot be delivered is kept and sent again (with backo
 API answers; the outbox says once that it is waiting and once that it caught up. How long the
 API has been unreachable (`unreachable_for`) is what the run context's outage budget reads.
 
-Events keep their id across retries (the API stores an event id once). Log lines go with
+Events keep their id across retries (the API stores an event id once). A heartbeat (`beat`)
+skips the queue: it proves a run is alive now, so it goes before whatever waits (a backlog of
+log lines must not make a live run look dead to the sweeper), and only the newest of each
+resource is kept. Log lines go with
 `send_to_api` off through the run logger (the console shows them at once) and through here to
 the API. The thread runs while items wait and ends when the outbox is empty; at interpreter
 exit a last flush is tried for a few seconds.
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from prefect.client.orchestration import get_client
-from prefect.context import SettingsContext
+from prefect.context import FlowRunContext, SettingsContext, TaskRunContext
 from prefect.events import Event
 from prefect.events.related import related_resources_from_run_context
 from prefect.logging import get_logger
@@ -57,6 +60,8 @@ class Outbox:
 
     def __init__(self, max_items: int = MAX_ITEMS) -> None:
         self._items: deque[_Item] = deque()
+        self._beats: dict[str, _Item] = {}  # resource id -> the newest heartbeat not sent yet
+        self._related: dict[tuple[str, str], list[Any]] = {}  # run context -> its resources
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._max_items = max_items
@@ -82,18 +87,29 @@ class Outbox:
         it succeeds, so it must be safe to repeat."""
         self._put(_Item("call", write, SettingsContext.get()))
 
+    def beat(self, event: Event) -> None:
+        """Send a heartbeat ahead of everything queued, replacing an unsent older one of the
+        same resource (no related resources are added)."""
+        with self._cond:
+            self._beats[event.resource.id] = _Item("event", event, SettingsContext.get())
+            self._wake()
+
     def _put(self, item: _Item) -> None:
         with self._cond:
             self._items.append(item)
             while len(self._items) > self._max_items:
                 self._items.popleft()
                 self._dropped += 1
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="prefect-nemo-outbox", daemon=True
-                )
-                self._thread.start()
-            self._cond.notify()
+            self._wake()
+
+    def _wake(self) -> None:
+        """Start the sending thread if it is not running (the caller holds the lock)."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="prefect-nemo-outbox", daemon=True
+            )
+            self._thread.start()
+        self._cond.notify()
 
     # -- state --------------------------------------------------------------------------------
 
@@ -105,18 +121,28 @@ class Outbox:
     def pending(self) -> int:
         """Items not delivered yet."""
         with self._cond:
-            return len(self._items)
+            return len(self._items) + len(self._beats)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until everything put so far was delivered; False on timeout."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._items:
+            while self._items or self._beats:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
                 self._cond.wait(min(remaining, 0.1))
         return True
+
+    def settle(self, outage_budget_s: float, quick_s: float = 2.0) -> None:
+        """Wait until what was put so far is delivered: for up to `quick_s` while the API
+        answers; while it is unreachable, until it answers again, unless it has been away for
+        more than `outage_budget_s`."""
+        quick_until = time.monotonic() + quick_s
+        while not self.flush(timeout_s=0.5):
+            down = self.unreachable_for()
+            if down > outage_budget_s or (not down and time.monotonic() > quick_until):
+                return
 
     # -- the sending thread -------------------------------------------------------------------
 
@@ -126,11 +152,13 @@ class Outbox:
         try:
             while True:
                 with self._cond:
-                    if not self._items:
+                    if not self._items and not self._beats:
                         self._thread = None
                         self._cond.notify_all()
                         return
-                    batch = self._batch()
+                    beats = list(self._beats.values())
+                    beats = [b for b in beats if b.settings is beats[0].settings]
+                    batch = beats or self._batch()
                 try:
                     self._send(batch, clients)
                 except Exception as exc:
@@ -141,8 +169,15 @@ class Outbox:
                     continue
                 failures = 0
                 with self._cond:
-                    for _ in batch:
-                        self._items.popleft()
+                    if beats:  # sent: forget them unless a newer one replaced them
+                        for item in batch:
+                            key = item.value.resource.id
+                            if self._beats.get(key) is item:
+                                del self._beats[key]
+                    else:  # by identity: past MAX_ITEMS, _put may have dropped some meanwhile
+                        for item in batch:
+                            if self._items and self._items[0] is item:
+                                self._items.popleft()
                     self.delivered += len(batch)
                     self._cond.notify_all()
                 self._caught_up()
@@ -175,7 +210,7 @@ class Outbox:
                 _mark_sent(logs)
             events = [item for item in batch if item.kind == "event" and not item.sent]
             if events:
-                _attach_related([item for item in events if not item.related_done])
+                self._attach_related([item for item in events if not item.related_done])
                 payload = [item.value.model_dump(mode="json") for item in events]
                 client.request("POST", "/events", json=payload)  # type: ignore[arg-type]
                 _mark_sent(events)
@@ -183,6 +218,35 @@ class Outbox:
                 if item.kind == "call" and not item.sent:
                     item.value(client)
                     item.sent = True
+
+    def _attach_related(self, items: list[_Item]) -> None:
+        """Add each event's run's related resources (Prefect's emit_event does this in its
+        worker, from the run context captured when the event was made): looked up once per
+        flow run and task run, the lookups of a batch on one loop and one client."""
+        items = [item for item in items if item.context is not None]
+        keys = [item.context.run(_run_ids) for item in items if item.context is not None]
+        todo = {k: item for k, item in zip(keys, items, strict=True) if k not in self._related}
+
+        async def lookups() -> list[list[Any]]:
+            from prefect.client.orchestration import get_client as get_async_client
+
+            async with get_async_client() as client:
+                return await asyncio.gather(*[
+                    asyncio.create_task(related_resources_from_run_context(client),
+                                        context=item.context.copy())
+                    for item in todo.values() if item.context is not None
+                ])  # fmt: skip
+
+        if todo:
+            if len(self._related) > 1000:
+                self._related.clear()
+            self._related.update(zip(todo, asyncio.run(lookups()), strict=True))
+        for key, item in zip(keys, items, strict=True):
+            event: Event = item.value
+            involved = {r.id for r in event.involved_resources}
+            found = [r for r in self._related[key] if r.id not in involved]
+            event.related = [*event.related, *found]
+            item.related_done = True
 
     def _failed(self, exc: Exception) -> None:
         if self._failing_since is None:
@@ -230,33 +294,12 @@ class _Clients:
                 client.__exit__(None, None, None)
 
 
-def _attach_related(items: list[_Item]) -> None:
-    """Add each event's run's related resources once (Prefect's emit_event does this in its
-    worker, from the run context captured when the event was made): one loop and one client
-    for the whole batch, each lookup in its own event's context."""
-    items = [item for item in items if item.context is not None]
-    if not items:
-        return
-
-    async def related(client: Any, item: _Item) -> list[Any]:
-        exclude = {r.id for r in item.value.involved_resources}
-        return await related_resources_from_run_context(client, exclude=exclude)
-
-    async def all_related() -> list[list[Any]]:
-        from prefect.client.orchestration import get_client as get_async_client
-
-        async with get_async_client() as client:
-            lookups = [
-                asyncio.create_task(related(client, item), context=item.context.copy())
-                for item in items
-                if item.context is not None
-            ]
-            return await asyncio.gather(*lookups)
-
-    for item, found in zip(items, asyncio.run(all_related()), strict=True):
-        event: Event = item.value
-        event.related = [*event.related, *found]
-        item.related_done = True
+def _run_ids() -> tuple[str, str]:
+    """(flow run id, task run id) of the current run context."""
+    flow_ctx, task_ctx = FlowRunContext.get(), TaskRunContext.get()
+    flow_run = getattr(flow_ctx, "flow_run", None)
+    task_run = getattr(task_ctx, "task_run", None)
+    return (str(getattr(flow_run, "id", "")), str(getattr(task_run, "id", "")))
 
 
 outbox = Outbox()

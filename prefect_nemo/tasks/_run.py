@@ -456,7 +456,7 @@ def _heartbeats(jobs: dict[str, list[JobHandle]], lease_s: float) -> None:
     """`prefect-nemo.run.heartbeat` for each run with jobs: the run is alive, and vouches for
     these jobs, for `lease_s` (the sweeper reads them)."""
     for run_id, handles in jobs.items():
-        outbox.event(
+        outbox.beat(
             Event(
                 event=HEARTBEAT_EVENT,
                 resource={
@@ -474,10 +474,9 @@ def _heartbeats(jobs: dict[str, list[JobHandle]], lease_s: float) -> None:
                     "jobs": [
                         {"job_id": h.job_id, "cluster": h.cluster, "backend": h.backend}
                         for h in handles
-                    ]
+                    ],
                 },
-            ),
-            from_run=False,
+            )
         )
 
 

@@ -22,7 +22,7 @@ from prefect.events import Event
 from prefect_nemo.jobs import DryRun, JobHandle, JobState, JobStatus
 from prefect_nemo.redaction import Redactor
 from prefect_nemo.tasks._outbox import outbox
-from prefect_nemo.tasks._run import RunContext
+from prefect_nemo.tasks._run import RunContext, api_outage_budget_s
 
 JOB_EVENT_PREFIX = "prefect-nemo.job"
 MESSAGE_CHARS = 300
@@ -245,12 +245,20 @@ class JobReporter:
         say(self.run, logging.INFO, self.redact(f"[{handle.job_id}] {line}"))
 
     def ended(self, handle: JobHandle) -> None:
-        """The wait is over: nothing to stop on the run's behalf any more."""
+        """The wait is over: nothing to stop on the run's behalf any more; what was reported
+        reaches the API before the task hands its result to Prefect."""
         self.run.untrack(_work_key(handle))
+        if self.run.flow_run_id is not None:
+            # Prefect's own state change that follows (the task run's end) gives up after about
+            # a minute of retries: a job that ends while the Prefect server is down hands its
+            # result back once the server is there to take it (within the outage budget)
+            outbox.settle(api_outage_budget_s())
 
     def unstopped(self, handle: JobHandle, message: str) -> None:
         """A stop not confirmed: said, and recorded as `prefect-nemo.job.stop-pending` for the
-        sweeper to finish once the cluster answers again."""
+        sweeper to finish once the cluster answers again. The run stops vouching for the job
+        first: a heartbeat naming it after the record would tell the sweeper to keep it."""
+        self.run.release(handle)
         say(self.run, logging.ERROR, self.redact(message))
         self._emit(handle, "stop-pending", {"message": self.redact(message)[:MESSAGE_CHARS]})
 

@@ -128,7 +128,7 @@ def judge(
         # the job's submission stands in for its heartbeat until one names it (a later lease
         # must not outlast the heartbeats of a run killed just after it submitted)
         signs = [beat, evidence.run_beats.get(owner)]
-        if beat is None and job.submitted_at is not None:
+        if job.submitted_at is not None and not any(signs):
             signs.append(Beat(job.submitted_at, job.submitted_at + timedelta(seconds=lease_s)))
         dead_since = max((b.until for b in signs if b is not None), default=evidence.now)
         if dead_since > evidence.now:
@@ -155,7 +155,7 @@ def gather_evidence(owners: Iterable[str], lease_s: float) -> Evidence:
 
     with get_client(sync_client=True) as client:
         since = now - HEARTBEAT_LOOKBACK
-        for event in _events(client, [HEARTBEAT_EVENT, PREFECT_HEARTBEAT_EVENT], since):
+        for event in read_events(client, since, name=[HEARTBEAT_EVENT, PREFECT_HEARTBEAT_EVENT]):
             resource, payload = event["resource"], event.get("payload") or {}
             run_id = resource.get("prefect-nemo.flow-run-id") or resource[
                 "prefect.resource.id"
@@ -167,7 +167,7 @@ def gather_evidence(owners: Iterable[str], lease_s: float) -> Evidence:
             for job in payload.get("jobs", []):
                 key = (job["cluster"], job["job_id"])
                 beats[key] = newer(beats.get(key), beat)
-        for event in _events(client, [STOP_PENDING_EVENT], now - LOOKBACK):
+        for event in read_events(client, now - LOOKBACK, name=[STOP_PENDING_EVENT]):
             resource = event["resource"]
             key = (resource.get("prefect-nemo.cluster", ""), resource["prefect.resource.name"])
             when = _time(event["occurred"])
@@ -181,12 +181,13 @@ def gather_evidence(owners: Iterable[str], lease_s: float) -> Evidence:
     return Evidence(now, beats, run_beats, pending, {str(r.id): r for r in runs})
 
 
-def _events(client: Any, names: list[str], since: datetime) -> list[dict[str, Any]]:
-    """Every event of these names since `since`, all pages."""
+def read_events(client: Any, since: datetime, **names: list[str]) -> list[dict[str, Any]]:
+    """Every event since `since` of these names (an EventNameFilter: `name=[...]`,
+    `prefix=[...]`), all pages, as the API returns them."""
     body = {
         "filter": {
             "occurred": {"since": since.isoformat(), "until": datetime.now(UTC).isoformat()},
-            "event": {"name": names},
+            "event": names,
         },
         "limit": 50,  # the API's page size limit
     }

@@ -7,7 +7,10 @@
 `prefect_nemo.testing.slurm.LocalSlurm` is a real Slurm (munge, MariaDB, slurmdbd, slurmctld,
 slurmd) plus an sshd on loopback, run as root from Debian's packages;
 `prefect_nemo.testing.runai.RunaiServer` and `prefect_nemo.testing.lepton.LeptonServer` answer the
-run:ai (DGX Cloud) and Lepton APIs as NeMo-Run and leptonai call them.
+run:ai (DGX Cloud) and Lepton APIs as NeMo-Run and leptonai call them;
+`prefect_nemo.testing.prefect_server.PrefectServer` is `prefect server start` on a fixed port that
+a test stops and starts again on the same database, and `prefect_nemo.testing.chaos` /
+`chaos_server` are issue 17's reliability scenarios on it (tests/test_outages.py, `make chaos`).
 """
 
 from __future__ import annotations
