@@ -478,7 +478,7 @@ def test_spec_of_the_wrong_type_is_refused(cluster, prefect_api, ray_client, bad
     assert_refused_in_flow(
         ray_client,
         lambda: run_job(bad, cluster=cluster),
-        rf"spec: expected a JobSpec, got {type(bad).__name__}",
+        rf"spec: expected a JobSpec or a NeMo-Run task, got {type(bad).__name__}",
     )
 
 
