@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -313,9 +314,20 @@ def _report(run: Any, verdicts: list[Verdict], dry_run: bool) -> None:
 
 
 @flow(name="prefect-nemo-sweep", log_prints=True)
-def sweep_flow(blocks: list[str] | None = None, dry_run: bool = False) -> list[dict[str, Any]]:
-    """Stop the jobs of flow runs that died without a word (see prefect_nemo.tasks.sweeper)."""
-    return [asdict(v) for v in sweep(blocks or (), dry_run=dry_run)]
+def sweep_flow(
+    blocks: list[str] | None = None, dry_run: bool = False, rounds: int = 1, every_s: float = 20.0
+) -> list[dict[str, Any]]:
+    """Stop the jobs of flow runs that died without a word (see prefect_nemo.tasks.sweeper):
+    `rounds` sweeps, `every_s` apart (a deployment scheduled every minute sweeps 3 times, so a
+    dead run's jobs are stopped within a minute of its grace, with one flow run a minute)."""
+    if rounds < 1 or every_s < 0:
+        raise InvalidJobSpec(f"rounds={rounds}, every_s={every_s}: need rounds >= 1, every_s >= 0")
+    verdicts: list[Verdict] = []
+    for i in range(rounds):
+        if i:
+            time.sleep(every_s)
+        verdicts += sweep(blocks or (), dry_run=dry_run)
+    return [asdict(v) for v in verdicts]
 
 
 def _time(text: str) -> datetime:
