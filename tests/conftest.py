@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -110,6 +111,17 @@ def kube_block(kube_server: Any) -> Any:
     from prefect_nemo.blocks.kubernetes import KubernetesCluster
 
     return KubernetesCluster(kubeconfig=kube_server.kubeconfig())
+
+
+def wait_until(predicate: Callable[[], Any], timeout_s: float = 60.0) -> Any:
+    """Poll `predicate` every 0.1 s until it gives a truthy value or `timeout_s` passes; the
+    last value either way."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.1)
+    return predicate()
 
 
 def subprocess_env(prefect_api: str, **extra: str) -> dict[str, str]:

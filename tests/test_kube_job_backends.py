@@ -25,6 +25,7 @@ from prefect import flow  # at import time: Prefect configures logging when `flo
 from prefect_nemo import AuthenticationFailed, BackendUnavailable, JobSpec, JobState
 from prefect_nemo.errors import BackendClosed
 from prefect_nemo.kube import POD, RAY_JOB, TRAIN_JOB, Kind, KubeApi
+from tests.conftest import wait_until
 
 LOOPBACK_RAY_CLUSTER = {  # the KubeRay simulator runs every cluster's jobs on the one real Ray
     "headGroupSpec": {
@@ -171,14 +172,6 @@ def _stop_ray_jobs(ray_head: Any, job_ids: list[str]) -> None:
         if not client.get_job_status(job_id).is_terminal():
             client.stop_job(job_id)
 
-
-def wait_until(predicate: Callable[[], Any], timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.1)
-    return predicate()
 
 
 class FlowInThread:

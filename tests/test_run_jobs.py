@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextvars
 import os
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,6 +26,7 @@ from prefect_nemo.backends.kuberay import ensure_ray_cluster, wait_ray_cluster_r
 from prefect_nemo.kube import RAY_JOB
 from prefect_nemo.testing.operators import FakeRay, KubeRaySimulator
 from prefect_nemo.watcher import _watchers
+from tests.conftest import wait_until
 
 IMAGE = "rayproject/ray:2.60.0"
 SIM = "kuberay-sim"
@@ -68,14 +68,6 @@ def specs(n: int, entrypoint: str = "sleep 1", prefix: str = "") -> list[JobSpec
     prefix = prefix or uuid.uuid4().hex[:6]
     return [JobSpec(entrypoint=entrypoint, name=f"{prefix}-{i:04d}") for i in range(n)]
 
-
-def wait_until(predicate: Callable[[], Any], timeout_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.1)
-    return predicate()
 
 
 def in_thread(fn: Callable[[], Any]) -> threading.Thread:
