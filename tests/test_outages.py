@@ -138,8 +138,8 @@ def test_a_heartbeat_goes_before_a_backlog_and_only_the_newest_is_kept(prefect_a
     sent: list[str] = []
 
     class Recording(Outbox):
-        def _send(self, batch: list[Any]) -> None:
-            super()._send(batch)
+        def _send(self, batch: list[Any], clients: Any) -> None:
+            super()._send(batch, clients)
             sent.append(batch[0].kind if batch[0].kind != "event" else batch[0].value.event)
 
     box, since = Recording(), datetime.now(UTC)
