@@ -80,8 +80,9 @@ def code_dir(tmp_path: Path) -> Path:
     (tmp_path / "pkg" / "util.py").write_text("GREETING = 'hello-from-pkg'\n")
     (tmp_path / "train.py").write_text(
         "import os, sys\nfrom pkg.util import GREETING\n"
-        "print('node', os.environ['PET_NODE_RANK'], 'rank', os.environ['RANK'], GREETING,"
-        " flush=True)\nsys.exit(int(os.environ.get('EXIT', '0')))\n"
+        # one write per line: two ranks share the pod's log, and print() writes each argument
+        "line = f\"node {os.environ['PET_NODE_RANK']} rank {os.environ['RANK']} {GREETING}\\n\"\n"
+        "os.write(1, line.encode())\nsys.exit(int(os.environ.get('EXIT', '0')))\n"
     )
     return tmp_path
 
