@@ -54,6 +54,7 @@ LEASE_S = 90.0
 HEARTBEAT_LOOKBACK = timedelta(minutes=30)
 STOP_PENDING_EVENT = "prefect-nemo.job.stop-pending"
 SWEPT_EVENT = "prefect-nemo.job.swept"
+CONFIRM_S = 15.0  # how long one sweep waits to see a stop confirmed
 # Prefect's own liveness signal of worker and served runs (PREFECT_RUNNER_HEARTBEAT_FREQUENCY)
 PREFECT_HEARTBEAT_EVENT = "prefect.flow-run.heartbeat"
 # Prefect's event persister writes events in batches, "the maximum number of seconds between
@@ -286,7 +287,10 @@ def _cluster_block_types() -> list[type[Block]]:
 
 def _stop(backend: Any, block: ClusterBlock, job: OwnedJob, verdict: Verdict) -> Verdict:
     try:
-        final = stop_and_confirm(backend, job.job_id, timeout_s=block.stop_timeout_s)
+        # a sweep does not wait long for one stop (a PENDING Ray job's stop waits for resources):
+        # the job stays listed and the next sweep asks again
+        timeout_s = min(block.stop_timeout_s, CONFIRM_S)
+        final = stop_and_confirm(backend, job.job_id, timeout_s=timeout_s)
         outcome = final.state.value if final else "gone"
     except PrefectNemoError as exc:
         outcome = Redactor(backend.secrets)(f"stop not confirmed: {exc}")
