@@ -71,11 +71,10 @@ class Outbox:
 
     # -- putting things in --------------------------------------------------------------------
 
-    def event(self, event: Event, *, from_run: bool = True) -> None:
-        """Send an event; with `from_run`, its related resources are the calling run's (flow
-        run, deployment, flow, tags), as Prefect's own emit_event attaches them."""
-        self._put(_Item("event", event, SettingsContext.get(),
-                        contextvars.copy_context() if from_run else None))  # fmt: skip
+    def event(self, event: Event) -> None:
+        """Send an event; its related resources are the calling run's (flow run, deployment,
+        flow, tags), as Prefect's own emit_event attaches them."""
+        self._put(_Item("event", event, SettingsContext.get(), contextvars.copy_context()))
 
     def log(self, record: dict[str, Any]) -> None:
         """Send a log line (a LogCreate as a JSON dict: name, level, message, timestamp,
