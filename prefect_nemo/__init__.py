@@ -47,6 +47,7 @@ _LAZY = {
     "serve_replicas": "prefect_nemo.tasks",
     "start_replicas": "prefect_nemo.tasks",
     "stop_replicas": "prefect_nemo.tasks",
+    "slurm_ray_cluster": "prefect_nemo.tasks",
     "RayJobsCluster": "prefect_nemo.blocks",
     "KubeflowTrainerCluster": "prefect_nemo.blocks",
     "KubeRayCluster": "prefect_nemo.blocks",

@@ -2,7 +2,8 @@
 
 `jobs` (run_job, submit_job, wait_for_job, stop_job), `batch` (run_jobs: many jobs on one
 loop), `experiments` (start_experiment, wait_for_experiments), `dgd` (Dynamo inference graphs),
-`replicas` (serve_replicas and its tasks); `_run` is the one run context (flow run, experiment,
+`replicas` (serve_replicas and its tasks), `slurm_ray` (slurm_ray_cluster: Ray on Slurm for
+the life of a flow); `_run` is the one run context (flow run, experiment,
 teardown of live work, cancel watch) and `reporting` the one way to report (events, table
 artifacts, the job reporter).
 """
@@ -24,6 +25,7 @@ from prefect_nemo.tasks.experiments import (
 )
 from prefect_nemo.tasks.jobs import run_job, stop_job, submit_job, wait_for_job
 from prefect_nemo.tasks.replicas import serve_replicas, start_replicas, stop_replicas
+from prefect_nemo.tasks.slurm_ray import slurm_ray_cluster
 
 __all__ = [
     "DeployedDgd",
@@ -37,6 +39,7 @@ __all__ = [
     "run_jobs",
     "run_key",
     "serve_replicas",
+    "slurm_ray_cluster",
     "start_experiment",
     "start_replicas",
     "stop_job",

@@ -1,12 +1,15 @@
-"""A real one-node Slurm cluster and an sshd on loopback, for tests (Debian packages, run as root).
+"""A real Slurm cluster and an sshd on loopback, for tests (Debian packages, run as root).
 
-`LocalSlurm().start()` runs munged, MariaDB, slurmdbd, slurmctld, slurmd and an sshd on a free
-127.0.0.1 port under one supervisor process, configured from files under a state dir (default
+`LocalSlurm().start()` runs munged, MariaDB, slurmdbd, slurmctld, two slurmd (two nodes on this one
+machine: Slurm's multiple-slurmd mode, `slurmd -N <node>`) and an sshd on a free 127.0.0.1 port
+under one supervisor process, configured from files under a state dir (default
 /tmp/prefect-nemo-slurm; Slurm's own config has to live in /etc/slurm, where clients look for it).
 The supervisor is a child subreaper: slurmstepd and job processes that outlive their parents are
 reaped by it (PID 1 here reaps nothing), and on SIGTERM it stops every daemon it started and kills
 what is left under it. A cluster already running from the same state dir is reused, not restarted;
-`stop()` stops only a cluster this object started, and leaves it running while another LocalSlurm
+The default partition holds the first node only (one-node jobs always land there);
+`multi_partition` holds both, for multi-node jobs (Ray on Slurm). `stop()` stops only a cluster
+this object started, and leaves it running while another LocalSlurm
 (in any process) is still attached. One cluster per machine (Slurm's config is global).
 Stop one left running with `python -m prefect_nemo.testing.slurm stop`.
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import functools
 import json
 import os
 import secrets
@@ -123,11 +127,12 @@ def _write(path: Path, text: str, mode: int = 0o644) -> None:
 
 @dataclass
 class LocalSlurm:
-    """A one-node Slurm cluster with accounting and an sshd on 127.0.0.1, for tests."""
+    """A two-node Slurm cluster (one machine) with accounting and an sshd on 127.0.0.1."""
 
     state_dir: Path = DEFAULT_STATE_DIR
     cluster: str = "prefectnemo"
     partition: str = "debug"
+    multi_partition: str = "multi"
     account: str = "nemo"
     host: str = "127.0.0.1"
     user: str = "root"
@@ -153,8 +158,13 @@ class LocalSlurm:
 
     @property
     def node(self) -> str:
-        """The one compute node's name (`hostname -s`)."""
+        """The first compute node's name (`hostname -s`), the default partition's only node."""
         return socket.gethostname().split(".")[0]
+
+    @property
+    def nodes(self) -> list[str]:
+        """Both compute nodes (slurmd daemons on this machine), the multi partition's."""
+        return _node_names(self.node)
 
     @property
     def log_dir(self) -> Path:
@@ -220,12 +230,13 @@ class LocalSlurm:
         old_ports = (previous or {}).get("ports", {})
         ports = {
             name: (p if (p := old_ports.get(name)) and not _port_open(p) else _free_port())
-            for name in ("ssh", "slurmctld", "slurmd", "slurmdbd", "mysql")
+            for name in ("ssh", "slurmctld", "slurmd", "slurmd2", "slurmdbd", "mysql")
         }
         spec = {
             "state_dir": str(self.state_dir),
             "cluster": self.cluster,
             "partition": self.partition,
+            "multi_partition": self.multi_partition,
             "account": self.account,
             "user": self.user,
             "ports": ports,
@@ -306,6 +317,7 @@ class LocalSlurm:
         """True when the recorded cluster answers: supervisor alive, slurmctld up, sshd open."""
         return (
             bool(state.get("ready"))
+            and "slurmd2" in state["ports"]  # a one-node cluster of an older version: restart
             and _pid_alive(state.get("supervisor_pid", 0))
             and _port_open(state["ports"]["ssh"])
             and _run(["scontrol", "ping"], check=False, timeout=20).returncode == 0
@@ -347,13 +359,29 @@ class LocalSlurm:
             time.sleep(0.3)
         raise TimeoutError(f"job {job_id} not in {states} after {timeout_s}s: {row}")
 
+    def site_bin(self, ray: Path) -> Path:
+        """A bin dir to put first on a job's PATH for NeMo-Run's Ray-on-Slurm batch script
+        (its `ray.sub.j2`), standing in for what a GPU site has and this machine lacks: srun
+        takes pyxis' container options (no container runtime here: the step runs on the
+        host), `scontrol show job --json` (Slurm 23.02; this is 22.05) and, since both nodes
+        are this one host, a worker's `ray start` takes the head's fixed ports + 100. `ray` is
+        the Ray executable the nodes run. (No PMIx library either: srun's --mpi=pmix goes.)"""
+        bin_dir = self.state_dir / "site-bin"
+        bin_dir.mkdir(exist_ok=True)
+        for name, text in _site_shims(ray).items():
+            _write(bin_dir / name, text, 0o755)
+        return bin_dir
+
     def wait_idle(self, timeout_s: float = 60) -> None:
-        """Wait until no job is queued or running and the node is idle."""
+        """Wait until no job is queued or running and both nodes are idle."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             queued = self.run(["squeue", "-h", "-o", "%i"], check=False).stdout.split()
-            node = self.run(["sinfo", "-h", "-n", self.node, "-o", "%T"], check=False).stdout
-            if not queued and node.strip().rstrip("*~#") == "idle":
+            node = self.run(
+                ["sinfo", "-h", "-N", "-n", ",".join(self.nodes), "-o", "%T"], check=False
+            ).stdout
+            states = {line.strip().rstrip("*~#") for line in node.splitlines()}
+            if not queued and states == {"idle"}:
                 return
             time.sleep(0.3)
         raise TimeoutError(f"Slurm not idle after {timeout_s}s: queued={queued} node={node!r}")
@@ -630,6 +658,11 @@ StorageLoc=slurm_acct_db
         cpus = os.cpu_count() or 1
         mem_mb = _mem_total_mb() * 9 // 10
         p = self.ports
+        nodes = "\n".join(
+            f"NodeName={name} NodeHostname={self.node} NodeAddr=127.0.0.1 Port={p[port]} "
+            f"CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN"
+            for name, port in zip(_node_names(self.node), ("slurmd", "slurmd2"), strict=True)
+        )
         conf = f"""{MARKER}{self.dir}
 ClusterName={self.spec["cluster"]}
 SlurmctldHost={self.node}(127.0.0.1)
@@ -640,11 +673,12 @@ SlurmdUser=root
 AuthType=auth/munge
 CryptoType=crypto/munge
 StateSaveLocation={self.dir / "ctld"}
-SlurmdSpoolDir={self.dir / "slurmd"}
+# two slurmd on this host (multiple-slurmd): each node's own port, spool, pid and log
+SlurmdSpoolDir={self.dir / "slurmd" / "%n"}
 SlurmctldPidFile={self.run_dir / "slurmctld.pid"}
-SlurmdPidFile={self.run_dir / "slurmd.pid"}
+SlurmdPidFile={self.run_dir / "slurmd-%n.pid"}
 SlurmctldLogFile={self.logs / "slurmctld.log"}
-SlurmdLogFile={self.logs / "slurmd.log"}
+SlurmdLogFile={self.logs / "slurmd-%n.log"}
 # no cgroups here: track processes by parentage, no task binding
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -667,10 +701,12 @@ AccountingStorageEnforce=associations
 JobAcctGatherType=jobacct_gather/linux
 JobAcctGatherFrequency=5
 JobCompType=jobcomp/none
-NodeName={self.node} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN
+{nodes}
 # several jobs share a core, so dependency chains and parallel tests fit on 2 cores
 PartitionName={self.spec["partition"]} Nodes={self.node} Default=YES MaxTime=INFINITE State=UP \
 OverSubscribe=FORCE:4
+PartitionName={self.spec["multi_partition"]} Nodes={",".join(_node_names(self.node))} \
+MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 """
         SLURM_CONF_DIR.mkdir(parents=True, exist_ok=True)
         _write(path, conf, 0o644)
@@ -682,20 +718,10 @@ OverSubscribe=FORCE:4
         )
 
     def start_slurmd(self) -> None:
-        pid = self.spawn("slurmd", ["slurmd", "-D", "-N", self.node])
-        resumed = False
-
-        def node_up() -> bool:
-            nonlocal resumed
-            out = _run(["sinfo", "-h", "-n", self.node, "-o", "%T"], check=False).stdout.strip()
-            state = out.rstrip("*~#$@^-!%")
-            if state in ("down", "drained", "draining") and not resumed:
-                # left down by an earlier run that stopped with jobs on the node
-                _run(["scontrol", "update", f"nodename={self.node}", "state=resume"], check=False)
-                resumed = True
-            return state in ("idle", "mixed", "allocated")
-
-        self.wait_for("slurmd", node_up, pid, 60)
+        for name, daemon in zip(_node_names(self.node), ("slurmd", "slurmd2"), strict=True):
+            (self.dir / "slurmd" / name).mkdir(parents=True, exist_ok=True)
+            pid = self.spawn(daemon, ["slurmd", "-D", "-N", name])
+            self.wait_for(daemon, functools.partial(_node_up, name, set()), pid, 60)
 
     def start_sshd(self) -> None:
         host_key = self.ssh_dir / "ssh_host_ed25519_key"
@@ -741,6 +767,71 @@ Subsystem sftp /usr/lib/openssh/sftp-server
                 if line.split(" ", 1)[0] not in names
             ]
         _write(user_known, "".join(kept) + entries, 0o600)
+
+
+def _site_shims(ray: Path) -> dict[str, str]:
+    """The scripts of `LocalSlurm.site_bin`, by name."""
+    srun = """#!/bin/bash
+# pyxis' options, dropped: no container runtime on this machine, steps run on the host;
+# --mpi=pmix too: slurm-wlm's pmix plugin is here, the PMIx library it loads is not
+args=()
+while (($#)); do
+  case "$1" in
+    --container-mounts) shift ;;
+    --container-*|--no-container-mount-home|--mpi=pmix) ;;
+    *) args+=("$1") ;;
+  esac
+  shift
+done
+exec /usr/bin/srun "${args[@]}"
+"""
+    scontrol = """#!/bin/bash
+# `scontrol show job <id> --json` (Slurm 23.02): the one field NeMo-Run's Ray script reads
+if [[ "$1 $2" == "show job" && "$4" == "--json" ]]; then
+  dir=$(/usr/bin/scontrol show job "$3" | sed -n 's/^ *WorkDir=//p')
+  printf '{"jobs": [{"current_working_directory": "%s"}]}\\n' "$dir"
+  exit 0
+fi
+exec /usr/bin/scontrol "$@"
+"""
+    ray_start = f"""#!/bin/bash
+# both Slurm nodes are this host: a worker node's fixed ports are the head's + 100
+args=()
+if [[ "$1" == start && " $* " != *" --head "* ]]; then
+  for a in "$@"; do
+    if [[ $a =~ ^(--[a-z-]+-port)=([0-9]+)$ ]]; then
+      a="${{BASH_REMATCH[1]}}=$((BASH_REMATCH[2] + 100))"
+    fi
+    args+=("$a")
+  done
+else
+  args=("$@")
+fi
+[[ "$1" == start ]] || exec {ray} "${{args[@]}}"
+# proctrack/linuxproc tracks by parentage: once Slurm's SIGTERM kills the step's shells, ray
+# start and its daemons are orphans it no longer sees. As proctrack/cgroup would, take the
+# whole task (its process group) down with the signal.
+trap 'kill -KILL -- -$(ps -o pgid= $$ | tr -d " ")' TERM INT HUP
+{ray} "${{args[@]}}" &
+wait $!
+"""
+    return {"srun": srun, "scontrol": scontrol, "ray": ray_start}
+
+
+def _node_names(first: str) -> list[str]:
+    """The two nodes of the cluster: this host's short name, and a second one beside it."""
+    return [first, f"{first}-2"]
+
+
+def _node_up(node: str, resumed: set[str]) -> bool:
+    """True when the node is up; resumes it once if an earlier run left it down (stopped
+    with jobs on it)."""
+    out = _run(["sinfo", "-h", "-n", node, "-o", "%T"], check=False).stdout.strip()
+    state = out.rstrip("*~#$@^-!%")
+    if state in ("down", "drained", "draining") and node not in resumed:
+        _run(["scontrol", "update", f"nodename={node}", "state=resume"], check=False)
+        resumed.add(node)
+    return state in ("idle", "mixed", "allocated")
 
 
 def _cluster_running(state_dir: Path) -> bool:

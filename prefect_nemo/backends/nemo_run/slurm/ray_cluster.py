@@ -1,0 +1,174 @@
+"""Ray on Slurm: a Ray cluster started inside one Slurm allocation by NeMo-Run's
+``SlurmRayCluster`` (its sbatch template ``ray.sub.j2``, unchanged), and the Ray Jobs backend
+that reaches its head's dashboard.
+
+The allocation is sbatch'ed through the Slurm block's SSH connection with the block's account,
+partition, time, setup lines and env (NeMo-Run's template reads its ports and
+``CPUS_PER_WORKER`` from the env). NeMo-Run writes ``ray_cluster_info.json`` (head IP, dashboard
+port) once every node has joined; Ray jobs then go to ``http://<head ip>:<dashboard port>``,
+so the machine running the flow must reach the head node (run the flow on the login node or
+inside the cluster's network). `delete` scancels the allocation and waits until
+``squeue`` no longer lists it.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from typing import Any
+
+from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
+from prefect_nemo.backends.nemo_run.slurm.executor import SlurmBackend
+from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec
+from prefect_nemo.jobs import JobSpec
+
+#: Slurm states of an allocation that is over (sacct may add "by <uid>").
+_ENDED = frozenset(
+    {
+        "COMPLETED",
+        "CANCELLED",
+        "FAILED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "PREEMPTED",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "NOT_FOUND",
+    }
+)
+#: Where the clusters' dirs go, under the block's remote job dir (NeMo-Run's cluster_dir).
+CLUSTERS_DIR = "ray-clusters"
+
+
+class SlurmRay:
+    """One Ray cluster in one Slurm allocation of `nodes` nodes, named `name`."""
+
+    def __init__(
+        self,
+        slurm: SlurmBackend,
+        *,
+        name: str,
+        nodes: int = 2,
+        ready_timeout_s: float = 600.0,
+        pre_ray_start_commands: list[str] | None = None,
+    ) -> None:
+        if nodes < 1:
+            raise InvalidJobSpec(f"nodes={nodes}: a Ray cluster needs at least 1 node")
+        self.slurm = slurm
+        self.name = name
+        self.nodes = nodes
+        self.ready_timeout_s = ready_timeout_s
+        self.pre_ray_start_commands = pre_ray_start_commands or []
+        self.slurm_job_id: str | None = None
+        self._cluster: Any = None
+
+    @property
+    def cluster_dir(self) -> str:
+        """NeMo-Run's cluster dir on the login node: ray.sub, logs/, ray_cluster_info.json."""
+        return f"{self.slurm.remote_root()}/{CLUSTERS_DIR}/{self.name}"
+
+    def _ray_cluster(self) -> Any:
+        """NeMo-Run's SlurmRayCluster on the block's executor settings, sized to `nodes`."""
+        if self._cluster is None:
+            nemo_run()
+            from nemo_run.core.execution.slurm import SlurmJobDetails
+            from nemo_run.run.ray.slurm import SlurmRayCluster
+
+            executor = self.slurm.make_executor(JobSpec(entrypoint="ray"), self.name)
+            executor.nodes = self.nodes
+            executor.tunnel.job_dir = f"{self.slurm.remote_root()}/{CLUSTERS_DIR}"
+            executor.job_details = SlurmJobDetails()  # NeMo-Run names the job, as it looks it up
+            cpus = self.slurm.config.cpus_per_task
+            if cpus and "CPUS_PER_WORKER" not in executor.env_vars:  # the template's 16 per GPU
+                executor.env_vars["CPUS_PER_WORKER"] = str(cpus)
+            self._cluster = SlurmRayCluster(name=self.name, executor=executor)
+        return self._cluster
+
+    def render(self) -> str:
+        """The sbatch script NeMo-Run would submit (sends nothing)."""
+        from nemo_run.run.ray.slurm import SlurmRayRequest
+
+        cluster = self._ray_cluster()
+        return SlurmRayRequest(
+            name=self.name,
+            cluster_dir=self.cluster_dir,
+            template_name="ray.sub.j2",
+            executor=cluster.executor,
+            pre_ray_start_commands=self.pre_ray_start_commands or None,
+            launch_cmd=["sbatch", "--parsable"],
+        ).materialize()
+
+    def start(self, *, poll_s: float = 1.0) -> str:
+        """sbatch the allocation (NeMo-Run's create), wait until every node has joined Ray,
+        and return its head's dashboard address (where Ray Jobs go). On any failure the
+        allocation is cancelled before the error is raised: nothing is left queued."""
+        from invoke.exceptions import UnexpectedExit
+
+        cluster = self._ray_cluster()
+        try:
+            # Slurm opens the batch output in logs/ and creates no directory; NeMo-Run
+            # makes only the cluster dir: without this the batch step fails at once
+            self.slurm.run(f"mkdir -p {shlex.quote(self.cluster_dir)}/logs")
+            with root_logger_kept():
+                self.slurm_job_id = cluster.create(
+                    pre_ray_start_commands=self.pre_ray_start_commands or None
+                )
+                if self.slurm_job_id is None:  # NeMo-Run reuses a live cluster of that name
+                    self.slurm_job_id = cluster.status()["job_id"]
+                self._wait_ready(cluster, poll_s)
+                info = cluster._get_ray_cluster_info()
+        except UnexpectedExit as exc:
+            self.delete()
+            detail = (exc.result.stderr or exc.result.stdout).strip()[-300:]
+            raise BackendUnavailable(
+                f"sbatch refused Ray cluster '{self.name}': {detail}"
+            ) from None
+        except BaseException:
+            self.delete()
+            raise
+        return f"http://{info['head_ip']}:{info['dashboard_port']}"
+
+    def _wait_ready(self, cluster: Any, poll_s: float) -> None:
+        """Poll NeMo-Run's status until Ray is ready on a RUNNING allocation. (Its own
+        wait_until_running matches states exactly, so sacct's "CANCELLED by 0" of an
+        allocation cancelled meanwhile would keep it waiting until the timeout.)"""
+        deadline = time.monotonic() + self.ready_timeout_s
+        while True:
+            status = cluster.status()
+            state = str(status.get("state") or "").split(" ")[0]
+            if state == "RUNNING" and status.get("ray_ready"):
+                return
+            if state in _ENDED:
+                raise BackendUnavailable(
+                    f"Ray cluster '{self.name}' (Slurm job {self.slurm_job_id}) ended {state} "
+                    f"before Ray was ready; its logs are in {self.cluster_dir}/logs"
+                )
+            if time.monotonic() > deadline:
+                raise BackendUnavailable(
+                    f"Ray cluster '{self.name}' (Slurm job {self.slurm_job_id}) did not come "
+                    f"up within {self.ready_timeout_s:g}s (Slurm state {state}); its logs are "
+                    f"in {self.cluster_dir}/logs"
+                )
+            time.sleep(poll_s)
+
+    def delete(self, *, timeout_s: float = 60.0) -> str:
+        """scancel the allocation and wait until squeue no longer lists it; never raises,
+        returns what happened (for the run's teardown log)."""
+        sid = self.slurm_job_id
+        if sid is None:
+            return f"Ray cluster {self.name}: no Slurm allocation was made"
+        try:
+            self.slurm.run(f"scancel {shlex.quote(sid)}", warn=True)
+            deadline = time.monotonic() + timeout_s
+            while self._queued(sid):
+                if time.monotonic() > deadline:
+                    return f"Ray cluster {self.name}: Slurm job {sid} cancelled, still queued"
+                time.sleep(0.5)
+            return f"Ray cluster {self.name}: Slurm job {sid} cancelled and gone"
+        except Exception as exc:  # a teardown reports, it never raises
+            return f"Ray cluster {self.name}: Slurm job {sid} could not be cancelled: {exc}"
+
+    def _queued(self, sid: str) -> bool:
+        out = self.slurm.run(f"squeue -h -j {shlex.quote(sid)} -o %T", warn=True).stdout
+        return bool(out.strip())
