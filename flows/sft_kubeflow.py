@@ -51,6 +51,7 @@ def sft_kubeflow(
         working_dir=Path(code_dir) if code_dir else SFT_JOBS,
         env={**(env or {}), **(secrets or {})},
         timeout_s=timeout_s,
+        launcher="torchrun",  # num_nodes x procs_per_node ranks with the Torch plugin's rendezvous
     )
     result = run_job(spec, cluster)
     outputs = {

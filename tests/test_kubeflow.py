@@ -208,8 +208,8 @@ def test_cpu_only_has_no_gpu_anywhere():
 
 def test_multi_node_torchrun_flags_and_anti_affinity():
     config = TrainerConfig(image="x", num_nodes=4, gpus_per_node=8)
-    tj = trainjob_manifest(JobSpec(entrypoint="python train.py --lr 1e-4"), "j", {}, config,
-                           namespace="n")  # fmt: skip
+    tj = trainjob_manifest(JobSpec(entrypoint="python train.py --lr 1e-4", launcher="torchrun"),
+                           "j", {}, config, namespace="n")  # fmt: skip
     script = tj["spec"]["trainer"]["command"][2]
     run = script.splitlines()[-1]
     assert run.startswith("torchrun ") and run.endswith(" train.py --lr 1e-4")
@@ -221,12 +221,25 @@ def test_multi_node_torchrun_flags_and_anti_affinity():
         "requiredDuringSchedulingIgnoredDuringExecution"][0]  # fmt: skip
     assert term["topologyKey"] == "kubernetes.io/hostname"
     assert term["matchLabelKeys"] == ["jobset.sigs.k8s.io/jobset-name"]
-    module = trainer_command(JobSpec(entrypoint="python -m pkg.train"), config)[2]
+    module = trainer_command(JobSpec(entrypoint="python -m pkg.train", launcher="torchrun"),
+                             config)[2]  # fmt: skip
+    assert module.splitlines()[-1].startswith("torchrun ")
     assert module.splitlines()[-1].endswith(" -m pkg.train")
     for plain in ["echo hi", "python -c 'print(1)'", "bash run.sh"]:
-        assert trainer_command(JobSpec(entrypoint=plain), config)[2].splitlines()[-1] == plain
-    off = TrainerConfig(image="x", num_nodes=2, torchrun=False)
-    assert trainer_command(JobSpec(entrypoint="python t.py"), off)[2].endswith("\npython t.py")
+        spec = JobSpec(entrypoint=plain, launcher="torchrun")
+        assert trainer_command(spec, config)[2].splitlines()[-1] == plain
+
+
+def test_no_launcher_runs_the_entrypoint_as_is_on_every_node():
+    """Issue 15: "`None` for Ray flows"; Kubeflow with launcher=None must not wrap in torchrun.
+    NeMo-Run packages a task whose executor has no launcher as the command itself:
+    `if self.launcher is None: self.launcher = Launcher()` (executor.get_launcher), then in
+    `packaging.package`: `if launcher and isinstance(launcher, Torchrun): app_def =
+    torchrun.torchrun(...)` / `else: app_def = specs.AppDef(... entrypoint=entrypoint ...)`."""
+    config = TrainerConfig(image="x", num_nodes=2, gpus_per_node=8)
+    for entrypoint in ["python t.py --lr 1", "python -m pkg.train"]:
+        script = trainer_command(JobSpec(entrypoint=entrypoint), config)[2]
+        assert script.splitlines()[-1] == entrypoint and "torchrun" not in script
 
 
 def test_secret_env_only_by_reference():
@@ -405,7 +418,8 @@ def test_run_to_success_with_code_on_two_nodes(server, sim, api, code_dir):
     config = TrainerConfig(image="img", num_nodes=2, procs_per_node=2)
     backend = KubeflowTrainerBackend(api, config)
     job_id = f"two-{uid()}"
-    backend.submit(JobSpec(entrypoint="python train.py", working_dir=code_dir), job_id, META)
+    spec = JobSpec(entrypoint="python train.py", working_dir=code_dir, launcher="torchrun")
+    backend.submit(spec, job_id, META)
     status = wait_terminal(backend, job_id)
     assert status.state is JobState.SUCCEEDED, status
     log = backend.logs(job_id)  # node-0's log: its two torchrun ranks
@@ -500,7 +514,11 @@ def test_code_on_a_shared_volume_is_unpacked_once(server, sim, api, code_dir):
     assert config.code_on_shared_volume
     backend = KubeflowTrainerBackend(api, config)
     job_id = f"shared-{uid()}"
-    backend.submit(JobSpec(entrypoint="python train.py", working_dir=code_dir), job_id, META)
+    backend.submit(
+        JobSpec(entrypoint="python train.py", working_dir=code_dir, launcher="torchrun"),
+        job_id,
+        META,
+    )
     assert wait_terminal(backend, job_id).state is JobState.SUCCEEDED
     script = api.get(TRAIN_JOB, job_id)["spec"]["trainer"]["command"][2]
     assert "NODE_RANK" in script and ".done" in script, "rank 0 unpacks, the others wait"
@@ -529,7 +547,7 @@ def test_submit_that_died_half_way_is_repaired(server, api, code_dir):
     or replaced; one that died after the TrainJob, before taking ownership, is adopted on
     attach, so deleting the TrainJob still takes them along."""
     backend = KubeflowTrainerBackend(api, CPU)
-    spec = JobSpec(entrypoint="python train.py", working_dir=code_dir,
+    spec = JobSpec(entrypoint="python train.py", working_dir=code_dir, launcher="torchrun",
                    env={"TOKEN": SecretStr("new-value")})  # fmt: skip
     job_id = f"crash-{uid()}"
     stale = secret_manifest(
@@ -560,7 +578,7 @@ def test_a_refused_trainjob_leaves_no_secret_or_configmap(server, api, code_dir)
 
     backend = KubeflowTrainerBackend(api, CPU)
     job_id = f"refused-{uid()}"
-    spec = JobSpec(entrypoint="python train.py", working_dir=code_dir,
+    spec = JobSpec(entrypoint="python train.py", working_dir=code_dir, launcher="torchrun",
                    env={"TOKEN": SecretStr("v" * 10)})  # fmt: skip
     server.forbid("create", "trainjobs", "trainer.kubeflow.org")
     try:

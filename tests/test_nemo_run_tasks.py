@@ -166,18 +166,21 @@ def test_one_partial_runs_unchanged_on_every_backend(
 
         trainjob = block.kubernetes.api().get(TRAIN_JOB, result.handle.job_id, "default")
         command = trainjob["spec"]["trainer"]["command"][-1]
-        # NeMo-Run's torchrun component: a Partial runs as `torchrun ... -m <fdl_runner> -n ..`
-        assert '--nproc-per-node="$PET_NPROC_PER_NODE"' in command
-        assert " -m nemo_run.core.runners.fdl_runner -n summarize " in command
+        # no launcher: NeMo-Run's runner entrypoint as is (`specs.AppDef(entrypoint=...)`)
+        assert command.splitlines()[-1].startswith(
+            "python -m nemo_run.core.runners.fdl_runner -n summarize "
+        ), command
+        assert "torchrun" not in command
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["ray-jobs", "nemo-run-local", "kubeflow"])
 def test_a_script_task_runs_with_its_env(backend, request, prefect_api, tmp_path):
     """A `run.Script` is a job definition too: its env travels as the job's env, its inline
-    text runs as its entrypoint runs it (`bash -c`). On Kubeflow Trainer, NeMo-Run's torchrun
-    component runs a non-Python script under torchrun with `--no-python` (`if no_python: cmd +=
-    ["--no-python"]`): two processes per node here, each with its torch RANK."""
+    text runs as its entrypoint runs it (`bash -c`). On Kubeflow Trainer with
+    launcher='torchrun', NeMo-Run's torchrun component runs a non-Python script under torchrun
+    with `--no-python` (`if no_python: cmd += ["--no-python"]`): two processes per node here,
+    each with its torch RANK."""
     import nemo_run as run
 
     from prefect_nemo.backends.nemo_run.isolation import nemo_run
@@ -189,9 +192,11 @@ def test_a_script_task_runs_with_its_env(backend, request, prefect_api, tmp_path
     task = run.Script(inline='echo "script rank=${RANK:-none} greeting=$GREETING"',
                       env={"GREETING": "hello"})  # fmt: skip
 
+    job = JobSpec(task=task, launcher="torchrun") if backend == "kubeflow" else task
+
     @flow
     def script_flow():
-        return run_job(task, cluster=block)
+        return run_job(job, cluster=block)
 
     result = script_flow()
     assert result.state is JobState.SUCCEEDED

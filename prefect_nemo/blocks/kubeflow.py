@@ -117,8 +117,9 @@ def sft():
     )
     torchrun: bool = Field(
         default=True,
-        description="Run `python ...` entrypoints under torchrun with the nodes' rendezvous; "
-        "off to run the entrypoint as is.",
+        description="Allow JobSpec.launcher='torchrun' (a `python ...` entrypoint then runs "
+        "under torchrun with the nodes' rendezvous); off refuses it. A job without a launcher "
+        "runs its entrypoint as is on every node.",
     )
     code_dir: str = Field(
         default="/workspace/code",

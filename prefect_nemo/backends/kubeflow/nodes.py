@@ -50,7 +50,9 @@ def trainer_env(spec: JobSpec, job_id: str) -> list[dict[str, Any]]:
 
 
 def trainer_command(spec: JobSpec, config: TrainerConfig, setup: str | None = None) -> list[str]:
-    """`sh -c` script: unpack the code, cd into it, install extras, run (under torchrun).
+    """`sh -c` script: unpack the code, cd into it, install extras, run: under torchrun only
+    with JobSpec.launcher='torchrun' (as NeMo-Run packages a task with no launcher: the command
+    as is, once per node).
 
     torchrun gets its rendezvous from the PET_* env the Torch plugin sets on every node; an
     entrypoint that is not a Python program (no leading `python`) runs as is.
@@ -63,7 +65,10 @@ def trainer_command(spec: JobSpec, config: TrainerConfig, setup: str | None = No
         pkgs = " ".join(shlex.quote(p) for p in config.extra_packages)
         lines.append(f"python -m pip install --quiet --disable-pip-version-check {pkgs}")
     # the entrypoint runs under the shell's usual rules (its last command's status is the job's)
-    lines += ["set +e", torchrun_entrypoint(spec.entrypoint or "", config, script=_is_script(spec))]
+    run = spec.entrypoint or ""
+    if spec.launcher == "torchrun":
+        run = torchrun_entrypoint(run, config, script=_is_script(spec))
+    lines += ["set +e", run]
     return ["sh", "-c", "\n".join(lines)]
 
 
