@@ -676,3 +676,50 @@ def test_bad_auto_mounts_fail_before_submit_naming_the_field(tmp_path):
         backend(["/a:/a", "${auto_mount:git+https://x/y.git,/opt/y}"], "img").validate(spec)
     with pytest.raises(InvalidJobSpec, match=r"set SlurmCluster\.container_image"):
         backend(["${auto_mount:git+https://x/y.git@main,/opt/y}"], None).validate(spec)
+
+
+def test_torchrun_is_refused_for_every_ray_cluster_job(metric, tmp_path):
+    """"Bad combinations (torchrun with a Ray cluster job ...) fail before submission, naming
+    the field": Ray on Lepton and Ray on DGX Cloud refuse it as Ray Jobs does, sending nothing
+    (the Nemotron recipes create their Ray executors with `launcher=None`)."""
+    from prefect_nemo.blocks import DGXCloudRayCluster, LeptonRayCluster
+    from prefect_nemo.testing.lepton import LeptonServer
+    from prefect_nemo.testing.runai import RunaiServer
+    from tests.test_nemo_run_dgx_cloud import cluster_block
+    from tests.test_nemo_run_lepton import workspace_block
+
+    spec = _torchrun_spec(metric, 1, 0)
+    refused = r"JobSpec\.launcher='torchrun': a .* job's entrypoint is a Ray driver"
+    with LeptonServer(token="lep-" + uuid.uuid4().hex[:12]) as lepton:
+        workspace = workspace_block(lepton, tmp_path)
+        ray = LeptonRayCluster(workspace=workspace, ray_cluster_name="rl").backend()
+        with pytest.raises(InvalidJobSpec, match=refused):
+            ray.validate(spec)
+        assert not lepton.requests.entries
+    with RunaiServer(client_secret="dgx-" + uuid.uuid4().hex[:8]) as runai:
+        ray = DGXCloudRayCluster(cluster=cluster_block(runai, tmp_path / "pvc")).backend()
+        with pytest.raises(InvalidJobSpec, match=refused):
+            ray.validate(spec)
+        assert not runai.requests.entries
+
+
+def test_torchrun_processes_must_match_the_lepton_resource_shapes_gpus(metric, tmp_path):
+    """"GPUs per node not matching the block" fails before submission, naming the field.
+    NeMo-Run's torchrun starts `j=f"{executor.nnodes()}x{executor.nproc_per_node()}"` processes,
+    and LeptonExecutor.nproc_per_node is "the number of GPUs specified per node"; the node's
+    GPUs are its resource shape's (`gpu.8xh100-80gb`: 8). A launcher-less job is not checked."""
+    from prefect_nemo.testing.lepton import LeptonServer
+    from tests.test_nemo_run_lepton import workspace_block
+
+    with LeptonServer(token="lep-" + uuid.uuid4().hex[:12]) as lepton:
+        block = workspace_block(lepton, tmp_path, resource_shape="gpu.8xh100-80gb")
+        backend = block.backend()
+        with pytest.raises(
+            InvalidJobSpec,
+            match=r"JobSpec\.placement\.gpus_per_node=4: .* LeptonWorkspace\.resource_shape="
+            r"'gpu\.8xh100-80gb' nodes have 8 GPUs",
+        ):
+            backend.validate(_torchrun_spec(metric, 2, 4))
+        backend.validate(_torchrun_spec(metric, 2, 8))
+        backend.validate(_torchrun_spec(metric, 2, 4).model_copy(update={"launcher": None}))
+        assert not lepton.requests.entries

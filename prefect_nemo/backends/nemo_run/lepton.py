@@ -45,7 +45,12 @@ from prefect_nemo.backends.nemo_run.dry_run import (
     job_labels,
 )
 from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
-from prefect_nemo.backends.nemo_run.service import ServiceBackend, nodes_and_gpus, owner_labels
+from prefect_nemo.backends.nemo_run.service import (
+    ServiceBackend,
+    check_torchrun_gpus,
+    nodes_and_gpus,
+    owner_labels,
+)
 from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable, InvalidJobSpec
 from prefect_nemo.jobs import JobSpec, JobState, JobStatus, OwnedJob
 from prefect_nemo.kube import FLOW_RUN_LABEL, managed_labels
@@ -248,6 +253,7 @@ class LeptonBackend(ServiceBackend):
             pick_nodes="pick the nodes with LeptonWorkspace.node_group",
         )
         shape = self.config.resource_shape if gpus > 0 else self.config.cpu_resource_shape
+        check_torchrun_gpus(spec, gpus, shape, "LeptonWorkspace.resource_shape")
         return run.LeptonExecutor(
             container_image=self.config.container_image,
             nemo_run_dir=self.config.nemo_run_dir,

@@ -53,7 +53,15 @@ from prefect_nemo.backends.nemo_run.lepton import (
 )
 from prefect_nemo.backends.ray_jobs import RayJobsBackend
 from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec
-from prefect_nemo.jobs import META_FLOW_RUN, JobHandle, JobSpec, JobState, JobStatus, OwnedJob
+from prefect_nemo.jobs import (
+    META_FLOW_RUN,
+    JobHandle,
+    JobSpec,
+    JobState,
+    JobStatus,
+    OwnedJob,
+    refuse_launcher,
+)
 from prefect_nemo.packaging import TransportPlan
 
 #: Lepton RayCluster names: NeMo-Run cuts longer ones to 34 characters.
@@ -405,6 +413,11 @@ class DGXCloudRayBackend(DGXCloudBackend):
     """Ray jobs on DGX Cloud: one distributed workload per job, bootstrapped by NeMo-Run."""
 
     kind: ClassVar[str] = "dgx-cloud-ray"
+
+    def validate(self, spec: JobSpec) -> None:
+        """A Ray job takes no launcher (Ray starts its workers), then DGX Cloud's checks."""
+        refuse_launcher(spec, self.kind)
+        super().validate(spec)
 
     def _command(self, spec: JobSpec, plan: TransportPlan | None, job_id: str) -> str:
         """What the bootstrap runs on the head once Ray is up: unpack the code, run."""

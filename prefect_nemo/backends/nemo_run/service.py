@@ -7,6 +7,7 @@ Nothing here imports Prefect.
 
 from __future__ import annotations
 
+import re
 import tempfile
 from abc import abstractmethod
 from pathlib import Path
@@ -189,6 +190,29 @@ def nodes_and_gpus(
             "(0 runs on CPU only)"
         )
     return nodes, int(gpus)
+
+
+#: A GPU resource shape's GPUs per node: ``gpu.8xh100-80gb`` has 8.
+_SHAPE_GPUS = re.compile(r"^gpu\.(\d+)x")
+
+
+def check_torchrun_gpus(spec: JobSpec, gpus: int, shape: str, shape_field: str) -> None:
+    """Under torchrun NeMo-Run starts `gpus` processes per node (its nproc_per_node: "Default
+    to the number of GPUs specified per node"), on nodes of resource shape `shape`: a shape with
+    another GPU count is refused, naming the field that set `gpus`."""
+    match = _SHAPE_GPUS.match(shape)
+    if spec.launcher != "torchrun" or gpus == 0 or match is None or int(match[1]) == gpus:
+        return
+    if spec.placement is not None:
+        field = "JobSpec.placement.gpus_per_node"
+    elif spec.resources.gpus is not None:
+        field = "JobSpec.resources.gpus"
+    else:
+        field = f"{shape_field.split('.')[0]}.gpus_per_node"
+    raise InvalidJobSpec(
+        f"{field}={gpus}: torchrun would start {gpus} processes per node, but {shape_field}="
+        f"'{shape}' nodes have {match[1]} GPUs: make them equal"
+    )
 
 
 def refuse_secret_env(spec: JobSpec, *, stored_in: str, fix: str) -> None:
