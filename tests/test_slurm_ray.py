@@ -17,11 +17,11 @@ from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
 from prefect.states import Cancelling
-from pydantic import SecretStr
 
 from prefect_nemo import BackendUnavailable, JobSpec, run_job, slurm_ray_cluster
 from prefect_nemo.blocks.slurm import SlurmCluster
 from tests.conftest import wait_until
+from tests.test_nemo_run_slurm import slurm_block
 
 pytestmark = [pytest.mark.nemo_run, pytest.mark.slow, pytest.mark.xdist_group("slurm-ray")]
 
@@ -60,21 +60,14 @@ def multi_block(slurm, tmp_path: Path, prefect_api: str) -> SlurmCluster:
     through the test Slurm's site shims (`LocalSlurm.site_bin`)."""
     venv = Path(sys.executable).parent
     site = slurm.site_bin(venv / "ray")
-    return SlurmCluster(
-        host=slurm.host,
-        port=slurm.port,
-        user=slurm.user,
-        identity_key=SecretStr(slurm.identity.read_text()),
-        known_hosts=slurm.known_hosts.read_text(),
-        job_dir=str(tmp_path / "jobs"),
-        account=slurm.account,
-        partition=slurm.multi_partition,
-        time="00:05:00",
-        cpus_per_task=1,
-        max_poll_interval_s=0.5,
-        stop_timeout_s=30,
-        setup_lines=f"export PATH={site}:{venv}:$PATH",
-        env={name: str(_free_port()) for name in RAY_PORTS},
+    (tmp_path / "jobs").mkdir()
+    return slurm_block(slurm, tmp_path / "jobs").model_copy(
+        update={
+            "partition": slurm.multi_partition,
+            "cpus_per_task": 1,
+            "setup_lines": f"export PATH={site}:{venv}:$PATH",
+            "env": {name: str(_free_port()) for name in RAY_PORTS},
+        }
     )
 
 
