@@ -106,19 +106,22 @@ def test_a_flow_runs_a_ray_job_on_a_two_node_ray_cluster_in_a_slurm_allocation(
             multi_block, nodes=2, name=name, pre_ray_start_commands=_path_first(multi_block)
         ) as ray:
             during = _queued(slurm, job_name)
+            owned = [j for j in multi_block.backend().owned_jobs() if j.job_id == job_name]
             result = run_job(
                 JobSpec(entrypoint="python driver.py", working_dir=str(code), name="driver"),
                 cluster=ray,
             )
             log = ray.backend().logs(result.handle.job_id)
-        return during, result, log
+        return during, result, log, owned, flow_run.id
 
     started = time.monotonic()
-    during, result, log = rl()
+    during, result, log, owned, run_id = rl()
     took = time.monotonic() - started
     print(f"Ray on Slurm: 2-node cluster up, a Ray job, torn down in {took:.1f}s")
     assert len(during) == 1 and during[0].split()[1:] == ["2", "RUNNING"], during
     assert result.succeeded, result
+    # the sweeper's view: the allocation is ours, owned by this flow run (Slurm comment)
+    assert [j.flow_run_id for j in owned] == [run_id], owned
     assert "ray nodes: 2 worker_units: 16.0" in log, log
     assert _queued(slurm, job_name) == []
     sid = during[0].split()[0]
@@ -167,3 +170,25 @@ def test_cancelling_the_flow_run_cancels_the_allocation(slurm, multi_block):
     thread.join(60)
     assert not thread.is_alive(), "the flow must end once its cluster is gone"
     assert not outcome["state"].is_completed()
+
+
+def test_the_allocation_of_a_killed_run_is_stopped_by_the_sweeper(slurm, multi_block):
+    """Nothing in a SIGKILLed process runs, so the allocation carries its owner as every job we
+    submit does (its Slurm comment): once that flow run is gone, `prefect-nemo sweep` finds
+    the allocation among the block's jobs and cancels it."""
+    from prefect_nemo.backends.nemo_run.slurm.ray_cluster import SlurmRay
+    from prefect_nemo.tasks.sweeper import sweep
+
+    held = multi_block.model_copy(
+        update={"additional_parameters": {"begin": "now+1hour"}, "sweep_grace_s": 0}
+    )
+    dead_run = str(uuid.uuid4())  # a flow run the API never saw: what a killed run looks like
+    ray = SlurmRay(held.backend(), name=f"ray-{uuid.uuid4().hex[:6]}", owner=dead_run)
+    sid = ray.submit()  # sbatch'ed, then the process "died": nothing tears it down
+    try:
+        assert _queued(slurm, ray.job_name)
+        [verdict] = [v for v in sweep([held]) if v.job_id == ray.job_name]
+        assert verdict.stop and verdict.owner == dead_run, verdict
+        assert wait_until(lambda: not _queued(slurm, ray.job_name), 30), "still queued"
+    finally:
+        slurm.run(["scancel", sid], check=False)

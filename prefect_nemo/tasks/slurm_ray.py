@@ -33,17 +33,23 @@ def slurm_ray_cluster(
     from prefect_nemo.backends.nemo_run.slurm.ray_cluster import SlurmRay
 
     block = resolve_block(cluster, SlurmCluster, "cluster", "slurm-cluster/my-cluster")
+    slurm = block.backend()
+    run = current_run()
     ray = SlurmRay(
-        block.backend(),
+        slurm,
         name=name or f"ray-{uuid.uuid4().hex[:8]}",
         nodes=nodes,
         ready_timeout_s=ready_timeout_s,
         pre_ray_start_commands=pre_ray_start_commands,
+        owner=run.flow_run_id,
     )
-    run = current_run()
     key = f"slurm ray cluster {ray.name}"
-    # tracked first: a run cancelled or killed while the allocation starts still cancels it
+    # tracked first: a run cancelled or crashing while the allocation starts still cancels it;
+    # owned: the run's heartbeats name it, so the sweeper keeps it while the run lives and
+    # stops it when a killed run stops vouching for it
+    allocation = slurm.handle(ray.job_name)
     run.track(key, ray.delete, also_on_success=True)
+    run.own(allocation)
     try:
         address = ray.start()
         run.logger.info(
@@ -59,3 +65,4 @@ def slurm_ray_cluster(
     finally:
         run.logger.info(ray.delete())
         run.untrack(key)
+        run.release(allocation)

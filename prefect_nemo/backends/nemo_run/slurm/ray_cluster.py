@@ -8,7 +8,8 @@ partition, time, setup lines and env (NeMo-Run's template reads its ports and
 port) once every node has joined; Ray jobs then go to ``http://<head ip>:<dashboard port>``,
 so the machine running the flow must reach the head node (run the flow on the login node or
 inside the cluster's network). `delete` scancels the allocation and waits until
-``squeue`` no longer lists it.
+``squeue`` no longer lists it. The allocation carries its flow run in its Slurm comment, as our
+jobs do, so `SlurmBackend.owned_jobs` lists it (by its job name) for the sweeper.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from typing import Any
 
 from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
+from prefect_nemo.backends.nemo_run.slurm.accounting import owner_comment
 from prefect_nemo.backends.nemo_run.slurm.executor import SlurmBackend
 from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec
 from prefect_nemo.jobs import JobSpec
@@ -52,6 +54,7 @@ class SlurmRay:
         nodes: int = 2,
         ready_timeout_s: float = 600.0,
         pre_ray_start_commands: list[str] | None = None,
+        owner: str | None = None,
     ) -> None:
         if nodes < 1:
             raise InvalidJobSpec(f"nodes={nodes}: a Ray cluster needs at least 1 node")
@@ -60,6 +63,7 @@ class SlurmRay:
         self.nodes = nodes
         self.ready_timeout_s = ready_timeout_s
         self.pre_ray_start_commands = pre_ray_start_commands or []
+        self.owner = owner
         self.slurm_job_id: str | None = None
         self._cluster: Any = None
 
@@ -67,6 +71,13 @@ class SlurmRay:
     def cluster_dir(self) -> str:
         """NeMo-Run's cluster dir on the login node: ray.sub, logs/, ray_cluster_info.json."""
         return f"{self.slurm.remote_root()}/{CLUSTERS_DIR}/{self.name}"
+
+    @property
+    def job_name(self) -> str:
+        """The allocation's Slurm job name, as NeMo-Run names it (and finds it again)."""
+        from nemo_run.run.ray.slurm import SlurmRayRequest
+
+        return str(SlurmRayRequest.get_job_name(self._ray_cluster().executor, self.name))
 
     def _ray_cluster(self) -> Any:
         """NeMo-Run's SlurmRayCluster on the block's executor settings, sized to `nodes`."""
@@ -79,6 +90,8 @@ class SlurmRay:
             executor.nodes = self.nodes
             executor.tunnel.job_dir = f"{self.slurm.remote_root()}/{CLUSTERS_DIR}"
             executor.job_details = SlurmJobDetails()  # NeMo-Run names the job, as it looks it up
+            if self.owner:  # the sweeper's mark: a killed run's allocation is found and stopped
+                executor.comment = owner_comment(self.owner)
             cpus = self.slurm.config.cpus_per_task
             if cpus and "CPUS_PER_WORKER" not in executor.env_vars:  # the template's 16 per GPU
                 executor.env_vars["CPUS_PER_WORKER"] = str(cpus)
@@ -100,9 +113,23 @@ class SlurmRay:
         ).materialize()
 
     def start(self, *, poll_s: float = 1.0) -> str:
-        """sbatch the allocation (NeMo-Run's create), wait until every node has joined Ray,
-        and return its head's dashboard address (where Ray Jobs go). On any failure the
-        allocation is cancelled before the error is raised: nothing is left queued."""
+        """`submit`, then wait until every node has joined Ray; returns its head's dashboard
+        address (where Ray Jobs go). On any failure the allocation is cancelled before the
+        error is raised: nothing is left queued."""
+        try:
+            self.submit()
+            cluster = self._ray_cluster()
+            with root_logger_kept():
+                self._wait_ready(cluster, poll_s)
+                info = cluster._get_ray_cluster_info()
+        except BaseException:
+            self.delete()
+            raise
+        return f"http://{info['head_ip']}:{info['dashboard_port']}"
+
+    def submit(self) -> str:
+        """sbatch the allocation (NeMo-Run's create: its template, its cluster dir); returns
+        its Slurm job id (a live cluster of this name is reused, as NeMo-Run does)."""
         from invoke.exceptions import UnexpectedExit
 
         cluster = self._ray_cluster()
@@ -111,23 +138,14 @@ class SlurmRay:
             # makes only the cluster dir: without this the batch step fails at once
             self.slurm.run(f"mkdir -p {shlex.quote(self.cluster_dir)}/logs")
             with root_logger_kept():
-                self.slurm_job_id = cluster.create(
-                    pre_ray_start_commands=self.pre_ray_start_commands or None
-                )
-                if self.slurm_job_id is None:  # NeMo-Run reuses a live cluster of that name
-                    self.slurm_job_id = cluster.status()["job_id"]
-                self._wait_ready(cluster, poll_s)
-                info = cluster._get_ray_cluster_info()
+                sid = cluster.create(pre_ray_start_commands=self.pre_ray_start_commands or None)
+                self.slurm_job_id = sid or cluster.status()["job_id"]
         except UnexpectedExit as exc:
-            self.delete()
             detail = (exc.result.stderr or exc.result.stdout).strip()[-300:]
             raise BackendUnavailable(
                 f"sbatch refused Ray cluster '{self.name}': {detail}"
             ) from None
-        except BaseException:
-            self.delete()
-            raise
-        return f"http://{info['head_ip']}:{info['dashboard_port']}"
+        return str(self.slurm_job_id)
 
     def _wait_ready(self, cluster: Any, poll_s: float) -> None:
         """Poll NeMo-Run's status until Ray is ready on a RUNNING allocation. (Its own
