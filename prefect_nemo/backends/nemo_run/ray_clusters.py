@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
-from prefect_nemo import names
+from prefect_nemo import jobs, names
 from prefect_nemo.backends.nemo_run.base import poll_logs
 from prefect_nemo.backends.nemo_run.dgx_cloud import (
     ARGS_LIMIT,
@@ -53,15 +53,7 @@ from prefect_nemo.backends.nemo_run.lepton import (
 )
 from prefect_nemo.backends.ray_jobs import RayJobsBackend
 from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec
-from prefect_nemo.jobs import (
-    META_FLOW_RUN,
-    JobHandle,
-    JobSpec,
-    JobState,
-    JobStatus,
-    OwnedJob,
-    refuse_launcher,
-)
+from prefect_nemo.jobs import META_FLOW_RUN, JobHandle, JobSpec, JobState, JobStatus, OwnedJob
 from prefect_nemo.packaging import TransportPlan
 
 #: Lepton RayCluster names: NeMo-Run cuts longer ones to 34 characters.
@@ -416,7 +408,7 @@ class DGXCloudRayBackend(DGXCloudBackend):
 
     def validate(self, spec: JobSpec) -> None:
         """A Ray job takes no launcher (Ray starts its workers), then DGX Cloud's checks."""
-        refuse_launcher(spec, self.kind)
+        jobs.refuse_launcher(spec, self.kind)
         super().validate(spec)
 
     def _command(self, spec: JobSpec, plan: TransportPlan | None, job_id: str) -> str:
