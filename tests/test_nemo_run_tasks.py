@@ -23,6 +23,7 @@ from pydantic import SecretStr
 from prefect_nemo import InvalidJobSpec, JobSpec, JobState, run_job
 from prefect_nemo.backends.nemo_run.local import NemoRunLocalBackend
 from prefect_nemo.blocks.base import ClusterBlock
+from tests.conftest import wait_until
 
 CODE = Path(__file__).parent / "nemo_task_code"
 CANARY = "canary-task-secret-5d09e1"
@@ -631,7 +632,8 @@ def test_auto_mounts_are_bind_mounts_in_the_sbatch_script(slurm, tmp_path):
     "Returns a placeholder that gets filtered out from container_mounts", which is how such a
     mount went missing from the sbatch script): here each is a `<clone>:<target>` bind mount in
     the script NeMo-Run writes (`srun --container-mounts`), the dry run shows it and clones
-    nothing; a submit clones the repository at the ref on the cluster, once."""
+    nothing; a submit clones the repository at the ref on the cluster, once, and the job reads
+    the file at its mount."""
     url, commit = _git_repo(tmp_path / "repo")
     entry = f"${{auto_mount:git+{url}@{commit},/opt/repo}}"
     block = _mount_block(slurm, tmp_path, ["/data:/data", entry], "nvcr.io/nvidia/nemo:25.04")
@@ -644,8 +646,12 @@ def test_auto_mounts_are_bind_mounts_in_the_sbatch_script(slurm, tmp_path):
     assert "${auto_mount" not in script
     assert not Path(clone.clone_dir).exists(), "the dry run cloned"
 
-    # The real submit clones it on the cluster (over the SSH tunnel) before sbatch; this
-    # Slurm has no pyxis, so the containerised step itself cannot start here.
+    # The real submit clones it on the cluster (over the SSH tunnel) before sbatch, and the
+    # job reads the repository at its mount (the test Slurm's pyxis stand-in bind-mounts
+    # --container-mounts: `LocalSlurm.site_bin`).
+    venv = Path(sys.executable).parent
+    site = slurm.site_bin(venv / "ray")
+    backend = block.model_copy(update={"setup_lines": f"export PATH={site}:{venv}:$PATH"}).backend()
     job_id = f"mnt-{uuid.uuid4().hex[:6]}"
     backend.submit(spec, job_id, {})
     try:
@@ -655,6 +661,11 @@ def test_auto_mounts_are_bind_mounts_in_the_sbatch_script(slurm, tmp_path):
         assert head.stdout.strip() == commit
         sent = Path(backend.remote_dir(job_id), f"{job_id}_sbatch.sh").read_text()
         assert f"{clone.clone_dir}:/opt/repo" in sent
+        status = wait_until(
+            lambda: (s := backend.find(job_id)) and s.state.is_terminal() and s, 60
+        )
+        assert status and status.state is JobState.SUCCEEDED, status
+        assert "v1" in backend.logs(job_id), backend.logs(job_id)
     finally:
         from prefect_nemo.lifecycle import stop_and_confirm
 

@@ -360,12 +360,13 @@ class LocalSlurm:
         raise TimeoutError(f"job {job_id} not in {states} after {timeout_s}s: {row}")
 
     def site_bin(self, ray: Path) -> Path:
-        """A bin dir to put first on a job's PATH for NeMo-Run's Ray-on-Slurm batch script
-        (its `ray.sub.j2`), standing in for what a GPU site has and this machine lacks: srun
-        takes pyxis' container options (no container runtime here: the step runs on the
-        host), `scontrol show job --json` (Slurm 23.02; this is 22.05) and, since both nodes
-        are this one host, a worker's `ray start` takes the head's fixed ports + 100. `ray` is
-        the Ray executable the nodes run. (No PMIx library either: srun's --mpi=pmix goes.)"""
+        """A bin dir to put first on a job's PATH, standing in for what a GPU site has and
+        this machine lacks, for NeMo-Run's container jobs and its Ray-on-Slurm batch script
+        (`ray.sub.j2`): srun takes pyxis' container options (no container runtime here: the
+        step runs on the host, its --container-mounts bind-mounted in its own mount
+        namespace), `scontrol show job --json` (Slurm 23.02; this is 22.05) and, since both
+        nodes are this one host, a worker's `ray start` takes the head's fixed ports + 100.
+        `ray` is the Ray executable the nodes run. (No PMIx library either: --mpi=pmix goes.)"""
         bin_dir = self.state_dir / "site-bin"
         bin_dir.mkdir(exist_ok=True)
         for name, text in _site_shims(ray).items():
@@ -772,18 +773,34 @@ Subsystem sftp /usr/lib/openssh/sftp-server
 def _site_shims(ray: Path) -> dict[str, str]:
     """The scripts of `LocalSlurm.site_bin`, by name."""
     srun = """#!/bin/bash
-# pyxis' options, dropped: no container runtime on this machine, steps run on the host;
-# --mpi=pmix too: slurm-wlm's pmix plugin is here, the PMIx library it loads is not
-args=()
+# pyxis stand-in (no container runtime here: steps run on the host): --container-mounts become
+# bind mounts in the step's own mount namespace, --container-workdir its working directory;
+# the other container options are dropped, --mpi=pmix too (the PMIx library is not here)
+args=() mounts="" workdir=""
 while (($#)); do
   case "$1" in
-    --container-mounts) shift ;;
+    --container-mounts) mounts=$2; shift ;;
+    --container-mounts=*) mounts=${1#*=} ;;
+    --container-workdir) workdir=$2; shift ;;
+    --container-workdir=*) workdir=${1#*=} ;;
+    --container-image|--container-name) shift ;;
     --container-*|--no-container-mount-home|--mpi=pmix) ;;
-    *) args+=("$1") ;;
+    -o|-e|-w|-J|-N|-n|-c|--output|--error|--nodelist|--job-name|--jobid) args+=("$1" "$2"); shift ;;
+    -*) args+=("$1") ;;
+    *) break ;;
   esac
   shift
 done
-exec /usr/bin/srun "${args[@]}"
+[[ -z $mounts && -z $workdir ]] && exec /usr/bin/srun "${args[@]}" "$@"
+exec /usr/bin/srun "${args[@]}" unshare --mount --propagation private /bin/bash -c '
+IFS=, read -ra list <<< "$1"
+for m in "${list[@]}"; do
+  src=${m%%:*} dst=${m#*:}; dst=${dst%%:*}
+  mkdir -p "$dst" && mount --bind "$src" "$dst" || exit 1
+done
+[[ -z $2 ]] || cd "$2" || exit 1
+shift 2
+exec "$@"' pyxis "$mounts" "$workdir" "$@"
 """
     scontrol = """#!/bin/bash
 # `scontrol show job <id> --json` (Slurm 23.02): the one field NeMo-Run's Ray script reads
