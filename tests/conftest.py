@@ -36,9 +36,27 @@ COMPAT = {
 }
 
 
+# The longest files, longest first (CI's --durations): `make test` runs the suite on two workers
+# that take whole files (`--dist loadfile`), and they end together only when these start first.
+LONGEST_FIRST = (
+    "tests/test_run_jobs.py",
+    "tests/test_wheel.py",
+    "tests/test_outages.py",
+    "tests/test_nemo_run_tasks.py",
+    "tests/test_ui.py",
+    "tests/test_sweeper_backends.py",
+    "tests/test_sweeper.py",
+    "tests/test_deployments.py",
+    "tests/test_crash_safety.py",
+)
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: `-m compat` must see the marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the COMPAT tests `compat`; fail when a listed test is gone from a collected file."""
+    """Mark the COMPAT tests `compat`; fail when a listed test is gone from a collected file;
+    put the longest files first (a stable sort: the same order on every worker)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
     found = set()
     for item in items:
         if (name := item.nodeid.split("[")[0]) in COMPAT:

@@ -202,7 +202,8 @@ def worker(deployed: str) -> Iterator[subprocess.Popen[bytes]]:
             "--type",
             "process",
         ],
-        env=subprocess_env(deployed),
+        # polls every second, not Prefect's 10 s: each triggered run is picked up at once
+        env=subprocess_env(deployed, PREFECT_WORKER_QUERY_SECONDS="1"),
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -383,7 +383,7 @@ def test_serve_and_evaluate_flow(cluster, prefect_api):
 def test_start_and_stop_replicas_tasks(cluster, prefect_api):
     from prefect import flow
 
-    from prefect_nemo.tasks._run import live_work
+    from prefect_nemo.tasks._live import live_work
     from prefect_nemo.tasks.replicas import start_replicas, stop_replicas
 
     @flow

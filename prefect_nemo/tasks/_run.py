@@ -8,7 +8,8 @@ that uses our tasks (cancellation, crash, failure: Prefect runs them in the flow
 on SIGTERM), the cancel watch (a run cancelled through the API that no runner supervises, one
 started from a script or a notebook, gets no signal: one thread asks the API every few seconds),
 and nothing else. A run killed with SIGKILL re-attaches to its jobs when it runs again
-(deterministic ids).
+(deterministic ids). The registry of live work is `_live.py`; the cancel watch and heartbeats are
+`_run_watch.py`; this module puts them together for a task call and installs the flow hooks.
 """
 
 from __future__ import annotations
@@ -16,50 +17,29 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
-import uuid
-from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from prefect import get_run_logger
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import (
-    FlowRunFilter,
-    FlowRunFilterId,
-    FlowRunFilterState,
-    FlowRunFilterStateType,
-)
-from prefect.client.schemas.objects import StateType
-from prefect.context import FlowRunContext, SettingsContext, TaskRunContext
-from prefect.events import Event
-from prefect.logging import get_logger
-from prefect.states import Cancelled
+from prefect.context import FlowRunContext, TaskRunContext
 
 from prefect_nemo.jobs import JobHandle
+from prefect_nemo.tasks._live import fallback_logger, live_work, run_jobs, stop_run_work
 from prefect_nemo.tasks._outbox import outbox
+from prefect_nemo.tasks._run_watch import cancel_watch, end_cancelled
 
-LOGGER_NAME = "prefect_nemo"
-HEARTBEAT_EVENT = "prefect-nemo.run.heartbeat"
 #: How long the Prefect API may be unreachable while a run waits on jobs before the run gives
 #: up, stops its jobs and fails (nobody could see, cancel or sweep it meanwhile).
 OUTAGE_BUDGET_ENV = "PREFECT_NEMO_API_OUTAGE_BUDGET_S"
 #: A run key for every flow run of the process (a script run again attaches to its jobs).
 RUN_KEY_ENV = "PREFECT_NEMO_RUN_KEY"
-HEARTBEAT_ENV = "PREFECT_NEMO_HEARTBEAT_S"
 FLUSH_AT_END_S = 30.0  # how long a run's end waits for its reports to reach the API
 
 
 def api_outage_budget_s() -> float:
     """The Prefect API outage budget ($PREFECT_NEMO_API_OUTAGE_BUDGET_S, default 600 s)."""
     return float(os.environ.get(OUTAGE_BUDGET_ENV, "600"))
-
-
-def fallback_logger() -> Any:
-    """The logger for code that runs outside a task or flow (hooks, the cancel watch)."""
-    return get_logger(LOGGER_NAME)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,279 +211,6 @@ def run_key_of(flow_run_id: str | None) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Live work, and what stops it
-
-
-class _LiveWork:
-    """What each flow run started in this process and has not ended yet, each piece with the
-    callable that stops it (and says how it ended)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_run: dict[str, dict[str, Callable[[], str]]] = {}
-        self._on_success: set[tuple[str, str]] = set()  # stopped when the run completes too
-
-    def add(
-        self, flow_run_id: str, key: str, stop: Callable[[], str], *, also_on_success: bool
-    ) -> None:
-        with self._lock:
-            self._by_run.setdefault(flow_run_id, {})[key] = stop
-            if also_on_success:
-                self._on_success.add((flow_run_id, key))
-
-    def discard(self, flow_run_id: str | None, key: str) -> None:
-        with self._lock:
-            self._by_run.get(flow_run_id or "", {}).pop(key, None)
-            self._on_success.discard((flow_run_id or "", key))
-
-    def take(
-        self, flow_run_id: str, *, only_on_success: bool = False
-    ) -> list[tuple[str, Callable[[], str]]]:
-        """Remove the run's work and return it (`only_on_success`: the part to stop when the
-        run completes; the rest is forgotten)."""
-        with self._lock:
-            work = self._by_run.pop(flow_run_id, {})
-            marked = {key for run, key in self._on_success if run == flow_run_id}
-            self._on_success -= {(flow_run_id, key) for key in marked}
-        return [(k, stop) for k, stop in work.items() if not only_on_success or k in marked]
-
-    def peek(self, flow_run_id: str) -> list[tuple[str, Callable[[], str]]]:
-        """The run's work, left in place."""
-        with self._lock:
-            return list(self._by_run.get(flow_run_id, {}).items())
-
-    def flow_run_ids(self) -> list[str]:
-        with self._lock:
-            return [run_id for run_id, work in self._by_run.items() if work]
-
-
-live_work = _LiveWork()
-
-
-class _RunJobs:
-    """The jobs each flow run of this process submitted or attached to and that have not ended:
-    what its heartbeats name."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_run: dict[str, dict[tuple[str, str], JobHandle]] = {}
-
-    def own(self, flow_run_id: str, job: JobHandle) -> None:
-        with self._lock:
-            self._by_run.setdefault(flow_run_id, {})[(job.cluster, job.job_id)] = job
-
-    def release(self, flow_run_id: str, job: JobHandle) -> None:
-        with self._lock:
-            self._by_run.get(flow_run_id, {}).pop((job.cluster, job.job_id), None)
-
-    def forget(self, flow_run_id: str) -> None:
-        with self._lock:
-            self._by_run.pop(flow_run_id, None)
-
-    def snapshot(self) -> dict[str, list[JobHandle]]:
-        with self._lock:
-            return {run: list(jobs.values()) for run, jobs in self._by_run.items() if jobs}
-
-
-run_jobs = _RunJobs()
-
-
-def stop_run_work(flow_run_id: str, why: str, *, only_on_success: bool = False) -> None:
-    """Stop (in parallel, each confirmed) every piece of work this process tracks for the run
-    (`only_on_success`: what is stopped when it completes; the rest is forgotten)."""
-    work = live_work.take(flow_run_id, only_on_success=only_on_success)
-    if not work:
-        return
-    logger = fallback_logger()
-    logger.warning(f"{why}: stopping {len(work)} piece(s) of remote work")
-    with ThreadPoolExecutor(max_workers=min(16, len(work))) as pool:
-        outcomes = pool.map(lambda item: item[1](), work)
-        for (key, _), outcome in zip(work, outcomes, strict=True):
-            logger.warning(f"{key}: {outcome}")
-
-
-class _RunWatch:
-    """Watches the runs of this process that have live work: sees the ones cancelled through
-    the API and stops their work, and says the others are alive.
-
-    One thread per process, alive while any run has live work here (or a wait asked for it).
-    Every `interval_s`, one API request asks whether any of those runs is CANCELLING or
-    CANCELLED: such a run is noted (`RunContext.interrupted` reads it), its work is stopped (so
-    waiting tasks end with JobStopped) and, a run no runner supervises (a script, a notebook)
-    being left CANCELLING by Prefect, its state is set to Cancelled, naming what was stopped.
-    Every `heartbeat_s` ($PREFECT_NEMO_HEARTBEAT_S, default 15 s), each run with jobs emits
-    `prefect-nemo.run.heartbeat` naming them and the lease it grants itself (two heartbeats): the
-    sweeper reads them (a run that stops renewing its lease died without a word).
-    """
-
-    interval_s = 2.0
-
-    @property
-    def heartbeat_s(self) -> float:
-        return float(os.environ.get(HEARTBEAT_ENV, "15"))
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._running = False
-        self._cancelled: set[str] = set()
-        self._watched: Counter[str] = Counter()  # runs asked about without live work
-        self._stopped: dict[str, list[str]] = {}  # what we stopped for a cancelled run
-        self._last_beat = 0.0
-
-    def saw_cancelled(self, flow_run_id: str, *, ask_now: bool = False) -> bool:
-        """True once this watch has seen the run cancelled (`ask_now`: ask the API first)."""
-        if ask_now:
-            try:
-                for run_id in self._cancelled_among([flow_run_id]):
-                    with self._lock:
-                        self._cancelled.add(run_id)
-            except Exception as exc:
-                fallback_logger().debug(f"run watch: {exc}")
-        with self._lock:
-            return flow_run_id in self._cancelled
-
-    @contextlib.contextmanager
-    def watching(self, flow_run_id: str) -> Iterator[None]:
-        """Ask about this run while the block runs, live work or not."""
-        with self._lock:
-            self._watched[flow_run_id] += 1
-        self.ensure_running()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._watched[flow_run_id] -= 1
-                if self._watched[flow_run_id] <= 0:
-                    del self._watched[flow_run_id]
-
-    def ensure_running(self) -> None:
-        """Start the thread if it is not running (it ends when no work is live)."""
-        with self._lock:
-            if self._running:
-                return
-            self._running = True
-            self._last_beat = 0.0  # a new watch says at once who is alive
-        # Carry Prefect's settings (API URL, ...) over, but not the run context of whichever task
-        # started us: its client closes when that run ends.
-        settings = SettingsContext.get()
-        threading.Thread(
-            target=self._run,
-            args=(settings.model_copy() if settings else None,),
-            daemon=True,
-            name="prefect-nemo-run-watch",
-        ).start()
-
-    def _run(self, settings: SettingsContext | None) -> None:
-        try:
-            with settings or contextlib.nullcontext():
-                self._loop()
-        finally:
-            with self._lock:
-                self._running = False
-
-    def _loop(self) -> None:
-        first = True
-        while True:
-            if not first:
-                time.sleep(min(self.interval_s, self.heartbeat_s))
-            first = False
-            with self._lock:
-                owned = run_jobs.snapshot()
-                run_ids = sorted({*live_work.flow_run_ids(), *self._watched, *owned})
-                if not run_ids:
-                    self._running = False
-                    return
-            beat_s = self.heartbeat_s
-            if owned and time.monotonic() - self._last_beat >= beat_s:
-                self._last_beat = time.monotonic()
-                _heartbeats(owned, lease_s=2 * beat_s)
-            try:
-                cancelled = self._cancelled_among(run_ids)
-            except Exception as exc:  # the API may be briefly away: try again next round
-                fallback_logger().debug(f"run watch: {exc}")
-                continue
-            for run_id in cancelled:
-                stopped = [key for key, _ in live_work.peek(run_id)]
-                with self._lock:
-                    self._cancelled.add(run_id)
-                    self._stopped.setdefault(run_id, []).extend(stopped)
-                stop_run_work(run_id, f"flow run {run_id} was cancelled")
-
-    def stopped_for_cancel(self, flow_run_id: str) -> list[str] | None:
-        """What this watch stopped because the run was cancelled through the API (None: it
-        did not see the run cancelled)."""
-        with self._lock:
-            if flow_run_id not in self._cancelled:
-                return None
-            return list(self._stopped.get(flow_run_id, []))
-
-    @staticmethod
-    def _cancelled_among(run_ids: list[str]) -> list[str]:
-        cancelled = FlowRunFilter(
-            id=FlowRunFilterId(any_=[uuid.UUID(r) for r in run_ids]),
-            state=FlowRunFilterState(
-                type=FlowRunFilterStateType(any_=[StateType.CANCELLING, StateType.CANCELLED])
-            ),
-        )
-        with get_client(sync_client=True) as client:
-            return [str(run.id) for run in client.read_flow_runs(flow_run_filter=cancelled)]
-
-
-cancel_watch = _RunWatch()
-
-
-def _heartbeats(jobs: dict[str, list[JobHandle]], lease_s: float) -> None:
-    """`prefect-nemo.run.heartbeat` for each run with jobs: the run is alive, and vouches for
-    these jobs, for `lease_s` (the sweeper reads them)."""
-    for run_id, handles in jobs.items():
-        outbox.beat(
-            Event(
-                event=HEARTBEAT_EVENT,
-                resource={
-                    "prefect.resource.id": f"prefect-nemo.run.{run_id}",
-                    "prefect-nemo.flow-run-id": run_id,
-                },
-                related=[
-                    {
-                        "prefect.resource.id": f"prefect.flow-run.{run_id}",
-                        "prefect.resource.role": "flow-run",
-                    }
-                ],
-                payload={
-                    "lease_s": lease_s,
-                    "jobs": [
-                        {"job_id": h.job_id, "cluster": h.cluster, "backend": h.backend}
-                        for h in handles
-                    ],
-                },
-            )
-        )
-
-
-def _end_cancelled(flow_run_id: str) -> None:
-    """A run cancelled through the API, whose work the watch stopped, ends Cancelled, naming
-    what was stopped. Prefect leaves a run no runner supervises in CANCELLING, or its engine
-    ends it FAILED with the JobStopped our stop caused; the flow's hooks call this once the
-    engine has settled the run (a served run's runner ends it Cancelled itself)."""
-    stopped = cancel_watch.stopped_for_cancel(flow_run_id)
-    if stopped is None:
-        return
-    try:
-        with get_client(sync_client=True) as client:
-            run = client.read_flow_run(uuid.UUID(flow_run_id))
-            if run.state is not None and run.state.type is StateType.CANCELLED:
-                return
-            what = ", ".join(stopped) if stopped else "no remote work was running"
-            client.set_flow_run_state(
-                uuid.UUID(flow_run_id),
-                Cancelled(message=f"Cancelled through the API; prefect-nemo stopped: {what}"),
-                force=True,
-            )
-    except Exception as exc:  # the run stays CANCELLING; Prefect's server ends it later
-        fallback_logger().warning(f"could not end cancelled flow run {flow_run_id}: {exc}")
-
-
-# ---------------------------------------------------------------------------------------------
 # Flow hooks (installed automatically on any flow that uses our tasks)
 
 
@@ -512,7 +219,7 @@ def stop_flow_run_work(flow: Any, flow_run: Any, state: Any) -> None:
     runs for the flow run; then deliver what the run reported."""
     stop_run_work(str(flow_run.id), f"flow run {flow_run.name} ended {state.type.value}")
     run_jobs.forget(str(flow_run.id))
-    _end_cancelled(str(flow_run.id))
+    end_cancelled(str(flow_run.id))
     outbox.flush(timeout_s=FLUSH_AT_END_S)
 
 
@@ -523,7 +230,7 @@ def forget_flow_run_work(flow: Any, flow_run: Any, state: Any) -> None:
     run reported."""
     stop_run_work(str(flow_run.id), f"flow run {flow_run.name} completed", only_on_success=True)
     run_jobs.forget(str(flow_run.id))
-    _end_cancelled(str(flow_run.id))
+    end_cancelled(str(flow_run.id))
     outbox.flush(timeout_s=FLUSH_AT_END_S)
 
 

@@ -29,7 +29,8 @@ from prefect_nemo.backends import dynamo
 from prefect_nemo.names import label_value
 from prefect_nemo.redaction import Redactor
 from prefect_nemo.tasks._blocks import KubeLike, resolve_kube
-from prefect_nemo.tasks._run import RunContext, current_run, fallback_logger, live_work
+from prefect_nemo.tasks._live import fallback_logger, live_work
+from prefect_nemo.tasks._run import RunContext, current_run
 from prefect_nemo.tasks.reporting import RunTable, emit
 
 EVENT_PREFIX = "prefect-nemo.dgd"

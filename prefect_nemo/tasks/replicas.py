@@ -47,7 +47,8 @@ from prefect_nemo.placement.replicas import (
     poll_intervals,
 )
 from prefect_nemo.redaction import Redactor
-from prefect_nemo.tasks._run import RunContext, current_run, live_work
+from prefect_nemo.tasks._live import live_work
+from prefect_nemo.tasks._run import RunContext, current_run
 from prefect_nemo.tasks.reporting import RunTable, dry_run_reported, emit
 
 EVENT_PREFIX = "prefect-nemo.serve"

@@ -45,7 +45,8 @@ from prefect_nemo.jobs import JobHandle, OwnedJob
 from prefect_nemo.lifecycle import stop_and_confirm
 from prefect_nemo.redaction import Redactor
 from prefect_nemo.tasks._blocks import resolve_block
-from prefect_nemo.tasks._run import HEARTBEAT_EVENT, current_run
+from prefect_nemo.tasks._run import current_run
+from prefect_nemo.tasks._run_watch import HEARTBEAT_EVENT
 from prefect_nemo.tasks.reporting import RunTable, emit, job_resource, say
 
 # How long a sign of life that carries no lease of its own counts: a job's submission, Prefect's

@@ -246,7 +246,8 @@ def stop_pending(
             verdicts: list[Any] = []
             with temporary_settings(updates={PREFECT_API_URL: engines.server.api_url}):
                 while engines.states(key) != ["STOPPED"] and time.monotonic() - back < 90:
-                    verdicts += [v for v in sweep([block]) if v.stop]
+                    # the cluster may hold other runs' jobs (a shared test cluster): ours only
+                    verdicts += [v for v in sweep([block]) if v.stop and v.job_id.startswith(key)]
                     time.sleep(2)
             stopped_s = time.monotonic() - back if engines.states(key) == ["STOPPED"] else None
         finally:
