@@ -105,8 +105,6 @@ def test_slurm_submit_limit_is_waited_out_and_every_job_runs(
     and "Job violates accounting/QOS policy (job submit limit, ...)". Six jobs under a QOS of
     two: run_jobs takes the refusal as pushback (not a bad `qos` field), waits, submits again
     as the first jobs end, and every job runs."""
-    from prefect_nemo.blocks.slurm import SlurmCluster
-
     enforce = slurm.run(["scontrol", "show", "config"], check=False).stdout
     if "limits" not in next((x for x in enforce.splitlines() if "StorageEnforce" in x), ""):
         reason = (
@@ -122,20 +120,7 @@ def test_slurm_submit_limit_is_waited_out_and_every_job_runs(
     slurm.run(["sacctmgr", "-i", "modify", "user", slurm.user, "set", f"qos+={QOS}"])
     known = ["scontrol", "show", "assoc_mgr", "flags=qos", f"qos={QOS}"]  # slurmdbd pushed it
     assert wait_until(lambda: f"QOS={QOS}(" in slurm.run(known, check=False).stdout, 30)
-    block = SlurmCluster(
-        host=slurm.host,
-        port=slurm.port,
-        user=slurm.user,
-        identity_key=SecretStr(slurm.identity.read_text()),
-        known_hosts=slurm.known_hosts.read_text(),
-        job_dir=str(tmp_path),
-        account=slurm.account,
-        partition=slurm.partition,
-        qos=QOS,
-        time="00:05:00",
-        max_poll_interval_s=0.5,
-        setup_lines=f"export PATH={Path(sys.executable).parent}:$PATH",
-    )
+    block = _slurm_block(slurm, tmp_path, qos=QOS)
     prefix = f"qos-{uuid.uuid4().hex[:6]}"
 
     @flow
@@ -152,3 +137,43 @@ def test_slurm_submit_limit_is_waited_out_and_every_job_runs(
         check=False,
     ).stdout.split()
     assert sorted(n for n in names if prefix in n) == sorted(r.handle.job_id for r in results)
+
+
+def _slurm_block(slurm: Any, job_dir: Path, **fields: Any) -> Any:
+    from prefect_nemo.blocks.slurm import SlurmCluster
+
+    return SlurmCluster(
+        host=slurm.host,
+        port=slurm.port,
+        user=slurm.user,
+        identity_key=SecretStr(slurm.identity.read_text()),
+        known_hosts=slurm.known_hosts.read_text(),
+        job_dir=str(job_dir),
+        account=slurm.account,
+        partition=slurm.partition,
+        time="00:05:00",
+        max_poll_interval_s=0.5,
+        setup_lines=f"export PATH={Path(sys.executable).parent}:$PATH",
+        **fields,
+    )
+
+
+@pytest.mark.nemo_run
+@pytest.mark.slow
+def test_many_slurm_jobs_at_once_stay_within_sshd_max_sessions(
+    slurm: Any, tmp_path: Path, prefect_api: str
+):
+    """sshd_config(5), MaxSessions: "Specifies the maximum number of open shell, login or
+    subsystem (e.g. sftp) sessions permitted per network connection ... The default is 10."
+    Every job of a run_jobs call shares the one SSH connection to the login node (the local
+    sshd keeps the default): 24 jobs submitted at once all run, none refused a session
+    (paramiko's ChannelException 'Connect failed' before the bound)."""
+    block = _slurm_block(slurm, tmp_path)
+    prefix = f"ms-{uuid.uuid4().hex[:6]}"
+
+    @flow
+    def many() -> list[Any]:
+        specs = [JobSpec(entrypoint="true", name=f"{prefix}-{i}") for i in range(24)]
+        return run_jobs(specs, block, max_in_flight=24)
+
+    assert [r.state for r in many()] == [JobState.SUCCEEDED] * 24

@@ -23,6 +23,12 @@ from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable
 _ssh_pool: dict[str, SafeSSH] = {}
 _ssh_lock = threading.Lock()
 
+#: Commands run at once on one connection. sshd_config(5), MaxSessions: "Specifies the maximum
+#: number of open shell, login or subsystem (e.g. sftp) sessions permitted per network
+#: connection ... The default is 10." Past it the login node refuses the channel; one session
+#: is left for the SFTP channel and one spare.
+MAX_SESSIONS = 8
+
 
 class SafeSSH:
     """One SSH connection per login node and settings, key only: a missing, unreadable or
@@ -169,6 +175,7 @@ class SafeSSH:
         transport = conn.client.get_transport()
         if transport is not None:
             transport.set_keepalive(30)  # long waits: keep NATs and firewalls from dropping us
+        _bound_sessions(conn)
         return conn
 
     def session(self) -> Any:
@@ -251,6 +258,19 @@ class SafeSSH:
         if session is not None:
             with contextlib.suppress(Exception):
                 session.close()
+
+
+def _bound_sessions(conn: Any) -> None:
+    """Make conn.run (ours and NeMo-Run's tunnel's: one SSH session each) wait for one of
+    MAX_SESSIONS slots, so that many jobs submitted at once never pass sshd's MaxSessions."""
+    slots = threading.BoundedSemaphore(MAX_SESSIONS)
+    run = conn.run
+
+    def bounded_run(command: str, **kwargs: Any) -> Any:
+        with slots:
+            return run(command, **kwargs)
+
+    conn.run = bounded_run  # `run` is a real attribute: set on the instance, not the config
 
 
 @atexit.register
