@@ -354,13 +354,11 @@ def _engine(engine: str, api_url: str, report: Any) -> None:
     ours, raw = out["ours"], out["raw"]
     log(f"{engine}: raw {raw['wall_s']:.1f}s {raw['states']}; ours {ours['wall_s']:.1f}s "
         f"{ours['states']}")  # fmt: skip
-    report(f"scale_{engine}_wall_s_{n}", ours["wall_s"])
-    report(f"scale_{engine}_wall_s_raw_{n}", raw["wall_s"])
     report(f"scale_{engine}_ratio_{n}", ours["wall_s"] / raw["wall_s"])
-    report(f"scale_{engine}_rss_mb_{n}", ours["peak_rss_mb"])
-    report(f"scale_{engine}_rss_mb_raw_{n}", raw["peak_rss_mb"])
-    report(f"scale_{engine}_threads_{n}", ours["peak_threads"])
-    report(f"scale_{engine}_threads_raw_{n}", raw["peak_threads"])
+    figures = (("wall_s", "wall_s"), ("rss_mb", "peak_rss_mb"), ("threads", "peak_threads"))
+    for figure, key in figures:
+        report(f"scale_{engine}_{figure}_{n}", ours[key])
+        report(f"scale_{engine}_{figure}_raw_{n}", raw[key])
     report(f"scale_{engine}_states_{n}", ",".join(f"{k}:{v}" for k, v in ours["states"].items()))
 
 

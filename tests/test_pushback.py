@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 from prefect import flow
-from pydantic import SecretStr
 
 from prefect_nemo import JobSpec, JobState, run_jobs
 from prefect_nemo.testing.throttle_proxy import ThrottleProxy
@@ -140,22 +138,9 @@ def test_slurm_submit_limit_is_waited_out_and_every_job_runs(
 
 
 def _slurm_block(slurm: Any, job_dir: Path, **fields: Any) -> Any:
-    from prefect_nemo.blocks.slurm import SlurmCluster
+    from tests.test_nemo_run_slurm import slurm_block  # NeMo-Run: imported where it is installed
 
-    return SlurmCluster(
-        host=slurm.host,
-        port=slurm.port,
-        user=slurm.user,
-        identity_key=SecretStr(slurm.identity.read_text()),
-        known_hosts=slurm.known_hosts.read_text(),
-        job_dir=str(job_dir),
-        account=slurm.account,
-        partition=slurm.partition,
-        time="00:05:00",
-        max_poll_interval_s=0.5,
-        setup_lines=f"export PATH={Path(sys.executable).parent}:$PATH",
-        **fields,
-    )
+    return slurm_block(slurm, job_dir).model_copy(update=fields)
 
 
 @pytest.mark.nemo_run
