@@ -34,7 +34,6 @@ from prefect_nemo.jobs import Backend, JobHandle, JobState, JobStatus, PushesCha
 log = logging.getLogger(__name__)
 
 MIN_INTERVAL_S = 0.1
-BUSY_FACTOR = 9  # wait 9x a poll's own CPU time: polling takes at most a tenth of a core
 AGE_FACTOR = 0.05  # poll every 5% of the youngest live job's age...
 MISSING_TICKS = 3  # ...and call a job gone after it is missing from this many lists in a row
 
@@ -184,7 +183,6 @@ class ClusterWatcher:
                 if not job_ids:
                     self._thread = None
                     return
-            cpu = time.thread_time()
             try:
                 statuses = self.backend.statuses(job_ids)
             except (AuthenticationFailed, BackendClosed) as exc:  # final: retrying cannot help
@@ -215,9 +213,6 @@ class ClusterWatcher:
                 failing_since, failures = None, 0
                 self._publish(job_ids, statuses)
                 interval = self._interval(statuses.values())
-                # a poll walks every job: at a thousand that is CPU, so its own CPU time bounds
-                # the rate (network waits are not counted: a small poll stays fast)
-                interval = max(interval, BUSY_FACTOR * (time.thread_time() - cpu))
             self.ticks += 1
             self._wake.wait(interval)
             self._wake.clear()
