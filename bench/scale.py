@@ -16,10 +16,16 @@ scale_kube_api_requests_per_job_<N>, scale_prefect_api_requests_per_job_<N> (HTT
 Prefect's websocket counted apart), scale_kube_per_job_cost_growth (per-job wall overhead over
 raw at 1,000 / at 100), scale_prefect_ui_page_s_max_1000 (the flow-run page's API requests,
 timed every second during the 1,000-job run), scale_kube_leaks_1000 (threads + fds the run
-left over its start). The last results are kept in `bench/.last-scale.txt` for `make bench`.
+left over its start); then the real engines at N = 200 (`bench/_scale_engines.py`):
+scale_ray_ratio_200, scale_ray_rss_mb_200, scale_ray_threads_200, scale_slurm_ratio_200 (and
+their raw figures); then the 1,000-job run on SQLite and on PostgreSQL (`bench/_scale_db.py`):
+scale_prefect_db_ratio and the UI page latency on each. The last results are kept in
+`bench/.last-scale.txt` for `make bench`.
 
     .venv/bin/python -m bench.scale            # everything
-    .venv/bin/python -m bench.scale 100        # only N = 100
+    .venv/bin/python -m bench.scale 100        # only N = 100 (Kubernetes path)
+    .venv/bin/python -m bench.scale ray slurm  # only the real engines (bench/_scale_engines.py)
+    .venv/bin/python -m bench.scale db         # only SQLite vs PostgreSQL (bench/_scale_db.py)
     .venv/bin/python -m bench.scale before 100 # the way before run_jobs: N run_job.submit
 """
 
@@ -37,6 +43,9 @@ from typing import Any
 LAST = Path(__file__).with_name(".last-scale.txt")
 SIZES = (100, 1000)
 JOB_S = 5.0
+# real engines, ENGINE_N jobs each (bench._scale_engines); db: SQLite vs PostgreSQL (_scale_db)
+ENGINES = ("ray", "slurm", "db")
+ENGINE_N = int(os.environ.get("SCALE_ENGINE_N", "200"))  # a smaller N: a quick check
 
 
 def log(message: str) -> None:
@@ -263,61 +272,141 @@ def before(n: int) -> int:
     return 0
 
 
-def main(sizes: tuple[int, ...] = SIZES) -> int:
+def main(sizes: tuple[int, ...] = SIZES, engines: tuple[str, ...] = ENGINES) -> int:
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
     from bench.run_all import format_value
 
-    lines: list[str] = []
+    lines: dict[str, str] = {}
 
     def report(key: str, value: object) -> None:
-        line = f"{key}={format_value(value)}"
-        lines.append(line)
-        print(line, flush=True)
+        lines[key] = f"{key}={format_value(value)}"
+        print(lines[key], flush=True)
 
-    overhead: dict[int, float] = {}
     with prefect_test_harness(server_startup_timeout=180):
         api_url = str(PREFECT_API_URL.value())
-        for n in sizes:
-            log(f"raw kubernetes client, N={n}")
-            raw = measure("raw", n, None, None)
-            log(f"raw: {raw['wall_s']:.1f}s")
-            ui: list[float] = []
-            log(f"run_jobs in one flow run, N={n}")
-            ours = measure("ours", n, api_url, ui if n >= 1000 else None)
-            log(f"ours: {ours['wall_s']:.1f}s (jobs {ours['jobs_wall_s']:.1f}s) {ours['states']}")
-            report(f"scale_kube_wall_s_{n}", ours["wall_s"])
-            report(f"scale_kube_wall_s_raw_{n}", raw["wall_s"])
-            report(f"scale_kube_wall_ratio_{n}", ours["wall_s"] / raw["wall_s"])
-            report(f"scale_kube_jobs_wall_s_{n}", ours["jobs_wall_s"])
-            report(f"scale_kube_rss_mb_{n}", ours["peak_rss_mb"])
-            report(f"scale_kube_rss_mb_raw_{n}", raw["peak_rss_mb"])
-            report(f"scale_kube_threads_{n}", ours["peak_threads"])
-            report(f"scale_kube_threads_raw_{n}", raw["peak_threads"])
-            report(f"scale_kube_detect_p50_s_{n}", ours["detect_p50_s"])
-            report(f"scale_kube_detect_p50_s_raw_{n}", raw["detect_p50_s"])
-            report(f"scale_kube_api_requests_per_job_{n}", ours["kube"]["requests"] / n)
-            report(f"scale_kube_api_requests_per_job_raw_{n}", raw["kube"]["requests"] / n)
-            report(f"scale_prefect_api_requests_per_job_{n}", ours["prefect_requests"] / n)
-            report(f"scale_prefect_events_per_job_{n}", ours["prefect_events"] / n)
-            leaks = (
-                f"threads:{ours['threads_left']},ours:{len(ours['ours_left'])},"
-                f"fds:{ours['fds_left']}"
-            )
-            report(f"scale_kube_leaks_{n}", leaks)
-            if ui:
-                report(f"scale_prefect_ui_page_s_max_{n}", max(ui))
-                report(f"scale_prefect_ui_page_s_p50_{n}", _percentile(ui, 50))
-            overhead[n] = (ours["wall_s"] - raw["wall_s"]) / n
-            report(f"scale_kube_per_job_overhead_s_{n}", overhead[n])
+        if sizes:
+            _kube(sizes, api_url, report)
+        for engine in engines:
+            if engine != "db":
+                _engine(engine, api_url, report)
+    if "db" in engines:  # each database behind its own `prefect server start`
+        from bench._scale_db import measure_db
+
+        measure_db(measure, report)
+    _keep(lines)
+    return 0
+
+
+def _kube(sizes: tuple[int, ...], api_url: str, report: Any) -> None:
+    """The Kubernetes path at each size, each next to the raw kubernetes client."""
+    overhead: dict[int, float] = {}
+    for n in sizes:
+        log(f"raw kubernetes client, N={n}")
+        raw = measure("raw", n, None, None)
+        log(f"raw: {raw['wall_s']:.1f}s")
+        ui: list[float] = []
+        log(f"run_jobs in one flow run, N={n}")
+        ours = measure("ours", n, api_url, ui if n >= 1000 else None)
+        log(f"ours: {ours['wall_s']:.1f}s (jobs {ours['jobs_wall_s']:.1f}s) {ours['states']}")
+        report(f"scale_kube_wall_s_{n}", ours["wall_s"])
+        report(f"scale_kube_wall_s_raw_{n}", raw["wall_s"])
+        report(f"scale_kube_wall_ratio_{n}", ours["wall_s"] / raw["wall_s"])
+        report(f"scale_kube_jobs_wall_s_{n}", ours["jobs_wall_s"])
+        report(f"scale_kube_rss_mb_{n}", ours["peak_rss_mb"])
+        report(f"scale_kube_rss_mb_raw_{n}", raw["peak_rss_mb"])
+        report(f"scale_kube_threads_{n}", ours["peak_threads"])
+        report(f"scale_kube_threads_raw_{n}", raw["peak_threads"])
+        report(f"scale_kube_detect_p50_s_{n}", ours["detect_p50_s"])
+        report(f"scale_kube_detect_p50_s_raw_{n}", raw["detect_p50_s"])
+        report(f"scale_kube_api_requests_per_job_{n}", ours["kube"]["requests"] / n)
+        report(f"scale_kube_api_requests_per_job_raw_{n}", raw["kube"]["requests"] / n)
+        report(f"scale_prefect_api_requests_per_job_{n}", ours["prefect_requests"] / n)
+        report(f"scale_prefect_events_per_job_{n}", ours["prefect_events"] / n)
+        leaks = (
+            f"threads:{ours['threads_left']},ours:{len(ours['ours_left'])},"
+            f"fds:{ours['fds_left']}"
+        )
+        report(f"scale_kube_leaks_{n}", leaks)
+        if ui:
+            report(f"scale_prefect_ui_page_s_max_{n}", max(ui))
+            report(f"scale_prefect_ui_page_s_p50_{n}", _percentile(ui, 50))
+        overhead[n] = (ours["wall_s"] - raw["wall_s"]) / n
+        report(f"scale_kube_per_job_overhead_s_{n}", overhead[n])
     if 100 in overhead and 1000 in overhead and overhead[100] > 0:
         report("scale_kube_per_job_cost_growth", overhead[1000] / overhead[100])
+
+
+def _engine(engine: str, api_url: str, report: Any) -> None:
+    """A real engine (ray, slurm) at ENGINE_N jobs, ours next to its raw client."""
+    import tempfile
+
+    from bench import _scale_engines
+
+    n = ENGINE_N
+    log(f"{engine}: raw client, then run_jobs in one flow run, N={n}")
+    if engine == "ray":
+        out = _scale_engines.measure_ray(n, api_url, engine_child)
+    else:
+        with tempfile.TemporaryDirectory(prefix="prefect-nemo-scale-slurm-") as job_dir:
+            out = _scale_engines.measure_slurm(n, api_url, engine_child, job_dir)
+    ours, raw = out["ours"], out["raw"]
+    log(f"{engine}: raw {raw['wall_s']:.1f}s {raw['states']}; ours {ours['wall_s']:.1f}s "
+        f"{ours['states']}")  # fmt: skip
+    report(f"scale_{engine}_ratio_{n}", ours["wall_s"] / raw["wall_s"])
+    figures = (("wall_s", "wall_s"), ("rss_mb", "peak_rss_mb"), ("threads", "peak_threads"))
+    for figure, key in figures:
+        report(f"scale_{engine}_{figure}_{n}", ours[key])
+        report(f"scale_{engine}_{figure}_raw_{n}", raw[key])
+    report(f"scale_{engine}_states_{n}", ",".join(f"{k}:{v}" for k, v in ours["states"].items()))
+
+
+def engine_child(
+    side: str, kind: str, n: int, config: dict[str, Any], api_url: str | None, python: str
+) -> dict[str, Any]:
+    """One real-engine measurement in a fresh process (`bench._scale_engines`); its figures."""
+    stem = f"/tmp/prefect-nemo-scale-{os.getpid()}-{kind}-{side}"
+    path, log_path = Path(stem + ".json"), Path(stem + ".log")
+    path.write_text(json.dumps(config))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
+    try:
+        with open(log_path, "w") as err:
+            proc = subprocess.run(
+                [python, "-m", "bench._scale_engines", side, kind, str(n), str(path)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                timeout=1800,
+            )
+    finally:
+        path.unlink(missing_ok=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = log_path.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"{side} {kind} N={n} failed (exit {proc.returncode}):\n{tail}")
+    log_path.unlink(missing_ok=True)
+    return json.loads(lines[-1])
+
+
+def _keep(lines: dict[str, str]) -> None:
+    """Write this run's figures to LAST, keeping the earlier run's figures it did not measure."""
+    kept: dict[str, str] = {}
+    if LAST.exists():
+        for line in LAST.read_text().splitlines():
+            if "=" in line and not line.startswith("#"):
+                kept[line.split("=", 1)[0]] = line
+    kept.update(lines)
+    parts = ", ".join(sorted({k.split("_")[1] for k in lines}))
     LAST.write_text(
         f"# bench/scale.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-        f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}\n" + "\n".join(lines) + "\n"
+        f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} (measured now: {parts})\n"
+        + "\n".join(kept.values())
+        + "\n"
     )
-    return 0
 
 
 if __name__ == "__main__":
@@ -326,4 +415,7 @@ if __name__ == "__main__":
     elif len(sys.argv) > 1 and sys.argv[1] == "before":
         sys.exit(before(int(sys.argv[2]) if len(sys.argv) > 2 else 100))
     else:
-        sys.exit(main(tuple(int(a) for a in sys.argv[1:]) or SIZES))
+        args = sys.argv[1:]
+        picked = tuple(a for a in args if a in ENGINES)
+        sizes = tuple(int(a) for a in args if a.isdigit())
+        sys.exit(main(sizes, picked) if args else main())

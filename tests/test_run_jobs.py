@@ -21,7 +21,15 @@ from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter, FlowRu
 from prefect.context import FlowRunContext
 from prefect.states import Cancelling
 
-from prefect_nemo import InvalidJobSpec, JobFailed, JobSpec, JobState, run_jobs
+from prefect_nemo import (
+    DependencyFailed,
+    InvalidJobSpec,
+    JobFailed,
+    JobSpec,
+    JobState,
+    run_job,
+    run_jobs,
+)
 from prefect_nemo.backends.kuberay import ensure_ray_cluster, wait_ray_cluster_ready
 from prefect_nemo.kube import RAY_JOB
 from prefect_nemo.testing.operators import FakeRay, KubeRaySimulator
@@ -223,6 +231,46 @@ def test_pushback_shrinks_the_window_and_every_job_still_runs(
     assert kube_server.throttled_answers == 4
     assert "pushed back" in caplog.text and "at most 4 jobs in flight" in caplog.text
     assert len({r.handle.job_id for r in results}) == 10
+
+
+def test_after_and_the_cluster_cap_hold_for_every_job(
+    kube_server: Any, block: Any, fake_ray: FakeRay, prefect_api: str
+):
+    """`after` and `max_concurrent_jobs` mean in run_jobs what they mean in run_job: a failed
+    upstream fails the call before any job is sent (DependencyFailed); after a succeeded one
+    every job runs, and no more than the block's cap run at once (each holds a slot of the
+    cluster's Prefect global concurrency limit from submit to end)."""
+    capped = block.model_copy(update={"max_concurrent_jobs": 2})
+    prefix = uuid.uuid4().hex[:6]
+    peak = [0]
+    done = threading.Event()
+
+    def sample() -> None:  # what the cluster runs, seen from outside
+        while not done.is_set():
+            peak[0] = max(peak[0], len([j for j in fake_ray.running() if f"-{prefix}-" in j]))
+            done.wait(0.02)
+
+    @flow
+    def chain(upstream_fails: bool) -> list[Any]:
+        try:
+            first = run_job(JobSpec(entrypoint="sh -c 'exit 3'" if upstream_fails else "true"),
+                            block, stream_logs=False)  # fmt: skip
+        except JobFailed as exc:
+            first = exc.result
+        return run_jobs(specs(6, prefix=prefix), capped, max_in_flight=6, after=[first])
+
+    before = len(fake_ray.list_jobs())
+    with pytest.raises(DependencyFailed, match="ended FAILED"):
+        chain(True)
+    assert len(fake_ray.list_jobs()) == before + 1  # the upstream only
+    watcher = in_thread(sample)
+    try:
+        results = chain(False)
+    finally:
+        done.set()
+        watcher.join(5)
+    assert [r.state for r in results] == [JobState.SUCCEEDED] * 6
+    assert 1 <= peak[0] <= 2, f"{peak[0]} jobs ran at once under a cap of 2"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from prefect_nemo.errors import (
     BackendUnavailable,
     InvalidJobSpec,
     JobAlreadyExists,
+    Throttled,
 )
 from prefect_nemo.jobs import (
     META_FLOW_RUN,
@@ -61,6 +62,24 @@ class TimedJobClient(JobSubmissionClient):
     def _do_request(self, method: str, endpoint: str, **kwargs: Any) -> requests.Response:
         kwargs.setdefault("timeout", self._timeout_s)
         return super()._do_request(method, endpoint, **kwargs)
+
+    def _raise_error(self, r: requests.Response) -> None:
+        """A 429/503 (a proxy or gateway in front of the dashboard pushing back) is Throttled,
+        with its Retry-After; every other failure is Ray's own RuntimeError."""
+        if r.status_code in (429, 503):
+            raise Throttled(
+                f"Ray dashboard at {self._address} pushed back ({r.status_code} {r.reason})",
+                _retry_after_s(r.headers.get("Retry-After")),
+            )
+        super()._raise_error(r)
+
+
+def _retry_after_s(value: str | None) -> float | None:
+    """Retry-After in seconds (its delay-seconds form; an HTTP-date is left to our backoff)."""
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
 
 
 def _ms_to_datetime(ms: int | None) -> datetime | None:

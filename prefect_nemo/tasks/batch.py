@@ -20,6 +20,7 @@ Progress: one progress artifact (k/N done) and the run's one job table, rewritte
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 from collections.abc import Awaitable, Callable, Iterable
@@ -28,6 +29,7 @@ from typing import Any, TypeVar
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.concurrency.asyncio import concurrency
 from prefect.context import AsyncClientContext
 
 from prefect_nemo.errors import InvalidJobSpec, JobFailed, JobStopped, Throttled
@@ -36,7 +38,14 @@ from prefect_nemo.lifecycle import JobIdentity, Submission, Supervisor, WaitPoli
 from prefect_nemo.redaction import Redactor
 from prefect_nemo.tasks._blocks import ClusterLike, resolve_cluster
 from prefect_nemo.tasks._run import RunContext, current_run
-from prefect_nemo.tasks.jobs import _identity, _track_cluster, job_spec
+from prefect_nemo.tasks.jobs import (
+    Upstream,
+    _after,
+    _cluster_limit,
+    _identity,
+    _track_cluster,
+    job_spec,
+)
 from prefect_nemo.tasks.reporting import JobReporter, RunProgress, say
 
 T = TypeVar("T")
@@ -100,6 +109,7 @@ class _Batch:
         secrets = list(self.backend.secrets) + [v for s in specs for v in s.secret_values()]
         self.redact = Redactor(secrets)
         self.done = 0
+        self.limit_name: str | None = None  # the cluster's concurrency cap (run_job's), if set
 
     def validate(self) -> None:
         """Every spec checked before anything is sent (the first bad one names itself)."""
@@ -149,8 +159,14 @@ class _Batch:
         supervisor = Supervisor(
             self.backend, policy, JobReporter(run, self.redact), run.interrupted, self.redact
         )
-        submission = await self._submit(supervisor, spec, _identity(spec, run), run)
-        return await supervisor.wait_async(submission.handle, attached=submission.attached)
+        slot = (
+            concurrency(self.limit_name, occupy=1, strict=True)
+            if self.limit_name
+            else contextlib.nullcontext()
+        )
+        async with slot:  # the cluster's cap, held from submit to end as run_job holds it
+            submission = await self._submit(supervisor, spec, _identity(spec, run), run)
+            return await supervisor.wait_async(submission.handle, attached=submission.attached)
 
     async def _submit(
         self, supervisor: Supervisor, spec: JobSpec, identity: JobIdentity, run: RunContext
@@ -194,6 +210,7 @@ def run_jobs(
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     stream_logs: bool = False,
     raise_on_failure: bool = True,
+    after: Iterable[Upstream] = (),
 ) -> list[JobResult]:
     """Run many jobs from this flow, each its own `run_job` task run; return their results in
     the order of `specs` (JobSpecs, or NeMo-Run tasks as run_job takes them).
@@ -206,6 +223,10 @@ def run_jobs(
     is a thousand streams; a failed job's log tail is still read into its error). With
     `raise_on_failure`, JobFailed is raised after every job ended if any did not succeed (its
     `.result` holds all results); else the results of failed jobs are returned too.
+    `after`: upstream jobs or experiments every job waits for, as in run_job (natively where
+    the scheduler can, e.g. Slurm afterok; else here, once, before the first submit);
+    DependencyFailed, and nothing submitted, if one failed. Each job holds a slot of the
+    cluster's concurrency cap (`max_concurrent_jobs`) from its submit to its end, as run_job.
     """
     specs = _named(specs)
     if not isinstance(max_in_flight, int) or max_in_flight < 1:
@@ -222,6 +243,9 @@ def run_jobs(
         return []
     # the cluster a backend creates for this run (Ray on Lepton) goes when the run ends
     _track_cluster(Supervisor(batch.backend), batch.run)
+    upstream = Supervisor(batch.backend, interrupted=batch.run.interrupted)
+    batch.backend = _after(upstream, after, batch.run).backend  # afterok's backend, if native
+    batch.limit_name = _cluster_limit(batch.block, batch.backend)
     outcomes = _on_own_loop(batch.run_all)
     return _results(specs, outcomes, raise_on_failure)
 

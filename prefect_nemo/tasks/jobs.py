@@ -180,14 +180,23 @@ def _upstream_failed(handle: JobHandle, state: JobState, message: str) -> str:
 # The concurrency cap
 
 
+def _cluster_limit(block: ClusterBlock, backend: Backend) -> str | None:
+    """The name of the cluster's global concurrency limit, made to hold the block's cap (None
+    when the block sets no cap)."""
+    if not block.max_concurrent_jobs:
+        return None
+    name = block.concurrency_limit_name(backend)
+    _ensure_limit(name, block.max_concurrent_jobs)
+    return name
+
+
 @contextmanager
 def _cluster_slot(block: ClusterBlock, backend: Backend) -> Iterator[None]:
     """Hold one slot of the cluster's global concurrency limit while the job runs."""
-    if not block.max_concurrent_jobs:
+    name = _cluster_limit(block, backend)
+    if name is None:
         yield
         return
-    name = block.concurrency_limit_name(backend)
-    _ensure_limit(name, block.max_concurrent_jobs)
     with concurrency(name, occupy=1, strict=True):
         yield
 

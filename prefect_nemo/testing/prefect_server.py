@@ -25,11 +25,15 @@ from prefect_nemo.local_ray import free_port
 
 
 class PrefectServer:
-    """`prefect server start` on 127.0.0.1:<port> with its database under `home`."""
+    """`prefect server start` on 127.0.0.1:<port> with its database under `home` (SQLite), or
+    at `database_url` (PostgreSQL: postgresql+asyncpg://...)."""
 
-    def __init__(self, home: Path, port: int | None = None) -> None:
+    def __init__(
+        self, home: Path, port: int | None = None, database_url: str | None = None
+    ) -> None:
         self.home = Path(home)
         self.port = port or free_port()
+        self.database_url = database_url or f"sqlite+aiosqlite:///{self.database}"
         self.process: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
@@ -55,7 +59,7 @@ class PrefectServer:
         env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")},
             "PREFECT_HOME": str(self.home),
-            "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{self.database}",
+            "PREFECT_SERVER_DATABASE_CONNECTION_URL": self.database_url,
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "PREFECT_SERVER_UI_ENABLED": "false",
             "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",

@@ -698,7 +698,8 @@ MailProg=/bin/true
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
 AccountingStoragePort={p["slurmdbd"]}
-AccountingStorageEnforce=associations
+# limits: the QOS submit limits the pushback test sets are enforced (none is set by default)
+AccountingStorageEnforce=associations,limits
 JobAcctGatherType=jobacct_gather/linux
 JobAcctGatherFrequency=5
 JobCompType=jobcomp/none

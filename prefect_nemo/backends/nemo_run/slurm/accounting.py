@@ -5,12 +5,13 @@ writes and hands it their output."""
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Collection
 from datetime import UTC, datetime
 from typing import Any
 
-from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec
+from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec, Throttled
 from prefect_nemo.jobs import META_FLOW_RUN, JobState, JobStatus, OwnedJob
 
 #: sacct/squeue state (first word) -> ours.
@@ -63,11 +64,19 @@ SBATCH_FIELDS = {
 }
 
 
+#: The reasons sbatch prints (the line before "Job violates accounting/QOS policy") when a
+#: job would pass a submit limit (QOS or association MaxSubmitJobs*, GrpSubmitJobs): the
+#: limit frees up as our own jobs end, so the submit is retried, not refused.
+SUBMIT_LIMIT = re.compile(r"\b(?:QOS|Assoc)\w*Submit\w*Limit\b")
+
+
 def sbatch_error(exc: Any, field: str) -> Exception:
-    """sbatch's refusal as InvalidJobSpec naming the block field it is about (else
-    BackendUnavailable with sbatch's message)."""
+    """sbatch's refusal: Throttled at a submit limit, else InvalidJobSpec naming the block
+    field it is about (else BackendUnavailable with sbatch's message)."""
     text = (exc.result.stderr or exc.result.stdout or "").strip()
     reason = text.splitlines()[-1] if text else f"exit {exc.result.exited}"
+    if limit := SUBMIT_LIMIT.search(text):
+        return Throttled(f"Slurm's submit limit is reached ({limit.group()}): {reason}")
     lowered = reason.lower()
     for needle, name in SBATCH_FIELDS.items():
         if needle in lowered:

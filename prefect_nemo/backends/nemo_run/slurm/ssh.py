@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import io
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,14 @@ from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable
 
 _ssh_pool: dict[str, SafeSSH] = {}
 _ssh_lock = threading.Lock()
+
+#: Commands run at once on one connection. sshd_config(5), MaxSessions: "Specifies the maximum
+#: number of open shell, login or subsystem (e.g. sftp) sessions permitted per network
+#: connection ... The default is 10." Past it the login node refuses the channel; one session
+#: is left for the SFTP channel and one spare. sshd frees a session a moment after we close
+#: it, so a refused open (nothing ran yet) is tried again, OPEN_TRIES times in all.
+MAX_SESSIONS = 8
+OPEN_TRIES = 8
 
 
 class SafeSSH:
@@ -169,6 +178,7 @@ class SafeSSH:
         transport = conn.client.get_transport()
         if transport is not None:
             transport.set_keepalive(30)  # long waits: keep NATs and firewalls from dropping us
+        _bound_sessions(conn)
         return conn
 
     def session(self) -> Any:
@@ -251,6 +261,28 @@ class SafeSSH:
         if session is not None:
             with contextlib.suppress(Exception):
                 session.close()
+
+
+def _bound_sessions(conn: Any) -> None:
+    """Make conn.run (ours and NeMo-Run's tunnel's: one SSH session each) wait for one of
+    MAX_SESSIONS slots, so that many jobs submitted at once stay within sshd's MaxSessions."""
+    from paramiko import ChannelException
+
+    slots = threading.BoundedSemaphore(MAX_SESSIONS)
+    run = conn.run
+
+    def bounded_run(command: str, **kwargs: Any) -> Any:
+        for attempt in range(OPEN_TRIES):
+            with slots:
+                try:
+                    return run(command, **kwargs)
+                except ChannelException:  # the session was refused: the command never started
+                    if attempt == OPEN_TRIES - 1:
+                        raise
+            time.sleep(0.05 * 2**attempt)  # up to 3.2 s: sshd has freed closed sessions by then
+        raise AssertionError("unreachable")
+
+    conn.run = bounded_run  # `run` is a real attribute: set on the instance, not the config
 
 
 @atexit.register
