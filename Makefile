@@ -67,8 +67,9 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench.run_all
 
-## One flow run with 100 and 1,000 jobs vs the raw client (~10 min); `make bench` prints its last.
-bench-scale: $(STAMP)
+## Scale: 100 and 1,000 simulated jobs, 200 real Ray and Slurm jobs, SQLite vs PostgreSQL, each vs
+## the raw client (~30 min); `make bench` prints its last.
+bench-scale: $(STAMP) $(NR_STAMP)  # its Slurm part runs in the extras environment
 	$(BIN)/python -m bench.scale
 
 clean:

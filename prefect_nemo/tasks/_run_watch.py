@@ -11,7 +11,7 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 
-from prefect.client.orchestration import get_client
+from prefect.client.orchestration import SyncPrefectClient, get_client
 from prefect.client.schemas.filters import (
     FlowRunFilter,
     FlowRunFilterId,
@@ -105,12 +105,14 @@ class _RunWatch:
     def _run(self, settings: SettingsContext | None) -> None:
         try:
             with settings or contextlib.nullcontext():
-                self._loop()
+                # one client for the thread's life (a client per round cost an SSL context)
+                with get_client(sync_client=True) as client:
+                    self._loop(client)
         finally:
             with self._lock:
                 self._running = False
 
-    def _loop(self) -> None:
+    def _loop(self, client: SyncPrefectClient) -> None:
         first = True
         while True:
             if not first:
@@ -127,7 +129,7 @@ class _RunWatch:
                 self._last_beat = time.monotonic()
                 _heartbeats(owned, lease_s=2 * beat_s)
             try:
-                cancelled = self._cancelled_among(run_ids)
+                cancelled = self._cancelled_among(run_ids, client)
             except Exception as exc:  # the API may be briefly away: try again next round
                 fallback_logger().debug(f"run watch: {exc}")
                 continue
@@ -147,15 +149,17 @@ class _RunWatch:
             return list(self._stopped.get(flow_run_id, []))
 
     @staticmethod
-    def _cancelled_among(run_ids: list[str]) -> list[str]:
+    def _cancelled_among(run_ids: list[str], client: SyncPrefectClient | None = None) -> list[str]:
         cancelled = FlowRunFilter(
             id=FlowRunFilterId(any_=[uuid.UUID(r) for r in run_ids]),
             state=FlowRunFilterState(
                 type=FlowRunFilterStateType(any_=[StateType.CANCELLING, StateType.CANCELLED])
             ),
         )
-        with get_client(sync_client=True) as client:
+        if client is not None:
             return [str(run.id) for run in client.read_flow_runs(flow_run_filter=cancelled)]
+        with get_client(sync_client=True) as own:
+            return [str(run.id) for run in own.read_flow_runs(flow_run_filter=cancelled)]
 
 
 cancel_watch = _RunWatch()
