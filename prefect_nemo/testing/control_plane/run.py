@@ -34,6 +34,9 @@ from prefect_nemo.testing.kube_api.client_config import TokenClientConfig
 from prefect_nemo.testing.kube_api.tls import server_cert_pems
 
 ADMIN_USER = "prefect-nemo-admin"
+# the one namespace the KubeRay operator reconciles: the API server tests elsewhere write RayJobs
+# that no operator should touch
+OPERATOR_NAMESPACE = "kuberay"
 START_TIMEOUT_S = 120.0
 # the controllers our tests rely on (garbage collector, namespace deletion, default
 # ServiceAccounts and their tokens, Jobs for KubeRay's submitter, EndpointSlices of Services)
@@ -41,6 +44,24 @@ CONTROLLERS = (
     "garbage-collector-controller,namespace-controller,serviceaccount-controller,"
     "serviceaccount-token-controller,job-controller,endpointslice-controller"
 )
+
+
+# The KubeRay operator watches RayServices too and stops when their CRD is missing; the shared
+# CRDs have none (we never write one), so a schema-less stand-in lets the operator start.
+_RAYSERVICE_STANDIN = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "rayservices.ray.io"},
+    "spec": {
+        "group": "ray.io", "scope": "Namespaced",
+        "names": {"kind": "RayService", "plural": "rayservices", "singular": "rayservice",
+                  "listKind": "RayServiceList"},
+        "versions": [{
+            "name": "v1", "served": True, "storage": True, "subresources": {"status": {}},
+            "schema": {"openAPIV3Schema": {"type": "object",
+                                           "x-kubernetes-preserve-unknown-fields": True}},
+        }],
+    },
+}  # fmt: skip
 
 
 def _free_port() -> int:
@@ -75,9 +96,9 @@ class ControlPlane(TokenClientConfig):
             return self
         t0 = time.monotonic()
         binary = build.binary
-        files = self._write_files()
         etcd_port, etcd_peer, api_port = _free_port(), _free_port(), _free_port()
         self.url = f"https://127.0.0.1:{api_port}"
+        files = self._write_files()  # the admin kubeconfig names the url
         try:
             self._spawn("etcd", [
                 str(binary("etcd")), "--name=default", f"--data-dir={self.workdir / 'etcd'}",
@@ -86,7 +107,7 @@ class ControlPlane(TokenClientConfig):
                 f"--listen-peer-urls=http://127.0.0.1:{etcd_peer}",
                 f"--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer}",
                 f"--initial-cluster=default=http://127.0.0.1:{etcd_peer}",
-                "--unsafe-no-fsync", "--log-level=warn", "--listen-metrics-urls=",
+                "--unsafe-no-fsync", "--log-level=warn",
             ])  # fmt: skip
             self._spawn("kube-apiserver", [
                 str(binary("kube-apiserver")), f"--etcd-servers=http://127.0.0.1:{etcd_port}",
@@ -99,8 +120,14 @@ class ControlPlane(TokenClientConfig):
                 f"--service-account-signing-key-file={files['sa_key']}",
                 f"--cert-dir={self.workdir / 'certs'}", "--profiling=false",
                 "--enable-priority-and-fairness=false", "--v=0",
+                # a loopback advertise address is refused by the default lease reconciler
+                "--endpoint-reconciler-type=none",
+                # pods need no `default` ServiceAccount first: no kubelet mounts its token, and
+                # a fresh namespace would race the ServiceAccount controller
+                "--disable-admission-plugins=ServiceAccount",
             ])  # fmt: skip
             self._wait_ready(START_TIMEOUT_S)
+            self.install_crds()  # before the garbage collector discovers what it watches
             self._spawn("kube-controller-manager", [
                 str(binary("kube-controller-manager")), f"--kubeconfig={files['kubeconfig']}",
                 f"--authentication-kubeconfig={files['kubeconfig']}",
@@ -110,12 +137,11 @@ class ControlPlane(TokenClientConfig):
                 f"--root-ca-file={files['ca']}", "--secure-port=0", "--profiling=false",
                 "--concurrent-gc-syncs=5",
             ])  # fmt: skip
-            self.install_crds()
             if self.operator:
                 self._spawn("ray-operator", [
                     str(binary("ray-operator")), "--metrics-addr=0",
                     "--health-probe-bind-address=0", "--enable-leader-election=false",
-                    "--log-stdout-encoder=console",
+                    "--log-stdout-encoder=console", f"--watch-namespace={OPERATOR_NAMESPACE}",
                 ], env={"KUBECONFIG": str(files["kubeconfig"])})  # fmt: skip
         except BaseException:
             self.stop()
@@ -181,8 +207,8 @@ class ControlPlane(TokenClientConfig):
 
         api = client.ApiextensionsV1Api(self.api_client())
         names = []
-        for path in sorted(crd_dir().glob("*.yaml")):
-            doc = yaml.safe_load(path.read_text())
+        docs = [yaml.safe_load(path.read_text()) for path in sorted(crd_dir().glob("*.yaml"))]
+        for doc in [*docs, _RAYSERVICE_STANDIN]:
             names.append(doc["metadata"]["name"])
             try:
                 api.create_custom_resource_definition(doc)
