@@ -193,3 +193,30 @@ def test_the_real_garbage_collector_on_dgds_owned_by_a_raycluster(control_plane:
     assert api.get(dgd_kind(), "served", here) is not None, "a same-namespace owner keeps it"
     api.delete(RAY_CLUSTER, "trainer", here)
     assert wait_until(lambda: api.get(dgd_kind(), "served", here) is None, 30)
+
+
+def test_an_unknown_field_is_refused_not_pruned(control_plane: Any) -> None:
+    """Kubernetes API concepts, "Field validation": with `fieldValidation=Warn` ("the default
+    ... when fieldValidation is not set") an unknown field is dropped and only a warning comes
+    back; "Strict: This will fail the request with a BadRequest error if any unknown fields
+    would be dropped". A typo in ray_cluster_spec must not vanish silently: our writes ask for
+    Strict, so the real API server refuses the RayJob naming the field, and the Secret made for
+    the job's secret env is removed again."""
+    from pydantic import SecretStr
+
+    from prefect_nemo import InvalidJobSpec, JobSpec
+    from tests.test_kuberay import META, cluster_spec
+
+    namespace = f"strict-{uuid.uuid4().hex[:6]}"
+    token = service_account_token(control_plane, namespace, KUBERAY_RULES)
+    bad = cluster_spec()
+    bad["headGroupSpec"]["bogusField"] = 1
+    block = kuberay_block(control_plane, namespace, token).model_copy(
+        update={"ray_cluster_spec": bad}
+    )
+    backend = block.backend()
+    spec = JobSpec(entrypoint="true", env={"TOKEN": SecretStr("s3cret-value")})
+    with pytest.raises(InvalidJobSpec, match="bogusField"):
+        backend.submit(spec, "rejected-job", META)
+    assert control_plane.get("secrets", namespace, "rejected-job-env") is None
+    assert control_plane.get("rayjobs", namespace, "rejected-job", group="ray.io") is None
