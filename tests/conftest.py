@@ -96,9 +96,8 @@ def control_plane() -> Iterator[Any]:
     built from Go modules; the one `make control-plane up` left running is reused."""
     from prefect_nemo.testing.control_plane import ControlPlane, build
 
-    if reason := build.unavailable_reason():
+    if reason := build.unavailable_reason():  # no Go, or `make control-plane` not run
         (pytest.fail if IN_CI else pytest.skip)(reason)
-    build.build()  # a no-op once cached (`make control-plane` builds it ahead)
     with ControlPlane.attach() or ControlPlane() as plane:
         yield plane
 

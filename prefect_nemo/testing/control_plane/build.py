@@ -65,12 +65,13 @@ def missing() -> list[str]:
 
 
 def unavailable_reason() -> str | None:
-    """Why the control plane cannot run here (None when it can: built, or Go to build it)."""
-    if not missing():
+    """Why the control plane cannot start here (None once built): no Go, or not built yet (a
+    cold build takes half an hour on 2 cores: too long for a test's timeout)."""
+    if not (todo := missing()):
         return None
     if go_binary() is None:
         return f"no Go toolchain for the real Kubernetes control plane: {GO_HINT}"
-    return None
+    return f"the real control plane is not built ({', '.join(todo)}): run `make control-plane`"
 
 
 def _go(args: list[str], cwd: Path, env: dict[str, str]) -> None:
