@@ -8,7 +8,8 @@ NR_VENV := .venv-nemo-run
 NR_BIN := $(NR_VENV)/bin
 NR_STAMP := $(NR_VENV)/.installed-nemo-run
 
-.PHONY: demo test test-core test-extras test-fast bench bench-scale chaos lint install system clean
+.PHONY: demo test test-core test-extras test-fast bench bench-scale chaos lint install system clean \
+	control-plane
 
 # The virtualenv, installed with the pinned versions of constraints/core.txt.
 $(STAMP): pyproject.toml constraints/core.txt
@@ -59,6 +60,12 @@ test-fast: $(STAMP)
 ## cancel, Prefect server down 90 s) on a real Prefect server and local Ray; key=value lines.
 chaos: $(STAMP)
 	$(BIN)/python -m bench.chaos
+
+## The real Kubernetes control plane (kube-apiserver, kube-controller-manager, etcd, the KubeRay
+## operator) built from Go modules into ~/.cache/prefect-nemo/control-plane once (prints the cold
+## build time); `make control-plane CP=up` starts it in the background, `CP=down` stops it.
+control-plane: $(STAMP)
+	$(BIN)/python -m prefect_nemo.testing.control_plane $(or $(CP),build)
 
 lint: $(STAMP)
 	$(BIN)/ruff check prefect_nemo flows tests bench examples

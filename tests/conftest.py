@@ -108,6 +108,18 @@ def kube_server() -> Iterator[Any]:
         yield server
 
 
+@pytest.fixture(scope="session")
+def control_plane() -> Iterator[Any]:
+    """The real control plane (etcd, kube-apiserver, kube-controller-manager, KubeRay operator)
+    built from Go modules; the one `make control-plane up` left running is reused."""
+    from prefect_nemo.testing.control_plane import ControlPlane, build
+
+    if reason := build.unavailable_reason():  # no Go, or `make control-plane` not run
+        (pytest.fail if IN_CI else pytest.skip)(reason)
+    with ControlPlane.attach() or ControlPlane() as plane:
+        yield plane
+
+
 @pytest.fixture(scope="module")
 def dynamo_sim(kube_server: Any) -> Iterator[Any]:
     from prefect_nemo.testing.operators import DynamoSimulator

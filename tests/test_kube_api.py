@@ -1,9 +1,15 @@
-"""The loopback Kubernetes API server, driven only through the real `kubernetes` client."""
+"""The loopback Kubernetes API server, driven only through the real `kubernetes` client.
+
+The tests in REAL_TOO also run against the real kube-apiserver + kube-controller-manager (the
+`control_plane` fixture, built from Go modules): what the loopback server claims about
+Kubernetes is checked against Kubernetes itself. The rest drive loopback-only controls (forbid,
+revoke_token, drop_watches, set_pod_log, service proxy targets) or build their own server."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import http.server
 import json
 import socket
@@ -27,8 +33,65 @@ from prefect_nemo.testing.kube_api import crd_dir
 NS = "default"
 
 
+REAL_TOO = {
+    "test_discovery", "test_core_crud_each_type", "test_namespaces_are_cluster_scoped_and_required",
+    "test_generate_name", "test_stale_resource_version_conflicts", "test_secret_string_data",
+    "test_custom_resource_crud_and_defaults",
+    "test_custom_resource_required_field_and_nested_defaults",
+    "test_generation_and_status_subresource",
+    "test_replace_custom_object_needs_resource_version", "test_label_and_field_selectors",
+    "test_watch_resume_and_timeout", "test_watch_without_version_lists_then_follows",
+    "test_compact_gives_410", "test_finalizers_hold_deletion", "test_gc_background",
+    "test_finalizer_list_strategic_merge",
+    "test_gc_foreground_waits_for_blocking_dependents", "test_gc_orphan_and_dangling_owner",
+    "test_gc_owner_in_another_namespace_is_absent",
+    "test_server_side_apply_shares_equal_values_and_drops_what_it_stops_applying",
+    "test_server_side_apply_on_a_custom_resource_and_its_status", "test_dry_run_creates_nothing",
+}  # fmt: skip
+# Where kube-apiserver 1.37 answers otherwise than the loopback server (bugs of the loopback
+# server or of these tests' assumptions, found by running them on the real one): run there as
+# strict xfails, so a fix shows up as an XPASS to move the test back into REAL_TOO.
+REAL_DIFFERS = {
+    "test_errors_409_and_422": "a Service named '1svc' is accepted (names may start with a digit)",
+    "test_configmap_and_secret_size_limit": "1 MiB of data plus its key's name is accepted",
+    "test_custom_resource_schema_errors": "an extra cause: 'some validation rules were not "
+    "checked because the object was invalid'",
+    "test_unknown_fields_strict_by_default_and_pruned_with_warning": "the default "
+    "fieldValidation is Warn: an unknown field is pruned with a Warning header, not a 422",
+    "test_patch_flavours": "a strategic merge patch may not add a container to a pod "
+    "('pod updates may not add or remove containers')",
+    "test_server_side_apply_conflicts_are_409_naming_the_manager_and_fields": "managedFields "
+    "sets carry the '.' key of f:data",
+    "test_apply_and_force_options_are_checked_and_the_default_manager_is_the_user_agent": (
+        "managedFields sets carry the '.' key of f:data"
+    ),
+}
+# the real garbage collector and namespace controller work asynchronously (seconds)
+GC_S = 30.0
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test on the loopback server; those in REAL_TOO on the real control plane too."""
+    if "server" in metafunc.fixturenames:
+        params: list[Any] = ["loopback"]
+        name = metafunc.function.__name__
+        real = [pytest.mark.slow, pytest.mark.xdist_group("control-plane")]
+        if name in REAL_DIFFERS:
+            real.append(pytest.mark.xfail(reason=REAL_DIFFERS[name], strict=True))
+        if name in REAL_TOO or name in REAL_DIFFERS:
+            params.append(pytest.param("real", marks=real))
+        metafunc.parametrize("server", params, indirect=True, scope="module")
+
+
 @pytest.fixture(scope="module")
-def server() -> Iterator[LoopbackKubeServer]:
+def server(request: pytest.FixtureRequest) -> Iterator[Any]:
+    if request.param == "real":
+        plane = request.getfixturevalue("control_plane")
+        core = client.CoreV1Api(plane.api_client())
+        with contextlib.suppress(ApiException):  # the session's plane may have it already
+            core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name="other")))
+        yield plane
+        return
     with LoopbackKubeServer([crd_dir()], namespaces=("default", "other")) as srv:
         yield srv
 
@@ -234,7 +297,7 @@ def test_namespaces_are_cluster_scoped_and_required(core: client.CoreV1Api) -> N
     )
     assert [c.metadata.name for c in core.list_namespaced_config_map(ns).items] == ["c"]
     core.delete_namespace(ns)
-    wait_until(lambda: ns not in [n.metadata.name for n in core.list_namespace().items])
+    wait_until(lambda: ns not in [n.metadata.name for n in core.list_namespace().items], GC_S)
     exc, _ = error_of(core.read_namespaced_config_map, "c", ns)
     assert exc.status == 404
 
@@ -601,7 +664,8 @@ def test_finalizer_list_strategic_merge(core: client.CoreV1Api) -> None:
         NS, client.V1ConfigMap(metadata=client.V1ObjectMeta(name=name, finalizers=["a/x"]))
     )
     cm = core.patch_namespaced_config_map(name, NS, {"metadata": {"finalizers": ["b/y"]}})
-    assert cm.metadata.finalizers == ["a/x", "b/y"]  # patchStrategy merge on finalizers
+    # patchStrategy merge on finalizers: added to, the patch's first (as kube-apiserver does)
+    assert cm.metadata.finalizers == ["b/y", "a/x"]
     cm = core.patch_namespaced_config_map(
         name, NS, [{"op": "replace", "path": "/metadata/finalizers", "value": []}]
     )
@@ -769,12 +833,20 @@ def test_drop_watches_then_reconnect(server: LoopbackKubeServer, core: client.Co
     assert resumed == [f"{tag}-0", f"{tag}-1"]
 
 
-def test_compact_gives_410(server: LoopbackKubeServer, custom: client.CustomObjectsApi) -> None:
+def test_compact_gives_410(server: Any, custom: client.CustomObjectsApi) -> None:
+    """Kubernetes API concepts: "When the requested watch operations fail because the historical
+    version of that resource is not available, clients must handle the case by recognizing the
+    status code 410 Gone". The version: on the loopback server, a list's, then compact(); on
+    kube-apiserver, one older than its watch cache's start ("1": the cache began when the CRD
+    was installed, and kube-apiserver compacts etcd itself)."""
     rv = custom.list_namespaced_custom_object("ray.io", "v1", NS, "rayjobs")["metadata"][
         "resourceVersion"
     ]
     create_rayjob(custom, uniq("rj"))
-    server.compact()
+    if isinstance(server, LoopbackKubeServer):
+        server.compact()
+    else:
+        rv = "1"
     with pytest.raises(ApiException) as info:
         for _ in watch.Watch().stream(
             custom.list_namespaced_custom_object,
@@ -927,7 +999,7 @@ def test_gc_background(
     owner, kids = _family(core, custom)
     custom.delete_namespaced_custom_object("ray.io", "v1", NS, "rayjobs", owner)
     assert server.get("rayjobs", NS, owner, group="ray.io") is None
-    wait_until(lambda: all(server.get("pods", NS, k) is None for k in kids), 0.1)
+    wait_until(lambda: all(server.get("pods", NS, k) is None for k in kids), GC_S)
 
 
 def test_gc_foreground_waits_for_blocking_dependents(
@@ -940,11 +1012,12 @@ def test_gc_foreground_waits_for_blocking_dependents(
     )
     held = server.get("rayjobs", NS, owner, group="ray.io")
     assert held is not None and "foregroundDeletion" in held["metadata"]["finalizers"]
-    assert server.get("pods", NS, kids[1]) is None
-    assert server.get("pods", NS, kids[0])["metadata"]["deletionTimestamp"]
+    wait_until(lambda: server.get("pods", NS, kids[1]) is None, GC_S)
+    wait_until(lambda: server.get("pods", NS, kids[0])["metadata"].get("deletionTimestamp"), GC_S)
+    assert server.get("rayjobs", NS, owner, group="ray.io") is not None  # blocked by kids[0]
     core.patch_namespaced_pod(kids[0], NS, [{"op": "remove", "path": "/metadata/finalizers"}])
     assert server.get("pods", NS, kids[0]) is None
-    assert server.get("rayjobs", NS, owner, group="ray.io") is None
+    wait_until(lambda: server.get("rayjobs", NS, owner, group="ray.io") is None, GC_S)
 
 
 def test_gc_orphan_and_dangling_owner(
@@ -953,7 +1026,8 @@ def test_gc_orphan_and_dangling_owner(
     owner, kids = _family(core, custom)
     core_body = client.V1DeleteOptions(propagation_policy="Orphan")
     custom.delete_namespaced_custom_object("ray.io", "v1", NS, "rayjobs", owner, body=core_body)
-    assert server.get("rayjobs", NS, owner, group="ray.io") is None
+    # the garbage collector orphans the dependents, then removes its `orphan` finalizer
+    wait_until(lambda: server.get("rayjobs", NS, owner, group="ray.io") is None, GC_S)
     for k in kids:
         assert not core.read_namespaced_pod(k, NS).metadata.owner_references
     ghost = uniq("ghost")
@@ -964,7 +1038,7 @@ def test_gc_orphan_and_dangling_owner(
             owner={"api_version": "v1", "kind": "Pod", "name": "gone", "uid": str(uuid.uuid4())},
         ),
     )
-    wait_until(lambda: server.get("pods", NS, ghost) is None, 0.1)
+    wait_until(lambda: server.get("pods", NS, ghost) is None, GC_S)
 
 
 def test_gc_owner_in_another_namespace_is_absent(
@@ -980,7 +1054,7 @@ def test_gc_owner_in_another_namespace_is_absent(
     same, crossed = uniq("same"), uniq("crossed")
     core.create_namespaced_pod(NS, pod(same, owner=owner_ref(owner)))
     core.create_namespaced_pod(other, pod(crossed, owner=owner_ref(owner)))
-    wait_until(lambda: server.get("pods", other, crossed) is None, 0.1)
+    wait_until(lambda: server.get("pods", other, crossed) is None, GC_S)
     assert server.get("pods", NS, same) is not None, "a same-namespace owner keeps its dependent"
     core.delete_namespace(other)
 

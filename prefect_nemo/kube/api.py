@@ -29,6 +29,9 @@ from prefect_nemo.errors import (
 from prefect_nemo.kube.kinds import POD, Kind
 
 _TRANSPORT_ERRORS = (urllib3.exceptions.HTTPError, OSError)
+# kube-apiserver's default is Warn: an unknown field (a typo in a RayCluster spec) would be
+# dropped with only a Warning header; Strict makes it a 400 naming the field
+STRICT = "Strict"
 
 
 class KubeError(PrefectNemoError):
@@ -78,6 +81,16 @@ class _StaticResources:
         raise NotImplementedError("KubeApi builds resources from prefect_nemo.kube.kinds")
 
 
+class _DynamicClient(DynamicClient):
+    """DynamicClient that passes `field_validation` on (it drops the parameter itself)."""
+
+    def request(self, method: str, path: str, body: Any = None, **params: Any) -> Any:
+        if validation := params.pop("field_validation", None):
+            # our writes send no other query parameter: the path can carry this one alone
+            path = f"{path}?fieldValidation={validation}"
+        return super().request(method, path, body=body, **params)
+
+
 def _status_of(exc: ApiException | DynamicApiError) -> tuple[int, str, str]:
     """(code, reason, message) of an error response, from its Status body when there is one."""
     code = int(getattr(exc, "status", 0) or 0)
@@ -110,7 +123,7 @@ class KubeApi:
         # where the credentials come from (a block and its field), for 401/403 messages; never
         # the credentials themselves
         self.credentials = credentials
-        self._dyn = DynamicClient(api_client, discoverer=_StaticResources)
+        self._dyn = _DynamicClient(api_client, discoverer=_StaticResources)
         self._resources: dict[tuple[Kind, str | None], Resource] = {}
 
     # -- identity and credentials ------------------------------------------------------------
@@ -194,6 +207,7 @@ class KubeApi:
                 self._resource(kind).create,
                 body=obj,
                 namespace=self._ns(kind, namespace, obj),
+                field_validation=STRICT,
             )
         )
 
@@ -209,6 +223,7 @@ class KubeApi:
                 body=obj,
                 name=name,
                 namespace=self._ns(kind, namespace, obj),
+                field_validation=STRICT,
             )
         )
 
@@ -237,6 +252,7 @@ class KubeApi:
                 name=name,
                 namespace=self._ns(kind, namespace),
                 content_type=content_type,
+                field_validation=STRICT,
             )
         )
 

@@ -108,7 +108,8 @@ def strategic_merge(target: Any, patch: Any) -> Any:
 def _merge_list(field: str, current: Any, patch: list[Any]) -> list[Any]:
     current = current if isinstance(current, list) else []
     if field in _PRIMITIVE_MERGE:
-        return current + [v for v in patch if v not in current]
+        # kube-apiserver puts the patch's items first (seen on 1.37: ["b/y"] onto ["a/x"])
+        return patch + [v for v in current if v not in patch]
     key = _list_merge_key(field, patch + current)
     if key is None or not all(isinstance(i, dict) for i in patch):
         return copy.deepcopy(patch)

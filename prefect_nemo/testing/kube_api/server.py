@@ -8,7 +8,6 @@ import contextlib
 import copy
 import hmac
 import json
-import os
 import secrets
 import threading
 import time
@@ -25,6 +24,7 @@ from aiohttp import web
 from prefect_nemo.testing.app_thread import AppThread
 from prefect_nemo.testing.kube_api import errors, fields
 from prefect_nemo.testing.kube_api import patch as patches
+from prefect_nemo.testing.kube_api.client_config import TokenClientConfig
 from prefect_nemo.testing.kube_api.errors import ApiError
 from prefect_nemo.testing.kube_api.schema import (
     Cause,
@@ -135,7 +135,7 @@ class _Route:
     sub: list[str]  # subresource path: ["status"], ["log"], ["proxy", ...]
 
 
-class LoopbackKubeServer:
+class LoopbackKubeServer(TokenClientConfig):
     """A real HTTP Kubernetes API server on 127.0.0.1 for tests; the `kubernetes` client works
     against it unchanged.
 
@@ -220,47 +220,6 @@ class LoopbackKubeServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-    # configuration for clients ---------
-    def kubeconfig(self, namespace: str = "default", context: str = "loopback") -> dict[str, Any]:
-        """A complete kubeconfig document for this server (token auth; CA data when tls)."""
-        cluster: dict[str, Any] = {"server": self.url}
-        if self.ca_pem:
-            cluster["certificate-authority-data"] = base64.b64encode(self.ca_pem).decode()
-        return {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [{"name": context, "cluster": cluster}],
-            "users": [{"name": context, "user": {"token": self.token}}],
-            "contexts": [
-                {
-                    "name": context,
-                    "context": {"cluster": context, "user": context, "namespace": namespace},
-                }
-            ],
-            "current-context": context,
-            "preferences": {},
-        }
-
-    def api_client(self) -> Any:
-        """A `kubernetes.client.ApiClient` configured for this server (writes no files)."""
-        from kubernetes import client
-
-        ca_file = None
-        if self.ca_pem:
-            # kubernetes<37 (the nemo-run extra's) takes the CA only by path: an in-memory file
-            ca_file = os.fdopen(os.memfd_create("loopback-ca", 0), "w+b")
-            ca_file.write(self.ca_pem)
-            ca_file.flush()
-        config = client.Configuration(
-            host=self.url,
-            api_key={"BearerToken": self.token},
-            api_key_prefix={"BearerToken": "Bearer"},
-            ssl_ca_cert=f"/proc/self/fd/{ca_file.fileno()}" if ca_file else None,
-        )
-        api_client = client.ApiClient(config)
-        api_client._loopback_ca = ca_file  # type: ignore[attr-defined]  # open as long as it lives
-        return api_client
 
     # test controls ---------
     def load_crds(self, *paths: str | Path) -> None:

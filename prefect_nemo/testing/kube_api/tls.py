@@ -18,8 +18,8 @@ def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def make_server_tls() -> tuple[ssl.SSLContext, bytes]:
-    """(server SSL context, CA certificate PEM that clients should trust)."""
+def server_cert_pems(common_name: str = "loopback-kube-apiserver") -> tuple[bytes, bytes, bytes]:
+    """(CA certificate, server certificate, server key) PEMs for 127.0.0.1 and localhost."""
     now = datetime.datetime.now(datetime.UTC)
     valid = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=7))
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -45,7 +45,7 @@ def make_server_tls() -> tuple[ssl.SSLContext, bytes]:
     ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
     cert = (
         x509.CertificateBuilder()
-        .subject_name(_name("loopback-kube-apiserver"))
+        .subject_name(_name(common_name))
         .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
@@ -66,17 +66,21 @@ def make_server_tls() -> tuple[ssl.SSLContext, bytes]:
         )
         .sign(ca_key, hashes.SHA256())
     )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    pem = serialization.Encoding.PEM
+    return ca_cert.public_bytes(pem), cert.public_bytes(pem), key_pem
+
+
+def make_server_tls() -> tuple[ssl.SSLContext, bytes]:
+    """(server SSL context, CA certificate PEM that clients should trust)."""
+    ca_pem, cert_pem, key_pem = server_cert_pems()
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     # ssl can only load a key pair from files: write them to a private temp dir, then drop it
     with tempfile.TemporaryDirectory() as tmp:
         cert_file, key_file = Path(tmp, "tls.crt"), Path(tmp, "tls.key")
-        cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        key_file.write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
-        )
+        cert_file.write_bytes(cert_pem)
+        key_file.write_bytes(key_pem)
         ctx.load_cert_chain(cert_file, key_file)
-    return ctx, ca_cert.public_bytes(serialization.Encoding.PEM)
+    return ctx, ca_pem

@@ -1,0 +1,150 @@
+"""Build kube-apiserver, kube-controller-manager, etcd and the KubeRay operator from Go modules.
+
+Each binary is built once into `~/.cache/prefect-nemo/control-plane/<versions>/bin` (outside the
+repository, reused across runs and checkouts); a cold build prints its time. `k8s.io/kubernetes`
+is consumed the documented way: a wrapper go.mod that pins every `k8s.io/*` staging module its
+go.mod requires as `v0.0.0` to the matching published `v0.X.Y`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+KUBERNETES = "v1.37.2"
+STAGING = "v0.37.2"  # the k8s.io/* staging modules published with KUBERNETES
+ETCD = "v3.7.3"  # Kubernetes 1.37 supports etcd 3.6 and 3.7 (its client is 3.7)
+# the CRDs in ../shared/crds/ are KubeRay 1.7's, but the module proxy refuses v1.7.0's source
+# ("403 This module version is not available"): the newest it serves is 1.6.1
+KUBERAY = "v1.6.1"
+BINARIES = ("kube-apiserver", "kube-controller-manager", "etcd", "ray-operator")
+GO_HINT = (
+    "install Go >= 1.26 (https://go.dev/dl/) and put `go` on PATH (or set PREFECT_NEMO_GO), "
+    "then run `make control-plane` once to build the real Kubernetes control plane"
+)
+
+
+def cache_dir() -> Path:
+    """Where the builds live: `$PREFECT_NEMO_CONTROL_PLANE_CACHE` or
+    ~/.cache/prefect-nemo/control-plane (one folder per component and version below it)."""
+    root = os.environ.get("PREFECT_NEMO_CONTROL_PLANE_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "prefect-nemo" / "control-plane"
+
+
+def _component_dir(folder: str) -> Path:
+    version = {"kubernetes": KUBERNETES, "etcd": ETCD, "kuberay": KUBERAY}[folder]
+    return cache_dir() / f"{folder}-{version}"
+
+
+def binary(name: str) -> Path:
+    """The path of one built binary (of the pinned version)."""
+    return _component_dir(_FOLDERS[name]) / "bin" / name
+
+
+def go_binary() -> str | None:
+    """The Go toolchain to build with: $PREFECT_NEMO_GO, `go` on PATH, or /usr/local/go."""
+    for candidate in (
+        os.environ.get("PREFECT_NEMO_GO"),
+        shutil.which("go"),
+        "/usr/local/go/bin/go",
+    ):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def missing() -> list[str]:
+    """The binaries not built yet."""
+    return [name for name in BINARIES if not binary(name).is_file()]
+
+
+def unavailable_reason() -> str | None:
+    """Why the control plane cannot start here (None once built): no Go, or not built yet (a
+    cold build takes half an hour on 2 cores: too long for a test's timeout)."""
+    if not (todo := missing()):
+        return None
+    if go_binary() is None:
+        return f"no Go toolchain for the real Kubernetes control plane: {GO_HINT}"
+    return f"the real control plane is not built ({', '.join(todo)}): run `make control-plane`"
+
+
+def _go(args: list[str], cwd: Path, env: dict[str, str]) -> None:
+    print(f"$ go {' '.join(args)}   (in {cwd})", file=sys.stderr, flush=True)
+    subprocess.run([env["GO"], *args], cwd=cwd, env=env, check=True)
+
+
+def _staging_modules() -> list[str]:
+    """The k8s.io/* modules k8s.io/kubernetes requires at v0.0.0 (its staging directory)."""
+    proxy = os.environ.get("GOPROXY", "https://proxy.golang.org").split(",")[0].split("|")[0]
+    if proxy in ("direct", "off"):
+        proxy = "https://proxy.golang.org"
+    with urllib.request.urlopen(f"{proxy}/k8s.io/kubernetes/@v/{KUBERNETES}.mod", timeout=60) as r:
+        text = r.read().decode()
+    return sorted(set(re.findall(r"^\s+(k8s\.io/[\w.-]+) v0\.0\.0\s*$", text, re.M)))
+
+
+def _build_kubernetes(src: Path, out: Path, env: dict[str, str]) -> None:
+    src.mkdir(parents=True, exist_ok=True)
+    pins = "".join(f"\t{m} => {m} {STAGING}\n" for m in _staging_modules())
+    (src / "go.mod").write_text(
+        "module prefectnemo.local/controlplane/kube\n\ngo 1.26.0\n\n"
+        f"require k8s.io/kubernetes {KUBERNETES}\n\nreplace (\n{pins})\n"
+    )
+    cmds = [
+        f"k8s.io/kubernetes/cmd/{name}" for name in ("kube-apiserver", "kube-controller-manager")
+    ]
+    _go(["get", *(f"{c}@{KUBERNETES}" for c in cmds)], src, env)
+    _go(["build", "-o", f"{out}/", *cmds], src, env)
+
+
+def _build_etcd(src: Path, out: Path, env: dict[str, str]) -> None:
+    # etcd's own main module carries replace directives (not installable with go install): a
+    # two-line main around the server's etcdmain does the same
+    src.mkdir(parents=True, exist_ok=True)
+    (src / "go.mod").write_text("module prefectnemo.local/controlplane/etcd\n\ngo 1.26.0\n")
+    (src / "main.go").write_text(
+        'package main\n\nimport (\n\t"os"\n\n\t"go.etcd.io/etcd/server/v3/etcdmain"\n)\n\n'
+        "func main() { etcdmain.Main(os.Args) }\n"
+    )
+    _go(["get", f"go.etcd.io/etcd/server/v3@{ETCD}"], src, env)
+    _go(["mod", "tidy"], src, env)
+    _go(["build", "-o", str(out / "etcd"), "."], src, env)
+
+
+def _build_kuberay(src: Path, out: Path, env: dict[str, str]) -> None:
+    src.mkdir(parents=True, exist_ok=True)
+    _go(
+        ["install", f"github.com/ray-project/kuberay/ray-operator@{KUBERAY}"],
+        src,
+        dict(env, GOBIN=str(out)),
+    )
+
+
+_FOLDERS = {"kube-apiserver": "kubernetes", "kube-controller-manager": "kubernetes",
+            "etcd": "etcd", "ray-operator": "kuberay"}  # fmt: skip
+_STEPS = {"kubernetes": _build_kubernetes, "etcd": _build_etcd, "kuberay": _build_kuberay}
+
+
+def build() -> None:
+    """Build what is missing, printing each component's build time and the total."""
+    folders = sorted({_FOLDERS[name] for name in missing()})
+    if not folders:
+        return
+    go = go_binary()
+    if go is None:
+        raise RuntimeError(f"cannot build the control plane: {GO_HINT}")
+    env = dict(os.environ, GO=go, GOFLAGS="-buildvcs=false")
+    started = time.monotonic()
+    for folder in folders:
+        t0 = time.monotonic()
+        base = _component_dir(folder)
+        (base / "bin").mkdir(parents=True, exist_ok=True)
+        _STEPS[folder](base / "src", base / "bin", env)
+        print(f"control-plane build {base.name}: {time.monotonic() - t0:.0f}s", flush=True)
+    print(f"control-plane cold build: {time.monotonic() - started:.0f}s", flush=True)

@@ -1,0 +1,333 @@
+"""Start the real control plane on loopback: etcd, kube-apiserver, kube-controller-manager, the
+CRDs of ../shared/crds, the KubeRay operator; stop every process by pid.
+
+Generated per start: a CA and the API server's certificate, the ServiceAccount signing key and
+an admin token (static token file, group system:masters); authorization is RBAC only, so a
+ServiceAccount token gets exactly what its Roles grant. No scheduler and no kubelet: pods stay
+Pending unless a node agent binds and runs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+
+from prefect_nemo.testing.control_plane import build
+from prefect_nemo.testing.kube_api.client_config import TokenClientConfig
+from prefect_nemo.testing.kube_api.tls import server_cert_pems
+
+ADMIN_USER = "prefect-nemo-admin"
+# the one namespace the KubeRay operator reconciles: the API server tests elsewhere write RayJobs
+# that no operator should touch
+OPERATOR_NAMESPACE = "kuberay"
+START_TIMEOUT_S = 120.0
+# the controllers our tests rely on (garbage collector, namespace deletion, default
+# ServiceAccounts and their tokens, Jobs for KubeRay's submitter, EndpointSlices of Services)
+CONTROLLERS = (
+    "garbage-collector-controller,namespace-controller,serviceaccount-controller,"
+    "serviceaccount-token-controller,job-controller,endpointslice-controller"
+)
+
+
+# The KubeRay operator watches RayServices too and stops when their CRD is missing; the shared
+# CRDs have none (we never write one), so a schema-less stand-in lets the operator start.
+_RAYSERVICE_STANDIN = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "rayservices.ray.io"},
+    "spec": {
+        "group": "ray.io", "scope": "Namespaced",
+        "names": {"kind": "RayService", "plural": "rayservices", "singular": "rayservice",
+                  "listKind": "RayServiceList"},
+        "versions": [{
+            "name": "v1", "served": True, "storage": True, "subresources": {"status": {}},
+            "schema": {"openAPIV3Schema": {"type": "object",
+                                           "x-kubernetes-preserve-unknown-fields": True}},
+        }],
+    },
+}  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def state_file() -> Path:
+    """Where a running control plane (started by `make control-plane up`) is described."""
+    return build.cache_dir() / "running.json"
+
+
+class ControlPlane(TokenClientConfig):
+    """etcd + kube-apiserver + kube-controller-manager (+ the KubeRay operator) on loopback."""
+
+    def __init__(self, *, operator: bool = True, workdir: str | Path | None = None) -> None:
+        self.operator = operator
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="prefect-nemo-control-plane-"))
+        self.token = secrets.token_urlsafe(24)
+        self.ca_pem: bytes | None = None
+        self.url = ""
+        self.pids: dict[str, int] = {}
+        self.started_s = 0.0
+        self._owned = True  # False when attached to one started by another process
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> ControlPlane:
+        """Start everything (binaries must be built: `build.build()`); returns self."""
+        if self.pids:  # running already (or attached to)
+            return self
+        t0 = time.monotonic()
+        binary = build.binary
+        etcd_port, etcd_peer, api_port = _free_port(), _free_port(), _free_port()
+        self.url = f"https://127.0.0.1:{api_port}"
+        files = self._write_files()  # the admin kubeconfig names the url
+        try:
+            self._spawn("etcd", [
+                str(binary("etcd")), "--name=default", f"--data-dir={self.workdir / 'etcd'}",
+                f"--listen-client-urls=http://127.0.0.1:{etcd_port}",
+                f"--advertise-client-urls=http://127.0.0.1:{etcd_port}",
+                f"--listen-peer-urls=http://127.0.0.1:{etcd_peer}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer}",
+                f"--initial-cluster=default=http://127.0.0.1:{etcd_peer}",
+                "--unsafe-no-fsync", "--log-level=warn",
+            ])  # fmt: skip
+            self._spawn("kube-apiserver", [
+                str(binary("kube-apiserver")), f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+                "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+                f"--secure-port={api_port}", f"--tls-cert-file={files['cert']}",
+                f"--tls-private-key-file={files['key']}", f"--token-auth-file={files['tokens']}",
+                "--authorization-mode=RBAC", "--service-cluster-ip-range=10.96.0.0/24",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-account-key-file={files['sa_pub']}",
+                f"--service-account-signing-key-file={files['sa_key']}",
+                f"--cert-dir={self.workdir / 'certs'}", "--profiling=false",
+                "--enable-priority-and-fairness=false", "--v=0",
+                # a loopback advertise address is refused by the default lease reconciler
+                "--endpoint-reconciler-type=none",
+                # pods need no `default` ServiceAccount first: no kubelet mounts its token, and
+                # a fresh namespace would race the ServiceAccount controller
+                "--disable-admission-plugins=ServiceAccount",
+            ])  # fmt: skip
+            self._wait_ready(START_TIMEOUT_S)
+            self.install_crds()  # before the garbage collector discovers what it watches
+            self._spawn("kube-controller-manager", [
+                str(binary("kube-controller-manager")), f"--kubeconfig={files['kubeconfig']}",
+                f"--authentication-kubeconfig={files['kubeconfig']}",
+                f"--authorization-kubeconfig={files['kubeconfig']}",
+                "--leader-elect=false", f"--controllers={CONTROLLERS}",
+                f"--service-account-private-key-file={files['sa_key']}",
+                f"--root-ca-file={files['ca']}", "--secure-port=0", "--profiling=false",
+                "--concurrent-gc-syncs=5",
+            ])  # fmt: skip
+            if self.operator:
+                self._spawn("ray-operator", [
+                    str(binary("ray-operator")), "--metrics-addr=0",
+                    "--health-probe-bind-address=0", "--enable-leader-election=false",
+                    "--log-stdout-encoder=console", f"--watch-namespace={OPERATOR_NAMESPACE}",
+                ], env={"KUBECONFIG": str(files["kubeconfig"])})  # fmt: skip
+        except BaseException:
+            self.stop()
+            raise
+        self.started_s = time.monotonic() - t0
+        return self
+
+    def stop(self) -> None:
+        """Stop every process (by pid, newest first) and remove the work folder; nothing for
+        one attached to (see `attach`)."""
+        if not self._owned:
+            return
+        for name in reversed(list(self.pids)):
+            _stop_pid(self.pids.pop(name), name)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            if json.loads(state_file().read_text()).get("workdir") == str(self.workdir):
+                state_file().unlink()
+
+    def __enter__(self) -> ControlPlane:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- sharing one across processes (make control-plane up / down) ----------------------------
+
+    def save_state(self) -> Path:
+        """Describe this running control plane for `attach()`; the file path."""
+        state = {"url": self.url, "token": self.token, "ca_pem": (self.ca_pem or b"").decode(),
+                 "pids": self.pids, "workdir": str(self.workdir)}  # fmt: skip
+        path = state_file()
+        path.write_text(json.dumps(state))
+        path.chmod(0o600)
+        (self.workdir / "admin.kubeconfig").chmod(0o600)
+        return path
+
+    @classmethod
+    def attach(cls, *, own: bool = False) -> ControlPlane | None:
+        """The control plane `make control-plane up` left running, if it still answers; its
+        `stop()` stops it only with `own`."""
+        try:
+            state = json.loads(state_file().read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        plane = cls(operator="ray-operator" in state["pids"], workdir=state["workdir"])
+        plane.url, plane.token = state["url"], state["token"]
+        plane.ca_pem, plane.pids = state["ca_pem"].encode(), dict(state["pids"])
+        plane._owned = own
+        try:
+            plane._wait_ready(2.0)
+        except TimeoutError:
+            return None
+        return plane
+
+    # -- for tests ---------------------------------------------------------------------------
+
+    def install_crds(self) -> None:
+        """Create the CRDs of ../shared/crds (or $PREFECT_NEMO_CRDS) and wait until served."""
+        from kubernetes import client
+
+        from prefect_nemo.testing.kube_api import crd_dir
+
+        api = client.ApiextensionsV1Api(self.api_client())
+        names = []
+        docs = [yaml.safe_load(path.read_text()) for path in sorted(crd_dir().glob("*.yaml"))]
+        for doc in [*docs, _RAYSERVICE_STANDIN]:
+            names.append(doc["metadata"]["name"])
+            try:
+                api.create_custom_resource_definition(doc)
+            except client.ApiException as exc:
+                if exc.status != 409:
+                    raise
+        deadline = time.monotonic() + 60
+        for name in names:
+            while not any(
+                c.type == "Established" and c.status == "True"
+                for c in (api.read_custom_resource_definition(name).status.conditions or [])
+            ):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"CRD {name} not established in 60 s")
+                time.sleep(0.1)
+
+    def get(
+        self, kind_plural: str, namespace: str | None, name: str, group: str = "",
+        version: str = "v1",
+    ) -> dict | None:  # fmt: skip
+        """One object as the API server stores it; None when absent (LoopbackKubeServer.get)."""
+        base = f"/apis/{group}/{version}" if group else "/api/v1"
+        where = f"/namespaces/{namespace}" if namespace else ""
+        try:
+            return json.loads(self.request("GET", f"{base}{where}/{kind_plural}/{name}"))
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return None
+            raise
+
+    def request(self, method: str, path: str, body: dict | None = None) -> bytes:
+        """One admin request to the API server; raises urllib's HTTPError on an error status."""
+        ctx = ssl.create_default_context(cadata=(self.ca_pem or b"").decode())
+        request = urllib.request.Request(
+            f"{self.url}{path}", method=method, data=json.dumps(body).encode() if body else None,
+            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(request, context=ctx, timeout=30) as resp:
+            return resp.read()
+
+    def log(self, name: str) -> str:
+        """The log of one component (kube-apiserver, etcd, ...)."""
+        path = self.workdir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _write_files(self) -> dict[str, Path]:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        ca_pem, cert_pem, key_pem = server_cert_pems("kube-apiserver")
+        self.ca_pem = ca_pem
+        sa = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        files = {name: self.workdir / name for name in (
+            "ca", "cert", "key", "sa_key", "sa_pub", "tokens", "kubeconfig")}  # fmt: skip
+        files["ca"].write_bytes(ca_pem)
+        files["cert"].write_bytes(cert_pem)
+        files["key"].write_bytes(key_pem)
+        files["sa_key"].write_bytes(sa.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption()))  # fmt: skip
+        files["sa_pub"].write_bytes(sa.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo,
+        ))  # fmt: skip
+        files["tokens"].write_text(f'{self.token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n')
+        files["kubeconfig"] = self.workdir / "admin.kubeconfig"
+        files["kubeconfig"].write_text(yaml.safe_dump(self.kubeconfig(context="control-plane")))
+        for path in files.values():
+            path.chmod(0o600)
+        return files
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        with open(self.workdir / f"{name}.log", "ab") as out:
+            proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                cwd=self.workdir, env={**os.environ, **(env or {})}, start_new_session=True,
+            )  # fmt: skip
+        self.pids[name] = proc.pid
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        last: Any = None
+        while time.monotonic() < deadline:
+            for name, pid in self.pids.items():
+                if not _alive(pid):
+                    raise RuntimeError(f"{name} exited: {self.log(name)[-3000:]}")
+            try:
+                self.request("GET", "/readyz")
+                return
+            except OSError as exc:
+                last = exc
+            time.sleep(0.2)
+        raise TimeoutError(f"kube-apiserver at {self.url} not ready in {timeout_s:.0f} s: {last}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        waited, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:  # not our child (started by another process): ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return waited == 0
+
+
+def _stop_pid(pid: int, name: str, timeout_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after `timeout_s`, the process `pid` if it still runs `name`."""
+    try:
+        if name not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+            return  # gone, and the pid reused by something else
+        os.kill(pid, signal.SIGTERM)
+    except (FileNotFoundError, ProcessLookupError):
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
