@@ -41,7 +41,7 @@ demo: $(STAMP)
 ## (newest Prefect), then in the extras environment (Prefect 3.5) what needs the extras plus
 ## the Prefect 3.5 smoke of the core (tests marked `compat`, chosen in tests/conftest.py).
 test:
-	@MAKE="$(MAKE)" scripts/timed-phases install system lint test-core test-extras
+	@MAKE="$(MAKE)" scripts/timed-phases install system lint control-plane test-core test-extras
 
 # --durations: CI's log names the slowest tests of each phase (the budget is 20 minutes in all).
 # Two workers, each taking whole files: most real-engine tests wait on a cluster, not on a core.
