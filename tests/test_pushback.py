@@ -130,11 +130,17 @@ def test_slurm_submit_limit_is_waited_out_and_every_job_runs(
         results = limited()
     assert [r.state for r in results] == [JobState.SUCCEEDED] * 6
     assert "QOSMaxSubmitJobPerUserLimit" in caplog.text and "pushed back" in caplog.text
-    names = slurm.run(
-        ["sacct", "-X", "-n", "-P", "-S", "now-3600", "-o", "JobName%100", "--qos", QOS],
-        check=False,
-    ).stdout.split()
-    assert sorted(n for n in names if prefix in n) == sorted(r.handle.job_id for r in results)
+
+    def accounted() -> list[str]:  # slurmctld hands job records to slurmdbd a moment later
+        names = slurm.run(
+            ["sacct", "-X", "-n", "-P", "-S", "now-3600", "-o", "JobName%100", "--qos", QOS],
+            check=False,
+        ).stdout.split()
+        return sorted(n for n in names if prefix in n)
+
+    expected = sorted(r.handle.job_id for r in results)
+    wait_until(lambda: len(accounted()) >= len(expected), 60)
+    assert accounted() == expected, "each job submitted once"
 
 
 def _slurm_block(slurm: Any, job_dir: Path, **fields: Any) -> Any:
