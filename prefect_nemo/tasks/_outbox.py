@@ -275,7 +275,7 @@ class _Clients:
     """The outbox thread's sync clients, one per API (URL and key), kept for a drain."""
 
     def __init__(self) -> None:
-        self._open: dict[int, Any] = {}
+        self._open: dict[tuple[str, Any], Any] = {}
 
     def get(self, settings: SettingsContext | None) -> Any:
         """The open client of these settings (made under them: the caller entered them)."""
@@ -293,14 +293,15 @@ class _Clients:
                 client.__exit__(None, None, None)
 
 
-def _api(settings: SettingsContext | None) -> tuple[str, str]:
-    """The API that items made under these settings go to: its URL and key. Every task run
-    has its own settings object, so comparing objects made a client (an SSL context: 10 ms of
-    CPU) and a batch per task run at a thousand jobs."""
+def _api(settings: SettingsContext | None) -> tuple[str, Any]:
+    """The API that items made under these settings go to: its URL and key (a SecretStr, which
+    compares and hashes by value but never prints it). Every task run has its own settings
+    object, so comparing objects made a client (an SSL context: 10 ms of CPU) and a batch per
+    task run at a thousand jobs."""
     if settings is None:
-        return ("", "")
+        return ("", None)
     api = settings.settings.api
-    return (str(api.url or ""), api.key.get_secret_value() if api.key else "")
+    return (str(api.url or ""), api.key)
 
 
 def _run_ids() -> tuple[str, str]:

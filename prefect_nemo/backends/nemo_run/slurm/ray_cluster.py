@@ -19,26 +19,11 @@ import time
 from typing import Any
 
 from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
-from prefect_nemo.backends.nemo_run.slurm.accounting import owner_comment
+from prefect_nemo.backends.nemo_run.slurm.accounting import SLURM_STATES, owner_comment
 from prefect_nemo.backends.nemo_run.slurm.executor import SlurmBackend
 from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec
 from prefect_nemo.jobs import JobSpec
 
-#: Slurm states of an allocation that is over (sacct may add "by <uid>").
-_ENDED = frozenset(
-    {
-        "COMPLETED",
-        "CANCELLED",
-        "FAILED",
-        "TIMEOUT",
-        "NODE_FAIL",
-        "OUT_OF_MEMORY",
-        "PREEMPTED",
-        "BOOT_FAIL",
-        "DEADLINE",
-        "NOT_FOUND",
-    }
-)
 #: Where the clusters' dirs go, under the block's remote job dir (NeMo-Run's cluster_dir).
 CLUSTERS_DIR = "ray-clusters"
 
@@ -157,7 +142,9 @@ class SlurmRay:
             state = str(status.get("state") or "").split(" ")[0]
             if state == "RUNNING" and status.get("ray_ready"):
                 return
-            if state in _ENDED:
+            # over (sacct may add "by <uid>"); NeMo-Run says NOT_FOUND for one gone from both
+            ended = SLURM_STATES.get(state)
+            if state == "NOT_FOUND" or (ended is not None and ended.is_terminal()):
                 raise BackendUnavailable(
                     f"Ray cluster '{self.name}' (Slurm job {self.slurm_job_id}) ended {state} "
                     f"before Ray was ready; its logs are in {self.cluster_dir}/logs"
