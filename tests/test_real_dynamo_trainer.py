@@ -1,0 +1,106 @@
+"""Dynamo DGDs and Kubeflow TrainJobs on the REAL kube-apiserver + kube-controller-manager (the
+`control_plane` fixture, built from Go modules), with our operator simulators on it.
+
+The loopback tests of tests/test_dynamo.py named in DYNAMO_REAL run here again, unchanged, over
+the real API server: the real CRD validation, finalizers, the real garbage collector, and the
+frontend reached through the real service proxy, which routes by the real EndpointSlice
+controller to the simulator's frontend listening on a pod address of its own (`PodNetwork`).
+The others stay loopback-only: they drive loopback controls (forbid, drop_watches, request log).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from prefect_nemo.backends import dynamo
+from prefect_nemo.backends.dynamo import delete_dgd, wait_dgd_ready
+from prefect_nemo.kube import POD, SERVICE, Kind
+from tests import test_dynamo as loopback_dynamo
+from tests.conftest import IN_CI, wait_until
+
+pytestmark = [pytest.mark.slow]
+
+# tests/test_dynamo.py tests that mean the same on a real API server (they take the fixtures
+# below: `api`, `dynamo_sim`, `kube_server` are the real control plane's here)
+DYNAMO_REAL = (
+    "test_example_manifests_are_valid_against_the_crd",
+    "test_apply_twice_attaches_and_drift_warns",
+    "test_delete_waits_until_the_dgd_is_gone",
+    "test_apply_never_attaches_to_a_dgd_being_deleted",
+    "test_ready_when_all_three_gates_pass",
+    "test_readiness_probes_the_configured_frontend_port",
+    "test_failed_state_raises_at_once_with_the_operator_message",
+    "test_pods_not_ready_alone_keeps_it_not_ready",
+    "test_frontend_down_alone_keeps_it_not_ready",
+    "test_frontend_404_counts_as_up",
+    "test_deleted_while_waiting_fails_fast",
+    "test_owner_reference_cascade_deletes_the_dgd_with_the_raycluster",
+    "test_an_owner_in_another_namespace_is_refused_before_any_patch",
+)
+for _name in DYNAMO_REAL:
+    globals()[_name] = getattr(loopback_dynamo, _name)
+
+ENDPOINT_SLICE = Kind("discovery.k8s.io", "v1", "EndpointSlice", "endpointslices")
+
+
+@pytest.fixture(scope="module")
+def kube_server(control_plane: Any) -> Any:
+    """The real control plane, where the loopback tests ask for `kube_server`."""
+    from prefect_nemo.testing.control_plane import pod_network
+
+    if reason := pod_network.unavailable_reason():
+        (pytest.fail if IN_CI else pytest.skip)(reason)
+    return control_plane
+
+
+@pytest.fixture(scope="module")
+def api(kube_server: Any) -> Any:
+    """Our client on the real API server, with no DGD left in `default` by an earlier run."""
+    from prefect_nemo.blocks.kubernetes import KubernetesCluster
+
+    api = KubernetesCluster(kubeconfig=kube_server.kubeconfig()).api()
+    for dgd in api.list(dynamo.dgd_kind(), namespace="default")[0]:
+        name = dgd["metadata"]["name"]
+        api.patch(dynamo.dgd_kind(), name, {"metadata": {"finalizers": None}}, "default")
+        delete_dgd(api, name, "default")
+    return api
+
+
+@pytest.fixture(scope="module")
+def dynamo_sim(kube_server: Any, api: Any) -> Iterator[Any]:
+    from prefect_nemo.testing.operators import DynamoSimulator
+
+    with DynamoSimulator(kube_server, start_delay_s=0.2) as sim:
+        yield sim
+
+
+def test_real_gc_takes_the_pods_service_and_endpoints_of_a_deleted_dgd(
+    api: Any, dynamo_sim: Any
+) -> None:
+    """Kubernetes (Garbage Collection): "Kubernetes checks for and deletes objects that no
+    longer have owner references" — the DGD's pods and frontend Service (owned by it, as the
+    Dynamo operator owns them) and the Service's EndpointSlices go with the DGD, by the real
+    garbage collector; the frontend was reached through the real service proxy before."""
+    loopback_dynamo.deploy(api, "gc-graph")
+    assert wait_dgd_ready(api, "gc-graph", "default", 30).frontend_status == 200
+    status, body = api.proxy("default", "gc-graph-frontend", 8000, "/v1/models")
+    assert status == 200 and b'"gc-graph"' in body
+    selector = f"{dynamo.GRAPH_LABEL}=gc-graph"
+    assert api.list(POD, label_selector=selector)[0]
+    slices = "kubernetes.io/service-name=gc-graph-frontend"
+    assert wait_until(lambda: api.list(ENDPOINT_SLICE, label_selector=slices)[0], 10)
+    started = time.monotonic()
+    assert delete_dgd(api, "gc-graph", "default") is True
+    gone = wait_until(
+        lambda: (
+            not api.list(POD, label_selector=selector)[0]
+            and api.get(SERVICE, "gc-graph-frontend", "default") is None
+            and not api.list(ENDPOINT_SLICE, label_selector=slices)[0]
+        ),
+        30,
+    )
+    assert gone, f"owned objects outlived the DGD ({time.monotonic() - started:.0f}s)"
