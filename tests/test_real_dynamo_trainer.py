@@ -1,11 +1,14 @@
 """Dynamo DGDs and Kubeflow TrainJobs on the REAL kube-apiserver + kube-controller-manager (the
 `control_plane` fixture, built from Go modules), with our operator simulators on it.
 
-The loopback tests of tests/test_dynamo.py named in DYNAMO_REAL run here again, unchanged, over
-the real API server: the real CRD validation, finalizers, the real garbage collector, and the
-frontend reached through the real service proxy, which routes by the real EndpointSlice
-controller to the simulator's frontend listening on a pod address of its own (`PodNetwork`).
-The others stay loopback-only: they drive loopback controls (forbid, drop_watches, request log).
+The loopback tests of tests/test_dynamo.py and tests/test_kubeflow.py named in DYNAMO_REAL and
+TRAINER_REAL run here again, unchanged, over the real API server: the real CRD validation,
+finalizers, the real garbage collector, the frontend reached through the real service proxy
+(routed by the real EndpointSlice controller to the simulator's frontend, listening on a pod
+address of its own from `PodNetwork`), and pod logs read through the API server from the
+simulator's kubelet endpoint. The others stay loopback-only: they drive loopback controls
+(forbid, drop_watches, the request log). The real Kubeflow Trainer controller is not used: see
+TRAINER_CONTROLLER.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from prefect_nemo.backends import dynamo
 from prefect_nemo.backends.dynamo import delete_dgd, wait_dgd_ready
 from prefect_nemo.kube import POD, SERVICE, Kind
 from tests import test_dynamo as loopback_dynamo
+from tests import test_kubeflow as loopback_kubeflow
 from tests.conftest import IN_CI, wait_until
 
 pytestmark = [pytest.mark.slow]
@@ -41,8 +45,24 @@ DYNAMO_REAL = (
     "test_owner_reference_cascade_deletes_the_dgd_with_the_raycluster",
     "test_an_owner_in_another_namespace_is_refused_before_any_patch",
 )
+# tests/test_kubeflow.py tests that mean the same there (`server`, `sim`, `api` are the real
+# control plane's; the TrainJob simulator runs the pods' commands as local processes)
+TRAINER_REAL = (
+    "test_manifests_validate_against_the_crds",
+    "test_runtime_named_by_config_hash_reused_never_mutated",
+    "test_run_to_success_with_code_on_two_nodes",
+    "test_failure_attach_and_stop",
+    "test_suspend_maps_to_stopped_and_pvc_is_kept",
+    "test_namespaced_runtime",
+    "test_submit_that_died_half_way_is_repaired",
+    "test_unused_runtimes_go_never_while_a_trainjob_uses_them",
+    "test_a_runtime_taken_recently_is_kept",
+)
 for _name in DYNAMO_REAL:
     globals()[_name] = getattr(loopback_dynamo, _name)
+for _name in TRAINER_REAL:
+    globals()[_name] = getattr(loopback_kubeflow, _name)
+code_dir = loopback_kubeflow.code_dir  # a fixture those tests take
 
 ENDPOINT_SLICE = Kind("discovery.k8s.io", "v1", "EndpointSlice", "endpointslices")
 
@@ -68,6 +88,20 @@ def api(kube_server: Any) -> Any:
         api.patch(dynamo.dgd_kind(), name, {"metadata": {"finalizers": None}}, "default")
         delete_dgd(api, name, "default")
     return api
+
+
+@pytest.fixture(scope="module")
+def server(kube_server: Any) -> Any:
+    """The real control plane, where the loopback tests ask for `server`."""
+    return kube_server
+
+
+@pytest.fixture(scope="module")
+def sim(kube_server: Any) -> Iterator[Any]:
+    from prefect_nemo.testing.operators import TrainJobSimulator
+
+    with TrainJobSimulator(kube_server) as simulator:
+        yield simulator
 
 
 @pytest.fixture(scope="module")

@@ -5,25 +5,34 @@ controller fills only with pods that are bound to an existing Node and have a po
 proxy then dials that podIP (never a loopback address). And a bound pod, once deleted, keeps its
 deletionTimestamp until its kubelet confirms the containers stopped. So on a real API server a
 simulator registers a Node, binds its pods to it, gives each running pod an address from a
-`PodNetwork`, may serve HTTP there, and finishes each pod's deletion itself.
+`PodNetwork`, may serve HTTP there, and finishes each pod's deletion itself. `serve_logs()` also
+answers the kubelet's `/containerLogs` on the Node's own address, where the API server fetches
+`pods/log` from (over TLS it does not verify without --kubelet-certificate-authority).
 """
 
 from __future__ import annotations
 
 import contextlib
 import http.server
+import ssl
+import tempfile
 import threading
+import urllib.parse
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from prefect_nemo.testing.control_plane.pod_network import PodNetwork
+from prefect_nemo.testing.kube_api.tls import server_cert_pems
 
 Obj = dict[str, Any]
 # handler(method, path, headers, body) -> (status, headers, body), as the loopback proxy takes
 Handler = Callable[[str, str, Any, bytes], tuple[int, dict[str, str], bytes]]
+LogSource = str | Callable[[], str]
+KUBELET_PORT = 10250
 
 
 class SimNode:
@@ -36,6 +45,7 @@ class SimNode:
         self._own_network = network is None
         self._ips: dict[tuple[str, str], str] = {}  # (namespace, pod) -> address
         self._servers: dict[tuple[str, str], http.server.ThreadingHTTPServer] = {}
+        self._logs: dict[tuple[str, str, str | None], LogSource] = {}
         self._lock = threading.Lock()
 
     def register(self) -> None:
@@ -48,6 +58,42 @@ class SimNode:
         with contextlib.suppress(ApiException):  # 409: there already
             self.core.create_node(body)
 
+    def serve_logs(self) -> None:
+        """Answer the kubelet's `/containerLogs/{ns}/{pod}/{container}` on an address of the
+        Node's own, and publish it in the Node's status as its InternalIP and kubelet port."""
+        node = {"metadata": {"namespace": "", "name": f"node/{self.name}"}}
+        pems = server_cert_pems("kubelet")
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        with tempfile.TemporaryDirectory(prefix="sim-kubelet-") as folder:
+            (Path(folder) / "cert.pem").write_bytes(pems[1])
+            (Path(folder) / "key.pem").write_bytes(pems[2])
+            tls.load_cert_chain(Path(folder) / "cert.pem", Path(folder) / "key.pem")
+        self.serve(node, KUBELET_PORT, self._container_log, tls)
+        status = {"addresses": [{"type": "InternalIP", "address": self.address(node)}],
+                  "daemonEndpoints": {"kubeletEndpoint": {"Port": KUBELET_PORT}}}  # fmt: skip
+        self.core.patch_node_status(self.name, {"status": status})
+
+    def set_log(self, namespace: str, pod: str, source: LogSource, container: str | None) -> None:
+        """What `pods/{pod}/log` answers (a callable: asked on each read; container None: any)."""
+        with self._lock:
+            self._logs[(namespace, pod, container)] = source
+
+    def _container_log(self, method: str, path: str, headers: Any, body: bytes) -> Any:
+        url = urllib.parse.urlsplit(path)
+        parts = url.path.strip("/").split("/")
+        if method != "GET" or len(parts) != 4 or parts[0] != "containerLogs":
+            return 404, {}, b"not found"
+        _, ns, pod, container = parts
+        with self._lock:
+            source = self._logs.get((ns, pod, container), self._logs.get((ns, pod, None)))
+        if source is None:
+            return 404, {}, f"no log for {ns}/{pod}/{container}".encode()
+        text = source() if callable(source) else source
+        tail = urllib.parse.parse_qs(url.query).get("tailLines")
+        if tail:
+            text = "".join(text.splitlines(keepends=True)[-int(tail[0]) :])
+        return 200, {"Content-Type": "text/plain"}, text.encode()
+
     def address(self, pod: Obj) -> str:
         """The pod's address (allocated on first use)."""
         key = _key(pod)
@@ -59,14 +105,18 @@ class SimNode:
             self._ips[key] = ip
         return ip
 
-    def serve(self, pod: Obj, port: int, handler: Handler) -> None:
-        """Answer HTTP on the pod's address and `port` with `handler` (once per pod)."""
+    def serve(
+        self, pod: Obj, port: int, handler: Handler, tls: ssl.SSLContext | None = None
+    ) -> None:
+        """Answer HTTP (HTTPS with `tls`) on the pod's address and `port` (once per pod)."""
         key = _key(pod)
         with self._lock:
             if key in self._servers:
                 return
         server = http.server.ThreadingHTTPServer((self.address(pod), port), _handler_class(handler))
         server.daemon_threads = True
+        if tls is not None:
+            server.socket = tls.wrap_socket(server.socket, server_side=True)
         threading.Thread(target=server.serve_forever, daemon=True, name=f"pod-{key[1]}").start()
         with self._lock:
             self._servers[key] = server
@@ -84,6 +134,8 @@ class SimNode:
         self.unserve({"metadata": {"namespace": namespace, "name": pod}})
         with self._lock:
             ip = self._ips.pop((namespace, pod), None)
+            for key in [k for k in self._logs if k[:2] == (namespace, pod)]:
+                del self._logs[key]
         if ip is not None:
             self.network.release(ip)
 
