@@ -1,13 +1,16 @@
 """A simulator's own Node on a real API server: what a kubelet does for the pods bound to it.
 
 The real kube-apiserver routes a Service through EndpointSlices, which the real EndpointSlice
-controller fills only with pods that are bound to an existing Node and have a podIP; its service
-proxy then dials that podIP (never a loopback address). And a bound pod, once deleted, keeps its
-deletionTimestamp until its kubelet confirms the containers stopped. So on a real API server a
+controller fills only with pods that are bound to an existing Node and have a podIP ("If the
+Node specified by the Pod doesn't exist ... update the EndpointSlice without the problematic
+Pod", k8s.io/endpointslice reconciler.go); its service proxy then dials that podIP (never a
+loopback address). And a bound pod, once deleted, keeps its deletionTimestamp until its kubelet
+confirms the containers stopped. So on a real API server a
 simulator registers a Node, binds its pods to it, gives each running pod an address from a
 `PodNetwork`, may serve HTTP there, and finishes each pod's deletion itself. `serve_logs()` also
 answers the kubelet's `/containerLogs` on the Node's own address, where the API server fetches
-`pods/log` from (over TLS it does not verify without --kubelet-certificate-authority).
+`pods/log` from: "By default, the apiserver does not verify the kubelet's serving
+certificate" (Kubernetes, kubelet authentication), so a self-signed one does.
 """
 
 from __future__ import annotations
