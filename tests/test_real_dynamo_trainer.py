@@ -14,7 +14,6 @@ TRAINER_CONTROLLER.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -62,7 +61,9 @@ for _name in DYNAMO_REAL:
     globals()[_name] = getattr(loopback_dynamo, _name)
 for _name in TRAINER_REAL:
     globals()[_name] = getattr(loopback_kubeflow, _name)
-code_dir = loopback_kubeflow.code_dir  # a fixture those tests take
+# fixtures those tests take, on the real server here (`server`); conftest's `dynamo_sim` takes
+# `kube_server` (below)
+code_dir, sim = loopback_kubeflow.code_dir, loopback_kubeflow.sim
 
 ENDPOINT_SLICE = Kind("discovery.k8s.io", "v1", "EndpointSlice", "endpointslices")
 
@@ -94,22 +95,6 @@ def api(kube_server: Any) -> Any:
 def server(kube_server: Any) -> Any:
     """The real control plane, where the loopback tests ask for `server`."""
     return kube_server
-
-
-@pytest.fixture(scope="module")
-def sim(kube_server: Any) -> Iterator[Any]:
-    from prefect_nemo.testing.operators import TrainJobSimulator
-
-    with TrainJobSimulator(kube_server) as simulator:
-        yield simulator
-
-
-@pytest.fixture(scope="module")
-def dynamo_sim(kube_server: Any, api: Any) -> Iterator[Any]:
-    from prefect_nemo.testing.operators import DynamoSimulator
-
-    with DynamoSimulator(kube_server, start_delay_s=0.2) as sim:
-        yield sim
 
 
 def test_real_gc_takes_the_pods_service_and_endpoints_of_a_deleted_dgd(

@@ -240,20 +240,22 @@ class TrainJobSimulator(Controller):
     # -- events ---------------------------------------------------------------------------------
 
     def on_event(self, kind: Kind, old: Obj | None, new: Obj | None) -> None:
+        obj = new if new is not None else old
         if (
-            kind == PODS
-            and old is not None
-            and (new is None or new["metadata"].get("deletionTimestamp"))
+            kind != PODS
+            or obj is None
+            or not (new is None or obj["metadata"].get("deletionTimestamp"))
         ):
-            meta = old["metadata"]
-            with self._lock:
-                proc = self._procs.get((meta.get("namespace", ""), meta["name"]))
-            if proc is not None:
-                self._kill(proc)  # the kubelet stops a deleted pod's containers
-            if self.node and new is not None and new["spec"].get("nodeName") == self.node.name:
-                self.node.finish_deletion(new)
-            elif self.node and new is None:
-                self.node.forget(meta.get("namespace", ""), meta["name"])
+            return
+        meta = obj["metadata"]
+        with self._lock:
+            proc = self._procs.get((meta.get("namespace", ""), meta["name"]))
+        if proc is not None:
+            self._kill(proc)  # the kubelet stops a deleted pod's containers
+        if self.node and new is None:
+            self.node.forget(meta.get("namespace", ""), meta["name"])
+        elif self.node and new["spec"].get("nodeName") == self.node.name:
+            self.node.finish_deletion(new)  # also one left by a simulator before us
 
     # -- reconcile ------------------------------------------------------------------------------
 
