@@ -7,13 +7,17 @@ finalizers, the real garbage collector, the frontend reached through the real se
 (routed by the real EndpointSlice controller to the simulator's frontend, listening on a pod
 address of its own from `PodNetwork`), and pod logs read through the API server from the
 simulator's kubelet endpoint. The others stay loopback-only: they drive loopback controls
-(forbid, drop_watches, the request log). The real Kubeflow Trainer controller is not used: see
-TRAINER_CONTROLLER.
+(forbid, drop_watches, the request log). The real Kubeflow Trainer controller (v2.3.0, built
+from its Go module by `build.build_trainer()`) checks what the simulator runs: it needs no
+webhook here, but without a JobSet controller and a kubelet for Job pods its JobSets never
+start, so the TrainJob tests run on the simulator.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,6 +28,7 @@ from prefect_nemo.kube import POD, SERVICE, Kind
 from tests import test_dynamo as loopback_dynamo
 from tests import test_kubeflow as loopback_kubeflow
 from tests.conftest import IN_CI, wait_until
+from tests.test_kubeflow import META, TrainerConfig, uid
 
 pytestmark = [pytest.mark.slow]
 
@@ -61,11 +66,12 @@ for _name in DYNAMO_REAL:
     globals()[_name] = getattr(loopback_dynamo, _name)
 for _name in TRAINER_REAL:
     globals()[_name] = getattr(loopback_kubeflow, _name)
-# fixtures those tests take, on the real server here (`server`); conftest's `dynamo_sim` takes
-# `kube_server` (below)
-code_dir, sim = loopback_kubeflow.code_dir, loopback_kubeflow.sim
+code_dir = loopback_kubeflow.code_dir  # a fixture those tests take
+# conftest's `dynamo_sim` takes `kube_server`, the real control plane here (below)
 
 ENDPOINT_SLICE = Kind("discovery.k8s.io", "v1", "EndpointSlice", "endpointslices")
+JOBSET = Kind("jobset.x-k8s.io", "v1alpha2", "JobSet", "jobsets")
+REAL_TRAINER_NS = "trainer-real"  # the real Trainer's TrainJobs: the simulator's are in default
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +103,32 @@ def server(kube_server: Any) -> Any:
     return kube_server
 
 
+@pytest.fixture(scope="module")
+def sim(server: Any) -> Iterator[Any]:
+    """The TrainJob simulator in `default` only (REAL_TRAINER_NS is the real controller's)."""
+    from prefect_nemo.testing.operators import TrainJobSimulator
+
+    with TrainJobSimulator(server, namespace="default") as simulator:
+        yield simulator
+
+
+@pytest.fixture
+def trainer_controller(server: Any) -> Iterator[None]:
+    """The real Kubeflow Trainer controller while the test runs (skipped until it is built)."""
+    from prefect_nemo.testing.control_plane import build, run
+
+    if not (build.trainer_binary().is_file() and build.jobset_crd().is_file()):
+        pytest.skip(f"the real Kubeflow Trainer controller is not built: {build.TRAINER_HINT}")
+    from kubernetes import client
+
+    with contextlib.suppress(client.ApiException):  # 409: there from an earlier run
+        client.CoreV1Api(server.api_client()).create_namespace(
+            {"metadata": {"name": REAL_TRAINER_NS}}
+        )
+    with run.trainer_controller(server):
+        yield
+
+
 def test_real_gc_takes_the_pods_service_and_endpoints_of_a_deleted_dgd(
     api: Any, dynamo_sim: Any
 ) -> None:
@@ -123,3 +155,42 @@ def test_real_gc_takes_the_pods_service_and_endpoints_of_a_deleted_dgd(
         30,
     )
     assert gone, f"owned objects outlived the DGD ({time.monotonic() - started:.0f}s)"
+
+
+def test_the_real_trainer_builds_the_pods_the_simulator_runs(
+    server: Any, sim: Any, code_dir: Any, trainer_controller: None
+) -> None:
+    """Kubeflow Trainer (Job Template guide): "Kubeflow Trainer controller manager creates the
+    appropriate JobSet based on the TrainJob specification, the Template, and additional
+    runtime configurations such as PodGroupPolicy and MLPolicy"; RuntimePatches: each
+    contributor's entry is merged "into the final JobSet before creation". The real v2.3.0
+    controller's JobSet for our two-node TrainJob (torchrun, code by runtimePatches, a Secret
+    env) holds the very pod template our simulator runs; the JobSet is owned by the TrainJob
+    and goes with it (the real garbage collector); with no JobSet status yet, it is PENDING."""
+    from pydantic import SecretStr
+
+    from prefect_nemo import JobSpec, JobState
+    from prefect_nemo.backends.kubeflow import KubeflowTrainerBackend
+    from prefect_nemo.blocks.kubernetes import KubernetesCluster
+    from prefect_nemo.kube import TRAIN_JOB
+
+    api = KubernetesCluster(kubeconfig=server.kubeconfig(), namespace=REAL_TRAINER_NS).api()
+    backend = KubeflowTrainerBackend(api, TrainerConfig(image="python:3.11-slim", num_nodes=2))
+    job_id = f"real-{uid()}"
+    spec = JobSpec(entrypoint="python train.py", working_dir=code_dir, launcher="torchrun",
+                   env={"TOKEN": SecretStr("t" * 12)})  # fmt: skip
+    backend.submit(spec, job_id, META)
+    jobset = wait_until(lambda: api.get(JOBSET, job_id), 60)
+    assert jobset, f"the Trainer made no JobSet for {job_id}"
+    node = jobset["spec"]["replicatedJobs"][0]
+    assert node["name"] == "node" and node["template"]["spec"]["parallelism"] == 2
+    real = node["template"]["spec"]["template"]
+    for container in real["spec"]["containers"]:
+        if container.get("resources") == {}:
+            del container["resources"]  # Go's empty struct: the same as none
+    assert real == sim.pod_template(api.get(TRAIN_JOB, job_id))
+    assert backend.find(job_id).state is JobState.PENDING
+    owner = jobset["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"]) == ("TrainJob", job_id)
+    api.delete(TRAIN_JOB, job_id)
+    assert wait_until(lambda: api.get(JOBSET, job_id) is None, 30), "the JobSet outlived it"

@@ -58,8 +58,11 @@ class SimNode:
             "kind": "Node",
             "metadata": {"name": self.name, "labels": {"kubernetes.io/hostname": self.name}},
         }
-        with contextlib.suppress(ApiException):  # 409: there already
+        try:
             self.core.create_node(body)
+        except ApiException as exc:
+            if exc.status != 409:  # 409: there already
+                raise
 
     def serve_logs(self) -> None:
         """Answer the kubelet's `/containerLogs/{ns}/{pod}/{container}` on an address of the

@@ -289,7 +289,7 @@ class TrainJobSimulator(Controller):
             conditions = set_condition(
                 conditions, "Suspended", "False", "Resumed", "TrainJob is resumed"
             )
-        template = self._pod_template(tj)
+        template = self.pod_template(tj)
         if template is None:
             return 1.0  # runtime not there (yet): Trainer's webhook would have refused it
         num_nodes = self._num_nodes(tj)
@@ -325,7 +325,7 @@ class TrainJobSimulator(Controller):
         runtime = self._runtime(tj) or {}
         return int(((runtime.get("spec") or {}).get("mlPolicy") or {}).get("numNodes") or 1)
 
-    def _pod_template(self, tj: Obj) -> Obj | None:
+    def pod_template(self, tj: Obj) -> Obj | None:
         """The node pod template: runtime template + runtimePatches + trainer fields + PET env."""
         runtime = self._runtime(tj)
         if runtime is None:
