@@ -15,7 +15,6 @@ start, so the TrainJob tests run on the simulator.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -121,10 +120,13 @@ def trainer_controller(server: Any) -> Iterator[None]:
         pytest.skip(f"the real Kubeflow Trainer controller is not built: {build.TRAINER_HINT}")
     from kubernetes import client
 
-    with contextlib.suppress(client.ApiException):  # 409: there from an earlier run
+    try:
         client.CoreV1Api(server.api_client()).create_namespace(
             {"metadata": {"name": REAL_TRAINER_NS}}
         )
+    except client.ApiException as exc:
+        if exc.status != 409:  # 409: there from an earlier run
+            raise
     with run.trainer_controller(server):
         yield
 
