@@ -47,6 +47,8 @@ from prefect_nemo.lifecycle import META_FLOW_RUN, META_KEY, META_SPEC, stop_and_
 CPU = TrainerConfig(image="python:3.11-slim")
 META = {META_KEY: "experiment:x/step", META_SPEC: "abc123", META_FLOW_RUN: "run-1"}
 SECRET_VALUE = f"s3cret-{uuid.uuid4().hex}"
+# the version the Trainer CRDs serve (a real API server has no trainer.kubeflow.org/v1)
+TRAINER_API = {"group": "trainer.kubeflow.org", "version": "v1alpha1"}
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +140,7 @@ def test_manifests_validate_against_the_crds(server, api, code_dir):
     backend.validate(spec)
     job_id = f"manifest-{uid()}"
     backend.submit(spec, job_id, META)  # no simulator in this test: objects only
-    tj = server.get("trainjobs", "default", job_id, group="trainer.kubeflow.org")
+    tj = server.get("trainjobs", "default", job_id, **TRAINER_API)
     assert tj is not None and tj["spec"]["runtimeRef"]["name"] == runtime_name(config)
     assert tj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "prefect-nemo"
     assert tj["metadata"]["labels"]["prefect.io/flow-run-id"] == "run-1"
@@ -157,9 +159,7 @@ def test_manifests_validate_against_the_crds(server, api, code_dir):
     stored = server.get("secrets", "default", f"{job_id}-env")
     assert stored["metadata"]["ownerReferences"][0]["uid"] == tj["metadata"]["uid"]
     assert server.get("persistentvolumeclaims", "default", config.pvc_mounts[0].name)
-    runtime = server.get(
-        "clustertrainingruntimes", None, runtime_name(config), group="trainer.kubeflow.org"
-    )
+    runtime = server.get("clustertrainingruntimes", None, runtime_name(config), **TRAINER_API)
     assert runtime["spec"]["mlPolicy"] == {"numNodes": 2, "torch": {}}
     assert SECRET_VALUE not in json.dumps([tj, runtime, *[server.get("configmaps", "default", n)
                                                            for n in cms]])  # fmt: skip
@@ -207,6 +207,9 @@ def test_cpu_only_has_no_gpu_anywhere():
 
 
 def test_multi_node_torchrun_flags_and_anti_affinity():
+    """PodAffinityTerm.matchLabelKeys (Kubernetes API): "The same key is forbidden to exist in
+    both matchLabelKeys and labelSelector. Also, matchLabelKeys cannot be set when
+    labelSelector isn't set." (the real API server refuses the pods otherwise)"""
     config = TrainerConfig(image="x", num_nodes=4, gpus_per_node=8)
     tj = trainjob_manifest(JobSpec(entrypoint="python train.py --lr 1e-4", launcher="torchrun"),
                            "j", {}, config, namespace="n")  # fmt: skip
@@ -221,6 +224,9 @@ def test_multi_node_torchrun_flags_and_anti_affinity():
         "requiredDuringSchedulingIgnoredDuringExecution"][0]  # fmt: skip
     assert term["topologyKey"] == "kubernetes.io/hostname"
     assert term["matchLabelKeys"] == ["jobset.sigs.k8s.io/jobset-name"]
+    assert term["labelSelector"] == {
+        "matchLabels": {"jobset.sigs.k8s.io/replicatedjob-name": "node"}
+    }
     module = trainer_command(JobSpec(entrypoint="python -m pkg.train", launcher="torchrun"),
                              config)[2]  # fmt: skip
     assert module.splitlines()[-1].startswith("torchrun ")
@@ -432,7 +438,7 @@ def test_run_to_success_with_code_on_two_nodes(server, sim, api, code_dir):
     assert [n.rsplit("-", 1)[0] for n in names] == [f"{job_id}-node-0-0", f"{job_id}-node-0-1"]
     one = {p["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"]: p for p in pods}
     assert "node 1 rank 3 hello-from-pkg" in pod_log(server, one["1"]["metadata"]["name"])
-    tj = server.get("trainjobs", "default", job_id, group="trainer.kubeflow.org")
+    tj = server.get("trainjobs", "default", job_id, **TRAINER_API)
     assert tj["status"]["jobsStatus"][0]["succeeded"] == 1
 
 
@@ -682,7 +688,7 @@ def test_pip_index_options_reach_the_pods_and_nothing_we_write(server, sim, api,
     assert f"PIP_INDEX_URL = {index}" in log
     assert f"PIP_EXTRA_INDEX_URL = {' '.join(extra)}" in log
     assert "PIP_TRUSTED_HOST = pypi.internal.example mirror-a.example:8080" in log
-    trainjob = server.get("trainjobs", "default", job_id, group="trainer.kubeflow.org")
+    trainjob = server.get("trainjobs", "default", job_id, **TRAINER_API)
     assert token not in json.dumps(trainjob), "the URLs travel by secretKeyRef only"
     assert set(backend.secrets) >= {index, *extra}, "masked wherever we write"
     with pytest.raises(InvalidJobSpec, match="pip_index_url: not an http"):

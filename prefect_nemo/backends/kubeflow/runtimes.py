@@ -22,6 +22,7 @@ NODE = "node"  # the stock torch runtime's replicatedJob and container name
 GPU_RESOURCE = "nvidia.com/gpu"
 HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
 JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
+REPLICATED_JOB_NAME = "jobset.sigs.k8s.io/replicatedjob-name"
 ANCESTOR = "trainer.kubeflow.org/trainjob-ancestor-step"
 RUNTIME_PREFIX_LABEL = "prefect-nemo.io/runtime-prefix"  # which block prefix made a runtime
 
@@ -237,14 +238,16 @@ def runtime_body(config: TrainerConfig) -> dict[str, Any]:
             for m in config.pvc_mounts
         ]  # fmt: skip
     if config.num_nodes > 1:
-        # one node per host: the pods of *this* job repel each other (matchLabelKeys adds the
-        # pod's own jobset-name to the selector; Kubernetes >= 1.29)
+        # one node per host: the node pods of *this* job repel each other (matchLabelKeys adds
+        # the pod's own jobset-name to the selector; Kubernetes >= 1.29). The selector may not
+        # name that key itself: the API server refuses such pods ("exists in both matchLabelKeys
+        # and labelSelector"), so it selects the replicated job instead
         pod["affinity"] = {
             "podAntiAffinity": {
                 "requiredDuringSchedulingIgnoredDuringExecution": [
                     {
                         "labelSelector": {
-                            "matchExpressions": [{"key": JOBSET_NAME, "operator": "Exists"}]
+                            "matchLabels": {REPLICATED_JOB_NAME: NODE},
                         },
                         "matchLabelKeys": [JOBSET_NAME],
                         "topologyKey": HOSTNAME_TOPOLOGY,

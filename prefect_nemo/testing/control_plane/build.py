@@ -8,6 +8,7 @@ go.mod requires as `v0.0.0` to the matching published `v0.X.Y`.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -148,3 +149,52 @@ def build() -> None:
         _STEPS[folder](base / "src", base / "bin", env)
         print(f"control-plane build {base.name}: {time.monotonic() - t0:.0f}s", flush=True)
     print(f"control-plane cold build: {time.monotonic() - started:.0f}s", flush=True)
+
+
+# -- the real Kubeflow Trainer controller (opt-in: `build_trainer()`, not part of build()) -------
+
+# v2.3.0 is the Trainer of ../shared/crds; the module proxy serves it although its version list
+# (`go list -m -versions`) names only v2.0.0, whose API has no runtimePatches (our code mounts)
+TRAINER = "v2.3.0"
+JOBSET = "v0.12.0"  # the JobSet API Trainer v2.3.0 requires: its CRD only (no JobSet controller)
+TRAINER_HINT = (
+    "build the real Kubeflow Trainer controller once with `python -c 'from prefect_nemo.testing."
+    "control_plane import build; build.build_trainer()'` (about 10 minutes on 2 cores)"
+)
+
+
+def trainer_binary() -> Path:
+    """The Trainer manager built from `github.com/kubeflow/trainer/v2` at TRAINER."""
+    return cache_dir() / f"trainer-{TRAINER}" / "bin" / "trainer-controller-manager"
+
+
+def jobset_crd() -> Path:
+    """JobSet's CRD (from `sigs.k8s.io/jobset` at JOBSET), which the Trainer writes."""
+    return cache_dir() / f"trainer-{TRAINER}" / "jobset.x-k8s.io_jobsets.yaml"
+
+
+def _module_dir(module: str, env: dict[str, str]) -> Path:
+    """The source of one module version, downloaded into the module cache (read-only). `go
+    install m@v` would ask the proxy for the module's version list, which it refuses (403) for
+    sigs.k8s.io/jobset."""
+    out = subprocess.run([env["GO"], "mod", "download", "-json", module], env=env, check=True,
+                         capture_output=True, text=True, cwd=cache_dir())  # fmt: skip
+    return Path(json.loads(out.stdout)["Dir"])
+
+
+def build_trainer() -> None:
+    """Build the Trainer manager and fetch JobSet's CRD (once), printing the build time."""
+    if trainer_binary().is_file() and jobset_crd().is_file():
+        return
+    go = go_binary()
+    if go is None:
+        raise RuntimeError(f"cannot build the Trainer controller: {GO_HINT}")
+    t0 = time.monotonic()
+    env = dict(os.environ, GO=go, GOFLAGS="-mod=mod -buildvcs=false")
+    trainer_binary().parent.mkdir(parents=True, exist_ok=True)
+    source = _module_dir(f"github.com/kubeflow/trainer/v2@{TRAINER}", env)
+    _go(["build", "-o", str(trainer_binary()), "./cmd/trainer-controller-manager"], source,
+        dict(env, GOFLAGS="-buildvcs=false"))  # fmt: skip
+    crd = _module_dir(f"sigs.k8s.io/jobset@{JOBSET}", env) / "config/components/crd/bases"
+    shutil.copyfile(crd / jobset_crd().name, jobset_crd())
+    print(f"control-plane build trainer-{TRAINER}: {time.monotonic() - t0:.0f}s", flush=True)

@@ -22,6 +22,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -331,3 +332,68 @@ def _stop_pid(pid: int, name: str, timeout_s: float = 10.0) -> None:
             os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, 0)
+
+
+@contextlib.contextmanager
+def trainer_controller(plane: ControlPlane) -> Iterator[int]:
+    """The real Kubeflow Trainer manager (`build.build_trainer()`) on `plane` while in the block;
+    yields its pid, stops it by pid at exit. JobSet's CRD is installed (no JobSet controller
+    runs: JobSets stay unstarted); its certificate management is off, as no webhook of it is
+    registered with the API server, and its webhook server serves a self-signed certificate
+    from the default cert dir under its own TMPDIR."""
+    from kubernetes import client
+
+    api = client.ApiextensionsV1Api(plane.api_client())
+    crd = yaml.safe_load(build.jobset_crd().read_text())
+    try:
+        api.create_custom_resource_definition(crd)
+    except client.ApiException as exc:
+        if exc.status != 409:  # 409: installed by an earlier block
+            raise
+    while not any(c.type == "Established" and c.status == "True" for c in (
+            api.read_custom_resource_definition(crd["metadata"]["name"]).status.conditions
+            or [])):  # fmt: skip
+        time.sleep(0.1)  # the Trainer refuses to start its JobSet plugin without it
+    workdir = Path(tempfile.mkdtemp(prefix="prefect-nemo-trainer-"))
+    certs = workdir / "k8s-webhook-server" / "serving-certs"
+    certs.mkdir(parents=True)
+    _, cert_pem, key_pem = server_cert_pems("kubeflow-trainer-controller-manager")
+    (certs / "tls.crt").write_bytes(cert_pem)
+    (certs / "tls.key").write_bytes(key_pem)
+    probe = f"127.0.0.1:{_free_port()}"
+    (workdir / "config.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "config.trainer.kubeflow.org/v1alpha1", "kind": "Configuration",
+        "health": {"healthProbeBindAddress": probe}, "metrics": {"bindAddress": "0"},
+        "webhook": {"host": "127.0.0.1", "port": _free_port()},
+        "leaderElection": {"leaderElect": False}, "certManagement": {"enable": False},
+    }))  # fmt: skip
+    kubeconfig = workdir / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(plane.kubeconfig(context="control-plane")))
+    kubeconfig.chmod(0o600)
+    with open(workdir / "trainer.log", "ab") as out:
+        proc = subprocess.Popen(
+            [str(build.trainer_binary()), f"--config={workdir / 'config.yaml'}",
+             "--zap-encoder=console"],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir,
+            env={**os.environ, "KUBECONFIG": str(kubeconfig), "TMPDIR": str(workdir)},
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _answers(f"http://{probe}/readyz"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log = (workdir / "trainer.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"the Trainer controller did not get ready: {log}")
+            time.sleep(0.2)
+        yield proc.pid
+    finally:
+        _stop_pid(proc.pid, "trainer-controller-manager")
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False

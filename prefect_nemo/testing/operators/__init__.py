@@ -1,4 +1,5 @@
-"""Operator simulators for the loopback Kubernetes API server.
+"""Operator simulators for the loopback Kubernetes API server (Dynamo and TrainJob ones also for
+a real API server, where they act as the kubelet of a Node of their own: `_node.SimNode`).
 
 They act like the real controllers, through the same HTTP API: `KubeRaySimulator` (ray.io/v1
 RayCluster and RayJob, running jobs on a real local Ray), `DynamoSimulator` (nvidia.com

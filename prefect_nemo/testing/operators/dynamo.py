@@ -4,6 +4,12 @@ Per DGD it creates the component Pods (labelled as the real operator labels them
 frontend Service, makes the Pods Ready after a delay and sets `status.state` / the Ready
 condition. The frontend answers through the API server's service proxy like a Dynamo frontend
 (`/health`, `/v1/models`), or fails the way `configure()` asks (404, 503, 502, refused).
+
+On the loopback server the frontend is a handler registered with its service proxy; on a real
+API server (no `set_service_proxy`) the simulator acts as the kubelet of a Node of its own
+(`_node.SimNode`): its pods are bound to it, each running pod gets an address of a `PodNetwork`
+as its podIP, and the frontend pods listen there, so the real EndpointSlice controller and the
+real service proxy route to them; a deleted pod's deletion is finished by the simulator.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from prefect_nemo.testing.operators._controller import (
     set_condition,
     set_pod_status,
 )
+from prefect_nemo.testing.operators._node import SimNode
 
 GROUP = "nvidia.com"
 PLURAL = "dynamographdeployments"
@@ -46,6 +53,7 @@ COMPONENT_TYPE_LABEL = "nvidia.com/dynamo-component-type"
 NAMESPACE_LABEL = "nvidia.com/dynamo-namespace"
 SELECTOR_LABEL = "nvidia.com/selector"
 FRONTEND_PORT = 8000
+SIM_NODE = "prefect-nemo-dynamo-sim"  # the Node the simulator's pods run on (real API server)
 
 Frontend = Literal["ok", "404", "503", "502", "refused"]
 
@@ -107,7 +115,7 @@ def _closed_port() -> int:
 
 
 class DynamoSimulator(Controller):
-    """Acts like the Dynamo operator against a LoopbackKubeServer."""
+    """Acts like the Dynamo operator against a LoopbackKubeServer or a real API server."""
 
     def __init__(
         self,
@@ -125,6 +133,8 @@ class DynamoSimulator(Controller):
         self._core = client.CoreV1Api(self.api_client)
         self._custom = client.CustomObjectsApi(self.api_client)
         self._ips = PodIPs(subnet=2)
+        # a real API server routes its service proxy to pod addresses: be their kubelet
+        self.node = None if hasattr(server, "set_service_proxy") else SimNode(self._core, SIM_NODE)
         self._default = DgdBehavior()
         self._behaviors: dict[str, DgdBehavior] = {}
         self._seen: dict[tuple[str, str], tuple[str, float]] = {}  # DGD → (uid, first seen)
@@ -169,6 +179,9 @@ class DynamoSimulator(Controller):
             meta = dgd["metadata"]
             if name is None or meta["name"] == name:
                 self._unproxy(meta["namespace"], meta["name"])  # re-registered per the new knob
+                for pod in self.cached_all(PODS.plural) if self.node else []:
+                    if pod["metadata"]["labels"].get(DGD_LABEL) == meta["name"]:
+                        self.node.unserve(pod)  # listens again (or not: refused) per the knob
                 self.enqueue((PLURAL, meta["namespace"], meta["name"]))
 
     def behavior(self, dgd_name: str) -> DgdBehavior:
@@ -183,14 +196,29 @@ class DynamoSimulator(Controller):
 
     def start(self) -> DynamoSimulator:  # type: ignore[override]
         """Start watching and reconciling; returns self."""
+        if self.node:
+            self.node.register()
         super().start()
         return self
 
     def stop(self) -> None:
-        """Stop the threads and remove the service proxies registered."""
+        """Stop the threads and remove the service proxies registered (or the frontends'
+        listeners and pod addresses)."""
         super().stop()
         for ns, name in list(self._proxied):
             self._unproxy(ns, name)
+        if self.node:
+            self.node.close()
+
+    def on_event(self, kind: Kind, old: Obj | None, new: Obj | None) -> None:
+        """As the kubelet of our Node: a pod asked to go is stopped and deleted for good."""
+        if self.node is None or kind != PODS:
+            return
+        if new is None and old is not None:
+            self.node.forget(old["metadata"]["namespace"], old["metadata"]["name"])
+        elif new is not None and new["metadata"].get("deletionTimestamp"):
+            if (new.get("spec") or {}).get("nodeName") == self.node.name:
+                self.node.finish_deletion(new)
 
     def __enter__(self) -> DynamoSimulator:
         return self.start()
@@ -232,12 +260,35 @@ class DynamoSimulator(Controller):
         if left <= 0:
             for pod in pods:
                 if not pod_is_running(pod) or pod_is_ready(pod) != behavior.pods_ready:
-                    ip = (pod.get("status") or {}).get("podIP") or self._ips.take()
+                    ip = (pod.get("status") or {}).get("podIP") or self._pod_ip(pod)
                     status = running_pod_status(pod, ip, ready=behavior.pods_ready)
                     set_pod_status(self._core, pod, status)
                     pod["status"] = status
+                self._listen(dgd, pod, behavior)
         self._write_status(dgd, pods, behavior, started=left <= 0)
         return left if left > 0 else None
+
+    def _pod_ip(self, pod: Obj) -> str:
+        return self.node.address(pod) if self.node else self._ips.take()
+
+    def _listen(self, dgd: Obj, pod: Obj, behavior: DgdBehavior) -> None:
+        """On a real API server: a running frontend pod answers on its own address."""
+        labels = pod["metadata"]["labels"]
+        if self.node is None or labels.get(COMPONENT_TYPE_LABEL) != "frontend":
+            return
+        if behavior.frontend == "refused":
+            self.node.unserve(pod)
+            return
+        name = dgd["metadata"]["name"]
+        port = frontend_port(dgd, labels[COMPONENT_LABEL])
+
+        def handler(method: str, path: str, headers: Any, body: bytes) -> Any:
+            now = self.behavior(name)  # the knob as it is now
+            return _frontend_handler(now.frontend, list(now.models) or [name])(
+                method, path, headers, body
+            )
+
+        self.node.serve(pod, port, handler)
 
     def _write_status(
         self, dgd: Obj, pods: list[Obj], behavior: DgdBehavior, started: bool
@@ -303,6 +354,8 @@ class DynamoSimulator(Controller):
         ]
         quantities_as_strings(pod_spec)
         pod_spec.setdefault("serviceAccountName", f"{name}-sa")  # the operator's per-DGD SA
+        if self.node:
+            pod_spec["nodeName"] = self.node.name  # bound: no scheduler runs here
         selector = f"{name}-{comp.lower()}"
         body = {
             "apiVersion": "v1",
@@ -360,6 +413,8 @@ class DynamoSimulator(Controller):
         except ApiException as exc:
             if exc.status != 409:
                 raise
+        if self.node:
+            return  # the pods listen themselves (`_listen`)
         with self._lock:
             registered = (ns, name) in self._proxied
         if registered:

@@ -20,6 +20,10 @@ A `torchrun` stand-in on PATH starts `--nproc-per-node` local copies of the prog
 rank env (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...). PET_MASTER_ADDR is 127.0.0.1 (the
 real value is the rank-0 pod's DNS name) and PET_MASTER_PORT a free local port per TrainJob.
 
+On a real API server (no `set_pod_log`) the simulator is also the kubelet of a Node of its own
+(`_node.SimNode`): pods are bound to it, their logs are served from its `/containerLogs` (where
+the API server reads `pods/log`), and a deleted pod's deletion is finished by the simulator.
+
 Deviations, kept small on purpose: no JobSet or Job objects (pods are owned by the TrainJob, so
 garbage collection still takes them with it), no pod restarts (Trainer runtimes built by
 prefect-nemo set `backoffLimit: 0`), and one replicatedJob (`node`) only.
@@ -67,6 +71,7 @@ from prefect_nemo.testing.operators._controller import (
     set_condition,
     set_pod_status,
 )
+from prefect_nemo.testing.operators._node import SimNode
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +84,7 @@ COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 COMPLETED_MESSAGE = "jobset completed successfully"
 FAILED_MESSAGE = "jobset failed due to one or more job failures"
 _ALPHANUMS = "bcdfghjklmnpqrstvwxz2456789"  # k8s.io/apimachinery rand.String
+SIM_NODE = "prefect-nemo-trainer-sim"  # the Node the simulator's pods run on (real API server)
 
 TORCHRUN_SHIM = '''\
 """torchrun stand-in (TrainJob simulator): nproc_per_node local copies with torch's rank env."""
@@ -150,7 +156,8 @@ class _Process:
 
 
 class TrainJobSimulator(Controller):
-    """Acts like Kubeflow Trainer + JobSet against a LoopbackKubeServer (see the module doc)."""
+    """Acts like Kubeflow Trainer + JobSet against a LoopbackKubeServer or a real API server
+    (see the module doc)."""
 
     def __init__(
         self,
@@ -174,6 +181,8 @@ class TrainJobSimulator(Controller):
         self._core = client.CoreV1Api(self.api_client)
         self._custom = client.CustomObjectsApi(self.api_client)
         self._ips = PodIPs(subnet=7)
+        # a real API server reads pods/log from the pod's kubelet: be it
+        self.node = None if hasattr(server, "set_pod_log") else SimNode(self._core, SIM_NODE)
         self._procs: dict[tuple[str, str], _Process] = {}  # (namespace, pod) → process
         self._started: dict[tuple[str, str], float] = {}  # fake pods: monotonic start
         self._ports: dict[Key, int] = {}
@@ -195,6 +204,9 @@ class TrainJobSimulator(Controller):
 
     def start(self) -> TrainJobSimulator:  # type: ignore[override]
         """Start watching and reconciling; returns self."""
+        if self.node:
+            self.node.register()
+            self.node.serve_logs()
         super().start()
         return self
 
@@ -205,6 +217,8 @@ class TrainJobSimulator(Controller):
             procs = list(self._procs.values())
         for proc in procs:
             self._kill(proc)
+        if self.node:
+            self.node.close()
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -226,16 +240,22 @@ class TrainJobSimulator(Controller):
     # -- events ---------------------------------------------------------------------------------
 
     def on_event(self, kind: Kind, old: Obj | None, new: Obj | None) -> None:
+        obj = new if new is not None else old
         if (
-            kind == PODS
-            and old is not None
-            and (new is None or new["metadata"].get("deletionTimestamp"))
+            kind != PODS
+            or obj is None
+            or not (new is None or obj["metadata"].get("deletionTimestamp"))
         ):
-            meta = old["metadata"]
-            with self._lock:
-                proc = self._procs.get((meta.get("namespace", ""), meta["name"]))
-            if proc is not None:
-                self._kill(proc)  # the kubelet stops a deleted pod's containers
+            return
+        meta = obj["metadata"]
+        with self._lock:
+            proc = self._procs.get((meta.get("namespace", ""), meta["name"]))
+        if proc is not None:
+            self._kill(proc)  # the kubelet stops a deleted pod's containers
+        if self.node and new is None:
+            self.node.forget(meta.get("namespace", ""), meta["name"])
+        elif self.node and new["spec"].get("nodeName") == self.node.name:
+            self.node.finish_deletion(new)  # also one left by a simulator before us
 
     # -- reconcile ------------------------------------------------------------------------------
 
@@ -269,7 +289,7 @@ class TrainJobSimulator(Controller):
             conditions = set_condition(
                 conditions, "Suspended", "False", "Resumed", "TrainJob is resumed"
             )
-        template = self._pod_template(tj)
+        template = self.pod_template(tj)
         if template is None:
             return 1.0  # runtime not there (yet): Trainer's webhook would have refused it
         num_nodes = self._num_nodes(tj)
@@ -305,7 +325,7 @@ class TrainJobSimulator(Controller):
         runtime = self._runtime(tj) or {}
         return int(((runtime.get("spec") or {}).get("mlPolicy") or {}).get("numNodes") or 1)
 
-    def _pod_template(self, tj: Obj) -> Obj | None:
+    def pod_template(self, tj: Obj) -> Obj | None:
         """The node pod template: runtime template + runtimePatches + trainer fields + PET env."""
         runtime = self._runtime(tj)
         if runtime is None:
@@ -413,6 +433,8 @@ class TrainJobSimulator(Controller):
         }
         spec = quantities_as_strings(copy.deepcopy(template.get("spec") or {}))
         spec.setdefault("restartPolicy", "Never")
+        if self.node:
+            spec["nodeName"] = self.node.name  # bound: no scheduler runs here
         spec["hostname"] = f"{job_name}-{index}"
         spec["subdomain"] = name
         body = {
@@ -447,7 +469,7 @@ class TrainJobSimulator(Controller):
                     self._start_process(tj, pod)
                 except Exception as exc:  # bad volume/env: the kubelet's CreateContainerError
                     log.warning("trainer-sim: cannot start pod %s: %s", name, exc)
-                    self.server.set_pod_log(ns, name, f"{exc}\n")
+                    self._set_log(ns, name, f"{exc}\n")
                     self._finish_pod(pod, 128, "StartError")
                     return None
             else:
@@ -521,6 +543,12 @@ class TrainJobSimulator(Controller):
                             "lastTransitionTime": now}],
         })  # fmt: skip
 
+    def _set_log(self, ns: str, pod: str, source: Any, container: str | None = None) -> None:
+        if self.node:
+            self.node.set_log(ns, pod, source, container)
+        else:
+            self.server.set_pod_log(ns, pod, source, container=container)
+
     def _delete_pod(self, pod: Obj) -> None:
         meta = pod["metadata"]
         with contextlib.suppress(ApiException):
@@ -576,9 +604,7 @@ class TrainJobSimulator(Controller):
         proc = _Process(popen=popen, log_path=log_path, root=root, key=key)
         with self._lock:
             self._procs[(ns, name)] = proc
-        self.server.set_pod_log(
-            ns, name, lambda: log_path.read_bytes().decode(errors="replace"), container=NODE
-        )
+        self._set_log(ns, name, lambda: log_path.read_bytes().decode(errors="replace"), NODE)
 
         def wait() -> None:
             proc.exit_code = popen.wait()
