@@ -43,8 +43,9 @@ NODE_NAME = "prefect-nemo-node"
 # every process of a pod carries its uid in its environment (our stand-in for a cgroup): what
 # a kill finds, descendants that left the session included
 POD_MARKER = "PREFECT_NEMO_POD_UID"
+AGENT_MARKER = "PREFECT_NEMO_NODE_AGENT_PID"  # and the agent's pid: what a new agent sweeps
 TICK_S = 0.25
-KILL_GRACE_S = 5.0
+KILL_GRACE_S = 3.0  # then SIGKILL; ControlPlane's stop waits 10 s for the agent
 log = logging.getLogger("prefect_nemo.node_agent")
 
 
@@ -102,6 +103,9 @@ class NodeAgent:
 
     def start(self) -> NodeAgent:
         """Register the Node and start the agent's thread; returns self."""
+        for pid in _orphans():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         self._register_node()
         self._thread = threading.Thread(target=self._run, name="prefect-nemo-node-agent",
                                         daemon=True)  # fmt: skip
@@ -113,8 +117,7 @@ class NodeAgent:
         self._stop.set()
         if self._thread:
             self._thread.join(30)
-        for pod in list(self.pods.values()):
-            _kill(pod)
+        _kill(list(self.pods.values()))
         self.pods.clear()
         self.network.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
@@ -233,7 +236,7 @@ class NodeAgent:
             "PATH": f"{venv_bin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "HOME": str(pod.dir), "TMPDIR": str(pod.dir / "tmp"), "LANG": "C.UTF-8",
             "HOSTNAME": pod.name, "RAY_USAGE_STATS_ENABLED": "0",  # no network to report to
-            POD_MARKER: pod.uid,
+            POD_MARKER: pod.uid, AGENT_MARKER: str(os.getpid()),
         }  # fmt: skip
         for source in spec.get("envFrom") or []:
             for key, value in self._ref_data(pod.namespace, source).items():
@@ -255,7 +258,7 @@ class NodeAgent:
                     env[var["name"]] = data[key_ref["key"]]
                 elif not key_ref.get("optional"):
                     raise KeyError(f"{kind} {key_ref.get('name')}/{key_ref['key']} not found")
-        env[POD_MARKER] = pod.uid
+        env[POD_MARKER], env[AGENT_MARKER] = pod.uid, str(os.getpid())
         return env
 
     def _ref_data(self, namespace: str, source: dict[str, Any]) -> dict[str, str]:
@@ -321,7 +324,7 @@ class NodeAgent:
             self.network.release(pod.ip)
 
     def _forget(self, pod: _Pod) -> None:
-        _kill(pod)
+        _kill([pod])
         self.network.release(pod.ip)
         self.pods.pop(pod.uid, None)
         log.info("pod %s/%s gone", pod.namespace, pod.name)
@@ -381,36 +384,37 @@ def _probe(probe: dict[str, Any] | None, ip: str) -> bool:
     return True
 
 
-def _kill(pod: _Pod) -> None:
-    """SIGTERM every process of the pod, SIGKILL what is left after a grace period."""
+def _kill(pods: list[_Pod]) -> None:
+    """SIGTERM every process of the pods, SIGKILL what is left after a grace period."""
+    uids = {pod.uid for pod in pods}
+    procs = [c for pod in pods for c in pod.containers if c.proc is not None]
     for sig, wait_s in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 2.0)):
-        pids = _pids_of(pod.uid)
-        for c in pod.containers:
+        for c in procs:
             if c.proc is not None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(c.proc.pid, sig)
-        for pid in pids:
+        for pid in _pids_of(uids):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
-            for c in pod.containers:
+            for c in procs:
                 if c.proc is not None and c.proc.poll() is not None:
                     c.exit_code, c.proc = c.proc.returncode, None
-            if not _pids_of(pod.uid) and all(c.proc is None for c in pod.containers):
+            if not _pids_of(uids) and all(c.proc is None for c in procs):
                 return
             time.sleep(0.1)
 
 
-def _pids_of(uid: str) -> list[int]:
-    """The live processes whose environment carries the pod's uid."""
-    marker = f"{POD_MARKER}={uid}".encode()
+def _pids_of(uids: set[str], name: str = POD_MARKER) -> list[int]:
+    """The live processes whose environment sets `name` to one of `uids`."""
+    wanted = {f"{name}={uid}".encode() for uid in uids}
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            if marker in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+            if wanted & set(Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")):
                 state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
                 if state != "Z":
                     pids.append(int(entry))
@@ -419,9 +423,21 @@ def _pids_of(uid: str) -> list[int]:
     return pids
 
 
+def _orphans() -> list[int]:
+    """Processes of pods whose agent is gone (killed with -9: it could not stop them)."""
+    agents: set[str] = set()
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError):
+            for var in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                if var.startswith(f"{AGENT_MARKER}=".encode()):
+                    agents.add(var.split(b"=", 1)[1].decode())
+    dead = {pid for pid in agents if not Path(f"/proc/{pid}").exists()}
+    return _pids_of(dead, AGENT_MARKER) if dead else []
+
+
 def pod_processes(uid: str) -> list[int]:
     """The live processes the agent started for the pod `uid` (and their descendants)."""
-    return _pids_of(uid)
+    return _pids_of({uid})
 
 
 def _ray_node_ip(arg: str, ip: str) -> str:
