@@ -190,7 +190,7 @@ def test_cancelling_the_flow_run_stops_the_job_and_its_pods_go(real_kuberay, pre
     job_id, cluster = running["metadata"]["name"], running["status"]["rayClusterName"]
     selector = f"ray.io/cluster={cluster}"
     uids = [p["metadata"]["uid"] for p in kube.list(POD, label_selector=selector)[0]]
-    assert uids and all(pod_processes(uid) for uid in uids), "the head runs as local processes"
+    assert uids and all(pod_processes({uid}) for uid in uids), "the head runs as local processes"
     try:
         with get_client(sync_client=True) as prefect:
             prefect.set_flow_run_state(running["spec"]["metadata"][META_FLOW_RUN], Cancelling(),
@@ -205,7 +205,7 @@ def test_cancelling_the_flow_run_stops_the_job_and_its_pods_go(real_kuberay, pre
         assert not thread.is_alive(), "the flow must end once its job is stopped"
         assert wait_until(lambda: kube.get(RAY_CLUSTER, cluster) is None, 60)
         assert wait_until(lambda: not kube.list(POD, label_selector=selector)[0], 60)
-        assert wait_until(lambda: not any(pod_processes(uid) for uid in uids), 30)
+        assert wait_until(lambda: not pod_processes(set(uids)), 30)
     finally:
         kube.delete(RAY_JOB, job_id)
 

@@ -63,6 +63,7 @@ class _Container:
     restarts: int = 0
     ready: bool = False
     next_probe: float = 0.0
+    failures: int = 0  # readiness probe failures in a row
 
 
 @dataclass
@@ -286,10 +287,15 @@ class NodeAgent:
                     container.restarts += 1
                     self._spawn(pod, container, self._pod_object(pod))
             elif container.proc is not None and time.monotonic() >= container.next_probe:
-                container.ready = _probe(container.spec.get("readinessProbe"), pod.ip)
-                period = (container.spec.get("readinessProbe") or {}).get("periodSeconds", 1)
-                # initialDelaySeconds is left out: it allows for slow image pulls, not ours
-                container.next_probe = time.monotonic() + min(period, 1)
+                probe = container.spec.get("readinessProbe") or {}
+                ok = _probe(probe, pod.ip)
+                container.failures = 0 if ok else container.failures + 1
+                # as the kubelet: ready on a success, unready after failureThreshold failures
+                if ok or container.failures >= probe.get("failureThreshold", 3):
+                    container.ready = ok
+                # initialDelaySeconds is left out (it allows for image pulls, we have none),
+                # and a period over 1 s only slows the tests down
+                container.next_probe = time.monotonic() + min(probe.get("periodSeconds", 1), 1)
 
     def _pod_object(self, pod: _Pod) -> dict[str, Any]:
         obj = self.core.read_namespaced_pod(pod.name, pod.namespace)
@@ -367,17 +373,18 @@ def _probe(probe: dict[str, Any] | None, ip: str) -> bool:
     """A readiness probe against the pod's address, as the kubelet runs it; no probe: ready."""
     if not probe:
         return True
+    timeout = min(probe.get("timeoutSeconds", 1), 5)  # capped: the agent's one thread waits
     try:
         if get := probe.get("httpGet"):
             scheme, host = get.get("scheme", "HTTP").lower(), get.get("host") or ip
             url = f"{scheme}://{host}:{get['port']}{get.get('path', '/')}"
-            with urllib.request.urlopen(url, timeout=1) as resp:
+            with urllib.request.urlopen(url, timeout=timeout) as resp:
                 return 200 <= resp.status < 400
         if tcp := probe.get("tcpSocket"):
-            with socket.create_connection((tcp.get("host") or ip, int(tcp["port"])), timeout=1):
+            with socket.create_connection((tcp.get("host") or ip, int(tcp["port"])), timeout):
                 return True
         if run := probe.get("exec"):
-            done = subprocess.run(run["command"], capture_output=True, timeout=5)
+            done = subprocess.run(run["command"], capture_output=True, timeout=timeout)
             return done.returncode == 0
     except (OSError, subprocess.TimeoutExpired, ValueError):
         return False
@@ -393,7 +400,7 @@ def _kill(pods: list[_Pod]) -> None:
             if c.proc is not None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(c.proc.pid, sig)
-        for pid in _pids_of(uids):
+        for pid in pod_processes(uids):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
         deadline = time.monotonic() + wait_s
@@ -401,13 +408,13 @@ def _kill(pods: list[_Pod]) -> None:
             for c in procs:
                 if c.proc is not None and c.proc.poll() is not None:
                     c.exit_code, c.proc = c.proc.returncode, None
-            if not _pids_of(uids) and all(c.proc is None for c in procs):
+            if not pod_processes(uids) and all(c.proc is None for c in procs):
                 return
             time.sleep(0.1)
 
 
-def _pids_of(uids: set[str], name: str = POD_MARKER) -> list[int]:
-    """The live processes whose environment sets `name` to one of `uids`."""
+def pod_processes(uids: set[str], name: str = POD_MARKER) -> list[int]:
+    """The live processes of the pods `uids` (their environment sets `name` to the uid)."""
     wanted = {f"{name}={uid}".encode() for uid in uids}
     pids = []
     for entry in os.listdir("/proc"):
@@ -432,12 +439,7 @@ def _orphans() -> list[int]:
                 if var.startswith(f"{AGENT_MARKER}=".encode()):
                     agents.add(var.split(b"=", 1)[1].decode())
     dead = {pid for pid in agents if not Path(f"/proc/{pid}").exists()}
-    return _pids_of(dead, AGENT_MARKER) if dead else []
-
-
-def pod_processes(uid: str) -> list[int]:
-    """The live processes the agent started for the pod `uid` (and their descendants)."""
-    return _pids_of({uid})
+    return pod_processes(dead, AGENT_MARKER) if dead else []
 
 
 def _ray_node_ip(arg: str, ip: str) -> str:
