@@ -1,6 +1,7 @@
 """The real control plane (kube-apiserver, kube-controller-manager, etcd, the KubeRay operator,
 built from Go modules): our blocks under real RBAC. The Kubernetes behaviour tests that also
-run here are in test_kube_api.py (REAL_TOO)."""
+run here are in test_kube_api.py (REAL_TOO); the operator running our RayJobs on the node
+agent's pods, in test_real_kuberay.py."""
 
 from __future__ import annotations
 
@@ -94,60 +95,6 @@ def test_a_missing_permission_names_the_verb_and_the_resource(control_plane: Any
     assert f'"system:serviceaccount:{namespace}:prefect-nemo-' in message
     assert 'cannot list resource "rayjobs" in API group "ray.io"' in message
     assert "RBAC" in message and token not in message
-
-
-# -- the real KubeRay operator on our RayJobs (no node agent: its pods stay Pending) -----------
-
-
-def test_the_real_operator_takes_our_rayjob_attach_and_stop(control_plane: Any) -> None:
-    """KubeRay docs, "RayJob Quickstart": "RayJob: A RayJob consists of two components: a
-    RayCluster custom resource and a submitter ... The KubeRay operator creates a RayCluster
-    ... and, when the cluster is ready, submits the Ray job" and "shutdownAfterJobFinishes". The
-    real operator (the module build) accepts the RayJob our backend writes (no ValidationFailed),
-    makes its RayCluster (owned by the RayJob) and the head pod running KubeRay's own `ray start
-    --head` command and the head Service; submitting the same id again attaches (one RayJob:
-    what a re-run after kill -9 does); stop deletes the RayJob and the garbage collector takes
-    its RayCluster and pods."""
-    from prefect_nemo import JobSpec, JobState
-    from prefect_nemo.kube import POD, RAY_CLUSTER, RAY_JOB, SERVICE, KubeApi
-    from prefect_nemo.lifecycle import stop_and_confirm, submit_or_attach
-    from tests.conftest import wait_until
-
-    namespace = OPERATOR_NAMESPACE  # the one the operator reconciles
-    token = service_account_token(control_plane, namespace, KUBERAY_RULES)
-    backend = kuberay_block(control_plane, namespace, token).backend()
-    kube = KubeApi(control_plane.api_client(), namespace=namespace)
-    spec = JobSpec(entrypoint="python -c 'print(1)'", name="real-operator")
-    first = submit_or_attach(backend, spec, scope="real", key="operator")
-    job_id = first.handle.job_id
-    assert not first.attached
-
-    def cluster() -> dict[str, Any] | None:
-        items, _ = kube.list(RAY_CLUSTER)
-        return next((c for c in items if c["metadata"]["name"].startswith(job_id)), None)
-
-    made = wait_until(cluster, 60)
-    assert made, f"no RayCluster for {job_id}: {control_plane.log('ray-operator')[-2000:]}"
-    rayjob = kube.get(RAY_JOB, job_id)
-    assert rayjob["status"].get("jobDeploymentStatus") != "ValidationFailed", rayjob["status"]
-    assert [o["uid"] for o in made["metadata"]["ownerReferences"]] == [rayjob["metadata"]["uid"]]
-    name = made["metadata"]["name"]
-    head = wait_until(lambda: kube.list(POD, label_selector=f"ray.io/cluster={name},"
-                                        "ray.io/node-type=head")[0], 60)  # fmt: skip
-    command = " ".join(head[0]["spec"]["containers"][0].get("command", []) +
-                       head[0]["spec"]["containers"][0].get("args", []))  # fmt: skip
-    assert "ray start --head" in command, command
-    assert wait_until(lambda: kube.list(SERVICE, label_selector=f"ray.io/cluster={name}")[0], 30)
-    assert backend.find(job_id).state is JobState.PENDING
-
-    again = submit_or_attach(backend, spec, scope="real", key="operator")
-    assert again.attached and again.handle.job_id == job_id
-    assert len(kube.list(RAY_JOB)[0]) == 1
-
-    status = stop_and_confirm(backend, job_id, timeout_s=60)
-    assert status is None or status.state is JobState.STOPPED
-    assert wait_until(lambda: kube.get(RAY_JOB, job_id) is None, 60)
-    assert wait_until(lambda: cluster() is None and not kube.list(POD)[0], 60)
 
 
 # -- Dynamo DGDs and the real garbage collector (the DGD simulator is not needed for GC) ---------

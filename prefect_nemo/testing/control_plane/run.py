@@ -3,8 +3,9 @@ CRDs of ../shared/crds, the KubeRay operator; stop every process by pid.
 
 Generated per start: a CA and the API server's certificate, the ServiceAccount signing key and
 an admin token (static token file, group system:masters); authorization is RBAC only, so a
-ServiceAccount token gets exactly what its Roles grant. No scheduler and no kubelet: pods stay
-Pending unless a node agent binds and runs them.
+ServiceAccount token gets exactly what its Roles grant. No scheduler and no kubelet: with the
+operator comes our node agent (node_agent.py), which binds and runs the pods of the operator's
+namespace as local processes; it needs the pod network (root), else `agent_unavailable` says why.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -30,7 +32,7 @@ import yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from prefect_nemo.testing.control_plane import build
+from prefect_nemo.testing.control_plane import build, pod_network
 from prefect_nemo.testing.kube_api.client_config import TokenClientConfig
 from prefect_nemo.testing.kube_api.tls import server_cert_pems
 
@@ -87,6 +89,7 @@ class ControlPlane(TokenClientConfig):
         self.url = ""
         self.pids: dict[str, int] = {}
         self.started_s = 0.0
+        self.agent_unavailable: str | None = None  # why no node agent runs the pods
         self._owned = True  # False when attached to one started by another process
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -144,11 +147,22 @@ class ControlPlane(TokenClientConfig):
                     "--health-probe-bind-address=0", "--enable-leader-election=false",
                     "--log-stdout-encoder=console", f"--watch-namespace={OPERATOR_NAMESPACE}",
                 ], env={"KUBECONFIG": str(files["kubeconfig"])})  # fmt: skip
+                self._start_agent(files["kubeconfig"])
         except BaseException:
             self.stop()
             raise
         self.started_s = time.monotonic() - t0
         return self
+
+    def _start_agent(self, kubeconfig: Path) -> None:
+        """The node agent, a process of its own (so a plane left running by `up` keeps it);
+        stopped first, by pid, while the API server still answers its cleanup."""
+        self.agent_unavailable = pod_network.unavailable_reason()
+        if self.agent_unavailable is None:
+            self._spawn("node_agent", [
+                sys.executable, "-m", "prefect_nemo.testing.control_plane.node_agent",
+                str(kubeconfig), OPERATOR_NAMESPACE,
+            ])  # fmt: skip
 
     def stop(self) -> None:
         """Stop every process (by pid, newest first) and remove the work folder; nothing for
@@ -192,6 +206,8 @@ class ControlPlane(TokenClientConfig):
         plane.url, plane.token = state["url"], state["token"]
         plane.ca_pem, plane.pids = state["ca_pem"].encode(), dict(state["pids"])
         plane._owned = own
+        if plane.operator and "node_agent" not in plane.pids:
+            plane.agent_unavailable = "the control plane left running has no node agent"
         try:
             plane._wait_ready(2.0)
         except TimeoutError:

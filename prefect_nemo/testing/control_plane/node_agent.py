@@ -1,0 +1,502 @@
+"""A node agent for the real control plane: the kubelet and the scheduler, for local processes.
+
+It registers one Node, binds the unbound pods of the namespaces it serves to it (there is no
+kube-scheduler), and runs each container of a bound pod as a local process in its own session:
+`command` + `args` with the container's env, the image ignored (this venv's `ray`/`python` come
+first on PATH). Each pod gets its own address on `lo` (PodNetwork); Services of the served
+namespaces resolve to the address of a Ready pod their selector matches. Pod status goes
+Pending -> Running (podIP, Ready once its readiness probe passes) -> Succeeded/Failed with exit
+codes; a deleted pod's processes are killed and its address released, and the pod is removed
+(the kubelet's final delete). Only the served namespaces: other tests' simulators write pods
+on the same API server and set their status themselves.
+
+`python -m prefect_nemo.testing.control_plane.node_agent KUBECONFIG [NAMESPACE ...]` runs one
+until SIGTERM (how ControlPlane starts it, so `make control-plane up` keeps it).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime as dt
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client, config
+
+from prefect_nemo.testing.control_plane.pod_network import PodNetwork, service_names
+
+NODE_NAME = "prefect-nemo-node"
+# every process of a pod carries its uid in its environment (our stand-in for a cgroup): what
+# a kill finds, descendants that left the session included
+POD_MARKER = "PREFECT_NEMO_POD_UID"
+AGENT_MARKER = "PREFECT_NEMO_NODE_AGENT_PID"  # and the agent's pid: what a new agent sweeps
+TICK_S = 0.25
+KILL_GRACE_S = 3.0  # then SIGKILL; ControlPlane's stop waits 10 s for the agent
+log = logging.getLogger("prefect_nemo.node_agent")
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class _Container:
+    spec: dict[str, Any]
+    proc: subprocess.Popen[bytes] | None = None
+    exit_code: int | None = None
+    started_at: str = ""
+    finished_at: str = ""
+    restarts: int = 0
+    ready: bool = False
+    next_probe: float = 0.0
+    failures: int = 0  # readiness probe failures in a row
+
+
+@dataclass
+class _Pod:
+    namespace: str
+    name: str
+    uid: str
+    ip: str
+    dir: Path
+    labels: dict[str, str]
+    restart_policy: str
+    containers: list[_Container] = field(default_factory=list)
+    reported: tuple[Any, ...] = ()
+
+    def done(self) -> bool:
+        return all(c.exit_code is not None for c in self.containers) and not any(
+            c.proc for c in self.containers
+        )
+
+
+class NodeAgent:
+    """One Node whose pods are local processes; `start()` its thread, `stop()` ends everything."""
+
+    def __init__(
+        self, api_client: client.ApiClient, namespaces: tuple[str, ...] = ("kuberay",)
+    ) -> None:
+        self.core = client.CoreV1Api(api_client)
+        # short: Ray's unix sockets live under a pod's TMPDIR, and their paths must stay < 108
+        self.workdir = Path(tempfile.mkdtemp(prefix="pnpods-", dir="/tmp"))
+        self.namespaces = namespaces
+        self.network = PodNetwork()
+        self.pods: dict[str, _Pod] = {}  # by uid
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._hosts: dict[str, str] = {}
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> NodeAgent:
+        """Register the Node and start the agent's thread; returns self."""
+        for pid in _orphans():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        self._register_node()
+        self._thread = threading.Thread(target=self._run, name="prefect-nemo-node-agent",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the thread, kill every pod's processes, remove addresses and host names."""
+        self._stop.set()
+        if self._thread:
+            self._thread.join(30)
+        _kill(list(self.pods.values()))
+        self.pods.clear()
+        self.network.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        with contextlib.suppress(Exception):
+            self.core.delete_node(NODE_NAME)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._tick()
+            except Exception:  # the API server restarting, a pod racing its deletion
+                log.exception("node agent tick")
+            self._stop.wait(TICK_S)
+
+    # -- the node --------------------------------------------------------------------------------
+
+    def _register_node(self) -> None:
+        capacity = {"cpu": str(os.cpu_count() or 1), "memory": f"{_memory_kib()}Ki",
+                    "pods": "110"}  # fmt: skip
+        with contextlib.suppress(client.ApiException):
+            self.core.create_node(
+                {"metadata": {"name": NODE_NAME, "labels": {"kubernetes.io/hostname": NODE_NAME}}}
+            )
+        self.core.patch_node_status(NODE_NAME, {"status": {
+            "capacity": capacity, "allocatable": capacity,
+            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"},
+                          {"type": "Hostname", "address": NODE_NAME}],
+            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                            "message": "prefect-nemo node agent", "lastHeartbeatTime": _now(),
+                            "lastTransitionTime": _now()}],
+        }})  # fmt: skip
+
+    # -- one pass over the served namespaces -----------------------------------------------------
+
+    def _tick(self) -> None:
+        seen: set[str] = set()
+        for ns in self.namespaces:
+            for pod in self.core.list_namespaced_pod(ns).items:
+                seen.add(pod.metadata.uid)
+                self._reconcile(self.core.api_client.sanitize_for_serialization(pod))
+        for uid in [uid for uid in self.pods if uid not in seen]:  # deleted at once (grace 0)
+            self._forget(self.pods[uid])
+        for pod in list(self.pods.values()):
+            self._watch_containers(pod)
+            self._report(pod)
+        self._sync_services()
+
+    def _reconcile(self, obj: dict[str, Any]) -> None:
+        meta, spec = obj["metadata"], obj["spec"]
+        uid, phase = meta["uid"], (obj.get("status") or {}).get("phase")
+        if meta.get("deletionTimestamp"):
+            if spec.get("nodeName") == NODE_NAME:
+                if uid in self.pods:
+                    self._forget(self.pods[uid])
+                with contextlib.suppress(client.ApiException):  # the kubelet's final delete
+                    self.core.delete_namespaced_pod(meta["name"], meta["namespace"],
+                                                    grace_period_seconds=0)  # fmt: skip
+            return
+        if not spec.get("nodeName"):
+            self._bind(meta)
+        elif spec["nodeName"] == NODE_NAME and uid not in self.pods and phase == "Pending":
+            self._start_pod(obj)
+
+    def _bind(self, meta: dict[str, Any]) -> None:
+        body = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": meta["name"]},
+                "target": {"apiVersion": "v1", "kind": "Node", "name": NODE_NAME}}  # fmt: skip
+        with contextlib.suppress(client.ApiException):  # bound already, or deleted meanwhile
+            # the client cannot read a Binding back (its model wants a target): raw response
+            self.core.create_namespaced_pod_binding(meta["name"], meta["namespace"], body,
+                                                    _preload_content=False)  # fmt: skip
+
+    # -- pods ------------------------------------------------------------------------------------
+
+    def _start_pod(self, obj: dict[str, Any]) -> None:
+        meta, spec = obj["metadata"], obj["spec"]
+        ip = self.network.allocate()
+        folder = self.workdir / meta["uid"][:8]
+        (folder / "tmp").mkdir(parents=True, exist_ok=True)
+        pod = _Pod(meta["namespace"], meta["name"], meta["uid"], ip, folder,
+                   meta.get("labels") or {}, spec.get("restartPolicy", "Always"),
+                   [_Container(c) for c in spec["containers"]])  # fmt: skip
+        self.pods[pod.uid] = pod
+        obj.setdefault("status", {}).update(podIP=ip, hostIP="127.0.0.1")
+        for container in pod.containers:
+            self._spawn(pod, container, obj)
+        log.info("pod %s/%s on %s", pod.namespace, pod.name, ip)
+
+    def _spawn(self, pod: _Pod, container: _Container, obj: dict[str, Any]) -> None:
+        spec = container.spec
+        try:
+            env = self._env(pod, spec, obj)
+            argv = [_expand(a, env) for a in [*spec.get("command", []), *spec.get("args", [])]]
+            if not argv:
+                raise ValueError("no command: the agent cannot run an image's entrypoint")
+            # A pod has its own network namespace, so two pods may bind the same fixed port on
+            # all interfaces; here they share one, so "all interfaces" becomes the pod's address.
+            argv = [a.replace("0.0.0.0", pod.ip) for a in argv]
+            # In a pod the address Ray finds by its default route is the pod's own; here it
+            # would be the machine's, so `ray start` is told the pod's address.
+            argv = [_ray_node_ip(a, pod.ip) for a in argv]
+            with open(pod.dir / f"{spec['name']}.log", "ab") as out:
+                container.proc = subprocess.Popen(
+                    argv, env=env, cwd=pod.dir, stdout=out, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, start_new_session=True,
+                )  # fmt: skip
+            container.started_at, container.exit_code = _now(), None
+        except (OSError, ValueError, client.ApiException, KeyError) as exc:
+            log.warning("pod %s/%s container %s: %s", pod.namespace, pod.name, spec["name"], exc)
+            container.proc, container.exit_code, container.finished_at = None, 128, _now()
+
+    def _env(self, pod: _Pod, spec: dict[str, Any], obj: dict[str, Any]) -> dict[str, str]:
+        """The container's environment: a clean base (not this process's: a container gets
+        only what its image and spec give it), then `envFrom`, then `env` in order."""
+        venv_bin = str(Path(sys.executable).parent)
+        env = {
+            "PATH": f"{venv_bin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "HOME": str(pod.dir), "TMPDIR": str(pod.dir / "tmp"), "LANG": "C.UTF-8",
+            "HOSTNAME": pod.name, "RAY_USAGE_STATS_ENABLED": "0",  # no network to report to
+            POD_MARKER: pod.uid, AGENT_MARKER: str(os.getpid()),
+        }  # fmt: skip
+        for source in spec.get("envFrom") or []:
+            for key, value in self._ref_data(pod.namespace, source).items():
+                env[(source.get("prefix") or "") + key] = value
+        for var in spec.get("env") or []:
+            if "value" in var or "valueFrom" not in var:
+                env[var["name"]] = _expand(var.get("value") or "", env)
+                continue
+            ref = var["valueFrom"]
+            if "fieldRef" in ref:
+                env[var["name"]] = _field(obj, ref["fieldRef"]["fieldPath"])
+            elif "resourceFieldRef" in ref:
+                env[var["name"]] = _resource(spec, ref["resourceFieldRef"])
+            else:
+                kind = "secretKeyRef" if "secretKeyRef" in ref else "configMapKeyRef"
+                key_ref = ref[kind]
+                data = self._ref_data(pod.namespace, {kind.replace("KeyRef", "Ref"): key_ref})
+                if key_ref["key"] in data:
+                    env[var["name"]] = data[key_ref["key"]]
+                elif not key_ref.get("optional"):
+                    raise KeyError(f"{kind} {key_ref.get('name')}/{key_ref['key']} not found")
+        env[POD_MARKER], env[AGENT_MARKER] = pod.uid, str(os.getpid())
+        return env
+
+    def _ref_data(self, namespace: str, source: dict[str, Any]) -> dict[str, str]:
+        if ref := source.get("secretRef"):
+            try:
+                secret = self.core.read_namespaced_secret(ref["name"], namespace)
+            except client.ApiException:
+                return {}
+            return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
+        ref = source.get("configMapRef") or {}
+        try:
+            return dict(self.core.read_namespaced_config_map(ref["name"], namespace).data or {})
+        except client.ApiException:
+            return {}
+
+    def _watch_containers(self, pod: _Pod) -> None:
+        for container in pod.containers:
+            if container.proc is not None and (code := container.proc.poll()) is not None:
+                container.proc, container.exit_code = None, code
+                container.finished_at, container.ready = _now(), False
+                restart = pod.restart_policy == "Always" or (
+                    pod.restart_policy == "OnFailure" and code != 0
+                )
+                if restart:
+                    container.restarts += 1
+                    self._spawn(pod, container, self._pod_object(pod))
+            elif container.proc is not None and time.monotonic() >= container.next_probe:
+                probe = container.spec.get("readinessProbe") or {}
+                ok = _probe(probe, pod.ip)
+                container.failures = 0 if ok else container.failures + 1
+                # as the kubelet: ready on a success, unready after failureThreshold failures
+                if ok or container.failures >= probe.get("failureThreshold", 3):
+                    container.ready = ok
+                # initialDelaySeconds is left out (it allows for image pulls, we have none),
+                # and a period over 1 s only slows the tests down
+                container.next_probe = time.monotonic() + min(probe.get("periodSeconds", 1), 1)
+
+    def _pod_object(self, pod: _Pod) -> dict[str, Any]:
+        obj = self.core.read_namespaced_pod(pod.name, pod.namespace)
+        return self.core.api_client.sanitize_for_serialization(obj)  # type: ignore[no-any-return]
+
+    def _report(self, pod: _Pod) -> None:
+        """Patch the pod's status when it changed since the last report."""
+        statuses = [_container_status(c) for c in pod.containers]
+        ready = all(c.ready for c in pod.containers)
+        phase = "Running"
+        if pod.done():
+            phase = "Succeeded" if all(c.exit_code == 0 for c in pod.containers) else "Failed"
+        key = (phase, ready, tuple((c.exit_code, c.restarts, c.ready) for c in pod.containers))
+        if key == pod.reported:
+            return
+        flag = "True" if ready and phase == "Running" else "False"
+        conditions = [{"type": t, "status": s, "lastTransitionTime": _now()} for t, s in [
+            ("PodScheduled", "True"), ("Initialized", "True"), ("ContainersReady", flag),
+            ("Ready", flag)]]  # fmt: skip
+        status = {"phase": phase, "podIP": pod.ip, "podIPs": [{"ip": pod.ip}],
+                  "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}],
+                  "conditions": conditions, "containerStatuses": statuses}  # fmt: skip
+        if not pod.reported:
+            status["startTime"] = _now()
+        try:
+            self.core.patch_namespaced_pod_status(pod.name, pod.namespace, {"status": status})
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
+        pod.reported = key
+        if phase != "Running":  # a finished pod's sandbox is gone: so is its address
+            self.network.release(pod.ip)
+
+    def _forget(self, pod: _Pod) -> None:
+        _kill([pod])
+        self.network.release(pod.ip)
+        self.pods.pop(pod.uid, None)
+        log.info("pod %s/%s gone", pod.namespace, pod.name)
+
+    # -- Service names ---------------------------------------------------------------------------
+
+    def _sync_services(self) -> None:
+        names: dict[str, str] = {}
+        ready = [p for p in self.pods.values()
+                 if all(c.ready for c in p.containers) and not p.done()]  # fmt: skip
+        for ns in self.namespaces:
+            for svc in self.core.list_namespaced_service(ns).items:
+                selector = svc.spec.selector or {}
+                match = next((p for p in ready if p.namespace == ns and selector
+                              and selector.items() <= p.labels.items()), None)  # fmt: skip
+                if match:
+                    names.update(dict.fromkeys(service_names(svc.metadata.name, ns), match.ip))
+        if names != self._hosts:
+            self.network.set_hosts(names)
+            self._hosts = names
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _container_status(c: _Container) -> dict[str, Any]:
+    if c.proc is not None:
+        state: dict[str, Any] = {"running": {"startedAt": c.started_at}, "terminated": None,
+                                 "waiting": None}  # fmt: skip
+    else:
+        state = {"running": None, "waiting": None, "terminated": {
+            "exitCode": c.exit_code, "reason": "Completed" if c.exit_code == 0 else "Error",
+            "startedAt": c.started_at or None, "finishedAt": c.finished_at}}  # fmt: skip
+    return {"name": c.spec["name"], "image": c.spec.get("image", ""), "imageID": "",
+            "ready": c.ready, "started": c.proc is not None, "restartCount": c.restarts,
+            "state": state}  # fmt: skip
+
+
+def _probe(probe: dict[str, Any] | None, ip: str) -> bool:
+    """A readiness probe against the pod's address, as the kubelet runs it; no probe: ready."""
+    if not probe:
+        return True
+    timeout = min(probe.get("timeoutSeconds", 1), 5)  # capped: the agent's one thread waits
+    try:
+        if get := probe.get("httpGet"):
+            scheme, host = get.get("scheme", "HTTP").lower(), get.get("host") or ip
+            url = f"{scheme}://{host}:{get['port']}{get.get('path', '/')}"
+            with urllib.request.urlopen(url, timeout=timeout) as resp:
+                return 200 <= resp.status < 400
+        if tcp := probe.get("tcpSocket"):
+            with socket.create_connection((tcp.get("host") or ip, int(tcp["port"])), timeout):
+                return True
+        if run := probe.get("exec"):
+            done = subprocess.run(run["command"], capture_output=True, timeout=timeout)
+            return done.returncode == 0
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return False
+    return True
+
+
+def _kill(pods: list[_Pod]) -> None:
+    """SIGTERM every process of the pods, SIGKILL what is left after a grace period."""
+    uids = {pod.uid for pod in pods}
+    procs = [c for pod in pods for c in pod.containers if c.proc is not None]
+    for sig, wait_s in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 2.0)):
+        for c in procs:
+            if c.proc is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(c.proc.pid, sig)
+        for pid in pod_processes(uids):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            for c in procs:
+                if c.proc is not None and c.proc.poll() is not None:
+                    c.exit_code, c.proc = c.proc.returncode, None
+            if not pod_processes(uids) and all(c.proc is None for c in procs):
+                return
+            time.sleep(0.1)
+
+
+def pod_processes(uids: set[str], name: str = POD_MARKER) -> list[int]:
+    """The live processes of the pods `uids` (their environment sets `name` to the uid)."""
+    wanted = {f"{name}={uid}".encode() for uid in uids}
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if wanted & set(Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")):
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+def _orphans() -> list[int]:
+    """Processes of pods whose agent is gone (killed with -9: it could not stop them)."""
+    agents: set[str] = set()
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError):
+            for var in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                if var.startswith(f"{AGENT_MARKER}=".encode()):
+                    agents.add(var.split(b"=", 1)[1].decode())
+    dead = {pid for pid in agents if not Path(f"/proc/{pid}").exists()}
+    return pod_processes(dead, AGENT_MARKER) if dead else []
+
+
+def _ray_node_ip(arg: str, ip: str) -> str:
+    if "ray start" not in arg or "--node-ip-address" in arg:
+        return arg
+    return arg.replace("ray start", f"ray start --node-ip-address={ip}")
+
+
+def _expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion ($$(VAR) stays literal; an unknown name stays as is)."""
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)),
+                  text)  # fmt: skip
+
+
+def _field(obj: dict[str, Any], path: str) -> str:
+    """A downward-API fieldRef: metadata.name/namespace/uid, labels['k'], annotations['k'],
+    spec.nodeName/serviceAccountName, status.podIP/hostIP."""
+    if m := re.fullmatch(r"metadata\.(labels|annotations)\['(.+)'\]", path):
+        return str((obj["metadata"].get(m.group(1)) or {}).get(m.group(2), ""))
+    if path == "status.podIPs":
+        return obj.get("status", {}).get("podIP", "")
+    section, _, name = path.partition(".")
+    return str((obj.get(section) or {}).get(name) or "")
+
+
+def _resource(spec: dict[str, Any], ref: dict[str, Any]) -> str:
+    """A resourceFieldRef (limits.cpu, requests.memory, ...): the value, or the node's."""
+    kind, _, name = ref["resource"].partition(".")
+    value = ((spec.get("resources") or {}).get(kind) or {}).get(name)
+    if value is None:
+        return str(os.cpu_count() or 1) if name == "cpu" else str(_memory_kib() * 1024)
+    return str(value)
+
+
+def _memory_kib() -> int:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1])
+    return 8 * 1024 * 1024
+
+
+def main(argv: list[str]) -> int:
+    """Run an agent for the cluster of `argv[0]` (a kubeconfig) until SIGTERM or SIGINT."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    kubeconfig, namespaces = argv[0], tuple(argv[1:]) or ("kuberay",)
+    agent = NodeAgent(config.new_client_from_config(kubeconfig), namespaces).start()
+    log.info("node %s serving %s; pods under %s", NODE_NAME, namespaces, agent.workdir)
+    stopped = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopped.set())
+    while not stopped.wait(1):
+        pass
+    agent.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
