@@ -712,3 +712,42 @@ def test_ray_jobs_block_through_the_proxy(kuberay, kube_block, shared_cluster, r
 
     assert plain_flow().state is JobState.SUCCEEDED
     assert "via-proxy" in "\n".join(run_logs)
+
+
+@pytest.mark.parametrize("entrypoint", [
+    "echo aaa; echo bbb",
+    """python -c "print('aaa')" && echo `echo bbb` | cat""",
+])  # fmt: skip
+def test_the_k8sjobmode_submitter_shell_leaves_the_whole_entrypoint_to_ray(
+    entrypoint: str, ray_head: Any, ray_client: Any
+) -> None:
+    """KubeRay issue #3802 (open): "`ray job submit -- echo aaa; echo bbb` and `echo aaa` will
+    be executed in the cluster but `echo bbb` will be executed in the submitter" (K8sJobMode's
+    submitter pastes `entrypoint` unquoted into its bash line, backticks and redirects too:
+    #3764, #3929). The real bash and Ray's real CLI run that line with our RayJob's entrypoint:
+    the Ray job prints both words, the submitter neither."""
+    import os
+    import subprocess
+    import sys
+
+    from prefect_nemo.backends.kuberay.manifests import submitted_entrypoint
+
+    for plain in ("python train.py --lr=0.1", """python -c "import time; time.sleep(1)" """):
+        assert submitted_entrypoint(plain, "K8sJobMode") == plain, "words (quoted) go as they are"
+    assert submitted_entrypoint(entrypoint, "HTTPMode") == entrypoint, "no shell in between"
+    job_id = f"submitter-{uuid.uuid4().hex[:6]}"
+    ray = Path(sys.executable).parent / "ray"
+    submitted = submitted_entrypoint(entrypoint, "K8sJobMode")
+    line = (f"{ray} job submit --address {ray_head.dashboard_url} --no-wait "
+            f"--submission-id {job_id} -- {submitted}")  # fmt: skip
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": ray_head.token}
+    submitter = subprocess.run(["bash", "-c", line], env=env, capture_output=True, text=True,
+                               timeout=120, check=True)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while ray_client.get_job_status(job_id).value not in ("SUCCEEDED", "FAILED"):
+        assert time.monotonic() < deadline, "the Ray job did not end"
+        time.sleep(0.2)
+    assert ray_client.get_job_status(job_id).value == "SUCCEEDED"
+    logs = ray_client.get_job_logs(job_id)
+    assert logs.split()[-2:] == ["aaa", "bbb"], (ray_client.get_job_info(job_id).entrypoint, logs)
+    assert not {"aaa", "bbb"} & set(submitter.stdout.split()), submitter.stdout

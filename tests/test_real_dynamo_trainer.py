@@ -113,11 +113,13 @@ def sim(server: Any) -> Iterator[Any]:
 
 @pytest.fixture
 def trainer_controller(server: Any) -> Iterator[None]:
-    """The real Kubeflow Trainer controller while the test runs (skipped until it is built)."""
+    """The real Kubeflow Trainer controller while the test runs (`make control-plane` builds it;
+    outside CI the test skips until then)."""
     from prefect_nemo.testing.control_plane import build, run
 
     if not (build.trainer_binary().is_file() and build.jobset_crd().is_file()):
-        pytest.skip(f"the real Kubeflow Trainer controller is not built: {build.TRAINER_HINT}")
+        reason = f"the real Kubeflow Trainer controller is not built: {build.TRAINER_HINT}"
+        (pytest.fail if IN_CI else pytest.skip)(reason)
     from kubernetes import client
 
     try:

@@ -66,10 +66,10 @@ def block_for(kubeconfig: dict[str, Any], ray_token: str, token_secret: str,
 def step_flow(block: KubeRayCluster, experiment: str, seconds: int) -> Any:
     """One step of an experiment: a re-run of the same experiment attaches to its job."""
     start_experiment(experiment)
-    # one command: the K8sJobMode submitter pastes the entrypoint into its shell line unquoted,
-    # so `a; b` would run b in the submitter pod (kuberay#3802)
-    code = f"import time; time.sleep({seconds}); print('done-{experiment}')"
-    spec = JobSpec(entrypoint=f'python -c "{code}"', name="step")
+    # two commands: the K8sJobMode submitter pastes the entrypoint into its shell line unquoted
+    # (kuberay#3802), so without our quoting the `echo` would run in the submitter pod, not in Ray
+    code = f"import time; time.sleep({seconds})"
+    spec = JobSpec(entrypoint=f'python -c "{code}"; echo done-{experiment}', name="step")
     return run_job(spec, cluster=block)
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import json
+import re
+import shlex
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -32,6 +34,9 @@ from prefect_nemo.placement.spec import to_ray_entrypoint
 SubmissionMode = Literal["K8sJobMode", "HTTPMode", "SidecarMode"]
 SUBMISSION_MODES: tuple[str, ...] = ("K8sJobMode", "HTTPMode", "SidecarMode")
 MAX_RAYJOB_NAME = 47  # KubeRay's MaxRayJobNameLength
+# what the submitter's bash would take for itself wherever it stands, quoted or not (expansions,
+# globs, history, comments, line breaks): conservative, a false alarm only costs a `bash -c`
+_SHELL_ANYWHERE = re.compile(r"[$`~*?\[{!#\n\\]")
 
 # -------------------------------------------------------------------------------------------
 # Configuration and validation (pure: no API calls)
@@ -163,6 +168,30 @@ def check_job_id(job_id: str) -> None:
 # Manifests (pure)
 
 
+def submitted_entrypoint(entrypoint: str, mode: str) -> str:
+    """The RayJob's `entrypoint` for `entrypoint` in submission `mode`. K8sJobMode and
+    SidecarMode paste it unquoted into the submitter's bash line (`ray job submit ... --
+    <entrypoint>`, kuberay#3802/#3929): in `a; b` only `a` would reach Ray and `b` would run in
+    the submitter pod, and its backticks and `$VAR` too. One `bash -c '<entrypoint>'` word keeps
+    the whole command for Ray (whose CLI joins the words back, quoted: shlex.join); a command of
+    plain and quoted words goes as it is (KubeRay keeps quotes since #2949)."""
+    if mode == "HTTPMode" or not _submitter_shell_would_change(entrypoint):
+        return entrypoint
+    return f"bash -c {shlex.quote(entrypoint)}"
+
+
+def _submitter_shell_would_change(entrypoint: str) -> bool:
+    """True when bash would do more with `entrypoint` than split it into (quoted) words."""
+    if _SHELL_ANYWHERE.search(entrypoint):
+        return True
+    lexer = shlex.shlex(entrypoint, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    try:  # an operator (; && | > < & ( )) outside quotes is a token of its own
+        return any(token and set(token) <= set(lexer.punctuation_chars) for token in lexer)
+    except ValueError:  # unbalanced quotes
+        return True
+
+
 def rayjob_manifest(
     spec: JobSpec,
     job_id: str,
@@ -179,7 +208,7 @@ def rayjob_manifest(
     if working_dir_uri is not None:
         runtime_env["working_dir"] = working_dir_uri
     body: dict[str, Any] = {
-        "entrypoint": spec.entrypoint,
+        "entrypoint": submitted_entrypoint(spec.entrypoint, config.submission_mode),
         "jobId": job_id,
         "metadata": {**spec.metadata, **metadata},
         "runtimeEnvYAML": yaml.safe_dump(runtime_env, sort_keys=True),

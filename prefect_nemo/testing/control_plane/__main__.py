@@ -20,6 +20,7 @@ def main(argv: list[str]) -> int:
             print(f"{'FAILED' if in_ci else 'skipped'}: {reason}", file=sys.stderr)
             return 1 if in_ci else 0
         build.build()
+        build.build_trainer()  # the real Kubeflow Trainer controller (test_real_dynamo_trainer)
         print(f"control-plane binaries: {build.cache_dir()}")
         return 0
     if command == "up":
