@@ -46,7 +46,9 @@ LONGEST_FIRST = (
     "tests/test_ui.py",
     "tests/test_sweeper_backends.py",
     "tests/test_sweeper.py",
+    "tests/test_real_kuberay.py",
     "tests/test_deployments.py",
+    "tests/test_real_dynamo_trainer.py",
     "tests/test_crash_safety.py",
 )
 
