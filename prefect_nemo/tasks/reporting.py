@@ -192,9 +192,10 @@ class JobReporter:
     the run while it is live.
     """
 
-    def __init__(self, run: RunContext, redact: Redactor) -> None:
+    def __init__(self, run: RunContext, redact: Redactor, *, settle: bool = True) -> None:
         self.run = run
         self.redact = redact
+        self.settle = settle  # off: the caller settles the outbox itself (run_jobs, once for many)
         self._last_state: dict[str, JobState] = {}
 
     def submitted(self, handle: JobHandle, *, attached: bool, drift: str | None) -> None:
@@ -248,7 +249,7 @@ class JobReporter:
         """The wait is over: nothing to stop on the run's behalf any more; what was reported
         reaches the API before the task hands its result to Prefect."""
         self.run.untrack(_work_key(handle))
-        if self.run.flow_run_id is not None:
+        if self.settle and self.run.flow_run_id is not None:
             # Prefect's own state change that follows (the task run's end) gives up after about
             # a minute of retries: a job that ends while the Prefect server is down hands its
             # result back once the server is there to take it (within the outage budget)
