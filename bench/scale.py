@@ -58,18 +58,21 @@ def log(message: str) -> None:
 
 def child(kind: str, n: int, kubeconfig_path: str) -> dict[str, Any]:
     """One measurement in this fresh process; returns its figures."""
-    from bench._scale_probe import Sampler, open_fds, peak_rss_mb
+    from bench._scale_probe import Sampler, cpu_s, open_fds, peak_rss_mb
 
     kubeconfig = json.loads(Path(kubeconfig_path).read_text())
     before = (threading.active_count(), open_fds())
+    cpu0 = cpu_s()
     with Sampler() as sampler:
         if kind == "raw":
             out = _raw(n, kubeconfig)
         else:
             out = _ours(n, kubeconfig, submit=kind == "submit")
+    cpu = cpu_s() - cpu0
     time.sleep(2.0)  # threads that end with the run get to end
     after = (threading.active_count(), open_fds())
     out.update(
+        cpu_s=cpu,
         peak_threads=sampler.peak_threads,
         peak_rss_mb=peak_rss_mb(),
         threads_left=after[0] - before[0],  # Prefect's own workers stay for the process
@@ -180,7 +183,7 @@ def _raw(n: int, kubeconfig: dict[str, Any]) -> dict[str, Any]:
 
 def measure(kind: str, n: int, api_url: str | None, ui: list[float] | None) -> dict[str, Any]:
     """One measurement: a fresh simulated cluster, a fresh measured process."""
-    from bench._scale_probe import SimulatedCluster
+    from bench._scale_probe import SimulatedCluster, server_cpu_s
 
     with SimulatedCluster() as cluster:
         path = Path(f"/tmp/prefect-nemo-scale-{os.getpid()}.json")
@@ -194,6 +197,7 @@ def measure(kind: str, n: int, api_url: str | None, ui: list[float] | None) -> d
         if ui is not None and api_url:
             pager = threading.Thread(target=_time_ui, args=(api_url, ui, stop), daemon=True)
             pager.start()
+        server_cpu0 = server_cpu_s()
         try:
             proc = subprocess.run(
                 [sys.executable, "-m", "bench.scale", "child", kind, str(n), str(path)],
@@ -212,6 +216,7 @@ def measure(kind: str, n: int, api_url: str | None, ui: list[float] | None) -> d
         if proc.returncode != 0 or not lines:
             raise RuntimeError(f"{kind} N={n} failed (exit {proc.returncode})")
         out = json.loads(lines[-1])
+        out["server_cpu_s"] = server_cpu_s() - server_cpu0
         out["kube"] = cluster.ask("requests", since=since)
         completed = cluster.ask("completed")["completed"]
     detect = [
@@ -310,10 +315,16 @@ def _kube(sizes: tuple[int, ...], api_url: str, report: Any) -> None:
         log(f"run_jobs in one flow run, N={n}")
         ours = measure("ours", n, api_url, ui if n >= 1000 else None)
         log(f"ours: {ours['wall_s']:.1f}s (jobs {ours['jobs_wall_s']:.1f}s) {ours['states']}")
+        log(f"ours: Prefect API requests by path {ours['prefect_by_path']}")
+        if ui:
+            log("UI page seconds, one a second: " + " ".join(f"{s:.2f}" for s in ui))
         report(f"scale_kube_wall_s_{n}", ours["wall_s"])
         report(f"scale_kube_wall_s_raw_{n}", raw["wall_s"])
         report(f"scale_kube_wall_ratio_{n}", ours["wall_s"] / raw["wall_s"])
         report(f"scale_kube_jobs_wall_s_{n}", ours["jobs_wall_s"])
+        report(f"scale_kube_cpu_s_{n}", ours["cpu_s"])
+        report(f"scale_kube_cpu_s_raw_{n}", raw["cpu_s"])
+        report(f"scale_prefect_server_cpu_s_{n}", ours["server_cpu_s"])
         report(f"scale_kube_rss_mb_{n}", ours["peak_rss_mb"])
         report(f"scale_kube_rss_mb_raw_{n}", raw["peak_rss_mb"])
         report(f"scale_kube_threads_{n}", ours["peak_threads"])
