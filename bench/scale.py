@@ -228,31 +228,41 @@ def measure(kind: str, n: int, api_url: str | None, ui: list[float] | None) -> d
 
 
 def _time_ui(api_url: str, samples: list[float], stop: threading.Event) -> None:
-    """Time the flow-run page's API requests every second while a flow runs."""
+    """Time the flow-run page's API requests every second while a flow runs (and log the
+    slowest of each request at the end: which one the page waits on)."""
     import httpx
+
+    slowest: dict[str, float] = {}
+
+    def timed(name: str, method: str, path: str, body: Any = None) -> Any:
+        t0 = time.monotonic()
+        response = client.request(method, path, json=body)
+        response.raise_for_status()
+        slowest[name] = max(slowest.get(name, 0.0), time.monotonic() - t0)
+        return response.json()
 
     with httpx.Client(base_url=api_url, timeout=30) as client:
         while not stop.wait(1.0):
             try:
                 t0 = time.monotonic()
-                runs = client.post(
-                    "/flow_runs/filter",
-                    json={"flow_runs": {"state": {"type": {"any_": ["RUNNING"]}}}, "limit": 1},
-                ).json()
+                running = {"flow_runs": {"state": {"type": {"any_": ["RUNNING"]}}}, "limit": 1}
+                runs = timed("flow_runs/filter", "POST", "/flow_runs/filter", running)
                 if not runs:
                     continue
                 run_id = runs[0]["id"]
-                client.get(f"/flow_runs/{run_id}").raise_for_status()
+                timed("flow_run", "GET", f"/flow_runs/{run_id}")
                 flt = {"flow_runs": {"id": {"any_": [run_id]}}}
-                client.post("/task_runs/filter", json={**flt, "limit": 100}).raise_for_status()
-                client.post("/task_runs/count", json=flt).raise_for_status()
-                client.post("/logs/filter", json={"logs": {"flow_run_id": {"any_": [run_id]}},
-                                                  "limit": 100}).raise_for_status()  # fmt: skip
-                client.post("/artifacts/filter", json=flt).raise_for_status()
+                timed("task_runs/filter", "POST", "/task_runs/filter", {**flt, "limit": 100})
+                timed("task_runs/count", "POST", "/task_runs/count", flt)
+                logs = {"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 100}
+                timed("logs/filter", "POST", "/logs/filter", logs)
+                timed("artifacts/filter", "POST", "/artifacts/filter", flt)
                 samples.append(time.monotonic() - t0)
             except Exception as exc:  # a slow or failing page is what we measure: note it
                 log(f"UI page request failed: {exc}")
                 samples.append(float("inf"))
+    parts = ", ".join(f"{name} {s:.2f}s" for name, s in slowest.items())
+    log(f"UI page, slowest of each request: {parts}")
 
 
 def _percentile(values: list[float], q: float) -> float:

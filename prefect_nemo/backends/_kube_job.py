@@ -171,12 +171,13 @@ class KubeJobBackend(Generic[ConfigT]):
     def statuses(self, job_ids: Collection[str]) -> dict[str, JobStatus]:
         """From the informers' caches while a watcher is subscribed, else from one list; one GET
         only for an id neither has (gone, or not labelled as ours)."""
-        cached = self._cached() if self._checked_informers() else None
+        cached = self._cached(job_ids) if self._checked_informers() else None
         objects, pods = cached or self._listed()
         out: dict[str, JobStatus] = {}
         parsed = self._parsed
-        if len(parsed) > len(objects) + CHANGE_LOG:  # forget jobs no longer on the cluster
-            parsed = self._parsed = {k: v for k, v in parsed.items() if k in objects}
+        if len(parsed) > CHANGE_LOG:  # forget jobs nobody asks about any more
+            wanted = set(job_ids)
+            parsed = self._parsed = {k: v for k, v in parsed.items() if k in wanted}
         for job_id in job_ids:
             obj = objects.get(job_id)
             if obj is None:
@@ -290,7 +291,7 @@ class KubeJobBackend(Generic[ConfigT]):
 
     def current_status(self, job_id: str) -> JobStatus | None:
         """From the informers' cache when they run and have the job (no request), else find()."""
-        objects, pods = self._cached() or ({}, {})
+        objects, pods = self._cached([job_id]) or ({}, {})
         if job_id in objects:
             return self.job_status(objects[job_id], pods.get(job_id, []))
         return self.find(job_id)
@@ -396,13 +397,17 @@ class KubeJobBackend(Generic[ConfigT]):
         self._informers = tuple(i for i in current if i is not None)
         return self._informers
 
-    def _cached(self) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict[str, Any]]]] | None:
-        """Our jobs by name and their pods by job from the informers, once they have listed."""
+    def _cached(
+        self, job_ids: Collection[str]
+    ) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict[str, Any]]]] | None:
+        """These jobs by name (those the cache has) and their pods by job from the informers,
+        once they have listed: a lookup per job, so asking about a few costs little."""
         informers = self.informers
         if not informers or not all(i.synced.is_set() for i in informers):
             return None
         pods = informers[1].items() if len(informers) > 1 else []
-        return {o["metadata"]["name"]: o for o in informers[0].items()}, self._pods_by_job(pods)
+        found = ((job_id, informers[0].get(job_id)) for job_id in job_ids)
+        return {j: o for j, o in found if o is not None}, self._pods_by_job(pods)
 
     def _listed(self) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict[str, Any]]]]:
         """Our jobs by name (and their pods by job) from one list request each: no thread."""
