@@ -12,6 +12,9 @@ Figures (each with its raw baseline from the same run), N = 100 and 1,000:
 scale_kube_wall_ratio_<N> (ours flow wall / raw wall), scale_kube_rss_mb_<N>,
 scale_kube_threads_<N> (peaks of the flow process), scale_kube_detect_p50_s_<N> (from the
 simulator's write of the final status to run_jobs' wait seeing it; raw: its watch seeing it),
+scale_kube_cpu_s_<N> (CPU seconds of the flow process; raw: of the raw script; load on the
+machine inflates wall time far more than CPU time), scale_prefect_server_cpu_s_<N> (of the
+Prefect server during the flow),
 scale_kube_api_requests_per_job_<N>, scale_prefect_api_requests_per_job_<N> (HTTP; events on
 Prefect's websocket counted apart), scale_kube_per_job_cost_growth (per-job wall overhead over
 raw at 1,000 / at 100), scale_prefect_ui_page_s_max_1000 (the flow-run page's API requests,
