@@ -120,7 +120,7 @@ class Outbox:
                 target=self._run, name="prefect-nemo-outbox", daemon=True
             )
             self._thread.start()
-        self._cond.notify()
+        self._cond.notify_all()  # the sender may wait for a held write, beside flush waiters
 
     # -- state --------------------------------------------------------------------------------
 
