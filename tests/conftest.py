@@ -53,6 +53,31 @@ LONGEST_FIRST = (
 )
 
 
+# The files that use the real control plane: one work unit for `--dist loadfile`, so one worker
+# starts one control plane (each takes ~15 s to start and ~6% of a core while it runs).
+ONE_CONTROL_PLANE = (
+    "tests/test_kube_api.py",
+    "tests/test_real_control_plane.py",
+    "tests/test_real_kuberay.py",
+    "tests/test_real_dynamo_trainer.py",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which would return its plain loadfile
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile`, with the ONE_CONTROL_PLANE files as one unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class OneControlPlane(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return "real-control-plane" if scope in ONE_CONTROL_PLANE else scope
+
+    return OneControlPlane(config, log)
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: `-m compat` must see the marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark the COMPAT tests `compat`; fail when a listed test is gone from a collected file;
