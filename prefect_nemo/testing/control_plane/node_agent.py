@@ -38,6 +38,7 @@ from typing import Any
 from kubernetes import client, config
 
 from prefect_nemo.testing.control_plane.pod_network import PodNetwork, service_names
+from prefect_nemo.testing.operators._node import SimNode
 
 NODE_NAME = "prefect-nemo-node"
 # every process of a pod carries its uid in its environment (our stand-in for a cgroup): what
@@ -95,6 +96,8 @@ class NodeAgent:
         self.workdir = Path(tempfile.mkdtemp(prefix="pnpods-", dir="/tmp"))
         self.namespaces = namespaces
         self.network = PodNetwork()
+        # the Node object and a pod's final delete, as the simulators' nodes do them
+        self.node = SimNode(self.core, NODE_NAME, self.network)
         self.pods: dict[str, _Pod] = {}  # by uid
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -138,10 +141,7 @@ class NodeAgent:
     def _register_node(self) -> None:
         capacity = {"cpu": str(os.cpu_count() or 1), "memory": f"{_memory_kib()}Ki",
                     "pods": "110"}  # fmt: skip
-        with contextlib.suppress(client.ApiException):
-            self.core.create_node(
-                {"metadata": {"name": NODE_NAME, "labels": {"kubernetes.io/hostname": NODE_NAME}}}
-            )
+        self.node.register()
         self.core.patch_node_status(NODE_NAME, {"status": {
             "capacity": capacity, "allocatable": capacity,
             "addresses": [{"type": "InternalIP", "address": "127.0.0.1"},
@@ -173,9 +173,7 @@ class NodeAgent:
             if spec.get("nodeName") == NODE_NAME:
                 if uid in self.pods:
                     self._forget(self.pods[uid])
-                with contextlib.suppress(client.ApiException):  # the kubelet's final delete
-                    self.core.delete_namespaced_pod(meta["name"], meta["namespace"],
-                                                    grace_period_seconds=0)  # fmt: skip
+                self.node.finish_deletion(obj)  # the kubelet's final delete, of this uid only
             return
         if not spec.get("nodeName"):
             self._bind(meta)
