@@ -216,16 +216,19 @@ class ControlPlane(TokenClientConfig):
 
     # -- for tests ---------------------------------------------------------------------------
 
-    def install_crds(self) -> None:
-        """Create the CRDs of ../shared/crds (or $PREFECT_NEMO_CRDS) and wait until served."""
+    def install_crds(self, docs: list[dict[str, Any]] | None = None) -> None:
+        """Create CRDs (by default those of ../shared/crds, or $PREFECT_NEMO_CRDS) and wait
+        until served; one already there is kept."""
         from kubernetes import client
 
         from prefect_nemo.testing.kube_api import crd_dir
 
+        if docs is None:
+            shared = sorted(crd_dir().glob("*.yaml"))
+            docs = [*(yaml.safe_load(path.read_text()) for path in shared), _RAYSERVICE_STANDIN]
         api = client.ApiextensionsV1Api(self.api_client())
         names = []
-        docs = [yaml.safe_load(path.read_text()) for path in sorted(crd_dir().glob("*.yaml"))]
-        for doc in [*docs, _RAYSERVICE_STANDIN]:
+        for doc in docs:
             names.append(doc["metadata"]["name"])
             try:
                 api.create_custom_resource_definition(doc)
@@ -357,19 +360,8 @@ def trainer_controller(plane: ControlPlane) -> Iterator[int]:
     runs: JobSets stay unstarted); its certificate management is off, as no webhook of it is
     registered with the API server, and its webhook server serves a self-signed certificate
     from the default cert dir under its own TMPDIR."""
-    from kubernetes import client
-
-    api = client.ApiextensionsV1Api(plane.api_client())
-    crd = yaml.safe_load(build.jobset_crd().read_text())
-    try:
-        api.create_custom_resource_definition(crd)
-    except client.ApiException as exc:
-        if exc.status != 409:  # 409: installed by an earlier block
-            raise
-    while not any(c.type == "Established" and c.status == "True" for c in (
-            api.read_custom_resource_definition(crd["metadata"]["name"]).status.conditions
-            or [])):  # fmt: skip
-        time.sleep(0.1)  # the Trainer refuses to start its JobSet plugin without it
+    # the Trainer refuses to start its JobSet plugin without JobSet's CRD
+    plane.install_crds([yaml.safe_load(build.jobset_crd().read_text())])
     workdir = Path(tempfile.mkdtemp(prefix="prefect-nemo-trainer-"))
     certs = workdir / "k8s-webhook-server" / "serving-certs"
     certs.mkdir(parents=True)
@@ -383,9 +375,7 @@ def trainer_controller(plane: ControlPlane) -> Iterator[int]:
         "webhook": {"host": "127.0.0.1", "port": _free_port()},
         "leaderElection": {"leaderElect": False}, "certManagement": {"enable": False},
     }))  # fmt: skip
-    kubeconfig = workdir / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump(plane.kubeconfig(context="control-plane")))
-    kubeconfig.chmod(0o600)
+    kubeconfig = plane.workdir / "admin.kubeconfig"  # the plane's own (0600): no second copy
     with open(workdir / "trainer.log", "ab") as out:
         proc = subprocess.Popen(
             [str(build.trainer_binary()), f"--config={workdir / 'config.yaml'}",
