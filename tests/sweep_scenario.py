@@ -30,7 +30,8 @@ from tests.conftest import subprocess_env
 ENDED = {"STOPPED", "SUCCEEDED", "FAILED", "CANCELLED", "COMPLETED", "TIMEOUT"}
 # The grace within which the scenario's re-run attaches and its heartbeats reach the API: on a
 # busy 2-core machine a re-run took 28 s to start, and the burst of reports at its attach held
-# its heartbeats back ~15 s more (30 s of grace was too short there).
+# its heartbeats back ~15 s more (30 s of grace was too short there). The scenario waits only
+# until the re-run vouches for the jobs, not for the whole grace.
 RETRY_GRACE_S = 60.0
 HEARTBEAT_S = 1  # the scripts' runs renew their lease (twice this) every second
 
@@ -134,9 +135,13 @@ def kill_9_scenario(engine: Engine, prefect_api: str, logs: Path, lease_s: float
     lost, again = (f"{what}-{uuid.uuid4().hex[:6]}" for what in ("lost", "again"))
     started: list[subprocess.Popen[bytes]] = []
     try:
-        # 1. killed, no retry: nothing stopped within the grace; then the sweeper stops all six
+        # both runs start together; the second lives on through step 1, whose sweeps must spare
+        # a live run's jobs (and the scenario starts the script once less)
         started.append(proc := start(lost))
+        started.append(first := start(again))
         killed = six_running(lost, proc)
+        ids = six_running(again, first)
+        # 1. killed, no retry: nothing stopped within the grace; then the sweeper stops all six
         killed_at = kill(proc)
         early = sweep([engine.block], lease_s=lease_s)
         assert not stopping(early, killed), "within the lease and the grace: nothing stopped"
@@ -147,6 +152,7 @@ def kill_9_scenario(engine: Engine, prefect_api: str, logs: Path, lease_s: float
 
         def swept() -> tuple[str, list[Verdict]] | None:
             state = sweeping(return_state=True)
+            assert not stopping(state.result(), ids), "a live run's jobs are spared"
             mine = stopping(state.result(), killed)
             return (str(state.state_details.flow_run_id), mine) if mine else None
 
@@ -160,21 +166,25 @@ def kill_9_scenario(engine: Engine, prefect_api: str, logs: Path, lease_s: float
         assert jobs(lost) == killed, "no other job of that run key"
 
         # 2. killed, then run again within the grace (a longer one, RETRY_GRACE_S): the re-run
-        # attaches; the sweeper spares all six
+        # attaches; the sweeper, run again and again from the kill on (as `sweep_flow` does),
+        # stops none of the six, and once the killed run's own signs of life are stale it spares
+        # them because the re-run names them (a reason that holds whatever the grace)
         patient = engine.block.model_copy(update={"sweep_grace_s": RETRY_GRACE_S})
-        started.append(first := start(again))
-        ids = six_running(again, first)
         killed_at = kill(first)
         started.append(retry := start(again))
         log = logs / f"{again}.log"
-        wait_for(lambda: log.read_text().count("attached to existing job") >= 6, 120,
-                 "the re-run to attach to the six jobs")  # fmt: skip
-        # past the moment the killed run's jobs would be stopped if nobody had attached
+        # the moment the killed run's jobs would be dead if nobody had attached
         dead_at = killed_at + 2 * HEARTBEAT_S + EVENTS_DELAY_S
-        time.sleep(max(0.0, dead_at + RETRY_GRACE_S + 2 - time.monotonic()))
-        verdicts = [v for v in sweep([patient], lease_s=lease_s) if v.job_id in ids]
-        assert len(verdicts) == 6 and not [v for v in verdicts if v.stop], verdicts
-        assert all("a run named it" in v.why for v in verdicts), verdicts
+
+        def spared_by_the_rerun() -> list[Verdict] | None:
+            judged_at = time.monotonic()
+            verdicts = [v for v in sweep([patient], lease_s=lease_s) if v.job_id in ids]
+            assert len(verdicts) == 6 and not [v for v in verdicts if v.stop], verdicts
+            named = all("a run named it" in v.why for v in verdicts)
+            attached = log.read_text().count("attached to existing job") >= 6
+            return verdicts if named and attached and judged_at > dead_at + 2 else None
+
+        wait_for(spared_by_the_rerun, RETRY_GRACE_S + 60, "the re-run to attach to the six jobs")
         assert jobs(again, live=True) == ids and jobs(again) == ids, "6 of 6 attached, no other"
         assert retry.poll() is None, "the re-run still waits on them"
         return Swept(killed, sweep_run_id, stopped_after)
