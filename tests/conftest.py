@@ -36,20 +36,30 @@ COMPAT = {
 }
 
 
-# The longest files, longest first (CI's --durations): `make test` runs the suite on two workers
-# that take whole files (`--dist loadfile`), and they end together only when these start first.
+# The longest files, longest first (per-file times of a CI run; both phases' files in one list):
+# `make test` runs each phase on two workers that take whole files (`--dist loadfile`), and they
+# end together only when these start first.
 LONGEST_FIRST = (
     "tests/test_run_jobs.py",
-    "tests/test_wheel.py",
-    "tests/test_outages.py",
     "tests/test_nemo_run_tasks.py",
-    "tests/test_ui.py",
-    "tests/test_sweeper_backends.py",
-    "tests/test_sweeper.py",
-    "tests/test_real_kuberay.py",
     "tests/test_deployments.py",
-    "tests/test_real_dynamo_trainer.py",
+    "tests/test_outages.py",
+    "tests/test_sweeper_backends.py",
+    "tests/test_real_kuberay.py",  # with the other ONE_CONTROL_PLANE files: one unit
+    "tests/test_nemo_run_slurm.py",
+    "tests/test_sweeper.py",
+    "tests/test_one_flow_any_backend.py",
+    "tests/test_kube_job_backends.py",
     "tests/test_crash_safety.py",
+    "tests/test_block_documents.py",
+    "tests/test_rl_dynamo_flow.py",
+    "tests/test_nemo_run_lepton.py",
+    "tests/test_slurm_ray.py",
+    "tests/test_run_job.py",
+    "tests/test_ui.py",
+    "tests/test_kuberay.py",
+    "tests/test_serving.py",
+    "tests/test_wheel.py",
 )
 
 
@@ -65,9 +75,13 @@ ONE_CONTROL_PLANE = (
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which would return its plain loadfile
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """`--dist loadfile`, with the ONE_CONTROL_PLANE files as one unit."""
+    """`--dist loadfile`, with the ONE_CONTROL_PLANE files as one unit, handed out in the
+    collection's order (LONGEST_FIRST)."""
     if config.getvalue("dist") != "loadfile":
         return None
+    # xdist otherwise hands out the files with the most tests first, which left the few-test,
+    # minutes-long files (the 1,000-job runs, the outages) to the end of one worker
+    config.option.loadscopereorder = False
     from xdist.scheduler import LoadFileScheduling
 
     class OneControlPlane(LoadFileScheduling):

@@ -433,12 +433,28 @@ def test_cross_experiment_dependency_goes_to_slurm_as_afterok(block, slurm, job_
     @flow
     def sft():
         experiment = start_experiment(sft_name, depends_on=[prep_name], poll_s=0.5)
-        threading.Timer(3.0, go.touch).start()  # the prep job ends after SFT is queued
+        # the prep job ends once SFT's sbatch script (written before its sbatch) names it: SFT
+        # was then submitted while prep had not ended, however slow the machine
+        threading.Thread(target=release_when_named, daemon=True).start()
         return run_job(
             JobSpec(entrypoint="echo trained", name="sft"), cluster=block, after=[experiment]
         )
 
     prep_handle = prep()  # returns as soon as the prep job is queued
+
+    # the prep job waits on the gate, so squeue has it
+    prep_id = slurm.run(["squeue", "-h", "-n", prep_handle.job_id, "-o", "%i"]).stdout.strip()
+    assert prep_id.isdigit(), prep_id
+
+    def release_when_named() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(
+            f"--dependency=afterok:{prep_id}" in path.read_text()
+            for path in job_root.rglob("*_sbatch.sh")
+        ):
+            time.sleep(0.2)
+        go.touch()
+
     result = sft()
     prep_row = wait_rows(slurm, prep_handle.job_id, "COMPLETED")[0]
     sft_row = wait_rows(slurm, result.handle.job_id, "COMPLETED")[0]
