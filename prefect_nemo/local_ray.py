@@ -111,8 +111,34 @@ def start_local_ray(
     token_auth: bool = True,
     object_store_bytes: int = 256 * 1024**2,
     timeout_s: float = 90.0,
+    attempts: int = 3,
 ) -> LocalRayCluster:
-    """Start a Ray head (dashboard on) on free ports and wait until its Jobs API answers."""
+    """Start a Ray head (dashboard on) on free ports and wait until it is up and its Jobs API
+    answers. `ray start` gives its raylet a fixed 30 s to register; on a machine too busy for
+    that it exits (having served its dashboard for a while), so that start is tried again."""
+    args = (num_cpus, num_gpus, resources, labels, token_auth, object_store_bytes, timeout_s)
+    for _ in range(attempts - 1):
+        try:
+            return _start_head(*args)
+        except _StartTimedOut as exc:
+            log.warning("local Ray head: %s; starting it again", exc)
+    return _start_head(*args)
+
+
+class _StartTimedOut(BackendUnavailable):
+    """`ray start` gave up on its own start-up bound (a busy machine): worth another try."""
+
+
+def _start_head(
+    num_cpus: int | None,
+    num_gpus: int | None,
+    resources: dict[str, float] | None,
+    labels: dict[str, str] | None,
+    token_auth: bool,
+    object_store_bytes: int,
+    timeout_s: float,
+) -> LocalRayCluster:
+    """One `ray start --head --block` on free ports, waited for."""
     ports = {
         name: free_port()
         for name in (
@@ -185,16 +211,27 @@ def start_local_ray(
     return cluster
 
 
+# what `ray start --block` prints once every process of the node is up (the dashboard answers
+# before that: a start that fails later takes it down again)
+_STARTED = "Ray runtime started."
+_RAY_GAVE_UP = "timed out during startup"
+
+
 def _wait_until_serving(cluster: LocalRayCluster, timeout_s: float) -> None:
     headers = {"Authorization": f"Bearer {cluster.token}"} if cluster.token else {}
     deadline = time.monotonic() + timeout_s
+    log_path = cluster.log_path
     while time.monotonic() < deadline:
         if cluster.process is not None and cluster.process.poll() is not None:
-            tail = cluster.log_path.read_text()[-2000:] if cluster.log_path else ""
+            tail = log_path.read_text()[-2000:] if log_path else ""
+            if _RAY_GAVE_UP in tail:
+                raise _StartTimedOut(f"ray start {_RAY_GAVE_UP} (log: {log_path})")
             raise BackendUnavailable(f"local Ray head exited during start-up:\n{tail}")
         try:
             # /api/jobs/ answers only once the job manager is up, not just the HTTP server.
-            if requests.get(f"{cluster.dashboard_url}/api/jobs/", headers=headers, timeout=2).ok:
+            if (log_path is None or _STARTED in log_path.read_text()) and requests.get(
+                f"{cluster.dashboard_url}/api/jobs/", headers=headers, timeout=2
+            ).ok:
                 return
         except requests.RequestException:
             pass

@@ -41,3 +41,30 @@ def _live_processes_in_group(pgid: int) -> list[str]:
                         text=True)
     return [line for line in ps.stdout.splitlines() if line.strip() and line.split()[0][0] != "Z"]
 
+
+
+def test_a_head_whose_ray_start_gave_up_is_started_again(tmp_path, monkeypatch):
+    """Ray's `node.py`: "The current node timed out during startup. This could happen because
+    some of the raylet failed to startup or the GCS has become overloaded." (its raylet gets a
+    fixed 30 s): the dashboard may have answered meanwhile, so only `ray start`'s own "Ray
+    runtime started." counts as up, and a start that gave up is tried again."""
+    log_path = tmp_path / "ray.log"
+    log_path.write_text("Exception: The current node timed out during startup. This ...\n")
+    gave_up = subprocess.Popen(["true"])
+    gave_up.wait()
+    cluster = local_ray.LocalRayCluster(
+        dashboard_url="http://127.0.0.1:9", process=gave_up, log_path=log_path
+    )
+    with pytest.raises(local_ray._StartTimedOut):
+        local_ray._wait_until_serving(cluster, timeout_s=10)
+
+    tries: list[int] = []
+
+    def start_head(*args):
+        tries.append(1)
+        if len(tries) == 1:
+            raise local_ray._StartTimedOut("ray start timed out during startup")
+        return cluster
+
+    monkeypatch.setattr(local_ray, "_start_head", start_head)
+    assert local_ray.start_local_ray() is cluster and len(tries) == 2
