@@ -191,6 +191,26 @@ def gate(tmp_path: Path) -> Iterator[tuple[Path, str]]:
     go.touch()
 
 
+def release_once_named(slurm, job_root: Path, upstream: str, go: Path) -> None:
+    """Touch `go` (letting the gated upstream job end) once a downstream's sbatch script, written
+    before its sbatch, names the upstream in `--dependency=afterok`: the downstream was then
+    submitted while the upstream had not ended, however slow the machine."""
+    # the upstream waits on the gate, so squeue has it
+    slurm_id = slurm.run(["squeue", "-h", "-n", upstream, "-o", "%i"]).stdout.strip()
+    assert slurm_id.isdigit(), slurm_id
+
+    def release() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(
+            f"--dependency=afterok:{slurm_id}" in path.read_text()
+            for path in job_root.rglob("*_sbatch.sh")
+        ):
+            time.sleep(0.2)
+        go.touch()
+
+    threading.Thread(target=release, daemon=True).start()
+
+
 def test_afterok_downstream_waits_then_runs(block, slurm, job_root, gate):
     up_name, down_name = unique("up"), unique("down")
     go, wait_go = gate
@@ -219,8 +239,9 @@ def test_afterok_downstream_waits_then_runs(block, slurm, job_root, gate):
     print(f"submit_job with an afterok dependency through the tunnel: {submit_s:.2f}s")
 
 
-def test_afterok_failed_upstream_cancels_downstream_and_says_why(block, slurm, job_root):
+def test_afterok_failed_upstream_cancels_downstream_and_says_why(block, slurm, job_root, gate):
     up_name, down_name = unique("upfail"), unique("never")
+    go, wait_go = gate
 
     @flow
     def waits(up, down):
@@ -232,7 +253,8 @@ def test_afterok_failed_upstream_cancels_downstream_and_says_why(block, slurm, j
 
     @flow
     def submits():
-        up = submit_job(JobSpec(entrypoint="sleep 2; exit 1", name=up_name), cluster=block)
+        up = submit_job(JobSpec(entrypoint=f"{wait_go}; exit 1", name=up_name), cluster=block)
+        release_once_named(slurm, job_root, up.job_id, go)
         down = submit_job(
             JobSpec(
                 entrypoint="echo must not run",
@@ -433,27 +455,12 @@ def test_cross_experiment_dependency_goes_to_slurm_as_afterok(block, slurm, job_
     @flow
     def sft():
         experiment = start_experiment(sft_name, depends_on=[prep_name], poll_s=0.5)
-        # the prep job ends once SFT's sbatch script (written before its sbatch) names it: SFT
-        # was then submitted while prep had not ended, however slow the machine
-        threading.Thread(target=release_when_named, daemon=True).start()
+        release_once_named(slurm, job_root, prep_handle.job_id, go)
         return run_job(
             JobSpec(entrypoint="echo trained", name="sft"), cluster=block, after=[experiment]
         )
 
     prep_handle = prep()  # returns as soon as the prep job is queued
-
-    # the prep job waits on the gate, so squeue has it
-    prep_id = slurm.run(["squeue", "-h", "-n", prep_handle.job_id, "-o", "%i"]).stdout.strip()
-    assert prep_id.isdigit(), prep_id
-
-    def release_when_named() -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not any(
-            f"--dependency=afterok:{prep_id}" in path.read_text()
-            for path in job_root.rglob("*_sbatch.sh")
-        ):
-            time.sleep(0.2)
-        go.touch()
 
     result = sft()
     prep_row = wait_rows(slurm, prep_handle.job_id, "COMPLETED")[0]
