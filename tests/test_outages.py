@@ -159,3 +159,20 @@ def test_a_heartbeat_goes_before_a_backlog_and_only_the_newest_is_kept(prefect_a
         return [e["payload"]["n"] for e in ours]
 
     assert wait_until(stored, 30, "the heartbeat stored") == [2], "only the newest unsent goes"
+
+
+def test_a_held_write_waits_for_its_time_and_goes_at_once_on_flush(prefect_api: str) -> None:
+    """Issue 16 (3): "the progress artifact and the job table should be updated at most every
+    ~1-2 s, not per job". The outbox holds a write made with `after_s` apart: a job's end
+    (`settle`) does not wait for it, while the run's end (`flush`) sends it at once, so the
+    last state of a table is never lost. Against the real API (the log line is delivered)."""
+    from prefect_nemo.tasks._outbox import Outbox
+
+    box, written = Outbox(), []
+    box.call(written.append, after_s=3600)
+    now = datetime.now(UTC).isoformat()
+    box.log({"name": "t", "level": 20, "message": "a line", "timestamp": now})
+    box.settle(outage_budget_s=60, quick_s=30)
+    assert written == [] and box.pending() == 1, "settle delivered the line, not the held write"
+    assert box.flush(timeout_s=30)
+    assert len(written) == 1 and box.pending() == 0

@@ -13,7 +13,9 @@ API has been unreachable (`unreachable_for`) is what the run context's outage bu
 Events keep their id across retries (the API stores an event id once). A heartbeat (`beat`)
 skips the queue: it proves a run is alive now, so it goes before whatever waits (a backlog of
 log lines must not make a live run look dead to the sweeper), and only the newest of each
-resource is kept. Log lines go with
+resource is kept. A write made with `after_s` (an artifact rewritten in place, at most every
+second or two) waits apart until it is due and then joins the queue; `flush` sends it at once,
+`settle` does not wait for it. Log lines go with
 `send_to_api` off through the run logger (the console shows them at once) and through here to
 the API. The thread runs while items wait and ends when the outbox is empty; at interpreter
 exit a last flush is tried for a few seconds.
@@ -53,6 +55,7 @@ class _Item:
     context: contextvars.Context | None = None  # the run context, for an event's related resources
     related_done: bool = field(default=False)
     sent: bool = field(default=False)  # delivered while others of its batch were not (retry)
+    due: float = 0.0  # monotonic time before which it waits apart (call(after_s=...))
 
 
 class Outbox:
@@ -61,6 +64,7 @@ class Outbox:
     def __init__(self, max_items: int = MAX_ITEMS) -> None:
         self._items: deque[_Item] = deque()
         self._beats: dict[str, _Item] = {}  # resource id -> the newest heartbeat not sent yet
+        self._later: list[_Item] = []  # writes not due yet (call(after_s=...))
         self._related: dict[tuple[str, str], list[Any]] = {}  # run context -> its resources
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -81,10 +85,18 @@ class Outbox:
         flow_run_id, task_run_id)."""
         self._put(_Item("log", record, SettingsContext.get()))
 
-    def call(self, write: Callable[[Any], None]) -> None:
+    def call(self, write: Callable[[Any], None], after_s: float = 0.0) -> None:
         """Run `write(sync_client)` in order with the rest (an artifact write); retried until
-        it succeeds, so it must be safe to repeat."""
-        self._put(_Item("call", write, SettingsContext.get()))
+        it succeeds, so it must be safe to repeat. With `after_s`, it joins the queue only
+        that much later (or at the next flush)."""
+        item = _Item("call", write, SettingsContext.get())
+        if after_s <= 0:
+            self._put(item)
+            return
+        item.due = time.monotonic() + after_s
+        with self._cond:
+            self._later.append(item)
+            self._wake()
 
     def beat(self, event: Event) -> None:
         """Send a heartbeat ahead of everything queued, replacing an unsent older one of the
@@ -108,7 +120,7 @@ class Outbox:
                 target=self._run, name="prefect-nemo-outbox", daemon=True
             )
             self._thread.start()
-        self._cond.notify()
+        self._cond.notify_all()  # the sender may wait for a held write, beside flush waiters
 
     # -- state --------------------------------------------------------------------------------
 
@@ -120,10 +132,17 @@ class Outbox:
     def pending(self) -> int:
         """Items not delivered yet."""
         with self._cond:
-            return len(self._items) + len(self._beats)
+            return len(self._items) + len(self._beats) + len(self._later)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait until everything put so far was delivered; False on timeout."""
+        """Wait until everything put so far (writes not due yet too: they go now) was
+        delivered; False on timeout."""
+        with self._cond:
+            self._promote(everything=True)
+        return self._drained(timeout_s)
+
+    def _drained(self, timeout_s: float) -> bool:
+        """Wait until the queue and the heartbeats are delivered; False on timeout."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while self._items or self._beats:
@@ -133,12 +152,22 @@ class Outbox:
                 self._cond.wait(min(remaining, 0.1))
         return True
 
+    def _promote(self, *, everything: bool = False) -> float | None:
+        """Move the writes that are due (or all) into the queue; the next due time of those
+        left, if any. Call with the lock held."""
+        now = time.monotonic()
+        if any(everything or item.due <= now for item in self._later):
+            self._items.extend(item for item in self._later if everything or item.due <= now)
+            self._later = [item for item in self._later if not everything and item.due > now]
+            self._cond.notify_all()
+        return min((item.due for item in self._later), default=None)
+
     def settle(self, outage_budget_s: float, quick_s: float = 2.0) -> None:
         """Wait until what was put so far is delivered: for up to `quick_s` while the API
         answers; while it is unreachable, until it answers again, unless it has been away for
         more than `outage_budget_s`."""
         quick_until = time.monotonic() + quick_s
-        while not self.flush(timeout_s=0.5):
+        while not self._drained(timeout_s=0.5):
             down = self.unreachable_for()
             if down > outage_budget_s or (not down and time.monotonic() > quick_until):
                 return
@@ -151,7 +180,11 @@ class Outbox:
         try:
             while True:
                 with self._cond:
+                    next_due = self._promote()
                     if not self._items and not self._beats:
+                        if next_due is not None:  # only writes not due yet: wait for them
+                            self._cond.wait(next_due - time.monotonic())
+                            continue
                         self._thread = None
                         self._cond.notify_all()
                         return
