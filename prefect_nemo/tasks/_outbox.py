@@ -7,8 +7,11 @@ logs, events and writes, and one request per item would not keep up.
 Prefect's own event and log workers drop what they cannot send after a few retries, so an API
 outage of a minute loses the events that deployment triggers wait for and the log lines of that
 window. Here an item that cannot be delivered is kept and sent again (with backoff) until the
-API answers; the outbox says once that it is waiting and once that it caught up. How long the
-API has been unreachable (`unreachable_for`) is what the run context's outage budget reads.
+API answers; the outbox says once that it is waiting and once that it answers again. How long
+the API has been unreachable (`unreachable_for`: since the start of the first send that failed,
+until one succeeds) is what the run context's outage budget reads. The retries are ours alone:
+Prefect's client, once it has connected, retries a refused connection by itself for about a
+minute (PREFECT_CLIENT_MAX_RETRIES, 2**n s apart), which hid a shorter outage from the budget.
 
 Events keep their id across retries (the API stores an event id once). A heartbeat (`beat`)
 skips the queue: it proves a run is alive now, so it goes before whatever waits (a backlog of
@@ -35,10 +38,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from prefect.client.orchestration import get_client
-from prefect.context import FlowRunContext, SettingsContext, TaskRunContext
+from prefect.context import FlowRunContext, SettingsContext, TaskRunContext, get_settings_context
 from prefect.events import Event
 from prefect.events.related import related_resources_from_run_context
 from prefect.logging import get_logger
+from prefect.settings import PREFECT_CLIENT_MAX_RETRIES
 
 MAX_ITEMS = 200_000  # beyond this the oldest items go (and we say how many)
 BATCH = 500
@@ -191,12 +195,13 @@ class Outbox:
                     beats = list(self._beats.values())
                     beats = [b for b in beats if _api(b.settings) == _api(beats[0].settings)]
                     batch = beats or self._batch()
+                started = time.monotonic()
                 try:
                     self._send(batch, clients)
                 except Exception as exc:
                     failures += 1
                     clients.close()  # a fresh connection for the next try
-                    self._failed(exc)
+                    self._failed(exc, started)
                     time.sleep(BACKOFF_S[min(failures, len(BACKOFF_S)) - 1])
                     continue
                 failures = 0
@@ -234,7 +239,7 @@ class Outbox:
         # the settings the items were made under (the API URL); a copy, since the original may
         # be entered in the caller's thread right now and a context is entered once at a time
         settings = batch[0].settings
-        with settings.model_copy() if settings else contextlib.nullcontext():
+        with clients.settings(settings):
             client = clients.get(settings)
             logs = [item for item in batch if item.kind == "log" and not item.sent]
             if logs:
@@ -280,22 +285,24 @@ class Outbox:
             event.related = [*event.related, *found]
             item.related_done = True
 
-    def _failed(self, exc: Exception) -> None:
+    def _failed(self, exc: Exception, started: float) -> None:
         if self._failing_since is None:
-            self._failing_since = time.monotonic()
+            self._failing_since = started  # a send that hung until it failed counts whole
             get_logger("prefect_nemo").warning(
                 f"the Prefect API does not take our events and logs ({type(exc).__name__}: "
                 f"{exc}); {self.pending()} kept, sent again when it answers"
             )
 
     def _caught_up(self) -> None:
-        if self._failing_since is not None and not self.pending():
+        """A send succeeded: the API answers (what is still kept follows; a held write waits
+        by our choice, not for the API)."""
+        if self._failing_since is not None:
             down = time.monotonic() - self._failing_since
             self._failing_since = None
             dropped, self._dropped = self._dropped, 0
             lost = f"; {dropped} oldest dropped past {self._max_items} kept" if dropped else ""
             get_logger("prefect_nemo").info(
-                f"the Prefect API answers again after {down:.0f}s: everything kept was sent{lost}"
+                f"the Prefect API answers again after {down:.0f}s: sending what was kept{lost}"
             )
 
 
@@ -305,10 +312,23 @@ def _mark_sent(items: list[_Item]) -> None:
 
 
 class _Clients:
-    """The outbox thread's sync clients, one per API (URL and key), kept for a drain."""
+    """The outbox thread's sync clients and settings, one per API (URL and key), kept for a
+    drain."""
 
     def __init__(self) -> None:
         self._open: dict[tuple[str, Any], Any] = {}
+        self._settings: dict[tuple[str, Any], SettingsContext] = {}
+
+    def settings(self, settings: SettingsContext | None) -> SettingsContext:
+        """The settings to send under: these (the API URL), with the client's own retries off
+        (the outbox retries; the client's would hide an outage for a minute). A copy of our
+        own: the original may be entered in the caller's thread right now."""
+        key = _api(settings)
+        if key not in self._settings:
+            base = settings or get_settings_context()
+            quiet = base.settings.copy_with_update(updates={PREFECT_CLIENT_MAX_RETRIES: 0})
+            self._settings[key] = SettingsContext(profile=base.profile, settings=quiet)
+        return self._settings[key]
 
     def get(self, settings: SettingsContext | None) -> Any:
         """The open client of these settings (made under them: the caller entered them)."""
