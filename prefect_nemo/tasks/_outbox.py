@@ -236,8 +236,7 @@ class Outbox:
     def _send(self, batch: list[_Item], clients: _Clients) -> None:
         """The batch's log lines in one request, its events in one, then its calls in order;
         each marked sent once delivered, so a retry after a failure sends only the rest."""
-        # the settings the items were made under (the API URL); a copy, since the original may
-        # be entered in the caller's thread right now and a context is entered once at a time
+        # the settings the items were made under (the API URL), as the thread's own copy
         settings = batch[0].settings
         with clients.settings(settings):
             client = clients.get(settings)
