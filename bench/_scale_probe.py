@@ -29,6 +29,30 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def cpu_s() -> float:
+    """CPU seconds this process has used (user + system): what load on the machine cannot
+    inflate, unlike wall time."""
+    times = os.times()
+    return times.user + times.system
+
+
+def server_cpu_s() -> float:
+    """CPU seconds used so far by the Prefect API server(s) this process started (uvicorn)."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and b"uvicorn" in cmdline:
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return total
+
+
 def _status_kb(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:

@@ -12,6 +12,9 @@ Figures (each with its raw baseline from the same run), N = 100 and 1,000:
 scale_kube_wall_ratio_<N> (ours flow wall / raw wall), scale_kube_rss_mb_<N>,
 scale_kube_threads_<N> (peaks of the flow process), scale_kube_detect_p50_s_<N> (from the
 simulator's write of the final status to run_jobs' wait seeing it; raw: its watch seeing it),
+scale_kube_cpu_s_<N> (CPU seconds of the flow process; raw: of the raw script; load on the
+machine inflates wall time far more than CPU time), scale_prefect_server_cpu_s_<N> (of the
+Prefect server during the flow),
 scale_kube_api_requests_per_job_<N>, scale_prefect_api_requests_per_job_<N> (HTTP; events on
 Prefect's websocket counted apart), scale_kube_per_job_cost_growth (per-job wall overhead over
 raw at 1,000 / at 100), scale_prefect_ui_page_s_max_1000 (the flow-run page's API requests,
@@ -58,18 +61,21 @@ def log(message: str) -> None:
 
 def child(kind: str, n: int, kubeconfig_path: str) -> dict[str, Any]:
     """One measurement in this fresh process; returns its figures."""
-    from bench._scale_probe import Sampler, open_fds, peak_rss_mb
+    from bench._scale_probe import Sampler, cpu_s, open_fds, peak_rss_mb
 
     kubeconfig = json.loads(Path(kubeconfig_path).read_text())
     before = (threading.active_count(), open_fds())
+    cpu0 = cpu_s()
     with Sampler() as sampler:
         if kind == "raw":
             out = _raw(n, kubeconfig)
         else:
             out = _ours(n, kubeconfig, submit=kind == "submit")
+    cpu = cpu_s() - cpu0
     time.sleep(2.0)  # threads that end with the run get to end
     after = (threading.active_count(), open_fds())
     out.update(
+        cpu_s=cpu,
         peak_threads=sampler.peak_threads,
         peak_rss_mb=peak_rss_mb(),
         threads_left=after[0] - before[0],  # Prefect's own workers stay for the process
@@ -180,7 +186,7 @@ def _raw(n: int, kubeconfig: dict[str, Any]) -> dict[str, Any]:
 
 def measure(kind: str, n: int, api_url: str | None, ui: list[float] | None) -> dict[str, Any]:
     """One measurement: a fresh simulated cluster, a fresh measured process."""
-    from bench._scale_probe import SimulatedCluster
+    from bench._scale_probe import SimulatedCluster, server_cpu_s
 
     with SimulatedCluster() as cluster:
         path = Path(f"/tmp/prefect-nemo-scale-{os.getpid()}.json")
@@ -194,6 +200,7 @@ def measure(kind: str, n: int, api_url: str | None, ui: list[float] | None) -> d
         if ui is not None and api_url:
             pager = threading.Thread(target=_time_ui, args=(api_url, ui, stop), daemon=True)
             pager.start()
+        server_cpu0 = server_cpu_s()
         try:
             proc = subprocess.run(
                 [sys.executable, "-m", "bench.scale", "child", kind, str(n), str(path)],
@@ -212,6 +219,7 @@ def measure(kind: str, n: int, api_url: str | None, ui: list[float] | None) -> d
         if proc.returncode != 0 or not lines:
             raise RuntimeError(f"{kind} N={n} failed (exit {proc.returncode})")
         out = json.loads(lines[-1])
+        out["server_cpu_s"] = server_cpu_s() - server_cpu0
         out["kube"] = cluster.ask("requests", since=since)
         completed = cluster.ask("completed")["completed"]
     detect = [
@@ -223,31 +231,41 @@ def measure(kind: str, n: int, api_url: str | None, ui: list[float] | None) -> d
 
 
 def _time_ui(api_url: str, samples: list[float], stop: threading.Event) -> None:
-    """Time the flow-run page's API requests every second while a flow runs."""
+    """Time the flow-run page's API requests every second while a flow runs (and log the
+    slowest of each request at the end: which one the page waits on)."""
     import httpx
+
+    slowest: dict[str, float] = {}
+
+    def timed(name: str, method: str, path: str, body: Any = None) -> Any:
+        t0 = time.monotonic()
+        response = client.request(method, path, json=body)
+        response.raise_for_status()
+        slowest[name] = max(slowest.get(name, 0.0), time.monotonic() - t0)
+        return response.json()
 
     with httpx.Client(base_url=api_url, timeout=30) as client:
         while not stop.wait(1.0):
             try:
                 t0 = time.monotonic()
-                runs = client.post(
-                    "/flow_runs/filter",
-                    json={"flow_runs": {"state": {"type": {"any_": ["RUNNING"]}}}, "limit": 1},
-                ).json()
+                running = {"flow_runs": {"state": {"type": {"any_": ["RUNNING"]}}}, "limit": 1}
+                runs = timed("flow_runs/filter", "POST", "/flow_runs/filter", running)
                 if not runs:
                     continue
                 run_id = runs[0]["id"]
-                client.get(f"/flow_runs/{run_id}").raise_for_status()
+                timed("flow_run", "GET", f"/flow_runs/{run_id}")
                 flt = {"flow_runs": {"id": {"any_": [run_id]}}}
-                client.post("/task_runs/filter", json={**flt, "limit": 100}).raise_for_status()
-                client.post("/task_runs/count", json=flt).raise_for_status()
-                client.post("/logs/filter", json={"logs": {"flow_run_id": {"any_": [run_id]}},
-                                                  "limit": 100}).raise_for_status()  # fmt: skip
-                client.post("/artifacts/filter", json=flt).raise_for_status()
+                timed("task_runs/filter", "POST", "/task_runs/filter", {**flt, "limit": 100})
+                timed("task_runs/count", "POST", "/task_runs/count", flt)
+                logs = {"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 100}
+                timed("logs/filter", "POST", "/logs/filter", logs)
+                timed("artifacts/filter", "POST", "/artifacts/filter", flt)
                 samples.append(time.monotonic() - t0)
             except Exception as exc:  # a slow or failing page is what we measure: note it
                 log(f"UI page request failed: {exc}")
                 samples.append(float("inf"))
+    parts = ", ".join(f"{name} {s:.2f}s" for name, s in slowest.items())
+    log(f"UI page, slowest of each request: {parts}")
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -310,10 +328,16 @@ def _kube(sizes: tuple[int, ...], api_url: str, report: Any) -> None:
         log(f"run_jobs in one flow run, N={n}")
         ours = measure("ours", n, api_url, ui if n >= 1000 else None)
         log(f"ours: {ours['wall_s']:.1f}s (jobs {ours['jobs_wall_s']:.1f}s) {ours['states']}")
+        log(f"ours: Prefect API requests by path {ours['prefect_by_path']}")
+        if ui:
+            log("UI page seconds, one a second: " + " ".join(f"{s:.2f}" for s in ui))
         report(f"scale_kube_wall_s_{n}", ours["wall_s"])
         report(f"scale_kube_wall_s_raw_{n}", raw["wall_s"])
         report(f"scale_kube_wall_ratio_{n}", ours["wall_s"] / raw["wall_s"])
         report(f"scale_kube_jobs_wall_s_{n}", ours["jobs_wall_s"])
+        report(f"scale_kube_cpu_s_{n}", ours["cpu_s"])
+        report(f"scale_kube_cpu_s_raw_{n}", raw["cpu_s"])
+        report(f"scale_prefect_server_cpu_s_{n}", ours["server_cpu_s"])
         report(f"scale_kube_rss_mb_{n}", ours["peak_rss_mb"])
         report(f"scale_kube_rss_mb_raw_{n}", raw["peak_rss_mb"])
         report(f"scale_kube_threads_{n}", ours["peak_threads"])

@@ -498,11 +498,16 @@ class Backend(Protocol):
 @runtime_checkable
 class PushesChanges(Protocol):
     """A backend that learns of status changes as they happen (a Kubernetes watch) rather than
-    by polling: the watcher then wakes on each change instead of at its next tick, and
-    `statuses()` is served from the backend's cache."""
+    by polling: the watcher then wakes on each change instead of at its next tick, asks only
+    for the jobs that changed, and `statuses()` is served from the backend's cache."""
 
     def subscribe(self, wake: Callable[[], None]) -> Callable[[], None]:
         """Call `wake` on every change of any job on the cluster; returns the unsubscribe."""
+        ...
+
+    def changed_since(self, version: int) -> tuple[int, set[str] | None]:
+        """(the current version, the ids of the jobs that changed after `version`); None for
+        the ids when any job may have (an error, a restart, a forgotten change): ask all."""
         ...
 
 

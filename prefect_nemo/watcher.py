@@ -2,11 +2,14 @@
 
 A waiting task registers its job with the cluster's watcher and blocks on a condition (or, on an
 event loop, awaits an asyncio event that the watcher sets only when that job changed: a thousand
-waits then hold no thread and wake nobody else); the watcher's thread asks the backend for all
+waits then hold no thread and wake nobody else). A backend that pushes changes (Kubernetes
+informers) wakes the watcher's thread when a job changed, and the thread asks only about the
+jobs that changed (plus new and missing ones), with a full pass every `max_interval_s` as the
+safety net: a thousand idle jobs cost nothing. Any other backend (Ray Jobs) is polled for all
 watched jobs in one call per tick (Ray: one `list_jobs`), so the request rate does not grow
-with the number of jobs. The tick interval adapts to the youngest live job: fast while jobs are
-young (short jobs finish soon), slower for long-running ones. `wait_until_terminal` (and its
-`_async` twin) is the one wait for a job to end on it. No Prefect import here.
+with the number of jobs; its tick interval adapts to the youngest live job: fast while jobs
+are young (short jobs finish soon), slower for long-running ones. `wait_until_terminal` (and
+its `_async` twin) is the one wait for a job to end on it. No Prefect import here.
 """
 
 from __future__ import annotations
@@ -159,22 +162,20 @@ class ClusterWatcher:
     # -- the polling thread -----------------------------------------------------------------
 
     def _run(self) -> None:
-        # a backend that pushes changes (a Kubernetes watch) wakes us at once; statuses() then
-        # reads its cache, so the ticks below cost no requests
-        unsubscribe = (
-            self.backend.subscribe(self._wake.set)
-            if isinstance(self.backend, PushesChanges)
-            else None
-        )
+        # a backend that pushes changes (a Kubernetes watch) wakes us at once and says which
+        # jobs changed; statuses() then reads its cache, so the ticks below cost no requests
+        pushes = self.backend if isinstance(self.backend, PushesChanges) else None
+        unsubscribe = pushes.subscribe(self._wake.set) if pushes is not None else None
         try:
-            self._poll()
+            self._poll(pushes)
         finally:
             if unsubscribe is not None:
                 unsubscribe()
 
-    def _poll(self) -> None:
+    def _poll(self, pushes: PushesChanges | None) -> None:
         failing_since: float | None = None
         failures = 0
+        version, full_at = -1, 0.0  # the backend's change version seen; the last full pass
         while True:
             with self._cond:
                 if self._thread is not threading.current_thread():  # closed, or failed
@@ -183,12 +184,20 @@ class ClusterWatcher:
                 if not job_ids:
                     self._thread = None
                     return
+            seen = version
+            if pushes is not None:  # asked before reading: a change meanwhile wakes us again
+                version, changed = pushes.changed_since(version)
+                if changed is not None and time.monotonic() - full_at < self.max_interval_s:
+                    job_ids = self._due(job_ids, changed)
+                else:
+                    full_at = time.monotonic()
             try:
-                statuses = self.backend.statuses(job_ids)
+                statuses = self.backend.statuses(job_ids) if job_ids else {}
             except (AuthenticationFailed, BackendClosed) as exc:  # final: retrying cannot help
                 self._fail(exc)
                 return
             except Exception as exc:  # transport trouble: retry with backoff within the budget
+                version = seen  # what changed meanwhile is asked again
                 failures += 1
                 failing_since = failing_since or time.monotonic()
                 down_for = time.monotonic() - failing_since
@@ -212,10 +221,19 @@ class ClusterWatcher:
             else:
                 failing_since, failures = None, 0
                 self._publish(job_ids, statuses)
-                interval = self._interval(statuses.values())
+                interval = (
+                    self.max_interval_s if pushes is not None else self._interval(statuses.values())
+                )
             self.ticks += 1
             self._wake.wait(interval)
             self._wake.clear()
+
+    def _due(self, job_ids: list[str], changed: set[str]) -> list[str]:
+        """Of the watched jobs, those to ask about: changed, not seen yet, or missing."""
+        with self._cond:
+            return [
+                j for j in job_ids if j in changed or j not in self._latest or j in self._missing
+            ]
 
     def _publish(self, job_ids: list[str], statuses: dict[str, JobStatus]) -> None:
         with self._cond:

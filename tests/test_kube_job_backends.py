@@ -10,6 +10,7 @@ the server directly, as a cluster's operators keep running while the flow loses 
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import threading
@@ -409,6 +410,53 @@ def test_nothing_runs_on_after_the_server_stops_and_the_backend_closes(bare: Env
     finally:
         logging.getLogger("prefect_nemo").removeHandler(handler)
     assert not records, [r.getMessage() for r in records]
+
+
+def test_the_watcher_asks_only_about_the_jobs_the_watch_says_changed(bare: Env) -> None:
+    """Issue 16 (2), push, not poll: "the informers already know which objects changed. Make
+    the watcher wake only the waits whose job changed ... so 1,000 idle waits cost ~0 CPU".
+    What the watch is documented for (Kubernetes API Concepts, "Efficient detection of
+    changes"): "watch is a verb that is used to track changes to an object in Kubernetes as a
+    stream. It is used for the efficient detection of changes." With 20 jobs watched and idle,
+    the watcher asks the backend nothing (its safety-net full pass comes every max_interval_s,
+    set long here); when one job's status changes, it asks about that job alone."""
+    from prefect_nemo.watcher import ClusterWatcher
+
+    backend = _backend(bare)
+    job_ids = [_submitted(bare, backend) for _ in range(20)]
+    asked: list[list[str]] = []
+    statuses = backend.statuses
+
+    def recording(ids: Any) -> Any:
+        asked.append(list(ids))
+        return statuses(ids)
+
+    backend.statuses = recording
+    watcher = ClusterWatcher(backend, max_interval_s=3600)
+    with contextlib.ExitStack() as stack:
+        for job_id in job_ids:
+            stack.enter_context(watcher.watching(job_id))
+        assert wait_until(lambda: all(watcher.latest(j) for j in job_ids), 10)
+        assert wait_until(lambda: all(i.synced.is_set() for i in backend.informers), 10)
+        idle_from = -1  # settled: the informers' first list told of every job once
+        for _ in range(20):
+            if idle_from == (idle_from := len(asked)):
+                break
+            time.sleep(0.5)
+        time.sleep(1.0)
+        assert asked[idle_from:] == [], "idle jobs were asked about"
+        done = job_ids[7]
+        bare.api().patch(bare.job.kind, done, {"status": bare.job.done}, subresource="status")
+        assert wait_until(lambda: (watcher.latest(done) or _pending()).state.is_terminal(), 10)
+        assert asked[idle_from:] and all(ids == [done] for ids in asked[idle_from:]), asked
+    watcher.close()
+    backend.close()
+
+
+def _pending() -> Any:
+    from prefect_nemo.jobs import JobStatus
+
+    return JobStatus(job_id="", state=JobState.PENDING)
 
 
 # ---------------------------------------------------------------------------------------------

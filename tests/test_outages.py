@@ -22,11 +22,18 @@ from prefect_nemo.testing.prefect_server import PrefectServer
 
 
 @pytest.fixture(scope="module")
-def engines(ray_head: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
-    """A restartable Prefect server of this module's own, the session's Ray head."""
-    work = tmp_path_factory.mktemp("outages")
-    with PrefectServer(work / "server") as server:
-        yield Engines(server, ray_head, work)
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
+    """A restartable Prefect server of this module's own."""
+    with PrefectServer(tmp_path_factory.mktemp("outages-server")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def engines(
+    server: PrefectServer, ray_head: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Engines]:
+    """The module's Prefect server, the session's Ray head."""
+    yield Engines(server, ray_head, tmp_path_factory.mktemp("outages"))
 
 
 def _explain(result: dict[str, Any]) -> str:
@@ -159,3 +166,55 @@ def test_a_heartbeat_goes_before_a_backlog_and_only_the_newest_is_kept(prefect_a
         return [e["payload"]["n"] for e in ours]
 
     assert wait_until(stored, 30, "the heartbeat stored") == [2], "only the newest unsent goes"
+
+
+def test_a_held_write_waits_for_its_time_and_goes_at_once_on_flush(prefect_api: str) -> None:
+    """Issue 16 (3): "the progress artifact and the job table should be updated at most every
+    ~1-2 s, not per job". The outbox holds a write made with `after_s` apart: a job's end
+    (`settle`) does not wait for it, while the run's end (`flush`) sends it at once, so the
+    last state of a table is never lost. Against the real API (the log line is delivered)."""
+    from prefect_nemo.tasks._outbox import Outbox
+
+    box, written = Outbox(), []
+    box.call(written.append, after_s=3600)
+    now = datetime.now(UTC).isoformat()
+    box.log({"name": "t", "level": 20, "message": "a line", "timestamp": now})
+    box.settle(outage_budget_s=60, quick_s=30)
+    assert written == [] and box.pending() == 1, "settle delivered the line, not the held write"
+    assert box.flush(timeout_s=30)
+    assert len(written) == 1 and box.pending() == 0
+
+
+def test_an_outbox_that_has_sent_sees_the_api_go_at_its_next_send(server: PrefectServer) -> None:
+    """Issue 17 item 4: "beyond a budget the flow fails with a clear error and stops its jobs";
+    the budget reads `outbox.unreachable_for()`. Prefect's client retries a refused connection
+    by itself once it has connected ("Only retry ConnectError after we've successfully
+    connected once ... resilience during server restarts", prefect/client/base.py) up to
+    PREFECT_CLIENT_MAX_RETRIES (5) times, 2**n s apart: a minute before the outbox saw a
+    failure. Its thread, kept alive by a held artifact write, kept that connected client, so a
+    14 s outage went unseen (the past-the-budget run above ran on for 275 s). Against the real
+    server: an outbox that delivered and holds a write says the API is unreachable within
+    seconds of the server's stop, and that it answers once back, the held write still held."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from prefect_nemo.tasks._outbox import Outbox
+
+    box, held = Outbox(), []
+
+    def line(message: str) -> dict[str, Any]:
+        return {"name": "t", "level": 20, "message": message,
+                "timestamp": datetime.now(UTC).isoformat()}  # fmt: skip
+
+    with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+        box.call(held.append, after_s=3600)  # keeps the sending thread (and its client) alive
+        box.log(line("before"))
+        wait_until(lambda: box.delivered == 1, 30, "the first line delivered")
+        server.stop()
+        try:
+            box.log(line("during"))
+            wait_until(lambda: box.unreachable_for() > 0, 5, "the outbox to see the outage")
+        finally:
+            server.start()
+        wait_until(lambda: box.unreachable_for() == 0, 30, "the outbox to see the API back")
+        assert box.delivered == 2 and held == [], "the line went, the held write still waits"
+        assert box.flush(timeout_s=30) and len(held) == 1

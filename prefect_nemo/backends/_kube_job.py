@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import deque
 from collections.abc import Callable, Collection
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -56,6 +57,7 @@ from prefect_nemo.kube import (
 MANAGED = f"{MANAGED_BY}=prefect-nemo"
 ConfigT = TypeVar("ConfigT")
 INFORMER_STOP_WAIT_S = 5.0  # how long stopping waits for each informer thread to end
+CHANGE_LOG = 8192  # job changes kept for changed_since(); an older version gets "ask all"
 
 
 # -------------------------------------------------------------------------------------------
@@ -94,6 +96,10 @@ class KubeJobBackend(Generic[ConfigT]):
         self._closed = False
         # statuses() memo: job id -> (resourceVersions of its object and pods, its status)
         self._parsed: dict[str, tuple[tuple[str, ...], JobStatus]] = {}
+        # what changed, for changed_since(): (version, job id), newest last
+        self._version = 0
+        self._changes: deque[tuple[int, str]] = deque(maxlen=CHANGE_LOG)
+        self._all_since = 0  # the version after which any job may have changed (ask all)
 
     # -- to implement ---------------------------------------------------------------------------
 
@@ -165,10 +171,13 @@ class KubeJobBackend(Generic[ConfigT]):
     def statuses(self, job_ids: Collection[str]) -> dict[str, JobStatus]:
         """From the informers' caches while a watcher is subscribed, else from one list; one GET
         only for an id neither has (gone, or not labelled as ours)."""
-        cached = self._cached() if self._checked_informers() else None
+        cached = self._cached(job_ids) if self._checked_informers() else None
         objects, pods = cached or self._listed()
         out: dict[str, JobStatus] = {}
-        parsed: dict[str, tuple[tuple[str, ...], JobStatus]] = {}
+        parsed = self._parsed
+        if len(parsed) > CHANGE_LOG:  # forget jobs nobody asks about any more
+            wanted = set(job_ids)
+            parsed = self._parsed = {k: v for k, v in parsed.items() if k in wanted}
         for job_id in job_ids:
             obj = objects.get(job_id)
             if obj is None:
@@ -183,8 +192,25 @@ class KubeJobBackend(Generic[ConfigT]):
                 parsed[job_id] = (versions, status)
             if status is not None:
                 out[job_id] = status
-        self._parsed = parsed
         return out
+
+    def changed_since(self, version: int) -> tuple[int, set[str] | None]:
+        """The jobs whose object or pods the informers saw change after `version` (None: any
+        may have: an informer (re)started or failed, or the change log forgot that far back),
+        with the version now. The watcher then maps only those (a thousand idle jobs cost
+        nothing)."""
+        with self._lock:
+            now = self._version
+            if self._all_since > version or (
+                len(self._changes) == CHANGE_LOG and self._changes[0][0] > version + 1
+            ):
+                return now, None
+            changed: set[str] = set()
+            for at, job_id in reversed(self._changes):
+                if at <= version:
+                    break
+                changed.add(job_id)
+            return now, changed
 
     def owned_jobs(self) -> list[OwnedJob]:
         """Our jobs in the namespace that have not ended, from ONE list by our managed-by
@@ -265,7 +291,7 @@ class KubeJobBackend(Generic[ConfigT]):
 
     def current_status(self, job_id: str) -> JobStatus | None:
         """From the informers' cache when they run and have the job (no request), else find()."""
-        objects, pods = self._cached() or ({}, {})
+        objects, pods = self._cached([job_id]) or ({}, {})
         if job_id in objects:
             return self.job_status(objects[job_id], pods.get(job_id, []))
         return self.find(job_id)
@@ -363,18 +389,25 @@ class KubeJobBackend(Generic[ConfigT]):
                     old.stop()
                 current[i] = Informer(
                     self.api, kind, self.namespace, label_selector=selector,
-                    on_change=self._wake_all, on_error=self._wake_all,
+                    on_change=self._job_changed if i == 0 else self._pod_changed,
+                    on_error=self._wake_all,
                 ).start()  # fmt: skip
+                self._version += 1
+                self._all_since = self._version  # a new cache: ask about every job once
         self._informers = tuple(i for i in current if i is not None)
         return self._informers
 
-    def _cached(self) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict[str, Any]]]] | None:
-        """Our jobs by name and their pods by job from the informers, once they have listed."""
+    def _cached(
+        self, job_ids: Collection[str]
+    ) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict[str, Any]]]] | None:
+        """These jobs by name (those the cache has) and their pods by job from the informers,
+        once they have listed: a lookup per job, so asking about a few costs little."""
         informers = self.informers
         if not informers or not all(i.synced.is_set() for i in informers):
             return None
         pods = informers[1].items() if len(informers) > 1 else []
-        return {o["metadata"]["name"]: o for o in informers[0].items()}, self._pods_by_job(pods)
+        found = ((job_id, informers[0].get(job_id)) for job_id in job_ids)
+        return {j: o for j, o in found if o is not None}, self._pods_by_job(pods)
 
     def _listed(self) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict[str, Any]]]]:
         """Our jobs by name (and their pods by job) from one list request each: no thread."""
@@ -432,8 +465,28 @@ class KubeJobBackend(Generic[ConfigT]):
                 except (NotFound, KeyError):
                     continue
 
-    def _wake_all(self, *_event: object) -> None:
+    def _job_changed(self, _event: str, obj: dict[str, Any]) -> None:
+        self._changed(obj["metadata"]["name"])
+
+    def _pod_changed(self, _event: str, pod: dict[str, Any]) -> None:
+        job_id = (pod["metadata"].get("labels") or {}).get(self.pod_job_label or "")
+        if job_id:
+            self._changed(job_id)
+
+    def _changed(self, job_id: str) -> None:
+        """Log the job's change for changed_since() and wake the subscribers."""
         with self._lock:
+            self._version += 1
+            self._changes.append((self._version, job_id))
+            wakes = list(self._wakes)
+        for wake in wakes:
+            wake()
+
+    def _wake_all(self, *_error: object) -> None:
+        """Any job may have changed (a watch error, close): wake the subscribers to ask all."""
+        with self._lock:
+            self._version += 1
+            self._all_since = self._version
             wakes = list(self._wakes)
         for wake in wakes:
             wake()

@@ -7,13 +7,18 @@ logs, events and writes, and one request per item would not keep up.
 Prefect's own event and log workers drop what they cannot send after a few retries, so an API
 outage of a minute loses the events that deployment triggers wait for and the log lines of that
 window. Here an item that cannot be delivered is kept and sent again (with backoff) until the
-API answers; the outbox says once that it is waiting and once that it caught up. How long the
-API has been unreachable (`unreachable_for`) is what the run context's outage budget reads.
+API answers; the outbox says once that it is waiting and once that it answers again. How long
+the API has been unreachable (`unreachable_for`: since the start of the first send that failed,
+until one succeeds) is what the run context's outage budget reads. The retries are ours alone:
+Prefect's client, once it has connected, retries a refused connection by itself for about a
+minute (PREFECT_CLIENT_MAX_RETRIES, 2**n s apart), which hid a shorter outage from the budget.
 
 Events keep their id across retries (the API stores an event id once). A heartbeat (`beat`)
 skips the queue: it proves a run is alive now, so it goes before whatever waits (a backlog of
 log lines must not make a live run look dead to the sweeper), and only the newest of each
-resource is kept. Log lines go with
+resource is kept. A write made with `after_s` (an artifact rewritten in place, at most every
+second or two) waits apart until it is due and then joins the queue; `flush` sends it at once,
+`settle` does not wait for it. Log lines go with
 `send_to_api` off through the run logger (the console shows them at once) and through here to
 the API. The thread runs while items wait and ends when the outbox is empty; at interpreter
 exit a last flush is tried for a few seconds.
@@ -33,10 +38,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from prefect.client.orchestration import get_client
-from prefect.context import FlowRunContext, SettingsContext, TaskRunContext
+from prefect.context import FlowRunContext, SettingsContext, TaskRunContext, get_settings_context
 from prefect.events import Event
 from prefect.events.related import related_resources_from_run_context
 from prefect.logging import get_logger
+from prefect.settings import PREFECT_CLIENT_MAX_RETRIES
 
 MAX_ITEMS = 200_000  # beyond this the oldest items go (and we say how many)
 BATCH = 500
@@ -53,6 +59,7 @@ class _Item:
     context: contextvars.Context | None = None  # the run context, for an event's related resources
     related_done: bool = field(default=False)
     sent: bool = field(default=False)  # delivered while others of its batch were not (retry)
+    due: float = 0.0  # monotonic time before which it waits apart (call(after_s=...))
 
 
 class Outbox:
@@ -61,6 +68,7 @@ class Outbox:
     def __init__(self, max_items: int = MAX_ITEMS) -> None:
         self._items: deque[_Item] = deque()
         self._beats: dict[str, _Item] = {}  # resource id -> the newest heartbeat not sent yet
+        self._later: list[_Item] = []  # writes not due yet (call(after_s=...))
         self._related: dict[tuple[str, str], list[Any]] = {}  # run context -> its resources
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -81,10 +89,18 @@ class Outbox:
         flow_run_id, task_run_id)."""
         self._put(_Item("log", record, SettingsContext.get()))
 
-    def call(self, write: Callable[[Any], None]) -> None:
+    def call(self, write: Callable[[Any], None], after_s: float = 0.0) -> None:
         """Run `write(sync_client)` in order with the rest (an artifact write); retried until
-        it succeeds, so it must be safe to repeat."""
-        self._put(_Item("call", write, SettingsContext.get()))
+        it succeeds, so it must be safe to repeat. With `after_s`, it joins the queue only
+        that much later (or at the next flush)."""
+        item = _Item("call", write, SettingsContext.get())
+        if after_s <= 0:
+            self._put(item)
+            return
+        item.due = time.monotonic() + after_s
+        with self._cond:
+            self._later.append(item)
+            self._wake()
 
     def beat(self, event: Event) -> None:
         """Send a heartbeat ahead of everything queued, replacing an unsent older one of the
@@ -108,7 +124,7 @@ class Outbox:
                 target=self._run, name="prefect-nemo-outbox", daemon=True
             )
             self._thread.start()
-        self._cond.notify()
+        self._cond.notify_all()  # the sender may wait for a held write, beside flush waiters
 
     # -- state --------------------------------------------------------------------------------
 
@@ -120,10 +136,17 @@ class Outbox:
     def pending(self) -> int:
         """Items not delivered yet."""
         with self._cond:
-            return len(self._items) + len(self._beats)
+            return len(self._items) + len(self._beats) + len(self._later)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait until everything put so far was delivered; False on timeout."""
+        """Wait until everything put so far (writes not due yet too: they go now) was
+        delivered; False on timeout."""
+        with self._cond:
+            self._promote(everything=True)
+        return self._drained(timeout_s)
+
+    def _drained(self, timeout_s: float) -> bool:
+        """Wait until the queue and the heartbeats are delivered; False on timeout."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while self._items or self._beats:
@@ -133,12 +156,22 @@ class Outbox:
                 self._cond.wait(min(remaining, 0.1))
         return True
 
+    def _promote(self, *, everything: bool = False) -> float | None:
+        """Move the writes that are due (or all) into the queue; the next due time of those
+        left, if any. Call with the lock held."""
+        now = time.monotonic()
+        if any(everything or item.due <= now for item in self._later):
+            self._items.extend(item for item in self._later if everything or item.due <= now)
+            self._later = [item for item in self._later if not everything and item.due > now]
+            self._cond.notify_all()
+        return min((item.due for item in self._later), default=None)
+
     def settle(self, outage_budget_s: float, quick_s: float = 2.0) -> None:
         """Wait until what was put so far is delivered: for up to `quick_s` while the API
         answers; while it is unreachable, until it answers again, unless it has been away for
         more than `outage_budget_s`."""
         quick_until = time.monotonic() + quick_s
-        while not self.flush(timeout_s=0.5):
+        while not self._drained(timeout_s=0.5):
             down = self.unreachable_for()
             if down > outage_budget_s or (not down and time.monotonic() > quick_until):
                 return
@@ -151,19 +184,24 @@ class Outbox:
         try:
             while True:
                 with self._cond:
+                    next_due = self._promote()
                     if not self._items and not self._beats:
+                        if next_due is not None:  # only writes not due yet: wait for them
+                            self._cond.wait(next_due - time.monotonic())
+                            continue
                         self._thread = None
                         self._cond.notify_all()
                         return
                     beats = list(self._beats.values())
                     beats = [b for b in beats if _api(b.settings) == _api(beats[0].settings)]
                     batch = beats or self._batch()
+                started = time.monotonic()
                 try:
                     self._send(batch, clients)
                 except Exception as exc:
                     failures += 1
                     clients.close()  # a fresh connection for the next try
-                    self._failed(exc)
+                    self._failed(exc, started)
                     time.sleep(BACKOFF_S[min(failures, len(BACKOFF_S)) - 1])
                     continue
                 failures = 0
@@ -198,10 +236,9 @@ class Outbox:
     def _send(self, batch: list[_Item], clients: _Clients) -> None:
         """The batch's log lines in one request, its events in one, then its calls in order;
         each marked sent once delivered, so a retry after a failure sends only the rest."""
-        # the settings the items were made under (the API URL); a copy, since the original may
-        # be entered in the caller's thread right now and a context is entered once at a time
+        # the settings the items were made under (the API URL), as the thread's own copy
         settings = batch[0].settings
-        with settings.model_copy() if settings else contextlib.nullcontext():
+        with clients.settings(settings):
             client = clients.get(settings)
             logs = [item for item in batch if item.kind == "log" and not item.sent]
             if logs:
@@ -247,22 +284,24 @@ class Outbox:
             event.related = [*event.related, *found]
             item.related_done = True
 
-    def _failed(self, exc: Exception) -> None:
+    def _failed(self, exc: Exception, started: float) -> None:
         if self._failing_since is None:
-            self._failing_since = time.monotonic()
+            self._failing_since = started  # a send that hung until it failed counts whole
             get_logger("prefect_nemo").warning(
                 f"the Prefect API does not take our events and logs ({type(exc).__name__}: "
                 f"{exc}); {self.pending()} kept, sent again when it answers"
             )
 
     def _caught_up(self) -> None:
-        if self._failing_since is not None and not self.pending():
+        """A send succeeded: the API answers (what is still kept follows; a held write waits
+        by our choice, not for the API)."""
+        if self._failing_since is not None:
             down = time.monotonic() - self._failing_since
             self._failing_since = None
             dropped, self._dropped = self._dropped, 0
             lost = f"; {dropped} oldest dropped past {self._max_items} kept" if dropped else ""
             get_logger("prefect_nemo").info(
-                f"the Prefect API answers again after {down:.0f}s: everything kept was sent{lost}"
+                f"the Prefect API answers again after {down:.0f}s: sending what was kept{lost}"
             )
 
 
@@ -272,10 +311,23 @@ def _mark_sent(items: list[_Item]) -> None:
 
 
 class _Clients:
-    """The outbox thread's sync clients, one per API (URL and key), kept for a drain."""
+    """The outbox thread's sync clients and settings, one per API (URL and key), kept for a
+    drain."""
 
     def __init__(self) -> None:
         self._open: dict[tuple[str, Any], Any] = {}
+        self._settings: dict[tuple[str, Any], SettingsContext] = {}
+
+    def settings(self, settings: SettingsContext | None) -> SettingsContext:
+        """The settings to send under: these (the API URL), with the client's own retries off
+        (the outbox retries; the client's would hide an outage for a minute). A copy of our
+        own: the original may be entered in the caller's thread right now."""
+        key = _api(settings)
+        if key not in self._settings:
+            base = settings or get_settings_context()
+            quiet = base.settings.copy_with_update(updates={PREFECT_CLIENT_MAX_RETRIES: 0})
+            self._settings[key] = SettingsContext(profile=base.profile, settings=quiet)
+        return self._settings[key]
 
     def get(self, settings: SettingsContext | None) -> Any:
         """The open client of these settings (made under them: the caller entered them)."""

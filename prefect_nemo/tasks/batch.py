@@ -37,7 +37,8 @@ from prefect_nemo.jobs import JobResult, JobSpec, JobState
 from prefect_nemo.lifecycle import JobIdentity, Submission, Supervisor, WaitPolicy
 from prefect_nemo.redaction import Redactor
 from prefect_nemo.tasks._blocks import ClusterLike, resolve_cluster
-from prefect_nemo.tasks._run import RunContext, current_run
+from prefect_nemo.tasks._outbox import outbox
+from prefect_nemo.tasks._run import RunContext, api_outage_budget_s, current_run
 from prefect_nemo.tasks.jobs import (
     Upstream,
     _after,
@@ -88,6 +89,25 @@ class _Window:
                 self._cond.notify_all()
 
 
+class _Settler:
+    """What a job's end waits for before its task run ends (`outbox.settle`: its reports reach
+    the API first, and through an outage its result waits for the API), on one thread for all
+    the jobs of the batch: a job that ends while a settle runs waits for the next one, so a
+    thousand ends cost a few settles and never block the loop."""
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()
+        self._started = 0
+
+    async def settle(self) -> None:
+        wanted = self._started + 1  # a settle that starts after this call
+        async with self._lock:
+            if self._started >= wanted:  # one started after the call and has ended
+                return
+            self._started += 1
+            await asyncio.to_thread(outbox.settle, api_outage_budget_s())
+
+
 class _Batch:
     """One run_jobs call: its specs, the one backend they share, the window, the progress."""
 
@@ -109,6 +129,7 @@ class _Batch:
         secrets = list(self.backend.secrets) + [v for s in specs for v in s.secret_values()]
         self.redact = Redactor(secrets)
         self.done = 0
+        self.settler = _Settler()
         self.limit_name: str | None = None  # the cluster's concurrency cap (run_job's), if set
 
     def validate(self) -> None:
@@ -156,9 +177,8 @@ class _Batch:
             unreachable_budget_s=self.block.unreachable_budget_s,
             stop_timeout_s=self.block.stop_timeout_s,
         )
-        supervisor = Supervisor(
-            self.backend, policy, JobReporter(run, self.redact), run.interrupted, self.redact
-        )
+        reporter = JobReporter(run, self.redact, settle=False)
+        supervisor = Supervisor(self.backend, policy, reporter, run.interrupted, self.redact)
         slot = (
             concurrency(self.limit_name, occupy=1, strict=True)
             if self.limit_name
@@ -166,7 +186,11 @@ class _Batch:
         )
         async with slot:  # the cluster's cap, held from submit to end as run_job holds it
             submission = await self._submit(supervisor, spec, _identity(spec, run), run)
-            return await supervisor.wait_async(submission.handle, attached=submission.attached)
+            try:
+                return await supervisor.wait_async(submission.handle, attached=submission.attached)
+            finally:
+                if run.flow_run_id is not None:
+                    await self.settler.settle()
 
     async def _submit(
         self, supervisor: Supervisor, spec: JobSpec, identity: JobIdentity, run: RunContext

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -66,20 +67,28 @@ def say(run: RunContext, level: int, message: str) -> None:
 
 class _CoalescedWrites:
     """One artifact per flow run, rewritten in place. A write is queued only when none is
-    waiting already, and it serializes the state current when it is sent: a thousand changes
-    between two sends cost one write, and the last state is always the one written."""
+    waiting already, at most one every MIN_WRITE_S per run, and it serializes the state
+    current when it is sent: a thousand changes between two sends cost one write (a thousand
+    rows rewritten per job would compete with the UI for the API), and the last state is
+    always the one written (the run's end flushes the outbox)."""
+
+    MIN_WRITE_S = 1.5
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: set[str] = set()  # flow runs with a write waiting in the outbox
         self._artifacts: dict[str, UUID] = {}
+        self._written: dict[str, float] = {}  # flow run -> when its last write was sent
 
     def _changed(self, flow_run_id: str) -> None:
         """Queue a write of the run's artifact unless one is waiting. Call with _lock held."""
         if flow_run_id in self._pending:
             return
         self._pending.add(flow_run_id)
-        outbox.call(lambda client: self._write(client, flow_run_id))
+        since = time.monotonic() - self._written.get(flow_run_id, -self.MIN_WRITE_S)
+        outbox.call(
+            lambda client: self._write(client, flow_run_id), after_s=self.MIN_WRITE_S - since
+        )
 
     def _data(self, flow_run_id: str) -> tuple[str, Any, str]:
         """(artifact type, data, description) as they are now. Called with _lock held."""
@@ -89,6 +98,7 @@ class _CoalescedWrites:
         """Create the run's artifact, or rewrite it (the outbox runs writes in order)."""
         with self._lock:
             self._pending.discard(flow_run_id)
+            self._written[flow_run_id] = time.monotonic()
             kind, data, description = self._data(flow_run_id)
         artifact_id = self._artifacts.get(flow_run_id)
         if artifact_id is None:
@@ -192,9 +202,10 @@ class JobReporter:
     the run while it is live.
     """
 
-    def __init__(self, run: RunContext, redact: Redactor) -> None:
+    def __init__(self, run: RunContext, redact: Redactor, *, settle: bool = True) -> None:
         self.run = run
         self.redact = redact
+        self.settle = settle  # off: the caller settles the outbox itself (run_jobs, once for many)
         self._last_state: dict[str, JobState] = {}
 
     def submitted(self, handle: JobHandle, *, attached: bool, drift: str | None) -> None:
@@ -248,7 +259,7 @@ class JobReporter:
         """The wait is over: nothing to stop on the run's behalf any more; what was reported
         reaches the API before the task hands its result to Prefect."""
         self.run.untrack(_work_key(handle))
-        if self.run.flow_run_id is not None:
+        if self.settle and self.run.flow_run_id is not None:
             # Prefect's own state change that follows (the task run's end) gives up after about
             # a minute of retries: a job that ends while the Prefect server is down hands its
             # result back once the server is there to take it (within the outage budget)
