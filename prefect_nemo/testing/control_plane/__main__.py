@@ -21,6 +21,7 @@ def main(argv: list[str]) -> int:
             return 1 if in_ci else 0
         build.build()
         build.build_trainer()  # the real Kubeflow Trainer controller (test_real_dynamo_trainer)
+        build.build_jobset()  # ... and the JobSet controller that runs the Trainer's JobSets
         print(f"control-plane binaries: {build.cache_dir()}")
         return 0
     if command == "up":
