@@ -69,9 +69,6 @@ code_dir = loopback_kubeflow.code_dir  # a fixture those tests take
 
 ENDPOINT_SLICE = Kind("discovery.k8s.io", "v1", "EndpointSlice", "endpointslices")
 JOBSET = Kind("jobset.x-k8s.io", "v1alpha2", "JobSet", "jobsets")
-# where the real Trainer's JobSets stay unstarted (no node agent serves it): the simulator's
-# TrainJobs are in default, and those that run to their end in controllers.TRAINER_NAMESPACE
-RENDER_NS = "trainer-render"
 
 
 @pytest.fixture(scope="module")
@@ -115,22 +112,10 @@ def sim(server: Any) -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def trainer_controllers(server: Any) -> Any:
     """The real Kubeflow Trainer + JobSet controllers the control plane started (`make
-    control-plane` builds them; outside CI the test skips until then), and the namespaces of
-    their TrainJobs."""
-    from kubernetes import client
-
+    control-plane` builds them; outside CI the test skips until then); they write only in
+    controllers.TRAINER_NAMESPACE (the simulator's TrainJobs are in default)."""
     if reason := server.controllers_unavailable:
         (pytest.fail if IN_CI else pytest.skip)(reason)
-    from prefect_nemo.testing.control_plane.controllers import TRAINER_NAMESPACE
-
-    for namespace in (RENDER_NS, TRAINER_NAMESPACE):
-        try:
-            client.CoreV1Api(server.api_client()).create_namespace(
-                {"metadata": {"name": namespace}}
-            )
-        except client.ApiException as exc:
-            if exc.status != 409:  # 409: there from an earlier run
-                raise
     return server
 
 
@@ -171,16 +156,16 @@ def test_the_real_trainer_builds_the_pods_the_simulator_runs(
     contributor's entry is merged "into the final JobSet before creation". The real v2.3.0
     controller's JobSet for our two-node TrainJob (torchrun, code by runtimePatches, a Secret
     env) holds the very pod template our simulator runs; the JobSet is owned by the TrainJob
-    and goes with it (the real garbage collector); its pods unbound (no node serves RENDER_NS),
-    it is PENDING."""
+    and goes with it (the real garbage collector)."""
     from pydantic import SecretStr
 
-    from prefect_nemo import JobSpec, JobState
+    from prefect_nemo import JobSpec
     from prefect_nemo.backends.kubeflow import KubeflowTrainerBackend
     from prefect_nemo.blocks.kubernetes import KubernetesCluster
     from prefect_nemo.kube import TRAIN_JOB
+    from prefect_nemo.testing.control_plane.controllers import TRAINER_NAMESPACE
 
-    api = KubernetesCluster(kubeconfig=server.kubeconfig(), namespace=RENDER_NS).api()
+    api = KubernetesCluster(kubeconfig=server.kubeconfig(), namespace=TRAINER_NAMESPACE).api()
     backend = KubeflowTrainerBackend(api, TrainerConfig(image="python:3.11-slim", num_nodes=2))
     job_id = f"real-{uid()}"
     spec = JobSpec(entrypoint="python train.py", working_dir=code_dir, launcher="torchrun",
@@ -200,7 +185,6 @@ def test_the_real_trainer_builds_the_pods_the_simulator_runs(
         "OnFailure"
     )
     assert real == simulated
-    assert backend.find(job_id).state is JobState.PENDING
     owner = jobset["metadata"]["ownerReferences"][0]
     assert (owner["kind"], owner["name"]) == ("TrainJob", job_id)
     api.delete(TRAIN_JOB, job_id)
@@ -256,5 +240,5 @@ def test_a_trainjob_runs_to_complete_on_the_real_trainer_jobset_and_job_controll
         POD, label_selector=f"jobset.sigs.k8s.io/jobset-name={cancelled}")[0], 30)  # fmt: skip
     assert gone, "the JobSet or its pods outlived the cancelled TrainJob"
     assert wait_until(lambda: not pod_processes(pod_uids), 10), "its processes outlived it"
-    assert backend.find(cancelled).state is JobState.STOPPED
+    assert wait_until(lambda: backend.find(cancelled).state is JobState.STOPPED, 10)
     api.delete(TRAIN_JOB, done)

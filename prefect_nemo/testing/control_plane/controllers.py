@@ -9,6 +9,12 @@ webhooks are, by URL, because its controller relies on their defaulting (a nil s
 network would panic its reconciler: "Default performs defaulting of jobset values as defined in
 the JobSet API", jobset pkg/webhooks/jobset_webhook.go). JobSet's pod webhooks act only on
 exclusive placement, which no prefect-nemo runtime asks for, so they are left out.
+
+Both watch every namespace (neither can be told one), while the simulators run their own
+TrainJobs on the same API server: RBAC confines them. Their user may read everything but write
+only in TRAINER_NAMESPACE, so a TrainJob elsewhere gets no JobSet and no status from them (the
+Trainer logs "forbidden" and backs off), as a real cluster confines a controller's
+ServiceAccount. Nothing cluster-scoped is written: the runtimes get no "in use" finalizer.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ JOBSET_WEBHOOKS = (  # name, path, operations: JobSet's config/components/webhoo
     ("mjobset.kb.io", "/mutate-jobset-x-k8s-io-v1alpha2-jobset", ("CREATE",)),
     ("vjobset.kb.io", "/validate-jobset-x-k8s-io-v1alpha2-jobset", ("CREATE", "UPDATE")),
 )
+
+
+USER = "prefect-nemo-trainer-controllers"  # their identity in the static token file
 
 
 @dataclass
@@ -86,6 +95,24 @@ def prepare(workdir: Path, kubeconfig: Path) -> tuple[list[Controller], list[dic
             "--zap-encoder=console"], env, f"http://{jobset_probe}/readyz"),
     ]  # fmt: skip
     return controllers, _jobset_webhooks(ca_pem, jobset_port)
+
+
+def rbac() -> list[tuple[str, dict[str, Any]]]:
+    """(collection path, object): read everything anywhere, write only in TRAINER_NAMESPACE."""
+    subject = [{"kind": "User", "name": USER, "apiGroup": "rbac.authorization.k8s.io"}]
+    base, name = "/apis/rbac.authorization.k8s.io/v1", USER
+    read = [{"apiGroups": ["*"], "resources": ["*"], "verbs": ["get", "list", "watch"]}]
+    write = [{"apiGroups": ["*"], "resources": ["*"], "verbs": ["*"]}]
+    in_ns = f"{base}/namespaces/{TRAINER_NAMESPACE}"
+    return [
+        (f"{base}/clusterroles", {"metadata": {"name": name}, "rules": read}),
+        (f"{base}/clusterrolebindings", {"metadata": {"name": name}, "subjects": subject,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                        "name": name}}),
+        (f"{in_ns}/roles", {"metadata": {"name": name}, "rules": write}),
+        (f"{in_ns}/rolebindings", {"metadata": {"name": name}, "subjects": subject,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name}}),
+    ]  # fmt: skip
 
 
 def _jobset_webhooks(ca_pem: bytes, port: int) -> list[dict[str, Any]]:

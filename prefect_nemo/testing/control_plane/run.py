@@ -86,6 +86,7 @@ class ControlPlane(TokenClientConfig):
         self.operator = operator
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="prefect-nemo-control-plane-"))
         self.token = secrets.token_urlsafe(24)
+        self._controllers_token = secrets.token_urlsafe(24)  # controllers.USER's
         self.ca_pem: bytes | None = None
         self.url = ""
         self.pids: dict[str, int] = {}
@@ -136,7 +137,9 @@ class ControlPlane(TokenClientConfig):
                 "--kubelet-preferred-address-types=InternalIP,ExternalIP,Hostname",
             ])  # fmt: skip
             self._wait_ready(START_TIMEOUT_S)
-            self.install_crds()  # before the garbage collector discovers what it watches
+            # before the garbage collector discovers what it watches (a CRD added later waits
+            # for its next discovery, ~30 s, before its objects' dependents are collected)
+            self.install_crds()
             self._spawn("kube-controller-manager", [
                 str(binary("kube-controller-manager")), f"--kubeconfig={files['kubeconfig']}",
                 f"--authentication-kubeconfig={files['kubeconfig']}",
@@ -153,7 +156,7 @@ class ControlPlane(TokenClientConfig):
                     "--log-stdout-encoder=console", f"--watch-namespace={OPERATOR_NAMESPACE}",
                 ], env={"KUBECONFIG": str(files["kubeconfig"])})  # fmt: skip
                 self._start_agent(files["kubeconfig"])
-                self._start_controllers(files["kubeconfig"])
+                self._start_controllers()
         except BaseException:
             self.stop()
             raise
@@ -170,19 +173,25 @@ class ControlPlane(TokenClientConfig):
                 str(kubeconfig), OPERATOR_NAMESPACE, controllers.TRAINER_NAMESPACE,
             ])  # fmt: skip
 
-    def _start_controllers(self, kubeconfig: Path) -> None:
-        """The Trainer + JobSet controllers (when built), with JobSet's webhooks registered;
-        returns once both answer their readiness probe."""
+    def _start_controllers(self) -> None:
+        """The Trainer + JobSet controllers (when built) as controllers.USER, with its RBAC and
+        JobSet's webhooks; returns once both answer their readiness probe."""
         self.controllers_unavailable = controllers.unavailable_reason()
         if self.controllers_unavailable is not None:
             return
-        self.install_crds([yaml.safe_load(build.jobset_crd().read_text())])
+        namespace = {"metadata": {"name": controllers.TRAINER_NAMESPACE}}
+        for path, body in [("/api/v1/namespaces", namespace), *controllers.rbac()]:
+            self.request("POST", path, body)
+        kubeconfig = self.workdir / "controllers.kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump(self.kubeconfig(
+            context="controllers", token=self._controllers_token)))  # fmt: skip
+        kubeconfig.chmod(0o600)
         started, webhooks = controllers.prepare(self.workdir / "controllers", kubeconfig)
-        for controller in started:
-            self._spawn(controller.name, controller.argv, controller.env)
         for webhook in webhooks:
             plural = webhook["kind"].lower() + "s"
             self.request("POST", f"/apis/admissionregistration.k8s.io/v1/{plural}", webhook)
+        for controller in started:
+            self._spawn(controller.name, controller.argv, controller.env)
         deadline = time.monotonic() + START_TIMEOUT_S
         for controller in started:
             while not _answers(controller.ready_url):
@@ -249,8 +258,8 @@ class ControlPlane(TokenClientConfig):
     # -- for tests ---------------------------------------------------------------------------
 
     def install_crds(self, docs: list[dict[str, Any]] | None = None) -> None:
-        """Create CRDs (by default those of ../shared/crds, or $PREFECT_NEMO_CRDS) and wait
-        until served; one already there is kept."""
+        """Create CRDs (by default those of ../shared/crds, or $PREFECT_NEMO_CRDS, and JobSet's
+        when built) and wait until served; one already there is kept."""
         from kubernetes import client
 
         from prefect_nemo.testing.kube_api import crd_dir
@@ -258,6 +267,8 @@ class ControlPlane(TokenClientConfig):
         if docs is None:
             shared = sorted(crd_dir().glob("*.yaml"))
             docs = [*(yaml.safe_load(path.read_text()) for path in shared), _RAYSERVICE_STANDIN]
+            if build.jobset_crd().is_file():  # the JobSet controller's (with the Trainer)
+                docs.append(yaml.safe_load(build.jobset_crd().read_text()))
         api = client.ApiextensionsV1Api(self.api_client())
         names = []
         for doc in docs:
@@ -324,7 +335,10 @@ class ControlPlane(TokenClientConfig):
         files["sa_pub"].write_bytes(sa.public_key().public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo,
         ))  # fmt: skip
-        files["tokens"].write_text(f'{self.token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n')
+        files["tokens"].write_text(
+            f'{self.token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n'
+            f"{self._controllers_token},{controllers.USER},{controllers.USER}\n"
+        )
         files["kubeconfig"] = self.workdir / "admin.kubeconfig"
         files["kubeconfig"].write_text(yaml.safe_dump(self.kubeconfig(context="control-plane")))
         for path in files.values():
