@@ -219,12 +219,13 @@ class NodeAgent:
             # would be the machine's, so `ray start` is told the pod's address.
             argv = [_ray_node_ip(a, pod.ip) for a in argv]
             path = pod.dir / f"{spec['name']}.log"
-            self.node.set_log(pod.namespace, pod.name, lambda: _read(path), spec["name"])
             with open(path, "ab") as out:
                 container.proc = subprocess.Popen(
                     argv, env=env, cwd=pod.dir, stdout=out, stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL, start_new_session=True,
                 )  # fmt: skip
+            self.node.set_log(pod.namespace, pod.name, lambda: path.read_text(errors="replace"),
+                              spec["name"])  # fmt: skip
             container.started_at, container.exit_code = _now(), None
         except (OSError, ValueError, client.ApiException, KeyError) as exc:
             log.warning("pod %s/%s container %s: %s", pod.namespace, pod.name, spec["name"], exc)
@@ -442,10 +443,6 @@ def _orphans() -> list[int]:
                     agents.add(var.split(b"=", 1)[1].decode())
     dead = {pid for pid in agents if not Path(f"/proc/{pid}").exists()}
     return pod_processes(dead, AGENT_MARKER) if dead else []
-
-
-def _read(path: Path) -> str:
-    return path.read_bytes().decode(errors="replace") if path.exists() else ""
 
 
 def _ray_node_ip(arg: str, ip: str) -> str:
