@@ -7,10 +7,9 @@ finalizers, the real garbage collector, the frontend reached through the real se
 (routed by the real EndpointSlice controller to the simulator's frontend, listening on a pod
 address of its own from `PodNetwork`), and pod logs read through the API server from the
 simulator's kubelet endpoint. The others stay loopback-only: they drive loopback controls
-(forbid, drop_watches, the request log). The real Kubeflow Trainer controller (v2.3.0, built
-from its Go module by `build.build_trainer()`) checks what the simulator runs: it needs no
-webhook here, but without a JobSet controller and a kubelet for Job pods its JobSets never
-start, so the TrainJob tests run on the simulator.
+(forbid, drop_watches, the request log). The real Kubeflow Trainer controller (v2.3.0) and the
+real JobSet controller (v0.12.0), built from their Go modules and started by the control plane,
+run one TrainJob to its end (pods run by the node agent) and check what the simulator runs.
 """
 
 from __future__ import annotations
@@ -70,7 +69,6 @@ code_dir = loopback_kubeflow.code_dir  # a fixture those tests take
 
 ENDPOINT_SLICE = Kind("discovery.k8s.io", "v1", "EndpointSlice", "endpointslices")
 JOBSET = Kind("jobset.x-k8s.io", "v1alpha2", "JobSet", "jobsets")
-REAL_TRAINER_NS = "trainer-real"  # the real Trainer's TrainJobs: the simulator's are in default
 
 
 @pytest.fixture(scope="module")
@@ -104,33 +102,21 @@ def server(kube_server: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def sim(server: Any) -> Iterator[Any]:
-    """The TrainJob simulator in `default` only (REAL_TRAINER_NS is the real controller's)."""
+    """The TrainJob simulator in `default` only (the real controllers' are elsewhere)."""
     from prefect_nemo.testing.operators import TrainJobSimulator
 
     with TrainJobSimulator(server, namespace="default") as simulator:
         yield simulator
 
 
-@pytest.fixture
-def trainer_controller(server: Any) -> Iterator[None]:
-    """The real Kubeflow Trainer controller while the test runs (`make control-plane` builds it;
-    outside CI the test skips until then)."""
-    from prefect_nemo.testing.control_plane import build, run
-
-    if not (build.trainer_binary().is_file() and build.jobset_crd().is_file()):
-        reason = f"the real Kubeflow Trainer controller is not built: {build.TRAINER_HINT}"
+@pytest.fixture(scope="module")
+def trainer_controllers(server: Any) -> Any:
+    """The real Kubeflow Trainer + JobSet controllers the control plane started (`make
+    control-plane` builds them; outside CI the test skips until then); they write only in
+    controllers.TRAINER_NAMESPACE (the simulator's TrainJobs are in default)."""
+    if reason := server.controllers_unavailable:
         (pytest.fail if IN_CI else pytest.skip)(reason)
-    from kubernetes import client
-
-    try:
-        client.CoreV1Api(server.api_client()).create_namespace(
-            {"metadata": {"name": REAL_TRAINER_NS}}
-        )
-    except client.ApiException as exc:
-        if exc.status != 409:  # 409: there from an earlier run
-            raise
-    with run.trainer_controller(server):
-        yield
+    return server
 
 
 def test_real_gc_takes_the_pods_service_and_endpoints_of_a_deleted_dgd(
@@ -162,7 +148,7 @@ def test_real_gc_takes_the_pods_service_and_endpoints_of_a_deleted_dgd(
 
 
 def test_the_real_trainer_builds_the_pods_the_simulator_runs(
-    server: Any, sim: Any, code_dir: Any, trainer_controller: None
+    server: Any, sim: Any, code_dir: Any, trainer_controllers: Any
 ) -> None:
     """Kubeflow Trainer (Job Template guide): "Kubeflow Trainer controller manager creates the
     appropriate JobSet based on the TrainJob specification, the Template, and additional
@@ -170,15 +156,16 @@ def test_the_real_trainer_builds_the_pods_the_simulator_runs(
     contributor's entry is merged "into the final JobSet before creation". The real v2.3.0
     controller's JobSet for our two-node TrainJob (torchrun, code by runtimePatches, a Secret
     env) holds the very pod template our simulator runs; the JobSet is owned by the TrainJob
-    and goes with it (the real garbage collector); with no JobSet status yet, it is PENDING."""
+    and goes with it (the real garbage collector)."""
     from pydantic import SecretStr
 
-    from prefect_nemo import JobSpec, JobState
+    from prefect_nemo import JobSpec
     from prefect_nemo.backends.kubeflow import KubeflowTrainerBackend
     from prefect_nemo.blocks.kubernetes import KubernetesCluster
     from prefect_nemo.kube import TRAIN_JOB
+    from prefect_nemo.testing.control_plane.controllers import TRAINER_NAMESPACE
 
-    api = KubernetesCluster(kubeconfig=server.kubeconfig(), namespace=REAL_TRAINER_NS).api()
+    api = KubernetesCluster(kubeconfig=server.kubeconfig(), namespace=TRAINER_NAMESPACE).api()
     backend = KubeflowTrainerBackend(api, TrainerConfig(image="python:3.11-slim", num_nodes=2))
     job_id = f"real-{uid()}"
     spec = JobSpec(entrypoint="python train.py", working_dir=code_dir, launcher="torchrun",
@@ -192,9 +179,66 @@ def test_the_real_trainer_builds_the_pods_the_simulator_runs(
     for container in real["spec"]["containers"]:
         if container.get("resources") == {}:
             del container["resources"]  # Go's empty struct: the same as none
-    assert real == sim.pod_template(api.get(TRAIN_JOB, job_id))
-    assert backend.find(job_id).state is JobState.PENDING
+    simulated = sim.pod_template(api.get(TRAIN_JOB, job_id))
+    # JobSet's webhook: "Default pod restart policy to OnFailure" (our runtime sets none)
+    assert "restartPolicy" not in simulated["spec"] and real["spec"].pop("restartPolicy") == (
+        "OnFailure"
+    )
+    assert real == simulated
     owner = jobset["metadata"]["ownerReferences"][0]
     assert (owner["kind"], owner["name"]) == ("TrainJob", job_id)
     api.delete(TRAIN_JOB, job_id)
     assert wait_until(lambda: api.get(JOBSET, job_id) is None, 30), "the JobSet outlived it"
+
+
+def test_a_trainjob_runs_to_complete_on_the_real_trainer_jobset_and_job_controllers(
+    trainer_controllers: Any,
+) -> None:
+    """Kubeflow Trainer v2.3.0 (trainjob_types.go): "TrainJobComplete means that the TrainJob
+    has completed its execution", set by its JobSet plugin from the JobSet's "Completed"
+    condition ("JobSetCompleted means the job has completed its execution", reason
+    "AllJobsCompleted", message "jobset completed successfully": JobSet v0.12.0). Our
+    one-node TrainJob goes TrainJob -> real Trainer -> JobSet -> real JobSet controller -> Job
+    -> real Job controller -> pod, run by the node agent as a local process: it reaches
+    Complete, its log comes back through the API server's `pods/log` (the node's kubelet
+    endpoint), and a job we cancel loses its JobSet, pods and processes to the real garbage
+    collector ("Kubernetes checks for and deletes objects that no longer have owner
+    references"). One node: each pod here shares the machine's ports, and torch's rendezvous
+    across pods would need the pods' DNS names, which the agent does not serve."""
+    from prefect_nemo import JobSpec, JobState
+    from prefect_nemo.backends.kubeflow import KubeflowTrainerBackend
+    from prefect_nemo.blocks.kubernetes import KubernetesCluster
+    from prefect_nemo.kube import TRAIN_JOB
+    from prefect_nemo.testing.control_plane.controllers import TRAINER_NAMESPACE
+    from prefect_nemo.testing.control_plane.node_agent import pod_processes
+
+    plane = trainer_controllers
+    if plane.agent_unavailable:
+        (pytest.fail if IN_CI else pytest.skip)(plane.agent_unavailable)
+    api = KubernetesCluster(kubeconfig=plane.kubeconfig(), namespace=TRAINER_NAMESPACE).api()
+    backend = KubeflowTrainerBackend(api, TrainerConfig(image="python:3.11-slim"))
+    done, cancelled = f"done-{uid()}", f"cancel-{uid()}"
+    program = "import os; print('trained on node', os.environ['NODE_RANK'])"
+    backend.submit(JobSpec(entrypoint=f'python -c "{program}"'), done, META)
+    sleeper = "import time; print('started', flush=True); time.sleep(300)"
+    backend.submit(JobSpec(entrypoint=f'python -c "{sleeper}"'), cancelled, META)
+
+    status = loopback_kubeflow.wait_terminal(backend, done, 60)
+    why = plane.log("jobset-controller")[-2000:] + plane.log("node_agent")[-2000:]
+    assert status.state is JobState.SUCCEEDED, f"{status}: {why}"
+    complete = next(c for c in api.get(TRAIN_JOB, done)["status"]["conditions"]
+                    if c["type"] == "Complete")  # fmt: skip
+    assert (complete["status"], complete["reason"]) == ("True", "AllJobsCompleted")
+    assert "trained on node 0" in backend.logs(done)
+
+    assert wait_until(lambda: "started" in (backend.read_log(cancelled) or ""), 30), why
+    pod_uids = {p["metadata"]["uid"] for p in api.list(
+        POD, label_selector=f"jobset.sigs.k8s.io/jobset-name={cancelled}")[0]}  # fmt: skip
+    assert pod_uids and pod_processes(pod_uids)
+    backend.request_stop(cancelled)
+    gone = wait_until(lambda: api.get(JOBSET, cancelled) is None and not api.list(
+        POD, label_selector=f"jobset.sigs.k8s.io/jobset-name={cancelled}")[0], 30)  # fmt: skip
+    assert gone, "the JobSet or its pods outlived the cancelled TrainJob"
+    assert wait_until(lambda: not pod_processes(pod_uids), 10), "its processes outlived it"
+    assert wait_until(lambda: backend.find(cancelled).state is JobState.STOPPED, 10)
+    api.delete(TRAIN_JOB, done)

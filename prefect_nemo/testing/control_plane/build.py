@@ -156,7 +156,7 @@ def build() -> None:
 # v2.3.0 is the Trainer of ../shared/crds; the module proxy serves it although its version list
 # (`go list -m -versions`) names only v2.0.0, whose API has no runtimePatches (our code mounts)
 TRAINER = "v2.3.0"
-JOBSET = "v0.12.0"  # the JobSet API Trainer v2.3.0 requires: its CRD only (no JobSet controller)
+JOBSET = "v0.12.0"  # the JobSet API Trainer v2.3.0 requires (its CRD, and its controller)
 TRAINER_HINT = (
     "build the real Kubeflow Trainer controller once with `python -c 'from prefect_nemo.testing."
     "control_plane import build; build.build_trainer()'` (about 10 minutes on 2 cores)"
@@ -182,19 +182,42 @@ def _module_dir(module: str, env: dict[str, str]) -> Path:
     return Path(json.loads(out.stdout)["Dir"])
 
 
+def _build_in_module(module: str, package: str, out: Path) -> dict[str, str]:
+    """Build `package` of `module` (name@version, downloaded into the module cache) to `out`,
+    printing the build time; the env it built with."""
+    go = go_binary()
+    if go is None:
+        raise RuntimeError(f"cannot build {module}: {GO_HINT}")
+    t0 = time.monotonic()
+    env = dict(os.environ, GO=go, GOFLAGS="-mod=mod -buildvcs=false")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    source = _module_dir(module, env)
+    _go(["build", "-o", str(out), package], source, dict(env, GOFLAGS="-buildvcs=false"))
+    print(f"control-plane build {out.parent.parent.name}: {time.monotonic() - t0:.0f}s", flush=True)
+    return env
+
+
 def build_trainer() -> None:
     """Build the Trainer manager and fetch JobSet's CRD (once), printing the build time."""
     if trainer_binary().is_file() and jobset_crd().is_file():
         return
-    go = go_binary()
-    if go is None:
-        raise RuntimeError(f"cannot build the Trainer controller: {GO_HINT}")
-    t0 = time.monotonic()
-    env = dict(os.environ, GO=go, GOFLAGS="-mod=mod -buildvcs=false")
-    trainer_binary().parent.mkdir(parents=True, exist_ok=True)
-    source = _module_dir(f"github.com/kubeflow/trainer/v2@{TRAINER}", env)
-    _go(["build", "-o", str(trainer_binary()), "./cmd/trainer-controller-manager"], source,
-        dict(env, GOFLAGS="-buildvcs=false"))  # fmt: skip
+    env = _build_in_module(f"github.com/kubeflow/trainer/v2@{TRAINER}",
+                           "./cmd/trainer-controller-manager", trainer_binary())  # fmt: skip
     crd = _module_dir(f"sigs.k8s.io/jobset@{JOBSET}", env) / "config/components/crd/bases"
     shutil.copyfile(crd / jobset_crd().name, jobset_crd())
-    print(f"control-plane build trainer-{TRAINER}: {time.monotonic() - t0:.0f}s", flush=True)
+
+
+# -- the real JobSet controller (`build_jobset()`): runs the JobSets the Trainer writes ----------
+
+
+def jobset_binary() -> Path:
+    """The JobSet manager built from `sigs.k8s.io/jobset` at JOBSET."""
+    return cache_dir() / f"jobset-{JOBSET}" / "bin" / "jobset-controller"
+
+
+def build_jobset() -> None:
+    """Build the JobSet manager (once) from the module's own source, printing the build time.
+    `go install sigs.k8s.io/jobset@v` fails here (the proxy refuses the version list, 403), and
+    the module's main package is its root, so it is built in the downloaded module."""
+    if not jobset_binary().is_file():
+        _build_in_module(f"sigs.k8s.io/jobset@{JOBSET}", ".", jobset_binary())

@@ -7,10 +7,12 @@ first on PATH). Each pod gets its own address on `lo` (PodNetwork); Services of 
 namespaces resolve to the address of a Ready pod their selector matches. Pod status goes
 Pending -> Running (podIP, Ready once its readiness probe passes) -> Succeeded/Failed with exit
 codes; a deleted pod's processes are killed and its address released, and the pod is removed
-(the kubelet's final delete). Only the served namespaces: other tests' simulators write pods
-on the same API server and set their status themselves.
+(the kubelet's final delete). Each container's output is its log, served to `pods/log` from
+the Node's kubelet endpoint (SimNode.serve_logs, as the simulators' nodes serve theirs). Only
+the served namespaces: other tests' simulators write pods on the same API server and set their
+status themselves.
 
-`python -m prefect_nemo.testing.control_plane.node_agent KUBECONFIG [NAMESPACE ...]` runs one
+`python -m prefect_nemo.testing.control_plane.node_agent KUBECONFIG NAMESPACE...` runs one
 until SIGTERM (how ControlPlane starts it, so `make control-plane up` keeps it).
 """
 
@@ -88,9 +90,7 @@ class _Pod:
 class NodeAgent:
     """One Node whose pods are local processes; `start()` its thread, `stop()` ends everything."""
 
-    def __init__(
-        self, api_client: client.ApiClient, namespaces: tuple[str, ...] = ("kuberay",)
-    ) -> None:
+    def __init__(self, api_client: client.ApiClient, namespaces: tuple[str, ...]) -> None:
         self.core = client.CoreV1Api(api_client)
         # short: Ray's unix sockets live under a pod's TMPDIR, and their paths must stay < 108
         self.workdir = Path(tempfile.mkdtemp(prefix="pnpods-", dir="/tmp"))
@@ -123,6 +123,7 @@ class NodeAgent:
             self._thread.join(30)
         _kill(list(self.pods.values()))
         self.pods.clear()
+        self.node.close()
         self.network.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
         with contextlib.suppress(Exception):
@@ -144,12 +145,12 @@ class NodeAgent:
         self.node.register()
         self.core.patch_node_status(NODE_NAME, {"status": {
             "capacity": capacity, "allocatable": capacity,
-            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"},
-                          {"type": "Hostname", "address": NODE_NAME}],
+            "addresses": [{"type": "Hostname", "address": NODE_NAME}],
             "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
                             "message": "prefect-nemo node agent", "lastHeartbeatTime": _now(),
                             "lastTransitionTime": _now()}],
         }})  # fmt: skip
+        self.node.serve_logs()  # the Node's InternalIP and kubelet port: where pods/log goes
 
     # -- one pass over the served namespaces -----------------------------------------------------
 
@@ -217,11 +218,14 @@ class NodeAgent:
             # In a pod the address Ray finds by its default route is the pod's own; here it
             # would be the machine's, so `ray start` is told the pod's address.
             argv = [_ray_node_ip(a, pod.ip) for a in argv]
-            with open(pod.dir / f"{spec['name']}.log", "ab") as out:
+            path = pod.dir / f"{spec['name']}.log"
+            with open(path, "ab") as out:
                 container.proc = subprocess.Popen(
                     argv, env=env, cwd=pod.dir, stdout=out, stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL, start_new_session=True,
                 )  # fmt: skip
+            self.node.set_log(pod.namespace, pod.name, lambda: path.read_text(errors="replace"),
+                              spec["name"])  # fmt: skip
             container.started_at, container.exit_code = _now(), None
         except (OSError, ValueError, client.ApiException, KeyError) as exc:
             log.warning("pod %s/%s container %s: %s", pod.namespace, pod.name, spec["name"], exc)
@@ -330,6 +334,7 @@ class NodeAgent:
     def _forget(self, pod: _Pod) -> None:
         _kill([pod])
         self.network.release(pod.ip)
+        self.node.forget(pod.namespace, pod.name)  # its log
         self.pods.pop(pod.uid, None)
         log.info("pod %s/%s gone", pod.namespace, pod.name)
 
@@ -484,7 +489,7 @@ def _memory_kib() -> int:
 def main(argv: list[str]) -> int:
     """Run an agent for the cluster of `argv[0]` (a kubeconfig) until SIGTERM or SIGINT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    kubeconfig, namespaces = argv[0], tuple(argv[1:]) or ("kuberay",)
+    kubeconfig, namespaces = argv[0], tuple(argv[1:])
     agent = NodeAgent(config.new_client_from_config(kubeconfig), namespaces).start()
     log.info("node %s serving %s; pods under %s", NODE_NAME, namespaces, agent.workdir)
     stopped = threading.Event()

@@ -1,11 +1,13 @@
 """Start the real control plane on loopback: etcd, kube-apiserver, kube-controller-manager, the
-CRDs of ../shared/crds, the KubeRay operator; stop every process by pid.
+CRDs of ../shared/crds, the KubeRay operator, and (when built) the Kubeflow Trainer and JobSet
+controllers (controllers.py); stop every process by pid.
 
 Generated per start: a CA and the API server's certificate, the ServiceAccount signing key and
 an admin token (static token file, group system:masters); authorization is RBAC only, so a
 ServiceAccount token gets exactly what its Roles grant. No scheduler and no kubelet: with the
 operator comes our node agent (node_agent.py), which binds and runs the pods of the operator's
-namespace as local processes; it needs the pod network (root), else `agent_unavailable` says why.
+namespace and of the Trainer's (controllers.TRAINER_NAMESPACE) as local processes; it needs the
+pod network (root), else `agent_unavailable` says why.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ import yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from prefect_nemo.testing.control_plane import build, pod_network
+from prefect_nemo.testing.control_plane import build, controllers, pod_network
 from prefect_nemo.testing.kube_api.client_config import TokenClientConfig
 from prefect_nemo.testing.kube_api.tls import server_cert_pems
 
@@ -85,11 +86,13 @@ class ControlPlane(TokenClientConfig):
         self.operator = operator
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="prefect-nemo-control-plane-"))
         self.token = secrets.token_urlsafe(24)
+        self._controllers_token = secrets.token_urlsafe(24)  # controllers.USER's
         self.ca_pem: bytes | None = None
         self.url = ""
         self.pids: dict[str, int] = {}
         self.started_s = 0.0
         self.agent_unavailable: str | None = None  # why no node agent runs the pods
+        self.controllers_unavailable: str | None = None  # why no Trainer + JobSet controllers
         self._owned = True  # False when attached to one started by another process
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -129,9 +132,14 @@ class ControlPlane(TokenClientConfig):
                 # pods need no `default` ServiceAccount first: no kubelet mounts its token, and
                 # a fresh namespace would race the ServiceAccount controller
                 "--disable-admission-plugins=ServiceAccount",
+                # as kubeadm sets it: pods/log dials a node's InternalIP first (our nodes' names
+                # resolve nowhere)
+                "--kubelet-preferred-address-types=InternalIP,ExternalIP,Hostname",
             ])  # fmt: skip
             self._wait_ready(START_TIMEOUT_S)
-            self.install_crds()  # before the garbage collector discovers what it watches
+            # before the garbage collector discovers what it watches (a CRD added later waits
+            # for its next discovery, ~30 s, before its objects' dependents are collected)
+            self.install_crds()
             self._spawn("kube-controller-manager", [
                 str(binary("kube-controller-manager")), f"--kubeconfig={files['kubeconfig']}",
                 f"--authentication-kubeconfig={files['kubeconfig']}",
@@ -148,6 +156,7 @@ class ControlPlane(TokenClientConfig):
                     "--log-stdout-encoder=console", f"--watch-namespace={OPERATOR_NAMESPACE}",
                 ], env={"KUBECONFIG": str(files["kubeconfig"])})  # fmt: skip
                 self._start_agent(files["kubeconfig"])
+                self._start_controllers()
         except BaseException:
             self.stop()
             raise
@@ -161,8 +170,35 @@ class ControlPlane(TokenClientConfig):
         if self.agent_unavailable is None:
             self._spawn("node_agent", [
                 sys.executable, "-m", "prefect_nemo.testing.control_plane.node_agent",
-                str(kubeconfig), OPERATOR_NAMESPACE,
+                str(kubeconfig), OPERATOR_NAMESPACE, controllers.TRAINER_NAMESPACE,
             ])  # fmt: skip
+
+    def _start_controllers(self) -> None:
+        """The Trainer + JobSet controllers (when built) as controllers.USER, with its RBAC and
+        JobSet's webhooks; returns once both answer their readiness probe."""
+        self.controllers_unavailable = controllers.unavailable_reason()
+        if self.controllers_unavailable is not None:
+            return
+        namespace = {"metadata": {"name": controllers.TRAINER_NAMESPACE}}
+        for path, body in [("/api/v1/namespaces", namespace), *controllers.rbac()]:
+            self.request("POST", path, body)
+        kubeconfig = self.workdir / "controllers.kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump(self.kubeconfig(
+            context="controllers", token=self._controllers_token)))  # fmt: skip
+        kubeconfig.chmod(0o600)
+        started, webhooks = controllers.prepare(self.workdir / "controllers", kubeconfig)
+        for webhook in webhooks:
+            plural = webhook["kind"].lower() + "s"
+            self.request("POST", f"/apis/admissionregistration.k8s.io/v1/{plural}", webhook)
+        for controller in started:
+            self._spawn(controller.name, controller.argv, controller.env)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for controller in started:
+            while not _answers(controller.ready_url):
+                if not _alive(self.pids[controller.name]) or time.monotonic() > deadline:
+                    log = self.log(controller.name)[-3000:]
+                    raise RuntimeError(f"{controller.name} did not get ready: {log}")
+                time.sleep(0.2)
 
     def stop(self) -> None:
         """Stop every process (by pid, newest first) and remove the work folder; nothing for
@@ -208,6 +244,11 @@ class ControlPlane(TokenClientConfig):
         plane._owned = own
         if plane.operator and "node_agent" not in plane.pids:
             plane.agent_unavailable = "the control plane left running has no node agent"
+        if "jobset-controller" not in plane.pids:
+            plane.controllers_unavailable = (
+                "the control plane left running has no Trainer + JobSet controllers: "
+                "`make control-plane CP=down`, then `make control-plane CP=up`"
+            )
         try:
             plane._wait_ready(2.0)
         except TimeoutError:
@@ -217,8 +258,8 @@ class ControlPlane(TokenClientConfig):
     # -- for tests ---------------------------------------------------------------------------
 
     def install_crds(self, docs: list[dict[str, Any]] | None = None) -> None:
-        """Create CRDs (by default those of ../shared/crds, or $PREFECT_NEMO_CRDS) and wait
-        until served; one already there is kept."""
+        """Create CRDs (by default those of ../shared/crds, or $PREFECT_NEMO_CRDS, and JobSet's
+        when built) and wait until served; one already there is kept."""
         from kubernetes import client
 
         from prefect_nemo.testing.kube_api import crd_dir
@@ -226,6 +267,8 @@ class ControlPlane(TokenClientConfig):
         if docs is None:
             shared = sorted(crd_dir().glob("*.yaml"))
             docs = [*(yaml.safe_load(path.read_text()) for path in shared), _RAYSERVICE_STANDIN]
+            if build.jobset_crd().is_file():  # the JobSet controller's (with the Trainer)
+                docs.append(yaml.safe_load(build.jobset_crd().read_text()))
         api = client.ApiextensionsV1Api(self.api_client())
         names = []
         for doc in docs:
@@ -292,7 +335,10 @@ class ControlPlane(TokenClientConfig):
         files["sa_pub"].write_bytes(sa.public_key().public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo,
         ))  # fmt: skip
-        files["tokens"].write_text(f'{self.token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n')
+        files["tokens"].write_text(
+            f'{self.token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n'
+            f"{self._controllers_token},{controllers.USER},{controllers.USER}\n"
+        )
         files["kubeconfig"] = self.workdir / "admin.kubeconfig"
         files["kubeconfig"].write_text(yaml.safe_dump(self.kubeconfig(context="control-plane")))
         for path in files.values():
@@ -351,50 +397,6 @@ def _stop_pid(pid: int, name: str, timeout_s: float = 10.0) -> None:
             os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, 0)
-
-
-@contextlib.contextmanager
-def trainer_controller(plane: ControlPlane) -> Iterator[int]:
-    """The real Kubeflow Trainer manager (`build.build_trainer()`) on `plane` while in the block;
-    yields its pid, stops it by pid at exit. JobSet's CRD is installed (no JobSet controller
-    runs: JobSets stay unstarted); its certificate management is off, as no webhook of it is
-    registered with the API server, and its webhook server serves a self-signed certificate
-    from the default cert dir under its own TMPDIR."""
-    # the Trainer refuses to start its JobSet plugin without JobSet's CRD
-    plane.install_crds([yaml.safe_load(build.jobset_crd().read_text())])
-    workdir = Path(tempfile.mkdtemp(prefix="prefect-nemo-trainer-"))
-    certs = workdir / "k8s-webhook-server" / "serving-certs"
-    certs.mkdir(parents=True)
-    _, cert_pem, key_pem = server_cert_pems("kubeflow-trainer-controller-manager")
-    (certs / "tls.crt").write_bytes(cert_pem)
-    (certs / "tls.key").write_bytes(key_pem)
-    probe = f"127.0.0.1:{_free_port()}"
-    (workdir / "config.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "config.trainer.kubeflow.org/v1alpha1", "kind": "Configuration",
-        "health": {"healthProbeBindAddress": probe}, "metrics": {"bindAddress": "0"},
-        "webhook": {"host": "127.0.0.1", "port": _free_port()},
-        "leaderElection": {"leaderElect": False}, "certManagement": {"enable": False},
-    }))  # fmt: skip
-    kubeconfig = plane.workdir / "admin.kubeconfig"  # the plane's own (0600): no second copy
-    with open(workdir / "trainer.log", "ab") as out:
-        proc = subprocess.Popen(
-            [str(build.trainer_binary()), f"--config={workdir / 'config.yaml'}",
-             "--zap-encoder=console"],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir,
-            env={**os.environ, "KUBECONFIG": str(kubeconfig), "TMPDIR": str(workdir)},
-            start_new_session=True,
-        )  # fmt: skip
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _answers(f"http://{probe}/readyz"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log = (workdir / "trainer.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"the Trainer controller did not get ready: {log}")
-            time.sleep(0.2)
-        yield proc.pid
-    finally:
-        _stop_pid(proc.pid, "trainer-controller-manager")
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _answers(url: str) -> bool:
