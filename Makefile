@@ -40,12 +40,10 @@ demo: $(STAMP)
 	$(BIN)/prefect-nemo demo
 
 ## Install, lint and test, printing each phase's time: the whole suite in the core environment
-## (newest Prefect) and, side by side with it, in the extras environment (Prefect 3.5) what needs
-## the extras plus the Prefect 3.5 smoke of the core (tests marked `compat`, chosen in
-## tests/conftest.py). Side by side: the real-engine tests mostly wait on clusters, so one phase
-## alone kept the 2 cores about half busy.
+## (newest Prefect), then in the extras environment (Prefect 3.5) what needs the extras plus
+## the Prefect 3.5 smoke of the core (tests marked `compat`, chosen in tests/conftest.py).
 test:
-	@MAKE="$(MAKE)" scripts/timed-phases install system lint control-plane test-core+test-extras
+	@MAKE="$(MAKE)" scripts/timed-phases install system lint control-plane test-core test-extras
 
 # --durations: CI's log names the slowest tests of each phase (the budget is 20 minutes in all).
 # Two workers, each taking whole files: most real-engine tests wait on a cluster, not on a core.
