@@ -240,5 +240,8 @@ def test_a_trainjob_runs_to_complete_on_the_real_trainer_jobset_and_job_controll
         POD, label_selector=f"jobset.sigs.k8s.io/jobset-name={cancelled}")[0], 30)  # fmt: skip
     assert gone, "the JobSet or its pods outlived the cancelled TrainJob"
     assert wait_until(lambda: not pod_processes(pod_uids), 10), "its processes outlived it"
-    assert wait_until(lambda: backend.find(cancelled).state is JobState.STOPPED, 10)
+    # the TrainJob itself goes last (foreground deletion: after its JobSet, Secret, ConfigMaps)
+    assert wait_until(lambda: backend.find(cancelled).state is JobState.STOPPED, 60), api.get(
+        TRAIN_JOB, cancelled
+    )
     api.delete(TRAIN_JOB, done)
