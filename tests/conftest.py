@@ -75,13 +75,11 @@ ONE_CONTROL_PLANE = (
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which would return its plain loadfile
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """`--dist loadfile`, with the ONE_CONTROL_PLANE files as one unit, handed out in the
-    collection's order (LONGEST_FIRST)."""
+    """`--dist loadfile`, with the ONE_CONTROL_PLANE files as one unit. (xdist hands out the
+    files with the most tests first, LONGEST_FIRST only among equals; handing them out in our
+    order made the Lepton real-Ray test fail after some earlier file on its worker, not found.)"""
     if config.getvalue("dist") != "loadfile":
         return None
-    # xdist otherwise hands out the files with the most tests first, which left the few-test,
-    # minutes-long files (the 1,000-job runs, the outages) to the end of one worker
-    config.option.loadscopereorder = False
     from xdist.scheduler import LoadFileScheduling
 
     class OneControlPlane(LoadFileScheduling):
