@@ -68,15 +68,15 @@ def prepare(workdir: Path, kubeconfig: Path) -> tuple[list[Controller], list[dic
     trainer_dir, jobset_dir = workdir / "trainer", workdir / "jobset"
     # the Trainer reads its certificate from the default cert dir under its TMPDIR
     _write_cert(trainer_dir / "k8s-webhook-server" / "serving-certs", "trainer-controller")
-    trainer_probe = f"127.0.0.1:{_free_port()}"
+    trainer_probe = f"127.0.0.1:{free_port()}"
     (trainer_dir / "config.yaml").write_text(yaml.safe_dump({
         "apiVersion": "config.trainer.kubeflow.org/v1alpha1", "kind": "Configuration",
         "health": {"healthProbeBindAddress": trainer_probe}, "metrics": {"bindAddress": "0"},
-        "webhook": {"host": "127.0.0.1", "port": _free_port()},
+        "webhook": {"host": "127.0.0.1", "port": free_port()},
         "leaderElection": {"leaderElect": False}, "certManagement": {"enable": False},
     }))  # fmt: skip
     ca_pem = _write_cert(jobset_dir / "certs", "jobset-webhook")
-    jobset_probe, jobset_port = f"127.0.0.1:{_free_port()}", _free_port()
+    jobset_probe, jobset_port = f"127.0.0.1:{free_port()}", free_port()
     (jobset_dir / "config.yaml").write_text(yaml.safe_dump({
         "apiVersion": "config.jobset.x-k8s.io/v1alpha1", "kind": "Configuration",
         "health": {"healthProbeBindAddress": jobset_probe}, "metrics": {"bindAddress": "0"},
@@ -144,7 +144,8 @@ def _write_cert(folder: Path, name: str) -> bytes:
     return ca_pem
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the control plane's processes all bind there)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -18,7 +18,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -68,12 +67,6 @@ _RAYSERVICE_STANDIN = {
 }  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def state_file() -> Path:
     """Where a running control plane (started by `make control-plane up`) is described."""
     return build.cache_dir() / "running.json"
@@ -103,7 +96,7 @@ class ControlPlane(TokenClientConfig):
             return self
         t0 = time.monotonic()
         binary = build.binary
-        etcd_port, etcd_peer, api_port = _free_port(), _free_port(), _free_port()
+        etcd_port, etcd_peer, api_port = (controllers.free_port() for _ in range(3))
         self.url = f"https://127.0.0.1:{api_port}"
         files = self._write_files()  # the admin kubeconfig names the url
         try:
