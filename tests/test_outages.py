@@ -185,6 +185,58 @@ def test_a_held_write_waits_for_its_time_and_goes_at_once_on_flush(prefect_api: 
     assert len(written) == 1 and box.pending() == 0
 
 
+def test_our_events_carry_the_related_resources_prefects_emit_event_attaches(
+    prefect_api: str,
+) -> None:
+    """Prefect's `emit_event` attaches "the run context's related resources" in its worker
+    (`related_resources_from_run_context`: flow run, task run, flow, deployment, work queue and
+    pool, every tag). Our events go through the outbox, which looks the flow run's part up once
+    per flow run and adds each task run itself: the same list, in the same order, as Prefect's
+    own emit_event gives an event made in the same task, stored by the real server."""
+    import uuid
+
+    from prefect import flow, tags, task
+    from prefect.client.orchestration import get_client
+    from prefect.events import emit_event
+
+    from prefect_nemo.tasks._outbox import outbox
+    from prefect_nemo.tasks.reporting import emit
+    from prefect_nemo.tasks.sweeper import read_events
+
+    since, mark = datetime.now(UTC), uuid.uuid4().hex[:8]
+
+    @task(tags=["task-tag", "b-tag"])
+    def report(i: int) -> None:
+        for who, send in (("ours", emit), ("prefects", emit_event)):
+            send(f"test.related.{who}", {"prefect.resource.id": f"test.{mark}.{who}.{i}"})
+
+    @flow
+    def reporting() -> None:
+        for i in range(2):  # the second task run: the flow run's part comes from the cache
+            report(i)
+
+    with tags("a-tag"):
+        reporting()
+    assert outbox.flush(timeout_s=30)
+
+    def stored() -> dict[str, list[tuple[str, str]]]:
+        with get_client(sync_client=True) as client:
+            found = read_events(client, since, name=["test.related.ours", "test.related.prefects"])
+        return {e["resource"]["prefect.resource.id"]: [
+            (r["prefect.resource.id"], r["prefect.resource.role"]) for r in e["related"]
+        ] for e in found if mark in e["resource"]["prefect.resource.id"]}  # fmt: skip
+
+    got = wait_until(lambda: len(stored()) == 4 and stored(), 30, "the events stored")
+    for i in range(2):
+        ours, prefects = got[f"test.{mark}.ours.{i}"], got[f"test.{mark}.prefects.{i}"]
+        assert ours == prefects, (ours, prefects)
+        roles = [role for _, role in ours]
+        assert roles[:3] == ["flow-run", "task-run", "flow"], ours
+        assert [r for r, role in ours if role == "tag"] == [
+            "prefect.tag.a-tag", "prefect.tag.b-tag", "prefect.tag.task-tag"]  # fmt: skip
+    assert got[f"test.{mark}.ours.0"][1] != got[f"test.{mark}.ours.1"][1], "each its task run"
+
+
 def test_an_outbox_that_has_sent_sees_the_api_go_at_its_next_send(server: PrefectServer) -> None:
     """Issue 17 item 4: "beyond a budget the flow fails with a clear error and stops its jobs";
     the budget reads `outbox.unreachable_for()`. Prefect's client retries a refused connection
