@@ -180,10 +180,9 @@ def test_the_real_trainer_builds_the_pods_the_simulator_runs(
         if container.get("resources") == {}:
             del container["resources"]  # Go's empty struct: the same as none
     simulated = sim.pod_template(api.get(TRAIN_JOB, job_id))
-    # JobSet's webhook: "Default pod restart policy to OnFailure" (our runtime sets none)
-    assert "restartPolicy" not in simulated["spec"] and real["spec"].pop("restartPolicy") == (
-        "OnFailure"
-    )
+    # JobSet's webhook: "Default pod restart policy to OnFailure" (our runtime sets none; the
+    # simulator applies JobSet's default)
+    assert real["spec"]["restartPolicy"] == "OnFailure"
     assert real == simulated
     owner = jobset["metadata"]["ownerReferences"][0]
     assert (owner["kind"], owner["name"]) == ("TrainJob", job_id)

@@ -25,8 +25,9 @@ On a real API server (no `set_pod_log`) the simulator is also the kubelet of a N
 the API server reads `pods/log`), and a deleted pod's deletion is finished by the simulator.
 
 Deviations, kept small on purpose: no JobSet or Job objects (pods are owned by the TrainJob, so
-garbage collection still takes them with it), no pod restarts (Trainer runtimes built by
-prefect-nemo set `backoffLimit: 0`), and one replicatedJob (`node`) only.
+garbage collection still takes them with it), no pod restarts (the pods get JobSet's default
+`restartPolicy: OnFailure`, and Trainer runtimes built by prefect-nemo set `backoffLimit: 0`:
+the Job fails at its first failed container), and one replicatedJob (`node`) only.
 """
 
 from __future__ import annotations
@@ -378,6 +379,9 @@ class TrainJobSimulator(Controller):
             ports = container.setdefault("ports", [])
             if not any(p.get("containerPort") == TRAINER_PORT for p in ports):
                 ports.append({"containerPort": TRAINER_PORT, "protocol": "TCP"})
+        # JobSet's defaulting webhook: "Default pod restart policy to OnFailure". With the
+        # runtime's `backoffLimit: 0` the Job fails at the first failed container all the same.
+        pod.setdefault("restartPolicy", "OnFailure")
         return template
 
     def _runtime(self, tj: Obj) -> Obj | None:
@@ -432,7 +436,6 @@ class TrainJobSimulator(Controller):
             COMPLETION_INDEX: str(index),
         }
         spec = quantities_as_strings(copy.deepcopy(template.get("spec") or {}))
-        spec.setdefault("restartPolicy", "Never")
         if self.node:
             spec["nodeName"] = self.node.name  # bound: no scheduler runs here
         spec["hostname"] = f"{job_name}-{index}"
