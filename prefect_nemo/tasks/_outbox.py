@@ -20,8 +20,8 @@ resource is kept. A write made with `after_s` (an artifact rewritten in place, a
 second or two) waits apart until it is due and then joins the queue; `flush` sends it at once,
 `settle` does not wait for it. Log lines go with
 `send_to_api` off through the run logger (the console shows them at once) and through here to
-the API. The thread runs while items wait and ends when the outbox is empty; at interpreter
-exit a last flush is tried for a few seconds.
+the API. The thread runs while items wait and ends a second (LINGER_S) after the outbox
+empties; at interpreter exit a last flush is tried for a few seconds.
 """
 
 from __future__ import annotations
@@ -55,6 +55,10 @@ MAX_ITEMS = 200_000  # beyond this the oldest items go (and we say how many)
 # wall time unchanged (bench/scale.py).
 BATCH = 100
 BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
+# The sending thread waits this long for more before it ends: a flow's reports come in bursts,
+# and each new thread's client cost ~25 ms of CPU (an SSL context) beside the settings it sends
+# under (~25 ms, kept on the outbox: they do not change).
+LINGER_S = 1.0
 
 Kind = Literal["event", "log", "call"]
 
@@ -78,6 +82,7 @@ class Outbox:
         self._beats: dict[str, _Item] = {}  # resource id -> the newest heartbeat not sent yet
         self._later: list[_Item] = []  # writes not due yet (call(after_s=...))
         self._related: dict[str, list[Any]] = {}  # flow run -> its related resources
+        self._settings: dict[tuple[str, Any], SettingsContext] = {}  # API -> settings to send under
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._max_items = max_items
@@ -188,18 +193,25 @@ class Outbox:
 
     def _run(self) -> None:
         failures = 0
-        clients = _Clients()  # one client per API for the whole drain, not one per batch
+        clients = _Clients(self._settings)  # one client per API for the thread, not per batch
+        idle_since: float | None = None
         try:
             while True:
                 with self._cond:
                     next_due = self._promote()
                     if not self._items and not self._beats:
+                        now = time.monotonic()
+                        idle_since = idle_since or now
                         if next_due is not None:  # only writes not due yet: wait for them
-                            self._cond.wait(next_due - time.monotonic())
+                            self._cond.wait(next_due - now)
+                            continue
+                        if now < idle_since + LINGER_S:  # more may come (a put notifies)
+                            self._cond.wait(idle_since + LINGER_S - now)
                             continue
                         self._thread = None
                         self._cond.notify_all()
                         return
+                    idle_since = None
                     beats = list(self._beats.values())
                     beats = [b for b in beats if _api(b.settings) == _api(beats[0].settings)]
                     batch = beats or self._batch()
@@ -323,12 +335,12 @@ def _mark_sent(items: list[_Item]) -> None:
 
 
 class _Clients:
-    """The outbox thread's sync clients and settings, one per API (URL and key), kept for a
-    drain."""
+    """The outbox thread's sync clients, one per API (URL and key), kept for the thread's life,
+    and the settings each is made and used under."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: dict[tuple[str, Any], SettingsContext]) -> None:
         self._open: dict[tuple[str, Any], Any] = {}
-        self._settings: dict[tuple[str, Any], SettingsContext] = {}
+        self._settings = settings  # the outbox's, kept across threads
 
     def settings(self, settings: SettingsContext | None) -> SettingsContext:
         """The settings to send under: these (the API URL), with the client's own retries off
