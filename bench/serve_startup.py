@@ -24,7 +24,6 @@ Both ways of starting poll /health on the same back-off (serving.poll_intervals)
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import ray
 
+from prefect_nemo.local_ray import free_port
 from prefect_nemo.tasks.replicas import poll_intervals, serve_replicas
 
 Report = Callable[[str, object], None]
@@ -50,12 +50,6 @@ def log(message: str) -> None:
     print(f"[serve_startup] {message}", file=sys.stderr, flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
@@ -67,7 +61,7 @@ def _healthy(url: str) -> bool:
 def popen_startup() -> float:
     """Start REPLICAS servers with Popen, wait until all answer /health; seconds."""
     t0 = time.monotonic()
-    ports = [_free_port() for _ in range(REPLICAS)]
+    ports = [free_port() for _ in range(REPLICAS)]
     procs = [
         subprocess.Popen(
             [sys.executable, str(SERVER), "--port", str(p)],

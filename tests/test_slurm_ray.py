@@ -20,6 +20,7 @@ from prefect.states import Cancelling
 
 from prefect_nemo import BackendUnavailable, JobSpec, run_job, slurm_ray_cluster
 from prefect_nemo.blocks.slurm import SlurmCluster
+from prefect_nemo.local_ray import free_port
 from tests.conftest import wait_until
 from tests.test_nemo_run_slurm import slurm_block
 
@@ -48,12 +49,6 @@ print("ray nodes:", len(alive), "worker_units:", ray.cluster_resources()["worker
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
 def multi_block(slurm, tmp_path: Path, prefect_api: str) -> SlurmCluster:
     """The Slurm block of the 2-node partition; jobs and Ray run this environment's python,
@@ -66,7 +61,7 @@ def multi_block(slurm, tmp_path: Path, prefect_api: str) -> SlurmCluster:
             "partition": slurm.multi_partition,
             "cpus_per_task": 1,
             "setup_lines": f"export PATH={site}:{venv}:$PATH",
-            "env": {name: str(_free_port()) for name in RAY_PORTS},
+            "env": {name: str(free_port()) for name in RAY_PORTS},
         }
     )
 

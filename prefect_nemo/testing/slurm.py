@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from prefect_nemo.local_ray import free_port
+
 DEFAULT_STATE_DIR = Path("/tmp/prefect-nemo-slurm")
 SLURM_CONF_DIR = Path("/etc/slurm")
 MARKER = "# written by prefect_nemo.testing.slurm; state in "
@@ -89,12 +91,6 @@ def _port_open(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as sock:
         sock.settimeout(1.0)
         return sock.connect_ex((host, port)) == 0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _run(
@@ -229,7 +225,7 @@ class LocalSlurm:
     def _spawn(self, previous: dict[str, Any] | None, timeout_s: float) -> None:
         old_ports = (previous or {}).get("ports", {})
         ports = {
-            name: (p if (p := old_ports.get(name)) and not _port_open(p) else _free_port())
+            name: (p if (p := old_ports.get(name)) and not _port_open(p) else free_port())
             for name in ("ssh", "slurmctld", "slurmd", "slurmd2", "slurmdbd", "mysql")
         }
         spec = {

@@ -20,13 +20,13 @@ ServiceAccount. Nothing cluster-scoped is written: the runtimes get no "in use" 
 from __future__ import annotations
 
 import base64
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from prefect_nemo.local_ray import free_port  # the control plane's processes all bind 127.0.0.1
 from prefect_nemo.testing.control_plane import build
 from prefect_nemo.testing.kube_api.tls import server_cert_pems
 
@@ -142,10 +142,3 @@ def _write_cert(folder: Path, name: str) -> bytes:
     (folder / "tls.key").write_bytes(key_pem)
     (folder / "tls.key").chmod(0o600)
     return ca_pem
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the control plane's processes all bind there)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

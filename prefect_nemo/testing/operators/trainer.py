@@ -42,7 +42,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,6 +54,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from prefect_nemo.local_ray import free_port
 from prefect_nemo.testing.operators._controller import (
     PODS,
     Controller,
@@ -135,12 +135,6 @@ def rand_suffix(n: int = 5) -> str:
     import random
 
     return "".join(random.choice(_ALPHANUMS) for _ in range(n))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
