@@ -30,8 +30,9 @@ class SlowList:
 
 def test_a_slow_poll_spaces_the_next_one_even_when_new_jobs_wake_the_watcher() -> None:
     """The next poll of a polled backend comes no sooner than POLL_COST_FACTOR times the last
-    one took: 40 jobs registered one after the other within 2 s each wake the watcher, and a
-    poll costing 50 ms allows one every 0.5 s, not one per job (nor one every 0.1 s)."""
+    one took: 40 jobs registered one after the other, 50 ms apart, each wake the watcher, and a
+    poll costing at least 50 ms allows one every 0.5 s, not one per job (nor one every 0.1 s).
+    Asserted as the spacing between polls (a slow machine only makes polls cost more)."""
     backend = SlowList(cost_s=0.05)
     watcher = ClusterWatcher(backend)  # type: ignore[arg-type]
     with contextlib.ExitStack() as held:
@@ -40,23 +41,22 @@ def test_a_slow_poll_spaces_the_next_one_even_when_new_jobs_wake_the_watcher() -
             time.sleep(0.05)
         watcher.close()
     gaps = [b - a for a, b in zip(backend.polls, backend.polls[1:], strict=False)]
-    assert len(backend.polls) <= 2 / (POLL_COST_FACTOR * 0.05) + 2, backend.polls
-    assert min(gaps) >= POLL_COST_FACTOR * 0.05 * 0.9, gaps
+    assert len(backend.polls) < 40 / 2, f"about a poll per new job: {len(backend.polls)}"
+    assert min(gaps) >= POLL_COST_FACTOR * 0.05 * 0.99, gaps
 
 
 def test_a_close_does_not_wait_out_the_bound() -> None:
-    """A poll that took 0.15 s holds the next one back 1.5 s; closing the watcher meanwhile
-    ends its thread at once (every thread has an owner that stops it)."""
-    backend = SlowList(cost_s=0.15)
-    watcher = ClusterWatcher(backend)  # type: ignore[arg-type]
+    """A poll that took 1 s holds the next one back 10 s (max_interval_s set above that);
+    closing the watcher meanwhile ends its thread long before (every thread has an owner
+    that stops it)."""
+    backend = SlowList(cost_s=1.0)
+    watcher = ClusterWatcher(backend, max_interval_s=60)  # type: ignore[arg-type]
     with watcher.watching("job"):
         while not backend.polls:
             time.sleep(0.01)
-        time.sleep(0.3)  # the poll is done; the next is 1.2 s away
+        time.sleep(1.2)  # the poll is done; the next is about 8.8 s away
         thread = next(t for t in threading.enumerate() if t.name.endswith(backend.cluster))
-        closed = time.monotonic()
         watcher.close()
-        thread.join(2.0)
-        assert not thread.is_alive()
-        assert time.monotonic() - closed < 0.5, "the close waited out the poll bound"
+        thread.join(5.0)
+        assert not thread.is_alive(), "the close waited out the poll bound"
     assert len(backend.polls) == 1
