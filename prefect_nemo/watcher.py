@@ -208,6 +208,9 @@ class ClusterWatcher:
                 self._fail(exc)
                 return
             except Exception as exc:  # transport trouble: retry with backoff within the budget
+                if getattr(self.backend, "closed", False):  # closed while this poll ran: final
+                    self._fail(BackendClosed(f"stopped watching {self.backend.cluster}: closed"))
+                    return
                 version = seen  # what changed meanwhile is asked again
                 failures += 1
                 failing_since = failing_since or time.monotonic()

@@ -350,6 +350,11 @@ class KubeJobBackend(Generic[ConfigT]):
 
     # -- informers -------------------------------------------------------------------------------
 
+    @property
+    def closed(self) -> bool:
+        """close() was called (a watcher whose poll failed meanwhile says nothing more)."""
+        return self._closed
+
     def _check_open(self) -> None:
         """A closed backend asks the API server nothing more: BackendClosed."""
         if self._closed:
