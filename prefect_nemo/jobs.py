@@ -464,7 +464,8 @@ class Backend(Protocol):
         ...
 
     def statuses(self, job_ids: Collection[str]) -> dict[str, JobStatus]:
-        """Statuses of many jobs in one round trip; ids the cluster does not know are absent."""
+        """Statuses of many jobs in one poll of the cluster (one round trip, or one per job
+        where the cluster makes that cheaper); ids the cluster does not know are absent."""
         ...
 
     def request_stop(self, job_id: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 import uuid
 
@@ -26,6 +27,7 @@ from prefect_nemo import (
 )
 from prefect_nemo.blocks import RayJobsCluster
 from prefect_nemo.tasks.reporting import job_rows
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -146,20 +148,26 @@ def test_rerun_of_failed_job_submits_a_new_attempt(cluster, prefect_api):
 
 
 def test_parallel_jobs_share_one_poller(cluster, prefect_api):
-    """Six jobs waited on at once cost one statuses() call per tick, and no per-job lookups."""
+    """Six jobs waited on at once cost one statuses() call per tick, and no lookups of their
+    own (a tick may ask Ray for each job: see the next test)."""
     from prefect_nemo.watcher import watcher_for
 
     watcher = watcher_for(cluster.backend())
     backend = watcher.backend
     calls = {"statuses": 0, "find": 0}
     real_statuses, real_find = backend.statuses, backend.find
+    in_tick = threading.local()
 
     def counting_statuses(job_ids):
         calls["statuses"] += 1
-        return real_statuses(job_ids)
+        in_tick.on = True
+        try:
+            return real_statuses(job_ids)
+        finally:
+            in_tick.on = False
 
     def counting_find(job_id):
-        calls["find"] += 1
+        calls["find"] += not getattr(in_tick, "on", False)
         return real_find(job_id)
 
     @flow
@@ -179,8 +187,43 @@ def test_parallel_jobs_share_one_poller(cluster, prefect_api):
     finally:
         del backend.statuses, backend.find
     assert all(r.state is JobState.SUCCEEDED for r in results)
-    assert calls["find"] == 0, "waiting must not look jobs up one by one"
+    assert calls["find"] == 0, "waiting must not look jobs up one by one outside the poll"
     assert 0 < calls["statuses"] <= ticks + 1
+
+
+def test_a_poll_asks_for_the_watched_job_not_the_clusters_whole_history(ray_head, ray_client):
+    """Ray keeps every job a cluster ever ran and list_jobs returns them all (ray-project/ray
+    #55010: the dashboard slows down as they accumulate), so a poll for one job on a cluster
+    with a long history asks for that job (GET /api/jobs/<id>), not for the list: the first
+    poll lists (which tells how many jobs there are), every later one asks for the job."""
+    from prefect_nemo.backends.ray_jobs import RayJobsBackend, TimedJobClient
+
+    # a history of 20 jobs at least (the session's head has run more by now, as a rule)
+    history = [ray_client.submit_job(entrypoint="true")
+               for _ in range(20 - len(ray_client.list_jobs()))]  # fmt: skip
+    wait_until(lambda: all(ray_client.get_job_status(i).is_terminal() for i in history), 120)
+    asked: list[tuple[str, str]] = []
+
+    class Counting(TimedJobClient):  # the real client, its requests noted on the way out
+        def _do_request(self, method, endpoint, **kwargs):
+            asked.append((method, endpoint))
+            return super()._do_request(method, endpoint, **kwargs)
+
+    backend = RayJobsBackend(
+        ray_head.dashboard_url, token=ray_head.token, client_class=Counting
+    )
+    job = ray_client.submit_job(entrypoint="sleep 30")
+    try:
+        polls = []
+        for _ in range(4):
+            del asked[:]
+            assert backend.statuses([job])[job].state in {JobState.PENDING, JobState.RUNNING}
+            polls.append(list(asked))
+        first, *later = polls
+        assert ("GET", "/api/jobs/") in first
+        assert all(poll == [("GET", f"/api/jobs/{job}")] for poll in later), polls
+    finally:
+        ray_client.stop_job(job)
 
 
 def test_concurrency_cap_serialises_jobs(ray_head, prefect_api):

@@ -60,3 +60,20 @@ def test_a_close_does_not_wait_out_the_bound() -> None:
         thread.join(5.0)
         assert not thread.is_alive(), "the close waited out the poll bound"
     assert len(backend.polls) == 1
+
+
+def test_ray_asks_each_watched_job_only_where_that_costs_less_than_one_list() -> None:
+    """The way a Ray poll asks (backends/ray_jobs._AskingCost): the first poll lists; the next
+    asks each watched job where they are at most a quarter of the cluster's jobs (to price a
+    get); from then on, whichever way cost less per poll."""
+    from prefect_nemo.backends.ray_jobs import _AskingCost
+
+    cost = _AskingCost()
+    assert not cost.each(1), "nothing priced yet: list"
+    cost.listed(cluster_jobs=300, took_s=0.070)
+    assert cost.each(2) and cost.each(75) and not cost.each(76)
+    cost.asked_each(watched=2, took_s=0.008)  # 4 ms a job
+    assert cost.each(17) and not cost.each(18), "17 x 4 ms < 70 ms <= 18 x 4 ms"
+    cost.listed(cluster_jobs=20, took_s=0.010)  # a young cluster: its list is cheap
+    assert not cost.each(3) and cost.each(2)
+    assert not cost.each(0), "nothing watched: nothing to ask"

@@ -98,6 +98,39 @@ def _status_from_details(details: JobDetails) -> JobStatus:
     )
 
 
+class _AskingCost:
+    """Which way statuses() asks Ray, by what each way last cost. list_jobs answers for every
+    watched job at once, but returns every job the cluster ever ran (Ray keeps them all:
+    ray-project/ray#55010), so on a cluster with a long history it costs far more than asking
+    for the few jobs a flow watches (measured on a local head holding 300 jobs: one list took
+    70 ms and 90 ms of the head's CPU, one get_job_info 4 ms). The first poll lists, which also
+    tells how many jobs the cluster holds; where the watched jobs are a small share of those,
+    the next poll asks each; from then on, the way that costs less per poll is taken."""
+
+    EXPLORE_SHARE = 0.25  # ask each (to price it) when watching at most this share of the jobs
+
+    def __init__(self) -> None:
+        self.list_s: float | None = None  # what the last list_jobs took
+        self.cluster_jobs = 0  # how many jobs it returned
+        self.get_s: float | None = None  # one get_job_info, on the last poll that asked each
+
+    def each(self, watched: int) -> bool:
+        """Ask each watched job this poll (else list them all)."""
+        if self.list_s is None or watched == 0:
+            return False
+        if self.get_s is None:
+            return watched <= self.EXPLORE_SHARE * self.cluster_jobs
+        return watched * self.get_s < self.list_s
+
+    def listed(self, cluster_jobs: int, took_s: float) -> None:
+        """A poll listed the cluster's `cluster_jobs` jobs in `took_s`."""
+        self.list_s, self.cluster_jobs = took_s, cluster_jobs
+
+    def asked_each(self, watched: int, took_s: float) -> None:
+        """A poll asked each of `watched` jobs in `took_s`."""
+        self.get_s = took_s / watched
+
+
 _clients: dict[tuple[object, ...], TimedJobClient] = {}
 _clients_lock = threading.Lock()
 
@@ -137,6 +170,7 @@ class RayJobsBackend:
         self._image_label_selectors = dict(image_label_selectors or {})
         self._image_label_key = image_label_key
         self.client_class = client_class  # Ray's JobSubmissionClient, with request timeouts
+        self._asking = _AskingCost()
 
     # -- identity ------------------------------------------------------------------------------
 
@@ -371,9 +405,16 @@ class RayJobsBackend:
         )
 
     def statuses(self, job_ids: Collection[str]) -> dict[str, JobStatus]:
-        """One list_jobs call answers for every job we watch on this cluster."""
+        """The watched jobs' statuses, asked the cheaper way (`_AskingCost`): one list_jobs
+        for all of them, or one get_job_info each."""
         wanted = set(job_ids)
+        started = time.monotonic()
+        if self._asking.each(len(wanted)):
+            found = {job_id: self.find(job_id) for job_id in wanted}
+            self._asking.asked_each(len(wanted), time.monotonic() - started)
+            return {job_id: status for job_id, status in found.items() if status is not None}
         details = self._call(self.client.list_jobs)
+        self._asking.listed(len(details), time.monotonic() - started)
         return {
             d.submission_id: _status_from_details(d) for d in details if d.submission_id in wanted
         }
