@@ -147,16 +147,40 @@ def kube_server() -> Iterator[Any]:
         yield server
 
 
-@pytest.fixture(scope="session")
-def control_plane() -> Iterator[Any]:
+_planes: list[Any] = []  # the running control plane of this process, if any
+
+
+@pytest.fixture(scope="module")
+def control_plane() -> Any:
     """The real control plane (etcd, kube-apiserver, kube-controller-manager, KubeRay operator)
-    built from Go modules; the one `make control-plane up` left running is reused."""
+    built from Go modules; the one `make control-plane up` left running is reused. Started for
+    the first test that asks, stopped after the last ONE_CONTROL_PLANE test of this process
+    (`pytest_runtest_teardown`; idle, it takes ~4% of a core) or at the session's end."""
     from prefect_nemo.testing.control_plane import ControlPlane, build
 
-    if reason := build.unavailable_reason():  # no Go, or `make control-plane` not run
-        (pytest.fail if IN_CI else pytest.skip)(reason)
-    with ControlPlane.attach() or ControlPlane() as plane:
-        yield plane
+    if not _planes:
+        if reason := build.unavailable_reason():  # no Go, or `make control-plane` not run
+            (pytest.fail if IN_CI else pytest.skip)(reason)
+        _planes.append((ControlPlane.attach() or ControlPlane()).start())
+    return _planes[0]
+
+
+def _stop_control_plane() -> None:
+    while _planes:
+        _planes.pop().stop()  # a plane attached to (`make control-plane up`) is left running
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own: the module fixtures using it are gone
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stop the control plane once the next test is not one of the ONE_CONTROL_PLANE files
+    (under xdist they come to a worker as one unit; alone, a later file may start it again)."""
+    if _planes and (nextitem is None or nextitem.nodeid.split("::")[0] not in ONE_CONTROL_PLANE):
+        if item.nodeid.split("::")[0] in ONE_CONTROL_PLANE:
+            _stop_control_plane()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _stop_control_plane()
 
 
 @pytest.fixture(scope="module")

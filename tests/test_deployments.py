@@ -14,6 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
+import psutil
 import pytest
 import yaml
 from prefect.client.orchestration import get_client
@@ -23,7 +24,7 @@ from prefect.client.schemas.objects import FlowRun, StateType
 from prefect_nemo.blocks.documents import load_documents
 from prefect_nemo.deployments import check_deployments, read_deployments
 from prefect_nemo.errors import InvalidJobSpec
-from tests.conftest import subprocess_env
+from tests.conftest import subprocess_env, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFECT_FILE = ROOT / "deployments" / "prefect.yaml"
@@ -210,6 +211,10 @@ def worker(deployed: str) -> Iterator[subprocess.Popen[bytes]]:
         start_new_session=True,
     )
     yield process
+    # let the flow runs it started end first: on SIGTERM a worker stops taking runs but waits
+    # for the ones it runs (in CI it was still waiting 30 s later, every time, and was killed)
+    worker = psutil.Process(process.pid)
+    wait_until(lambda: not worker.children(), 60)
     os.killpg(process.pid, signal.SIGTERM)
     try:
         process.wait(30)
