@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -117,10 +118,51 @@ def prefect_api() -> Iterator[str]:
         yield str(PREFECT_API_URL.value())
 
 
+# `pytest -n N` starts ONE Ray head in its controller process for all N workers (a head costs
+# a core's worth of seconds a minute even when idle: its dashboard, agents, GCS and raylet); its
+# address and token reach the workers in this variable. A module whose tests judge every job on
+# the cluster (the sweeper's) takes a head of its own: `own_ray_head`.
+SHARED_RAY = "PREFECT_NEMO_TEST_RAY"
+_shared_head = pytest.StashKey[LocalRayCluster]()
+
+
+def _ray_head() -> LocalRayCluster:
+    return start_local_ray(num_cpus=8, resources={"slot": 4})
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    workers = getattr(config.option, "numprocesses", None)
+    if workers and not hasattr(config, "workerinput") and SHARED_RAY not in os.environ:
+        head = config.stash[_shared_head] = _ray_head()  # before the workers start
+        os.environ[SHARED_RAY] = json.dumps(
+            {"dashboard_url": head.dashboard_url, "gcs_address": head.gcs_address,
+             "token": head.token}
+        )  # fmt: skip
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if (head := config.stash.get(_shared_head, None)) is not None:
+        os.environ.pop(SHARED_RAY, None)
+        head.stop()
+
+
 @pytest.fixture(scope="session")
 def ray_head() -> Iterator[LocalRayCluster]:
-    """A real Ray head with its dashboard and token auth on, on free ports."""
-    with start_local_ray(num_cpus=8, resources={"slot": 4}) as cluster:
+    """A real Ray head with its dashboard and token auth on, on free ports: the one shared by
+    every worker of this run (not ours to stop), or one of this process's own."""
+    if shared := os.environ.get(SHARED_RAY):
+        yield LocalRayCluster(**json.loads(shared))
+        return
+    with _ray_head() as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def own_ray_head() -> Iterator[LocalRayCluster]:
+    """A Ray head of the module's own, for tests that sweep every job on the cluster: the
+    shared head also runs the other workers' jobs, whose flow runs are in their own Prefect
+    servers (a sweep would take them for runs that no longer exist)."""
+    with _ray_head() as cluster:
         yield cluster
 
 
@@ -128,6 +170,17 @@ def ray_head() -> Iterator[LocalRayCluster]:
 def cluster(ray_head: LocalRayCluster, prefect_api: str):
     """A RayJobsCluster block for the session's Ray head."""
     return ray_head.block()
+
+
+def jobs_of_run(ray_client: Any, flow_run_id: Any) -> list[str]:
+    """The cluster's jobs that a flow run submitted (our metadata names it): on the shared head
+    "nothing was submitted" is asked of the run, not of the whole cluster."""
+    from prefect_nemo.jobs import META_FLOW_RUN
+
+    return [
+        j.submission_id for j in ray_client.list_jobs()
+        if (j.metadata or {}).get(META_FLOW_RUN) == str(flow_run_id)
+    ]  # fmt: skip
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from pydantic import SecretStr, ValidationError
 from prefect_nemo import InvalidJobSpec, JobSpec, Resources, run_job
 from prefect_nemo.blocks import RayJobsCluster
 from prefect_nemo.jobs import MAX_ENTRYPOINT_CHARS
+from tests.conftest import jobs_of_run
 
 slow = pytest.mark.slow
 
@@ -320,17 +321,17 @@ def test_cluster_env_in_two_places_is_refused():
 
 
 def assert_refused_in_flow(ray_client, call: Callable[[], Any], match: str) -> InvalidJobSpec:
-    """Run `call` inside a flow; it must raise InvalidJobSpec and leave the cluster untouched."""
-    before = {j.submission_id for j in ray_client.list_jobs()}
+    """Run `call` inside a flow; it must raise InvalidJobSpec and submit nothing."""
 
     @flow(name="bad-input")
     def bad_input_flow():
         return call()
 
+    state = bad_input_flow(return_state=True)
     with pytest.raises(InvalidJobSpec, match=match) as info:
-        bad_input_flow()
-    after = {j.submission_id for j in ray_client.list_jobs()}
-    assert after == before, f"jobs were submitted: {sorted(after - before)}"
+        state.result()
+    submitted = jobs_of_run(ray_client, state.state_details.flow_run_id)
+    assert not submitted, f"jobs were submitted: {submitted}"
     return info.value
 
 

@@ -29,6 +29,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
 
 
 @pytest.fixture(scope="module")
+def ray_head(own_ray_head: Any) -> Any:
+    """A head of this module's own (conftest's `own_ray_head`): its chaos sweeps judge every job."""
+    return own_ray_head
+
+
+@pytest.fixture(scope="module")
 def engines(
     server: PrefectServer, ray_head: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Engines]:

@@ -27,7 +27,7 @@ from prefect_nemo import (
 )
 from prefect_nemo.blocks import RayJobsCluster
 from prefect_nemo.tasks.reporting import job_rows
-from tests.conftest import wait_until
+from tests.conftest import jobs_of_run, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -292,16 +292,16 @@ def test_bad_auth_fails_clearly_before_submitting(ray_head, prefect_api, ray_cli
     monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "/nonexistent")  # no token from Ray's own places
     block = RayJobsCluster(dashboard_url=ray_head.dashboard_url, auth_token=token)
-    before = {j.submission_id for j in ray_client.list_jobs()}
 
     @flow
     def unauthorised():
         run_job(JobSpec(entrypoint="true", name="auth"), cluster=block)
 
+    state = unauthorised(return_state=True)
     with pytest.raises(AuthenticationFailed, match=expected) as info:
-        unauthorised()
+        state.result()
     assert "auth_token" in str(info.value), "the message names the field to fix"
-    assert {j.submission_id for j in ray_client.list_jobs()} == before
+    assert jobs_of_run(ray_client, state.state_details.flow_run_id) == []
 
 
 # -- Ray Jobs like NeMo-Skills' Ray backend (issue 14 item 5) ------------------------------------

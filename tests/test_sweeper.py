@@ -96,6 +96,12 @@ def test_an_unconfirmed_stop_is_finished_whatever_the_owner_says() -> None:
     assert not verdict(_job(), _evidence(pending_s=60, beat_s=5, run=_run("RUNNING"))).stop
 
 
+@pytest.fixture(scope="module")
+def ray_head(own_ray_head: Any) -> Any:
+    """A head of this module's own (conftest's `own_ray_head`): its sweeps judge every job."""
+    return own_ray_head
+
+
 # ---------------------------------------------------------------------------------------------
 # Against a real Ray cluster (token auth) and a real Prefect API
 

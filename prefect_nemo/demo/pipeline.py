@@ -9,6 +9,7 @@ even when the two were started separately. `demo_pipeline` starts all three at o
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -101,7 +102,9 @@ def demo_pipeline(
     run_dir: str, name: str | None = None, cluster: str | None = None
 ) -> dict[str, Any]:
     """Start data-prep, train and eval at once; the experiments' dependencies order them."""
-    name = name or f"demo-{int(time.time())}"
+    # experiment names are the jobs' identity on the cluster: two pipelines started in the same
+    # second must not share them (a re-run with the same name attaches to its jobs)
+    name = name or f"demo-{int(time.time())}-{secrets.token_hex(2)}"
     names = {step: f"{name}-{step}" for step in ("data-prep", "train", "eval")}
     common = {"run_dir": run_dir, "cluster": cluster}
     prep = _start.submit(data_prep, experiment=names["data-prep"], **common)
