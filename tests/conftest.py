@@ -71,6 +71,7 @@ ONE_CONTROL_PLANE = (
     "tests/test_real_control_plane.py",
     "tests/test_real_kuberay.py",
     "tests/test_real_dynamo_trainer.py",
+    "tests/test_real_kuberay_simulator.py",
 )
 
 

@@ -6,6 +6,12 @@ head Service, whose dashboard port the loopback server proxies to the real Ray d
 RayJobs walk KubeRay's state machine (Initializing → Running → Complete/Failed, Suspending →
 Suspended, ValidationFailed) and their entrypoints run as real Ray jobs. Every simulated
 cluster shares the one Ray behind it, so "deleting a cluster" stops the Ray jobs it ran.
+
+On a real API server (no `set_service_proxy`) the simulator is also the kubelet of a Node of its
+own (`_node.SimNode`): pods are bound to it, each running pod gets a pod address, the head pod
+answers the dashboard port there (forwarding to the real Ray, so the API server's service proxy
+reaches Ray through the real EndpointSlice controller), `pods/log` reads come from the Node's
+kubelet endpoint, and a deleted pod's deletion is finished by it.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import threading
 import time
 from typing import Any
 
+import requests
 import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
@@ -43,6 +50,7 @@ from prefect_nemo.testing.operators._controller import (
     set_condition,
     set_pod_status,
 )
+from prefect_nemo.testing.operators._node import SimNode
 from prefect_nemo.testing.operators.fake_ray import FakeRay
 
 log = logging.getLogger(__name__)
@@ -58,6 +66,9 @@ TERMINAL_JOB = {"SUCCEEDED", "FAILED", "STOPPED"}
 TERMINAL_DEPLOYMENT = {"Complete", "Failed"}
 POLL_S = 0.2
 REQUEUE_S = 3.0  # KubeRay's RayJobDefaultRequeueDuration
+SIM_NODE = "prefect-nemo-kuberay-sim"  # the Node the simulator's pods run on (real API server)
+_HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "upgrade", "host",
+                "content-length", "content-encoding"}  # fmt: skip
 
 # k8s.io/apimachinery rand.String's alphabet (no vowels, no confusable digits)
 _ALPHANUMS = "bcdfghjklmnpqrstvwxz2456789"
@@ -184,6 +195,8 @@ class KubeRaySimulator(Controller):
         self._core = client.CoreV1Api(self.api_client)
         self._custom = client.CustomObjectsApi(self.api_client)
         self._ips = PodIPs(subnet=1)
+        # a real API server routes its service proxy to pod addresses: be their kubelet
+        self.node = None if hasattr(server, "set_service_proxy") else SimNode(self._core, SIM_NODE)
         self._created: dict[tuple[str, str], float] = {}  # pod → monotonic creation time
         self._proxied: set[tuple[str, str]] = set()  # (namespace, head service)
         self._logged_pods: set[tuple[str, str]] = set()
@@ -210,17 +223,23 @@ class KubeRaySimulator(Controller):
 
     def start(self) -> KubeRaySimulator:  # type: ignore[override]
         """Start watching and reconciling; returns self."""
+        if self.node:
+            self.node.register()
+            self.node.serve_logs()
         super().start()
         self._poller.start()
         return self
 
     def stop(self) -> None:
-        """Stop the threads and remove the service proxies registered."""
+        """Stop the threads and remove the service proxies registered (or the pods' listeners
+        and addresses)."""
         super().stop()
         self._wake.set()
         self._poller.join(5)
         for ns, svc in list(self._proxied):
             self._unproxy(ns, svc)
+        if self.node:
+            self.node.close()
 
     def __enter__(self) -> KubeRaySimulator:
         return self.start()
@@ -315,6 +334,12 @@ class KubeRaySimulator(Controller):
         return keys
 
     def on_event(self, kind: Kind, old: Obj | None, new: Obj | None) -> None:
+        if self.node is not None and kind == PODS:  # as the kubelet of our Node
+            if new is None and old is not None:
+                self.node.forget(old["metadata"]["namespace"], old["metadata"]["name"])
+            elif new is not None and new["metadata"].get("deletionTimestamp"):
+                if (new.get("spec") or {}).get("nodeName") == self.node.name:
+                    self.node.finish_deletion(new)
         if (
             kind == RAYCLUSTERS
             and old is not None
@@ -352,7 +377,7 @@ class KubeRaySimulator(Controller):
             return None  # pods and service go with it (ownerReferences)
         spec = rc.get("spec") or {}
         svc = self._ensure_head_service(rc)
-        if (ns, svc["metadata"]["name"]) not in self._proxied:
+        if self.node is None and (ns, svc["metadata"]["name"]) not in self._proxied:
             for port in (DEFAULT_PORTS["dashboard"], "dashboard"):
                 self.server.set_service_proxy(
                     ns,
@@ -377,9 +402,11 @@ class KubeRaySimulator(Controller):
             (p for p in pods if p["metadata"]["labels"].get("ray.io/node-type") == "head"), None
         )
         if head is not None and (ns, head["metadata"]["name"]) not in self._logged_pods:
-            self.server.set_pod_log(
-                ns, head["metadata"]["name"], lambda: self._cluster_logs(ns, name)
-            )
+            logs = lambda: self._cluster_logs(ns, name)  # noqa: E731
+            if self.node:
+                self.node.set_log(ns, head["metadata"]["name"], logs, None)
+            else:
+                self.server.set_pod_log(ns, head["metadata"]["name"], logs)
             self._logged_pods.add((ns, head["metadata"]["name"]))
         self._write_cluster_status(rc, pods, head, svc, suspended)
         return again
@@ -486,6 +513,8 @@ class KubeRaySimulator(Controller):
             },
             "spec": template.get("spec") or {"containers": [{"name": "ray", "image": "ray"}]},
         }
+        if self.node:
+            body["spec"] = {**body["spec"], "nodeName": self.node.name}  # bound: no scheduler
         pod = json.loads(self._core.create_namespaced_pod(ns, body, _preload_content=False).data)
         self._created[(ns, pod["metadata"]["name"])] = time.monotonic()
         return pod
@@ -507,11 +536,30 @@ class KubeRaySimulator(Controller):
             if left > 0:
                 again = left if again is None else min(again, left)
                 continue
-            ip = (pod.get("status") or {}).get("podIP") or self._ips.take()
+            ip = (pod.get("status") or {}).get("podIP") or (
+                self.node.address(pod) if self.node else self._ips.take()
+            )
             status = running_pod_status(pod, ip, ready=ready)
             set_pod_status(self._core, pod, status)
             pod["status"] = status
+            if self.node and pod["metadata"]["labels"].get("ray.io/node-type") == "head":
+                self.node.serve(pod, DEFAULT_PORTS["dashboard"], self._dashboard)
         return again
+
+    def _dashboard(self, method: str, path: str, headers: Any, body: bytes) -> Any:
+        """The head pod's dashboard port (real API server): the FakeRay, or the real Ray."""
+        if self.fake_ray is not None:
+            return self.fake_ray.handle(method, path, headers, body)
+        try:
+            upstream = requests.request(
+                method, self.ray_dashboard_url + path, data=body, allow_redirects=False,
+                headers={k: v for k, v in dict(headers).items() if k.lower() not in _HOP_HEADERS},
+                timeout=60,
+            )  # fmt: skip
+        except requests.RequestException as exc:
+            return 502, {}, f"the simulated head cannot reach Ray: {exc}".encode()
+        out = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
+        return upstream.status_code, out, upstream.content
 
     def _write_cluster_status(
         self, rc: Obj, pods: list[Obj], head: Obj | None, svc: Obj, suspended: bool
