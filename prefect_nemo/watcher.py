@@ -170,12 +170,19 @@ class ClusterWatcher:
         # a backend that pushes changes (a Kubernetes watch) wakes us at once and says which
         # jobs changed; statuses() then reads its cache, so the ticks below cost no requests
         pushes = self.backend if isinstance(self.backend, PushesChanges) else None
-        unsubscribe = pushes.subscribe(self._wake.set) if pushes is not None else None
+        unsubscribe = pushes.subscribe(self._pushed) if pushes is not None else None
         try:
             self._poll(pushes)
         finally:
             if unsubscribe is not None:
                 unsubscribe()
+
+    def _pushed(self) -> None:
+        """A change, or the backend's close, was pushed: wake the poll. Under the lock a failed
+        poll holds while it decides to warn, so a close() returns after that warning, never
+        before it (nothing is logged once the backend is closed)."""
+        with self._cond:
+            self._wake.set()
 
     def _poll(self, pushes: PushesChanges | None) -> None:
         failing_since: float | None = None
@@ -208,20 +215,22 @@ class ClusterWatcher:
                 self._fail(exc)
                 return
             except Exception as exc:  # transport trouble: retry with backoff within the budget
-                if getattr(self.backend, "closed", False):  # closed while this poll ran: final
-                    self._fail(BackendClosed(f"stopped watching {self.backend.cluster}: closed"))
-                    return
-                version = seen  # what changed meanwhile is asked again
-                failures += 1
-                failing_since = failing_since or time.monotonic()
-                down_for = time.monotonic() - failing_since
-                log.warning(
-                    "polling %s failed (%s); retrying, down for %.0fs of a %.0fs budget",
-                    self.backend.cluster,
-                    exc,
-                    down_for,
-                    self.unreachable_budget_s,
-                )
+                with self._cond:  # a close() meanwhile waits for this (see _pushed)
+                    if getattr(self.backend, "closed", False):  # closed while it ran: final
+                        closed = f"stopped watching {self.backend.cluster}: closed"
+                        self._fail(BackendClosed(closed))
+                        return
+                    version = seen  # what changed meanwhile is asked again
+                    failures += 1
+                    failing_since = failing_since or time.monotonic()
+                    down_for = time.monotonic() - failing_since
+                    log.warning(
+                        "polling %s failed (%s); retrying, down for %.0fs of a %.0fs budget",
+                        self.backend.cluster,
+                        exc,
+                        down_for,
+                        self.unreachable_budget_s,
+                    )
                 if down_for > self.unreachable_budget_s:
                     self._fail(
                         BackendUnavailable(

@@ -464,7 +464,7 @@ def test_cancelling_the_run_stops_the_job_and_its_cluster(
 
     def running() -> dict[str, Any] | None:
         return next((rj for rj in rayjobs(kube_server).values()
-                     if rj["spec"]["metadata"].get(META_KEY, "").endswith(f"/{name}")
+                     if (rj["spec"].get("metadata") or {}).get(META_KEY, "").endswith(f"/{name}")
                      and (rj.get("status") or {}).get("jobStatus") == "RUNNING"), None)  # fmt: skip
 
     assert wait_until(running, 60), "the job never ran"
