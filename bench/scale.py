@@ -17,9 +17,11 @@ machine inflates wall time far more than CPU time), scale_prefect_server_cpu_s_<
 Prefect server during the flow),
 scale_kube_api_requests_per_job_<N>, scale_prefect_api_requests_per_job_<N> (HTTP; events on
 Prefect's websocket counted apart), scale_kube_per_job_cost_growth (per-job wall overhead over
-raw at 1,000 / at 100), scale_prefect_ui_page_s_max_1000 (the flow-run page's API requests,
-timed every second during the 1,000-job run), scale_kube_leaks_1000 (threads + fds the run
-left over its start); then the real engines at N = 200 (`bench/_scale_engines.py`):
+raw at 1,000 / at 100), scale_prefect_ui_page_s_max_1000 (the UI's flow-run page loaded every
+second during the 1,000-job run: the API requests the real page makes, recorded from it in
+Chromium by `bench/ui_requests.py`, sent in its waves over 6 connections as a browser sends
+them; the same requests one after another are logged too), scale_kube_leaks_1000 (threads
++ fds the run left over its start); then the real engines at N = 200 (`bench/_scale_engines.py`):
 scale_ray_ratio_200, scale_ray_rss_mb_200, scale_ray_threads_200, scale_slurm_ratio_200 (and
 their raw figures); then the 1,000-job run on SQLite and on PostgreSQL (`bench/_scale_db.py`):
 scale_prefect_db_ratio and the UI page latency on each. The last results are kept in
@@ -230,42 +232,101 @@ def measure(kind: str, n: int, api_url: str | None, ui: list[float] | None) -> d
     return out
 
 
+# The API requests the Prefect UI's flow-run page makes (Prefect 3.8.8, its Logs tab), recorded
+# from the real page in headless Chromium by `python -m bench.ui_requests`, in the waves the page
+# sends them: each wave needs what the one before it returned. A browser sends a wave's requests
+# at once over at most 6 connections to the host, so the page waits on the slowest of a wave.
+UI_BROWSER_CONNECTIONS = 6
+
+
+def _ui_page(run: dict[str, Any], now: str) -> list[tuple[str, str, Any]]:
+    """The page's second wave for a flow run (the first GETs the run, the third its graph's
+    task runs)."""
+    run_id, of_run = run["id"], {"flow_runs": {"id": {"any_": [run["id"]]}}}
+    resource, since = f"prefect.flow-run.{run_id}", {"since": run["start_time"], "until": now}
+    automations = {
+        "event": {"name": ["prefect-cloud.automation.action.executed",
+                           "prefect.automation.action.executed"]},
+        "occurred": since,
+        "related": {"id": [resource]},
+        "resource": {"id_prefix": ["prefect-cloud.automation", "prefect.automation"]},
+    }  # fmt: skip
+    live = ["RUNNING", "SCHEDULED", "PENDING", "PAUSED"]
+    subflows = {"parent_flow_run_id": {"any_": [run_id]}, "state": {"type": {"any_": live}}}
+    logs = {"logs": {"flow_run_id": {"any_": [run_id]}, "level": {"ge_": 0}}, "limit": 200}
+    run_events = {
+        "any_resource": {"id": [resource]},
+        "event": {"exclude_prefix": ["prefect.log.write", "prefect.task-run."]},
+        "occurred": since,
+    }
+    return [
+        ("POST", "/task_runs/count", {**of_run, "task_runs": {"subflow_runs": {"exists_": False}}}),
+        ("POST", "/task_runs/count", of_run),
+        ("POST", "/events/filter", {"filter": automations, "limit": 1}),
+        ("POST", "/flow_runs/filter", {"flow_runs": subflows}),
+        ("GET", f"/flows/{run['flow_id']}", None),
+        ("POST", "/logs/filter", {**logs, "offset": 0, "sort": "TIMESTAMP_ASC"}),
+        ("GET", f"/flow_runs/{run_id}/graph-v2", None),
+        ("POST", "/events/filter", {"filter": run_events}),
+    ]
+
+
 def _time_ui(api_url: str, samples: list[float], stop: threading.Event) -> None:
-    """Time the flow-run page's API requests every second while a flow runs (and log the
-    slowest of each request at the end: which one the page waits on)."""
+    """Load the flow-run page's API requests (UI_PAGE waves) every second while a flow runs,
+    as a browser does; `samples` gets each load's seconds. Also logged at the end: the same
+    requests sent one after another (one connection), and the slowest of each request."""
+    import asyncio
+    from datetime import UTC, datetime
+
     import httpx
 
     slowest: dict[str, float] = {}
+    one_by_one: list[float] = []
 
-    def timed(name: str, method: str, path: str, body: Any = None) -> Any:
+    async def timed(client: httpx.AsyncClient, method: str, path: str, body: Any) -> Any:
         t0 = time.monotonic()
-        response = client.request(method, path, json=body)
+        response = await client.request(method, path, json=body)
         response.raise_for_status()
-        slowest[name] = max(slowest.get(name, 0.0), time.monotonic() - t0)
-        return response.json()
+        name = f"{method} {path.split('/')[1]}{'/graph-v2' if 'graph' in path else ''}"
+        slowest[name] = max(slowest.get(name, 0.0), spent := time.monotonic() - t0)
+        return response.json(), spent
 
-    with httpx.Client(base_url=api_url, timeout=30) as client:
-        while not stop.wait(1.0):
-            try:
-                t0 = time.monotonic()
-                running = {"flow_runs": {"state": {"type": {"any_": ["RUNNING"]}}}, "limit": 1}
-                runs = timed("flow_runs/filter", "POST", "/flow_runs/filter", running)
-                if not runs:
-                    continue
-                run_id = runs[0]["id"]
-                timed("flow_run", "GET", f"/flow_runs/{run_id}")
-                flt = {"flow_runs": {"id": {"any_": [run_id]}}}
-                timed("task_runs/filter", "POST", "/task_runs/filter", {**flt, "limit": 100})
-                timed("task_runs/count", "POST", "/task_runs/count", flt)
-                logs = {"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 100}
-                timed("logs/filter", "POST", "/logs/filter", logs)
-                timed("artifacts/filter", "POST", "/artifacts/filter", flt)
-                samples.append(time.monotonic() - t0)
-            except Exception as exc:  # a slow or failing page is what we measure: note it
-                log(f"UI page request failed: {exc}")
-                samples.append(float("inf"))
+    async def load(client: httpx.AsyncClient, run_id: str) -> tuple[float, float]:
+        """(the page's wait, the sum of its requests' times)."""
+        t0 = time.monotonic()
+        run, first = await timed(client, "GET", f"/flow_runs/{run_id}", None)
+        now = datetime.now(UTC).isoformat()
+        wave = await asyncio.gather(*(timed(client, *r) for r in _ui_page(run, now)))
+        graph = next(out for out, _ in wave if isinstance(out, dict) and "nodes" in out)
+        ids = [node_id for node_id, node in graph["nodes"] if node.get("kind") == "task-run"]
+        _, last = await timed(client, "POST", "/task_runs/filter",
+                              {"task_runs": {"id": {"any_": ids}}})  # fmt: skip
+        return time.monotonic() - t0, first + sum(spent for _, spent in wave) + last
+
+    async def pages() -> None:
+        limits = httpx.Limits(max_connections=UI_BROWSER_CONNECTIONS)
+        async with httpx.AsyncClient(base_url=api_url, timeout=30, limits=limits) as client:
+            while not stop.is_set():
+                await asyncio.sleep(1.0)
+                try:
+                    running = {"flow_runs": {"state": {"type": {"any_": ["RUNNING"]}}},
+                               "limit": 1}  # fmt: skip
+                    runs = (await client.post("/flow_runs/filter", json=running)).json()
+                    if not runs:
+                        continue
+                    page_s, summed_s = await load(client, runs[0]["id"])
+                    samples.append(page_s)
+                    one_by_one.append(summed_s)
+                except Exception as exc:  # a slow or failing page is what we measure: note it
+                    log(f"UI page request failed: {exc!r}")
+                    samples.append(float("inf"))
+
+    asyncio.run(pages())
     parts = ", ".join(f"{name} {s:.2f}s" for name, s in slowest.items())
     log(f"UI page, slowest of each request: {parts}")
+    if one_by_one:
+        log(f"UI page's requests one after another: max {max(one_by_one):.2f}s "
+            f"p50 {_percentile(one_by_one, 50):.2f}s")  # fmt: skip
 
 
 def _percentile(values: list[float], q: float) -> float:
