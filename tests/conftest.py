@@ -72,6 +72,8 @@ ONE_CONTROL_PLANE = (
     "tests/test_real_kuberay.py",
     "tests/test_real_dynamo_trainer.py",
     "tests/test_real_kuberay_simulator.py",
+    "tests/test_real_rl_dynamo_flow.py",
+    "tests/test_real_sft_kubeflow_flow.py",
 )
 
 

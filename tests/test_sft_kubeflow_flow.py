@@ -85,13 +85,10 @@ def test_success_ships_the_code_and_streams_real_logs(env: dict[str, Any], caplo
     assert cms and all(c["metadata"]["ownerReferences"][0]["uid"] == tj["metadata"]["uid"]
                        for c in cms)  # fmt: skip
     (stored,) = mine(env, SECRET)
-    everything = json.dumps(
-        [
-            tj,
-            cms,
-            env["server"].get("trainjobs", "default", out["job_id"], group="trainer.kubeflow.org"),
-        ]
-    )
+    stored_tj = env["server"].get("trainjobs", "default", out["job_id"], "trainer.kubeflow.org",
+                                  version="v1alpha1")  # fmt: skip
+    assert stored_tj is not None
+    everything = json.dumps([tj, cms, stored_tj])
     assert secret not in everything and secret not in logged  # fmt: skip
     assert stored["metadata"]["ownerReferences"][0]["uid"] == tj["metadata"]["uid"]
 

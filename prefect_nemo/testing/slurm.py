@@ -247,6 +247,10 @@ class LocalSlurm:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C in the test run must not reach the daemons
                 close_fds=True,
+                # machine-wide daemons must not keep the starting run's directory: once it is
+                # deleted, every job's output begins "slurmstepd: error: Unable to get current
+                # working directory"
+                cwd="/",
             )
         self.owned = True
         deadline = time.monotonic() + timeout_s
