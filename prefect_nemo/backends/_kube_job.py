@@ -79,6 +79,8 @@ class KubeJobBackend(Generic[ConfigT]):
     crd_fix: ClassVar[str]  # what to install when the API server does not serve job_kind
     deleted_message: ClassVar[str]  # the STOPPED message of a job we deleted to stop it
     pod_job_label: ClassVar[str | None] = None  # a label naming the job on its pods: watch them
+    # how delete_to_stop deletes: Foreground, so the object is gone only after its dependents
+    stop_propagation: ClassVar[str] = "Foreground"
     log_errors: ClassVar[tuple[type[Exception], ...]] = (BackendUnavailable, NotFound)
     memory: ClassVar[JobMemory]  # one per subclass, shared by its instances
 
@@ -343,10 +345,10 @@ class KubeJobBackend(Generic[ConfigT]):
         return created
 
     def delete_to_stop(self, job_id: str) -> None:
-        """Delete the job's object (foreground: its dependents go first), remembering that we
-        did, so the job reads STOPPED once it is gone."""
+        """Delete the job's object (`stop_propagation`), remembering that we did, so the job
+        reads STOPPED once it is gone (`_deleted_status`)."""
         self.memory.mark_deleted((self.cluster, job_id))
-        self.api.delete(self.job_kind, job_id, self.namespace, propagation="Foreground")
+        self.api.delete(self.job_kind, job_id, self.namespace, propagation=self.stop_propagation)
 
     # -- informers -------------------------------------------------------------------------------
 
@@ -497,6 +499,7 @@ class KubeJobBackend(Generic[ConfigT]):
             wake()
 
     def _deleted_status(self, job_id: str) -> JobStatus | None:
+        """STOPPED for a job we deleted and that is gone, None for one we never deleted."""
         if not self.memory.was_deleted((self.cluster, job_id)):
             return None
         return JobStatus(job_id=job_id, state=JobState.STOPPED, message=self.deleted_message)

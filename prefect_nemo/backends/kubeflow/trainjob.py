@@ -39,7 +39,8 @@ no condition, pods ended             RUNNING (the JobSet is about to say how it 
 no condition, no pod read,           RUNNING (the TrainJob alone, as `owned_jobs` reads it:
   jobsStatus counts a ready Job        Trainer copies JobSet's per-Job counts there)
 no condition, no pod running yet     PENDING
-(TrainJob gone)                      STOPPED if we deleted it, else absent
+(TrainJob gone)                      STOPPED if we deleted it and its pods are gone
+                                     (RUNNING "stopping" until then), else absent
 ===================================  =======================================================
 
 The job id is at most 50 characters, not 63: JobSet gives every pod the hostname
@@ -328,6 +329,11 @@ class KubeflowTrainerBackend(KubeJobBackend[TrainerConfig]):
     crd_fix = "install Kubeflow Trainer (v2.3+) in the cluster"
     deleted_message = "stopped: the TrainJob and its pods were deleted"
     pod_job_label = JOBSET_NAME
+    # Background, not Foreground: Trainer v2.3.0's Reconcile does not look at a TrainJob's
+    # deletionTimestamp and re-applies the JobSet of an unfinished TrainJob, so a TrainJob held
+    # in foreground deletion got its JobSet (and pods) back and stayed for minutes on the real
+    # controller. Gone at once, it is re-applied by nobody; the stop is confirmed by its pods.
+    stop_propagation = "Background"
 
     def __init__(
         self,
@@ -383,9 +389,21 @@ class KubeflowTrainerBackend(KubeJobBackend[TrainerConfig]):
         return [*self._shared_objects(), *(obj for _, obj in owned), manifest]
 
     def request_stop(self, job_id: str) -> None:
-        """Delete the TrainJob (foreground: its JobSet and pods go first, then its Secret and
-        ConfigMaps by ownership); lifecycle.stop_and_confirm waits until it is gone."""
+        """Delete the TrainJob (its JobSet, pods, Secret and ConfigMaps then go by ownership);
+        lifecycle.stop_and_confirm waits until it and its pods are gone."""
         self.delete_to_stop(job_id)
+
+    def _deleted_status(self, job_id: str) -> JobStatus | None:
+        """A TrainJob we deleted reads STOPPED once no pod of it is left (the garbage collector
+        takes them after the TrainJob); until then RUNNING, 'stopping'."""
+        status = super()._deleted_status(job_id)
+        if status is None:
+            return None
+        pods, _ = self.api.list(POD, self.namespace, label_selector=f"{JOBSET_NAME}={job_id}")
+        if pods:
+            message = f"stopping: {len(pods)} pod(s) of the deleted TrainJob are still there"
+            return JobStatus(job_id=job_id, state=JobState.RUNNING, message=message)
+        return status
 
     def read_log(self, job_id: str) -> str | None:
         """The node-0 pod's whole log; None while there is no such pod."""
