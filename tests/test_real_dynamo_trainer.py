@@ -259,3 +259,38 @@ def test_a_trainjob_runs_to_complete_on_the_real_trainer_jobset_and_job_controll
     time.sleep(3)  # time for a controller to bring anything back
     assert stopped() and api.get(JOBSET, cancelled) is None, "something brought the job back"
     api.delete(TRAIN_JOB, done)
+
+
+def test_a_two_node_trainjob_runs_each_node_on_the_real_controllers(
+    trainer_controllers: Any,
+) -> None:
+    """Kubeflow Trainer v2.3.0 (trainjob_types.go): "NumNodes is the number of training nodes";
+    its JobSet plugin makes one Job of `numNodes` pods (parallelism and completions), each pod
+    with its own `PET_NODE_RANK` ("the rank of the current node" of torch.distributed.run,
+    taken from the Job's completion index). Two nodes, the entrypoint as it is on each (no
+    torchrun: a rendezvous across pods needs their DNS names, which the node agent does not
+    serve): both pods run, each with its own rank, and the TrainJob reaches Complete."""
+    from prefect_nemo import JobSpec, JobState
+    from prefect_nemo.backends.kubeflow import KubeflowTrainerBackend
+    from prefect_nemo.blocks.kubernetes import KubernetesCluster
+    from prefect_nemo.kube import TRAIN_JOB
+    from prefect_nemo.testing.control_plane.controllers import TRAINER_NAMESPACE
+
+    plane = trainer_controllers
+    if plane.agent_unavailable:
+        (pytest.fail if IN_CI else pytest.skip)(plane.agent_unavailable)
+    api = KubernetesCluster(kubeconfig=plane.kubeconfig(), namespace=TRAINER_NAMESPACE).api()
+    config = TrainerConfig(image="python:3.11-slim", num_nodes=2)
+    backend = KubeflowTrainerBackend(api, config)
+    job_id = f"two-{uid()}"
+    program = "import os; print('node', os.environ['NODE_RANK'], 'of', os.environ['PET_NNODES'])"
+    backend.submit(JobSpec(entrypoint=f'python -c "{program}"'), job_id, META)
+    status = loopback_kubeflow.wait_terminal(backend, job_id, 90)
+    why = plane.log("jobset-controller")[-2000:] + plane.log("node_agent")[-2000:]
+    assert status.state is JobState.SUCCEEDED, f"{status}: {why}"
+    pods, _ = api.list(POD, label_selector=f"jobset.sigs.k8s.io/jobset-name={job_id}")
+    assert len(pods) == 2, [p["metadata"]["name"] for p in pods]
+    logs = sorted(api.pod_log(p["metadata"]["name"], TRAINER_NAMESPACE, container="node")
+                  for p in pods)  # fmt: skip
+    assert [line.strip() for line in logs] == ["node 0 of 2", "node 1 of 2"], logs
+    api.delete(TRAIN_JOB, job_id)
