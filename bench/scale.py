@@ -272,7 +272,7 @@ def _ui_page(run: dict[str, Any], now: str) -> list[tuple[str, str, Any]]:
 
 
 def _time_ui(api_url: str, samples: list[float], stop: threading.Event) -> None:
-    """Load the flow-run page's API requests (UI_PAGE waves) every second while a flow runs,
+    """Load the flow-run page's API requests (`_ui_page` waves) every second while a flow runs,
     as a browser does; `samples` gets each load's seconds. Also logged at the end: the same
     requests sent one after another (one connection), and the slowest of each request."""
     import asyncio

@@ -3,18 +3,16 @@
 `bench/scale.py` times "the UI's flow-run page" while 1,000 jobs run: it sends the requests this
 script recorded from the real page (Prefect's own UI in Debian's headless Chromium, a finished
 flow run with task runs, logs and an artifact), the way the browser sends them. Re-run it after
-a Prefect upgrade and compare with `bench.scale.UI_PAGE`: it prints each request the page made
-(method, path with ids replaced by their names, JSON body keys) and when it was sent and
-answered, relative to the navigation.
+a Prefect upgrade and compare with `bench.scale._ui_page`: it prints each request the page made
+(method, path with ids replaced by their names, JSON body) and when it was sent,
+relative to the navigation.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -24,34 +22,14 @@ from typing import Any
 
 import httpx
 
-from prefect_nemo.local_ray import free_port
+from prefect_nemo.testing.prefect_server import PrefectServer
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-sync"]
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
-def _serve(home: Path, port: int) -> subprocess.Popen[bytes]:
-    """`prefect server start` with the UI, its own home and SQLite database."""
-    url = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_PROFILE")}
-    env.update(
-        PREFECT_HOME=str(home),
-        PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home / 'prefect.db'}",
-        PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        PREFECT_SERVER_API_HOST="127.0.0.1",
-        PREFECT_SERVER_API_PORT=str(port),
-        PREFECT_UI_API_URL=f"{url}/api",
-        PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT="false",
-    )
-    prefect = str(Path(sys.executable).parent / "prefect")
-    cmd = [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    log = open(home / "server.log", "wb")  # the child writes it until it stops
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
-
-
-def _a_flow_run(api_url: str) -> dict[str, str]:
+def _a_flow_run(server: PrefectServer) -> dict[str, str]:
     """A finished flow run with 3 task runs, logs and a table artifact; its ids by name."""
     code = (
         "from prefect import flow, task, get_run_logger\n"
@@ -66,9 +44,8 @@ def _a_flow_run(api_url: str) -> dict[str, str]:
         "    create_table_artifact([{'job': 'a', 'state': 'SUCCEEDED'}], key='jobs')\n"
         "page()\n"
     )
-    env = dict(os.environ, PREFECT_API_URL=api_url)
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
-    runs = httpx.post(f"{api_url}/flow_runs/filter", json={"limit": 1}).json()
+    subprocess.run([sys.executable, "-c", code], env=server.env(), check=True, timeout=300)
+    runs = httpx.post(f"{server.api_url}/flow_runs/filter", json={"limit": 1}).json()
     return {"flow_run_id": runs[0]["id"], "flow_id": runs[0]["flow_id"]}
 
 
@@ -77,54 +54,43 @@ def record() -> list[dict[str, Any]]:
     from playwright.sync_api import sync_playwright
 
     home = Path(tempfile.mkdtemp(prefix="prefect-nemo-ui-record-"))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = _serve(home, port)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"{url}/api/health", timeout=2).is_success:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError((home / "server.log").read_text()[-3000:])
-            time.sleep(0.5)
-        ids = _a_flow_run(f"{url}/api")
-        names = {v: "{" + k + "}" for k, v in ids.items()}
-        seen: list[dict[str, Any]] = []
-        t0 = 0.0
-        with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(
-                executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS
-            )
-            page = browser.new_page()
-            page.goto(f"{url}/dashboard", wait_until="networkidle")  # the SPA loaded and cached
-
-            def sent(request: Any) -> None:
-                if "/api/" in request.url:
-                    path = request.url.split("/api", 1)[1]
-                    body = request.post_data_json if request.method == "POST" else None
-                    seen.append({"method": request.method, "path": path, "body": body,
-                                 "sent_s": time.monotonic() - t0, "request": request})  # fmt: skip
-
-            page.on("request", sent)
-            t0 = time.monotonic()
-            page.goto(f"{url}/runs/flow-run/{ids['flow_run_id']}", wait_until="networkidle")
-            page.wait_for_timeout(3000)  # what the page asks after it settled (its polls)
-            for item in seen:
-                timing = item.pop("request").timing
-                item["answered_ms"] = round(timing.get("responseEnd", -1))
-            browser.close()
-        text = json.dumps(seen)
-        for value, name in names.items():
-            text = text.replace(value, name)
-        return json.loads(_UUID.sub("{other_id}", text))
+        with PrefectServer(home, ui=True) as server:
+            ids = _a_flow_run(server)
+            seen = _requests_of_the_page(f"{server.ui_url}/runs/flow-run/{ids['flow_run_id']}",
+                                         server.ui_url, sync_playwright)  # fmt: skip
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=30)
         shutil.rmtree(home, ignore_errors=True)
+    text = json.dumps(seen)
+    for name, value in ids.items():
+        text = text.replace(value, "{" + name + "}")
+    return json.loads(_UUID.sub("{other_id}", text))
+
+
+def _requests_of_the_page(url: str, ui_url: str, sync_playwright: Any) -> list[dict[str, Any]]:
+    """The API requests of one navigation to `url` (the SPA loaded and cached before)."""
+    seen: list[dict[str, Any]] = []
+    t0 = 0.0
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS
+        )
+        page = browser.new_page()
+        page.goto(f"{ui_url}/dashboard", wait_until="networkidle")
+
+        def sent(request: Any) -> None:
+            if "/api/" in request.url:
+                path = request.url.split("/api", 1)[1]
+                body = request.post_data_json if request.method == "POST" else None
+                seen.append({"method": request.method, "path": path, "body": body,
+                             "sent_s": time.monotonic() - t0})  # fmt: skip
+
+        page.on("request", sent)
+        t0 = time.monotonic()
+        page.goto(url, wait_until="networkidle")
+        page.wait_for_timeout(3000)  # what the page asks after it settled (its polls)
+        browser.close()
+    return seen
 
 
 def main() -> int:

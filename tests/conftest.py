@@ -262,6 +262,38 @@ def kube_block(kube_server: Any) -> Any:
     return KubernetesCluster(kubeconfig=kube_server.kubeconfig())
 
 
+def real_kube_server_fixture() -> Any:
+    """A module's `kube_server` fixture that is the real control plane: the loopback tests a
+    module re-runs there take it unchanged (their simulators are the kubelets of nodes of their
+    own, which need the pod network)."""
+
+    @pytest.fixture(scope="module", name="kube_server")
+    def kube_server(control_plane: Any) -> Any:
+        from prefect_nemo.testing.control_plane import pod_network
+
+        if reason := pod_network.unavailable_reason():
+            (pytest.fail if IN_CI else pytest.skip)(reason)
+        return control_plane
+
+    return kube_server
+
+
+def kuberay_in_default_fixture() -> Any:
+    """A module's `kuberay` fixture: the KubeRay simulator in `default` only (on the real control
+    plane the real operator reconciles a namespace of its own)."""
+
+    @pytest.fixture(scope="module", name="kuberay")
+    def kuberay(kube_server: Any, ray_head: Any) -> Iterator[Any]:
+        from prefect_nemo.testing.operators import KubeRaySimulator
+
+        with KubeRaySimulator(
+            kube_server, ray_head.dashboard_url, ray_head.token, namespace="default"
+        ) as sim:
+            yield sim
+
+    return kuberay
+
+
 def wait_until(predicate: Callable[[], Any], timeout_s: float = 60.0) -> Any:
     """Poll `predicate` every 0.1 s until it gives a truthy value or `timeout_s` passes; the
     last value either way."""

@@ -25,7 +25,7 @@ from prefect_nemo.backends.dynamo import delete_dgd, wait_dgd_ready
 from prefect_nemo.kube import POD, SERVICE, Kind
 from tests import test_dynamo as loopback_dynamo
 from tests import test_kubeflow as loopback_kubeflow
-from tests.conftest import IN_CI, wait_until
+from tests.conftest import IN_CI, real_kube_server_fixture, wait_until
 from tests.test_kubeflow import META, TrainerConfig, uid
 
 pytestmark = [pytest.mark.slow]
@@ -72,14 +72,7 @@ JOBSET = Kind("jobset.x-k8s.io", "v1alpha2", "JobSet", "jobsets")
 JOB = Kind("batch", "v1", "Job", "jobs")
 
 
-@pytest.fixture(scope="module")
-def kube_server(control_plane: Any) -> Any:
-    """The real control plane, where the loopback tests ask for `kube_server`."""
-    from prefect_nemo.testing.control_plane import pod_network
-
-    if reason := pod_network.unavailable_reason():
-        (pytest.fail if IN_CI else pytest.skip)(reason)
-    return control_plane
+kube_server = real_kube_server_fixture()  # the real control plane
 
 
 @pytest.fixture(scope="module")

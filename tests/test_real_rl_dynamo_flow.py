@@ -15,13 +15,10 @@ tests/test_real_control_plane.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
-
 import pytest
 
 from tests import test_rl_dynamo_flow as loopback_flow
-from tests.conftest import IN_CI
+from tests.conftest import kuberay_in_default_fixture, real_kube_server_fixture
 
 pytestmark = [pytest.mark.slow]
 
@@ -38,22 +35,7 @@ for _name in RL_REAL:
 env = loopback_flow.env  # the fixture those tests take
 
 
-@pytest.fixture(scope="module")
-def kube_server(control_plane: Any) -> Any:
-    """The real control plane, where the loopback tests ask for `kube_server`."""
-    from prefect_nemo.testing.control_plane import pod_network
-
-    if reason := pod_network.unavailable_reason():
-        (pytest.fail if IN_CI else pytest.skip)(reason)
-    return control_plane
+kube_server = real_kube_server_fixture()  # the real control plane
 
 
-@pytest.fixture(scope="module")
-def kuberay(kube_server: Any, ray_head: Any) -> Iterator[Any]:
-    """The KubeRay simulator in `default` only (the real operator reconciles its own)."""
-    from prefect_nemo.testing.operators import KubeRaySimulator
-
-    with KubeRaySimulator(
-        kube_server, ray_head.dashboard_url, ray_head.token, namespace="default"
-    ) as sim:
-        yield sim
+kuberay = kuberay_in_default_fixture()

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests import test_sft_kubeflow_flow as loopback_flow
-from tests.conftest import IN_CI
+from tests.conftest import real_kube_server_fixture
 
 pytestmark = [pytest.mark.slow]
 
@@ -34,14 +34,7 @@ for _name in SFT_REAL:
 env = loopback_flow.env  # the fixture those tests take
 
 
-@pytest.fixture(scope="module")
-def kube_server(control_plane: Any) -> Any:
-    """The real control plane, where the loopback tests ask for `kube_server`."""
-    from prefect_nemo.testing.control_plane import pod_network
-
-    if reason := pod_network.unavailable_reason():
-        (pytest.fail if IN_CI else pytest.skip)(reason)
-    return control_plane
+kube_server = real_kube_server_fixture()  # the real control plane
 
 
 @pytest.fixture(scope="module")

@@ -26,14 +26,20 @@ from prefect_nemo.local_ray import free_port
 
 class PrefectServer:
     """`prefect server start` on 127.0.0.1:<port> with its database under `home` (SQLite), or
-    at `database_url` (PostgreSQL: postgresql+asyncpg://...)."""
+    at `database_url` (PostgreSQL: postgresql+asyncpg://...); with its UI at `ui_url` if `ui`."""
 
     def __init__(
-        self, home: Path, port: int | None = None, database_url: str | None = None
+        self,
+        home: Path,
+        port: int | None = None,
+        database_url: str | None = None,
+        *,
+        ui: bool = False,
     ) -> None:
         self.home = Path(home)
         self.port = port or free_port()
         self.database_url = database_url or f"sqlite+aiosqlite:///{self.database}"
+        self.ui = ui
         self.process: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
@@ -41,6 +47,11 @@ class PrefectServer:
     def api_url(self) -> str:
         """The API URL clients use (PREFECT_API_URL)."""
         return f"http://127.0.0.1:{self.port}/api"
+
+    @property
+    def ui_url(self) -> str:
+        """Where the UI is served (with `ui=True`)."""
+        return f"http://127.0.0.1:{self.port}"
 
     @property
     def database(self) -> Path:
@@ -61,10 +72,17 @@ class PrefectServer:
             "PREFECT_HOME": str(self.home),
             "PREFECT_SERVER_DATABASE_CONNECTION_URL": self.database_url,
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "PREFECT_SERVER_UI_ENABLED": "false",
+            "PREFECT_SERVER_UI_ENABLED": str(self.ui).lower(),
             "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
             "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
         }
+        if self.ui:  # the UI asks /ui-settings where its API is; `--port` alone leaves :4200
+            env.update(
+                PREFECT_SERVER_API_HOST="127.0.0.1",
+                PREFECT_SERVER_API_PORT=str(self.port),
+                PREFECT_UI_API_URL=self.api_url,
+                PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT="false",
+            )
         prefect = str(Path(sys.executable).parent / "prefect")
         cmd = [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
         log = open(self.home / "server.log", "ab")  # the child keeps it open
