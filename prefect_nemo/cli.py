@@ -5,6 +5,7 @@ Dynamo graph would send (`render`, a dry run), and clean up what no run needs (`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -97,13 +98,32 @@ def stop_prefect_server() -> None:
     if not SERVER_FILE.exists():
         print("no Prefect server started by prefect-nemo here")
         return
-    pid = json.loads(SERVER_FILE.read_text())["pid"]
-    try:
-        os.killpg(os.getpgid(pid), signal.SIGTERM)
-        print(f"stopped the Prefect server (pid {pid})")
-    except ProcessLookupError:
+    known = json.loads(SERVER_FILE.read_text())
+    pid = known["pid"]
+    if not _runs_our_server(pid, known["api_url"]):
         print("the Prefect server had already stopped")
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)  # its own session: the server and its workers
+        print(f"stopped the Prefect server (pid {pid})")
     SERVER_FILE.unlink()
+
+
+def _runs_our_server(pid: int, api_url: str) -> bool:
+    """True when pid is still the `prefect server start` we recorded: after a reboot the pid in
+    our file may name any process, which must not be signalled."""
+    if not Path("/proc/self").exists():  # no procfs (macOS): the pid is all we can go by
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    port = api_url.rsplit(":", 1)[-1].split("/", 1)[0]
+    return b"server" in argv and b"start" in argv and port.encode() in argv
 
 
 # -- the demo -----------------------------------------------------------------------------------

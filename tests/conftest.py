@@ -6,11 +6,12 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from prefect_nemo.local_ray import LocalRayCluster, start_local_ray
+from prefect_nemo.local_ray import LocalRayCluster, _session_members, start_local_ray
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
@@ -141,6 +142,28 @@ def pytest_configure(config: pytest.Config) -> None:
             {"dashboard_url": head.dashboard_url, "gcs_address": head.gcs_address,
              "token": head.token}
         )  # fmt: skip
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """When tests failed, say whether the shared Ray head lost its raylet during the run: every
+    Ray test after that fails, and the first failure is then not where the cause is."""
+    head = config.stash.get(_shared_head, None)
+    if exitstatus == 0 or head is None or head.process is None:
+        return
+    names = [_command_name(pid) for pid in _session_members(head.process.pid)]
+    if "raylet" not in names:
+        terminalreporter.write_line(
+            f"the shared Ray head lost its raylet during the run (left: {sorted(set(names))}); "
+            f"its start log is {head.log_path}: its session's logs/raylet.out says why",
+            red=True,
+        )
+
+
+def _command_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

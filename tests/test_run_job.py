@@ -456,3 +456,24 @@ def test_image_labels_follow_nemo_skills(block_fields, job_selector, image, expe
     assert ("image_uri" in doc["request"]["runtime_env"]) is not mapped, (
         "an image the block maps picks nodes; any other stays Ray's image_uri"
     )
+
+
+def test_a_dashboard_server_error_names_the_exception_it_ended_with():
+    """The dashboard answers an unexpected failure with a 500 whose body is the traceback (Ray's
+    job_head/job_agent: `Response(text=traceback.format_exc(), status=500)`); its first line says
+    nothing, so the error carries the exception the traceback ends with."""
+    from prefect_nemo.backends.ray_jobs import _server_error
+
+    body = (
+        "Request failed with status code 500: Traceback (most recent call last):\n"
+        '  File "job_head.py", line 420, in submit_job\n'
+        "    resp = await job_agent_client.submit_job_internal(submit_request)\n"
+        "KeyError: 'Agent info not found in internal KV for node 66e7'\n"
+    )
+    assert _server_error(body) == (
+        "Request failed with status code 500: KeyError: 'Agent info not found in internal KV "
+        "for node 66e7'"
+    )
+    assert _server_error("Request failed with status code 502: bad gateway") == (
+        "Request failed with status code 502: bad gateway"
+    )

@@ -135,6 +135,15 @@ _clients: dict[tuple[object, ...], TimedJobClient] = {}
 _clients_lock = threading.Lock()
 
 
+
+def _server_error(text: str) -> str:
+    """A dashboard's 500 in one line: its status and the exception its traceback ends with
+    (the first line alone says only "Traceback (most recent call last):")."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    status = lines[0].split("Traceback (most recent call last):")[0].rstrip(": ")
+    cause = lines[-1] if len(lines) > 1 else ""
+    return f"{status}: {cause[:200]}" if cause else status[:200]
+
 class RayJobsBackend:
     """Submit, watch, stop and read logs of jobs on a running Ray cluster's Jobs API."""
 
@@ -247,7 +256,7 @@ class RayJobsBackend:
             if "status code 5" in text and "already exists" not in text:
                 raise BackendUnavailable(
                     f"Ray dashboard at {self.address} answered a server error: "
-                    f"{text.splitlines()[0][:200]}"
+                    f"{_server_error(text)}"
                 ) from None
             raise
 

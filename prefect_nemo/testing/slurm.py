@@ -87,6 +87,21 @@ def _pid_alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
+def _supervisor_alive(state: dict[str, Any] | None) -> bool:
+    """True when the supervisor that `state` records still runs. Its pid alone is not enough:
+    after a reboot (or a long uptime) the pid of a supervisor that is long gone names some other
+    process, which a stop would then signal; so its command line must still be our supervisor's,
+    for this state dir."""
+    if not state or not _pid_alive(pid := state.get("supervisor_pid", 0)):
+        return False
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    state_dir = json.dumps(str(state.get("state_dir", ""))).encode()  # as the spec argument has it
+    return b"_supervise" in argv and any(state_dir in arg for arg in argv)
+
+
 def _port_open(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as sock:
         sock.settimeout(1.0)
@@ -208,7 +223,7 @@ class LocalSlurm:
                 self.port = state["ports"]["ssh"]
                 self.owned = False
             else:
-                if state and _pid_alive(state.get("supervisor_pid", 0)):
+                if _supervisor_alive(state):
                     _terminate_supervisor(state["supervisor_pid"])  # ours, but broken: restart
                 self._spawn(state, timeout_s)
             # every user holds a shared lock, so the starter can see that others still need it
@@ -318,7 +333,7 @@ class LocalSlurm:
         return (
             bool(state.get("ready"))
             and "slurmd2" in state["ports"]  # a one-node cluster of an older version: restart
-            and _pid_alive(state.get("supervisor_pid", 0))
+            and _supervisor_alive(state)
             and _port_open(state["ports"]["ssh"])
             and _run(["scontrol", "ping"], check=False, timeout=20).returncode == 0
         )
@@ -855,7 +870,7 @@ def _node_up(node: str, resumed: set[str]) -> bool:
 def _cluster_running(state_dir: Path) -> bool:
     """True when the supervisor recorded in state_dir's state.json is alive."""
     with contextlib.suppress(OSError, ValueError, KeyError):
-        return _pid_alive(json.loads((state_dir / "state.json").read_text())["supervisor_pid"])
+        return _supervisor_alive(json.loads((state_dir / "state.json").read_text()))
     return False
 
 
@@ -901,7 +916,7 @@ def main(argv: list[str]) -> int:
         print(f"local Slurm {how} in {time.monotonic() - started:.1f}s: ssh -p {slurm.port}")
         return 0
     if command == "stop":
-        if state and _pid_alive(state.get("supervisor_pid", 0)):
+        if _supervisor_alive(state):
             _terminate_supervisor(state["supervisor_pid"])
             print("local Slurm stopped")
         else:
