@@ -12,6 +12,7 @@ import contextlib
 import heapq
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -85,6 +86,15 @@ def is_conflict(exc: BaseException) -> bool:
     return isinstance(exc, ApiException) and exc.status == 409
 
 
+
+def _shutdown(resp: Any) -> None:
+    """End a streaming response so that a thread blocked reading it returns at once. urllib3
+    >= 2.3 has `shutdown()`; 1.26 (the nemo-run set's) does not, so shut its socket down."""
+    if hasattr(resp, "shutdown"):
+        resp.shutdown()
+    elif (sock := getattr(getattr(resp, "_connection", None), "sock", None)) is not None:
+        sock.shutdown(socket.SHUT_RDWR)
+
 class _Informer:
     """List+watch one kind in a thread; updates a cache and reports each change."""
 
@@ -110,10 +120,13 @@ class _Informer:
         self._thread.start()
 
     def stop(self) -> None:
-        resp = self._resp
-        if resp is not None:
+        """Unblock the reading thread (stopping is already set) without waiting for the
+        stream's next line; join it only once every informer of the controller was told."""
+        if (resp := self._resp) is not None:
             with contextlib.suppress(Exception):
-                resp.shutdown()  # unblocks the reading thread at once
+                _shutdown(resp)
+
+    def join(self) -> None:
         self._thread.join(5)
 
     def _call(self, **kwargs: Any) -> Any:
@@ -279,6 +292,8 @@ class Controller:
             self._cv.notify_all()
         for informer in self._informers.values():
             informer.stop()
+        for informer in self._informers.values():
+            informer.join()
         self._worker.join(10)
 
     # -- cache and queue ------------------------------------------------------------------------
