@@ -187,21 +187,28 @@ def _start_head(
     if env.get("CUDA_VISIBLE_DEVICES") == "":
         del env["CUDA_VISIBLE_DEVICES"]  # an empty value hides logical GPUs from Ray
 
-    log_file = tempfile.NamedTemporaryFile(prefix="prefect-nemo-ray-", suffix=".log", delete=False)
-    process = subprocess.Popen(
-        cmd,
-        env=env,
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    # A temp dir of its own, not Ray's shared /tmp/ray: a job's driver finds its cluster through
+    # the temp dir's ray_current_cluster (the job supervisor resolves RAY_ADDRESS "auto" there),
+    # which names whichever head on this machine started last. Short, under /tmp: Ray's unix
+    # socket paths live below it and must stay under 108 characters.
+    temp_dir = Path(tempfile.mkdtemp(prefix="prefect-nemo-ray-", dir=_SHORT_TMP))
+    cmd.append(f"--temp-dir={temp_dir}")
+    log_path = temp_dir / "ray-start.log"
+    with open(log_path, "wb") as log:  # the child keeps its own descriptor
+        process = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     cluster = LocalRayCluster(
         dashboard_url=f"http://127.0.0.1:{ports['dashboard-port']}",
         gcs_address=f"127.0.0.1:{ports['port']}",
         token=token,
         process=process,
-        log_path=Path(log_file.name),
+        log_path=log_path,
     )
     try:
         _wait_until_serving(cluster, timeout_s)
@@ -210,6 +217,8 @@ def _start_head(
         raise
     return cluster
 
+
+_SHORT_TMP = "/tmp" if os.path.isdir("/tmp") else None
 
 # what `ray start --block` prints once every process of the node is up (the dashboard answers
 # before that: a start that fails later takes it down again)

@@ -154,7 +154,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if "raylet" not in names:
         terminalreporter.write_line(
             f"the shared Ray head lost its raylet during the run (left: {sorted(set(names))}); "
-            f"its start log is {head.log_path}: its session's logs/raylet.out says why",
+            f"{head.log_path.parent}/session_latest/logs/raylet.out says why",  # type: ignore[union-attr]
             red=True,
         )
 

@@ -7,11 +7,13 @@ test_wheel.py), in the notebook (test_notebook.py) and on every backend
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 import pytest
 
 from prefect_nemo import local_ray
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -26,10 +28,22 @@ def test_default_cluster_reuses_a_running_one(ray_head, monkeypatch):
     assert block.backend().find("no-such-job") is None
 
 
-def test_started_cluster_is_stopped_by_process_group(prefect_api):
+def test_started_cluster_is_stopped_by_process_group(prefect_api, ray_head, ray_client):
+    """Also: a head started later leaves the jobs of an earlier one alone. Ray's job supervisor
+    gives a driver RAY_ADDRESS resolved from "auto" in its head's temp dir
+    (job_supervisor.py `_get_driver_env_vars`: `canonicalize_bootstrap_address_or_die("auto",
+    temp_dir)`), where ray_current_cluster names the head that started last: in a shared temp
+    dir, a driver's ray.init() reached the newest head on the machine (token refused)."""
     cluster = local_ray.start_local_ray(num_cpus=1)
     pgid = os.getpgid(cluster.process.pid)
     assert cluster.block().backend().find("nothing") is None  # serving, token accepted
+    driver = "import ray; ray.init(); print('gcs', ray.get_runtime_context().gcs_address)"
+    job = ray_client.submit_job(entrypoint=f'python -c "{driver}"')
+    wait_until(lambda: ray_client.get_job_status(job).is_terminal(), 120)
+    logs = ray_client.get_job_logs(job)
+    assert ray_client.get_job_status(job).value == "SUCCEEDED", logs
+    port = ray_head.gcs_address.rsplit(":", 1)[1]
+    assert re.search(rf"^gcs \S+:{port}$", logs, re.MULTILINE), logs  # its own head's GCS
     cluster.stop()
     assert _live_processes_in_group(pgid) == [], "a process of the stopped head survived"
     # ps -g selects by session: Ray workers (own process groups, same session) count too.
