@@ -168,3 +168,34 @@ def test_many_slurm_jobs_at_once_stay_within_sshd_max_sessions(
         return run_jobs(specs, block, max_in_flight=24)
 
     assert [r.state for r in many()] == [JobState.SUCCEEDED] * 24
+
+
+@pytest.mark.nemo_run
+@pytest.mark.slow
+def test_sessions_sshd_refuses_are_retried_even_when_paramiko_loses_the_reason(
+    slurm: Any, monkeypatch: pytest.MonkeyPatch
+):
+    """sshd_config(5), MaxSessions: "The default is 10." Here our bound is lifted to 24, so
+    sshd refuses sessions of 24 commands run at once on one connection, again and again.
+    paramiko keeps one saved exception per connection (Transport.get_exception: "The exception
+    (if any) is cleared after this call"): two refusals at once leave one thread with a bare
+    SSHException "Unable to open channel." instead of its ChannelException. Both mean the
+    command never started, so both are retried: every command runs once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from prefect_nemo.backends.nemo_run.slurm import ssh as ssh_module
+
+    monkeypatch.setattr(ssh_module, "MAX_SESSIONS", 24)
+    conn = ssh_module.SafeSSH(
+        host=slurm.host, port=slurm.port, user=slurm.user, identity=str(slurm.identity),
+        identity_key=None, known_hosts=slurm.known_hosts.read_text(), connect_timeout_s=30,
+        command_timeout_s=120, field_prefix="test",
+    )  # fmt: skip
+    try:
+        for _ in range(3):  # the race needs refusals that coincide: give it a few rounds
+            with ThreadPoolExecutor(24) as pool:
+                outs = list(pool.map(lambda i: conn.run(f"echo run-{i}").stdout.strip(),
+                                     range(24)))  # fmt: skip
+            assert outs == [f"run-{i}" for i in range(24)]
+    finally:
+        conn.close()

@@ -266,18 +266,27 @@ class SafeSSH:
 def _bound_sessions(conn: Any) -> None:
     """Make conn.run (ours and NeMo-Run's tunnel's: one SSH session each) wait for one of
     MAX_SESSIONS slots, so that many jobs submitted at once stay within sshd's MaxSessions."""
-    from paramiko import ChannelException
+    from paramiko import ChannelException, SSHException
 
     slots = threading.BoundedSemaphore(MAX_SESSIONS)
     run = conn.run
+
+    def refused(exc: SSHException) -> bool:
+        """True when sshd refused the session, so the command never started. paramiko keeps one
+        saved exception per connection: when two threads are refused at once, one may take the
+        other's ChannelException, and the other sees a bare "Unable to open channel." while the
+        connection is still up."""
+        if isinstance(exc, ChannelException):
+            return True
+        return "Unable to open channel" in str(exc) and conn.is_connected
 
     def bounded_run(command: str, **kwargs: Any) -> Any:
         for attempt in range(OPEN_TRIES):
             with slots:
                 try:
                     return run(command, **kwargs)
-                except ChannelException:  # the session was refused: the command never started
-                    if attempt == OPEN_TRIES - 1:
+                except SSHException as exc:
+                    if not refused(exc) or attempt == OPEN_TRIES - 1:
                         raise
             time.sleep(0.05 * 2**attempt)  # up to 3.2 s: sshd has freed closed sessions by then
         raise AssertionError("unreachable")
