@@ -125,7 +125,8 @@ def prefect_api() -> Iterator[str]:
 # `pytest -n N` starts ONE Ray head in its controller process for all N workers (a head costs
 # a core's worth of seconds a minute even when idle: its dashboard, agents, GCS and raylet); its
 # address and token reach the workers in this variable. A module whose tests judge every job on
-# the cluster (the sweeper's) takes a head of its own: `own_ray_head`.
+# the cluster (the sweeper's, the Lepton Ray cleanup tests') takes a head of its own:
+# `own_ray_head`.
 SHARED_RAY = "PREFECT_NEMO_TEST_RAY"
 _shared_head = pytest.StashKey[LocalRayCluster]()
 

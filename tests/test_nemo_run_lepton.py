@@ -267,13 +267,16 @@ def test_cpu_only_and_secret_references(lepton: LeptonServer, block: LeptonWorks
 
 @pytest.mark.slow
 def test_ray_on_lepton_runs_on_a_real_ray_behind_the_workspace_proxy(
-    prefect_api: str, lepton: LeptonServer, block: LeptonWorkspace, ray_head: Any, tmp_path: Path
+    prefect_api: str, lepton: LeptonServer, block: LeptonWorkspace, own_ray_head: Any,
+    tmp_path: Path,
 ) -> None:
     """NeMo-Run's LeptonRayCluster creates the cluster; the Ray jobs run on a real Ray head,
-    reached (as on Lepton) through the workspace's /rayclusters/<name>/dashboard proxy."""
+    reached (as on Lepton) through the workspace's /rayclusters/<name>/dashboard proxy. A head
+    of the module's own: cleanup spares a cluster that runs any Ray job, and the shared head
+    runs the other workers' jobs."""
     from prefect_nemo.blocks.lepton import LeptonRayCluster
 
-    lepton.ray_dashboard(ray_head.dashboard_url, ray_head.token)
+    lepton.ray_dashboard(own_ray_head.dashboard_url, own_ray_head.token)
     ray_block = LeptonRayCluster(
         workspace=block,
         ray_cluster_name="rl-cluster",
@@ -423,14 +426,16 @@ def test_a_ray_cluster_created_for_a_run_is_deleted_by_that_runs_teardown(
 
 @pytest.mark.slow
 def test_the_cluster_a_flow_created_goes_when_the_flow_ends_however_it_ends(
-    prefect_api: str, lepton: LeptonServer, block: LeptonWorkspace, ray_head: Any, tmp_path: Path
+    prefect_api: str, lepton: LeptonServer, block: LeptonWorkspace, own_ray_head: Any,
+    tmp_path: Path,
 ) -> None:
     """Issue 14 item 7: "Lepton Ray clusters we create are deleted when the run that created
     them ends unless the block says keep_cluster=True": a flow that completes, one that fails
-    after its job, and one with keep_cluster=True, each on a cluster it created."""
+    after its job, and one with keep_cluster=True, each on a cluster it created (on the
+    module's own head: a cluster that runs any Ray job is spared)."""
     from prefect_nemo.blocks.lepton import LeptonRayCluster
 
-    lepton.ray_dashboard(ray_head.dashboard_url, ray_head.token)
+    lepton.ray_dashboard(own_ray_head.dashboard_url, own_ray_head.token)
 
     def on_own_cluster(name: str, entrypoint: str, **extra: Any) -> Any:
         ray_block = LeptonRayCluster(workspace=block, ray_cluster_name=name, **extra)
