@@ -36,15 +36,17 @@ def test_started_cluster_is_stopped_by_process_group(prefect_api, ray_head, ray_
     dir, a driver's ray.init() reached the newest head on the machine (token refused)."""
     cluster = local_ray.start_local_ray(num_cpus=1)
     pgid = os.getpgid(cluster.process.pid)
-    assert cluster.block().backend().find("nothing") is None  # serving, token accepted
-    driver = "import ray; ray.init(); print('gcs', ray.get_runtime_context().gcs_address)"
-    job = ray_client.submit_job(entrypoint=f'python -c "{driver}"')
-    wait_until(lambda: ray_client.get_job_status(job).is_terminal(), 120)
-    logs = ray_client.get_job_logs(job)
-    assert ray_client.get_job_status(job).value == "SUCCEEDED", logs
-    port = ray_head.gcs_address.rsplit(":", 1)[1]
-    assert re.search(rf"^gcs \S+:{port}$", logs, re.MULTILINE), logs  # its own head's GCS
-    cluster.stop()
+    try:
+        assert cluster.block().backend().find("nothing") is None  # serving, token accepted
+        driver = "import ray; ray.init(); print('gcs', ray.get_runtime_context().gcs_address)"
+        job = ray_client.submit_job(entrypoint=f'python -c "{driver}"')
+        wait_until(lambda: ray_client.get_job_status(job).is_terminal(), 120)
+        logs = ray_client.get_job_logs(job)
+        assert ray_client.get_job_status(job).value == "SUCCEEDED", logs
+        port = ray_head.gcs_address.rsplit(":", 1)[1]
+        assert re.search(rf"^gcs \S+:{port}$", logs, re.MULTILINE), logs  # its own head's GCS
+    finally:
+        cluster.stop()  # a failed check must not leave the head running
     assert _live_processes_in_group(pgid) == [], "a process of the stopped head survived"
     # ps -g selects by session: Ray workers (own process groups, same session) count too.
 
