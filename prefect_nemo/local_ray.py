@@ -77,11 +77,11 @@ class LocalRayCluster:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(10)
-        for pid in _session_members(sid):
+        for pid in session_members(sid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while _session_members(sid) and time.monotonic() < deadline:
+        while session_members(sid) and time.monotonic() < deadline:
             time.sleep(0.1)  # SIGKILL is not instant: return once they are really gone
 
     def __enter__(self) -> LocalRayCluster:
@@ -91,7 +91,7 @@ class LocalRayCluster:
         self.stop()
 
 
-def _session_members(sid: int) -> list[int]:
+def session_members(sid: int) -> list[int]:
     """Live (non-zombie) process ids in session sid (Linux /proc; empty without /proc)."""
     members = []
     for entry in Path("/proc").glob("[0-9]*"):

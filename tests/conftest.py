@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from prefect_nemo.local_ray import LocalRayCluster, _session_members, start_local_ray
+from prefect_nemo.local_ray import LocalRayCluster, session_members, start_local_ray
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
@@ -151,7 +151,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     head = config.stash.get(_shared_head, None)
     if exitstatus == 0 or head is None or head.process is None:
         return
-    names = [_command_name(pid) for pid in _session_members(head.process.pid)]
+    names = [_command_name(pid) for pid in session_members(head.process.pid)]
     if "raylet" not in names:
         terminalreporter.write_line(
             f"the shared Ray head lost its raylet during the run (left: {sorted(set(names))}); "
