@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,7 +42,8 @@ def test_a_slurm_state_names_a_supervisor_only_for_its_own_state_dir(tmp_path: P
     spec = json.dumps({"state_dir": str(tmp_path / "slurm")})
     # a stand-in with the supervisor's arguments
     script = "import time; time.sleep(120)"
-    proc = subprocess.Popen(["python3", "-c", script, "_supervise", spec])
+    # this interpreter itself, not a pyenv shim that execs one (its command line would change)
+    proc = subprocess.Popen([sys.executable, "-c", script, "_supervise", spec])
     try:
         assert slurm._supervisor_alive({"supervisor_pid": proc.pid,
                                         "state_dir": str(tmp_path / "slurm")})  # fmt: skip
