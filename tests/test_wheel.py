@@ -23,6 +23,7 @@ from tests.conftest import subprocess_env
 
 ROOT = Path(__file__).resolve().parent.parent
 JOBS = "prefect_nemo/demo/jobs"
+CRDS = "prefect_nemo/testing/crds"
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,15 @@ def test_wheel_ships_the_demo_and_its_job_scripts(wheel: Path):
     assert jobs == local and len(jobs) == 6
 
 
+@pytest.mark.slow
+def test_wheel_ships_the_testing_kits_crds_with_their_sources(wheel: Path):
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+    shipped = {n for n in names if n.startswith(f"{CRDS}/")}
+    local = {f"{CRDS}/{p.name}" for p in (ROOT / CRDS).iterdir()}
+    assert shipped == local and f"{CRDS}/SOURCES.md" in shipped and len(shipped) >= 8
+
+
 def _import_testing_without(*blocked: str) -> subprocess.CompletedProcess[str]:
     """`import prefect_nemo.testing` in a fresh interpreter where `blocked` cannot be imported."""
     code = (
@@ -97,7 +107,7 @@ def test_testing_kit_without_its_extra_names_the_extra(blocked: tuple[str, ...])
 
 @pytest.fixture(scope="module")
 def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh venv with the wheel and its demo extra, pinned like `make install` pins (and
+    """A fresh venv with the wheel and its demo and testing extras, pinned like `make install` pins (and
     installed the same way, by uv: pip took ~40 s of the 2-core CI's CPU resolving and unpacking
     Ray and Prefect; uv links them from its cache). uv compiles nothing: the venv's processes
     compile only what they import (_outside_repo lets them cache it)."""
@@ -106,7 +116,7 @@ def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     uv = Path(sys.executable).parent / "uv"  # `make install` puts it next to the interpreter
     subprocess.run(
         [str(uv), "pip", "install", "--quiet", "--python", str(env_dir / "bin/python"),
-         "-c", str(ROOT / "constraints/core.txt"), f"{wheel}[demo]"],
+         "-c", str(ROOT / "constraints/core.txt"), f"{wheel}[demo,testing]"],
         check=True, timeout=600, env=_outside_repo(dict(os.environ)),
     )
     return env_dir
@@ -188,3 +198,31 @@ def test_demo_runs_from_the_installed_wheel(installed: Path, run_outside_repo: P
     assert "stopped the local Ray cluster" in out
     assert _processes_of(installed) == set(), "the demo left processes running"
     assert not (run_outside_repo / ".prefect-nemo").exists(), "it started its own Prefect server"
+
+
+@pytest.mark.slow
+def test_the_installed_testing_kit_serves_its_crds(installed: Path, run_outside_repo: Path):
+    """`pip install 'prefect-nemo[testing]'` alone: the loopback API server starts with the CRDs
+    inside the installed package and validates a RayJob against them (no repository, no
+    PREFECT_NEMO_CRDS)."""
+    code = (
+        "import kubernetes, prefect_nemo.testing.kube_api as k\n"
+        "from prefect_nemo.testing.kube_api import LoopbackKubeServer, crd_dir\n"
+        "print(crd_dir())\n"
+        "with LoopbackKubeServer(crds=[crd_dir()]) as s:\n"
+        "    api = kubernetes.client.CustomObjectsApi(s.api_client())\n"
+        "    job = {'apiVersion': 'ray.io/v1', 'kind': 'RayJob', 'metadata': {'name': 'a'},\n"
+        "           'spec': {'entrypoint': 'true', 'shutdownAfterJobFinishes': 'yes'}}\n"
+        "    try:\n"
+        "        api.create_namespaced_custom_object('ray.io', 'v1', 'default', 'rayjobs', job)\n"
+        "    except kubernetes.client.ApiException as exc:\n"
+        "        print('refused', exc.status)\n"
+    )
+    env = _outside_repo(dict(os.environ))
+    env.pop("PREFECT_NEMO_CRDS", None)
+    out = subprocess.run([str(installed / "bin/python"), "-c", code], cwd=run_outside_repo,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    where, verdict = out.stdout.split()[0], out.stdout.split("\n")[1]
+    assert Path(where).is_relative_to(installed), f"CRDs from {where}, not the installed wheel"
+    assert verdict == "refused 422", "the schema (shutdownAfterJobFinishes: boolean) was enforced"

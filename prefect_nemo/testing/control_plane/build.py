@@ -21,8 +21,8 @@ from pathlib import Path
 KUBERNETES = "v1.37.2"
 STAGING = "v0.37.2"  # the k8s.io/* staging modules published with KUBERNETES
 ETCD = "v3.7.3"  # Kubernetes 1.37 supports etcd 3.6 and 3.7 (its client is 3.7)
-# the CRDs in ../shared/crds/ are KubeRay 1.7's, but the module proxy refuses v1.7.0's source
-# ("403 This module version is not available"): the newest it serves is 1.6.1
+# the newest the module proxy serves (v1.7.0: "403 This module version is not available"); the
+# kit's KubeRay CRDs (testing/crds) are this module's own
 KUBERAY = "v1.6.1"
 BINARIES = ("kube-apiserver", "kube-controller-manager", "etcd", "ray-operator")
 GO_HINT = (
@@ -153,10 +153,10 @@ def build() -> None:
 
 # -- the real Kubeflow Trainer controller (opt-in: `build_trainer()`, not part of build()) -------
 
-# v2.3.0 is the Trainer of ../shared/crds; the module proxy serves it although its version list
-# (`go list -m -versions`) names only v2.0.0, whose API has no runtimePatches (our code mounts)
+# the module proxy serves v2.3.0 although its version list (`go list -m -versions`) names only
+# v2.0.0, whose API has no runtimePatches (our code mounts); the kit's Trainer CRDs are v2.3.0's
 TRAINER = "v2.3.0"
-JOBSET = "v0.12.0"  # the JobSet API Trainer v2.3.0 requires (its CRD, and its controller)
+JOBSET = "v0.12.0"  # the JobSet API Trainer v2.3.0 requires (the kit's JobSet CRD is its own)
 TRAINER_HINT = (
     "build the real Kubeflow Trainer controller once with `python -c 'from prefect_nemo.testing."
     "control_plane import build; build.build_trainer()'` (about 10 minutes on 2 cores)"
@@ -168,11 +168,6 @@ def trainer_binary() -> Path:
     return cache_dir() / f"trainer-{TRAINER}" / "bin" / "trainer-controller-manager"
 
 
-def jobset_crd() -> Path:
-    """JobSet's CRD (from `sigs.k8s.io/jobset` at JOBSET), which the Trainer writes."""
-    return cache_dir() / f"trainer-{TRAINER}" / "jobset.x-k8s.io_jobsets.yaml"
-
-
 def _module_dir(module: str, env: dict[str, str]) -> Path:
     """The source of one module version, downloaded into the module cache (read-only). `go
     install m@v` would ask the proxy for the module's version list, which it refuses (403) for
@@ -182,9 +177,9 @@ def _module_dir(module: str, env: dict[str, str]) -> Path:
     return Path(json.loads(out.stdout)["Dir"])
 
 
-def _build_in_module(module: str, package: str, out: Path) -> dict[str, str]:
+def _build_in_module(module: str, package: str, out: Path) -> None:
     """Build `package` of `module` (name@version, downloaded into the module cache) to `out`,
-    printing the build time; the env it built with."""
+    printing the build time."""
     go = go_binary()
     if go is None:
         raise RuntimeError(f"cannot build {module}: {GO_HINT}")
@@ -194,17 +189,13 @@ def _build_in_module(module: str, package: str, out: Path) -> dict[str, str]:
     source = _module_dir(module, env)
     _go(["build", "-o", str(out), package], source, dict(env, GOFLAGS="-buildvcs=false"))
     print(f"control-plane build {out.parent.parent.name}: {time.monotonic() - t0:.0f}s", flush=True)
-    return env
 
 
 def build_trainer() -> None:
-    """Build the Trainer manager and fetch JobSet's CRD (once), printing the build time."""
-    if trainer_binary().is_file() and jobset_crd().is_file():
-        return
-    env = _build_in_module(f"github.com/kubeflow/trainer/v2@{TRAINER}",
-                           "./cmd/trainer-controller-manager", trainer_binary())  # fmt: skip
-    crd = _module_dir(f"sigs.k8s.io/jobset@{JOBSET}", env) / "config/components/crd/bases"
-    shutil.copyfile(crd / jobset_crd().name, jobset_crd())
+    """Build the Trainer manager (once), printing the build time."""
+    if not trainer_binary().is_file():
+        _build_in_module(f"github.com/kubeflow/trainer/v2@{TRAINER}",
+                         "./cmd/trainer-controller-manager", trainer_binary())  # fmt: skip
 
 
 # -- the real JobSet controller (`build_jobset()`): runs the JobSets the Trainer writes ----------

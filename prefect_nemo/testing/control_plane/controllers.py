@@ -54,8 +54,7 @@ class Controller:
 
 def unavailable_reason() -> str | None:
     """Why the Trainer + JobSet controllers cannot start (None once both are built)."""
-    todo = [str(p.name) for p in (build.trainer_binary(), build.jobset_crd(),
-                                  build.jobset_binary()) if not p.is_file()]  # fmt: skip
+    todo = [p.name for p in (build.trainer_binary(), build.jobset_binary()) if not p.is_file()]
     if not todo:
         return None
     return (f"the real Kubeflow Trainer / JobSet controllers are not built ({', '.join(todo)}): "

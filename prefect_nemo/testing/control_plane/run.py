@@ -1,5 +1,5 @@
 """Start the real control plane on loopback: etcd, kube-apiserver, kube-controller-manager, the
-CRDs of ../shared/crds, the KubeRay operator, and (when built) the Kubeflow Trainer and JobSet
+kit's CRDs (testing/crds), the KubeRay operator, and (when built) the Kubeflow Trainer and JobSet
 controllers (controllers.py); stop every process by pid.
 
 Generated per start: a CA and the API server's certificate, the ServiceAccount signing key and
@@ -50,7 +50,7 @@ CONTROLLERS = (
 )
 
 
-# The KubeRay operator watches RayServices too and stops when their CRD is missing; the shared
+# The KubeRay operator watches RayServices too and stops when their CRD is missing; the kit's
 # CRDs have none (we never write one), so a schema-less stand-in lets the operator start.
 _RAYSERVICE_STANDIN = {
     "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
@@ -252,17 +252,15 @@ class ControlPlane(TokenClientConfig):
     # -- for tests ---------------------------------------------------------------------------
 
     def install_crds(self, docs: list[dict[str, Any]] | None = None) -> None:
-        """Create CRDs (by default those of ../shared/crds, or $PREFECT_NEMO_CRDS, and JobSet's
-        when built) and wait until served; one already there is kept."""
+        """Create CRDs (by default the kit's, `crd_dir()`: KubeRay, Trainer, JobSet, Dynamo) and
+        wait until served; one already there is kept."""
         from kubernetes import client
 
         from prefect_nemo.testing.kube_api import crd_dir
+        from prefect_nemo.testing.kube_api.schema import read_crd_documents
 
         if docs is None:
-            shared = sorted(crd_dir().glob("*.yaml"))
-            docs = [*(yaml.safe_load(path.read_text()) for path in shared), _RAYSERVICE_STANDIN]
-            if build.jobset_crd().is_file():  # the JobSet controller's (with the Trainer)
-                docs.append(yaml.safe_load(build.jobset_crd().read_text()))
+            docs = [*read_crd_documents([crd_dir()]), _RAYSERVICE_STANDIN]
         api = client.ApiextensionsV1Api(self.api_client())
         names = []
         for doc in docs:

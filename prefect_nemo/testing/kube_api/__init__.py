@@ -14,22 +14,27 @@ from pathlib import Path
 from prefect_nemo.testing.kube_api.server import LoopbackKubeServer, RequestEntry, RequestLog
 from prefect_nemo.testing.kube_api.store import WatchWindow
 
-__all__ = ["LoopbackKubeServer", "RequestEntry", "RequestLog", "WatchWindow", "crd_dir"]
+#: The CRDs shipped with the kit (KubeRay, Kubeflow Trainer, JobSet, Dynamo; see SOURCES.md there).
+PACKAGED_CRDS = Path(__file__).resolve().parents[1] / "crds"
+
+__all__ = [
+    "PACKAGED_CRDS",
+    "LoopbackKubeServer",
+    "RequestEntry",
+    "RequestLog",
+    "WatchWindow",
+    "crd_dir",
+]
 
 
 def crd_dir() -> Path:
-    """Folder of real CRD manifests: `$PREFECT_NEMO_CRDS`, else the nearest `shared/crds` beside
-    the repository or one of its parent folders (the project keeps them outside the repo)."""
+    """Folder of real CRD manifests: `$PREFECT_NEMO_CRDS` when set (every *.yaml in it), else
+    the ones this package ships (`prefect_nemo/testing/crds`, their sources in its SOURCES.md)."""
     env = os.environ.get("PREFECT_NEMO_CRDS")
-    if env:
-        candidates = [Path(env)]
-    else:
-        repo = Path(__file__).resolve().parents[3]
-        candidates = [folder / "shared" / "crds" for folder in repo.parents]
-    for path in candidates:
-        if path.is_dir():
-            return path
-    raise FileNotFoundError(
-        f"no CRD directory at {candidates[0]}: set PREFECT_NEMO_CRDS to a folder of "
-        "CustomResourceDefinition YAML files (KubeRay, Kubeflow Trainer, Dynamo)"
-    )
+    path = Path(env) if env else PACKAGED_CRDS
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"PREFECT_NEMO_CRDS={env!r} is not a folder: point it at a folder of "
+            "CustomResourceDefinition YAML files, or unset it to use the packaged ones"
+        )
+    return path
