@@ -107,10 +107,10 @@ def test_testing_kit_without_its_extra_names_the_extra(blocked: tuple[str, ...])
 
 @pytest.fixture(scope="module")
 def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh venv with the wheel and its demo and testing extras, pinned like `make install` pins (and
-    installed the same way, by uv: pip took ~40 s of the 2-core CI's CPU resolving and unpacking
-    Ray and Prefect; uv links them from its cache). uv compiles nothing: the venv's processes
-    compile only what they import (_outside_repo lets them cache it)."""
+    """A fresh venv with the wheel and its demo and testing extras, pinned like `make install`
+    pins (and installed the same way, by uv: pip took ~40 s of the 2-core CI's CPU resolving and
+    unpacking Ray and Prefect; uv links them from its cache). uv compiles nothing: the venv's
+    processes compile only what they import (_outside_repo lets them cache it)."""
     env_dir = tmp_path_factory.mktemp("wheel-venv")
     venv.create(env_dir, with_pip=False)
     uv = Path(sys.executable).parent / "uv"  # `make install` puts it next to the interpreter

@@ -53,6 +53,7 @@ from prefect_nemo.kube import (
     add_owner_reference,
     wait_for,
 )
+from prefect_nemo.names import check_namespace
 
 MANAGED = f"{MANAGED_BY}=prefect-nemo"
 ConfigT = TypeVar("ConfigT")
@@ -91,7 +92,7 @@ class KubeJobBackend(Generic[ConfigT]):
     def __init__(self, api: KubeApi, config: ConfigT, *, namespace: str | None = None) -> None:
         self.api = api
         self.config = config
-        self.namespace = namespace or api.namespace
+        self.namespace = check_namespace(namespace or api.namespace)
         self._lock = threading.Lock()
         self._informers: tuple[Informer, ...] = ()  # (jobs, pods?) while subscribed
         self._wakes: list[Callable[[], None]] = []

@@ -8,19 +8,22 @@ import copy
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
 from kubernetes import config as k8s_config
 from kubernetes.client import ApiClient, Configuration
 from prefect.blocks.core import Block
 from prefect.types import SecretDict
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from prefect_nemo.blocks.base import DOCS_URL
 from prefect_nemo.errors import InvalidJobSpec
 from prefect_nemo.kube.api import KubeApi
-from prefect_nemo.names import stable_hash
+from prefect_nemo.names import check_namespace, stable_hash
+
+#: A namespace field: refused when Kubernetes could not name a namespace so.
+Namespace = Annotated[str, AfterValidator(check_namespace)]
 
 # kubeconfig fields whose base64 data the client would write to temp files
 _DATA_FIELDS = {
@@ -57,7 +60,7 @@ api = k8s.api()  # prefect_nemo.kube.KubeApi
     context: str | None = Field(
         default=None, description="kubeconfig context to use; empty for its current-context."
     )
-    namespace: str = Field(
+    namespace: Namespace = Field(
         default="default", description="Namespace where prefect-nemo creates its objects."
     )
     in_cluster: bool = Field(

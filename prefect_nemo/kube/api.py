@@ -27,6 +27,7 @@ from prefect_nemo.errors import (
     Throttled,
 )
 from prefect_nemo.kube.kinds import POD, Kind
+from prefect_nemo.names import check_namespace
 
 _TRANSPORT_ERRORS = (urllib3.exceptions.HTTPError, OSError)
 # kube-apiserver's default is Warn: an unknown field (a typo in a RayCluster spec) would be
@@ -118,7 +119,7 @@ class KubeApi:
         credentials: str = "the kubeconfig",
     ) -> None:
         self.api_client = api_client
-        self.namespace = namespace
+        self.namespace = check_namespace(namespace)
         self.request_timeout_s = request_timeout_s
         # where the credentials come from (a block and its field), for 401/403 messages; never
         # the credentials themselves
@@ -330,7 +331,7 @@ class KubeApi:
         core = CoreV1Api(self.api_client)
         try:
             resp = core.read_namespaced_pod_log(
-                name, namespace or self.namespace, container=container,
+                name, self._ns(POD, namespace), container=container,
                 _request_timeout=self.request_timeout_s, _preload_content=False,
             )  # fmt: skip
         except (ApiException, DynamicApiError) as exc:
@@ -347,6 +348,7 @@ class KubeApi:
 
     def proxy_url(self, namespace: str, service: str, port: int | str) -> str:
         """Base URL of a Service port through the API server's service proxy."""
+        namespace = check_namespace(namespace)
         return f"{self.host}/api/v1/namespaces/{namespace}/services/{service}:{port}/proxy"
 
     def proxy(
@@ -361,6 +363,7 @@ class KubeApi:
     ) -> tuple[int, bytes]:
         """One HTTP request through the service proxy: (status, body); (0, b"") when the API
         server itself cannot be reached. Error statuses are returned, not raised."""
+        namespace = check_namespace(namespace)
         url = f"/api/v1/namespaces/{namespace}/services/{service}:{port}/proxy/{path.lstrip('/')}"
         try:
             resp = self._dyn.request(
@@ -382,9 +385,11 @@ class KubeApi:
     # -- internals -------------------------------------------------------------------------------
 
     def _ns(self, kind: Kind, namespace: str | None, obj: dict | None = None) -> str | None:
+        """The namespace a request goes to, checked (every request passes here)."""
         if not kind.namespaced:
             return None
-        return namespace or (obj or {}).get("metadata", {}).get("namespace") or self.namespace
+        chosen = namespace or (obj or {}).get("metadata", {}).get("namespace") or self.namespace
+        return check_namespace(chosen)
 
     def _resource(self, kind: Kind, subresource: str | None = None) -> Resource:
         key = (kind, subresource)
