@@ -34,7 +34,7 @@ from prefect.context import AsyncClientContext
 
 from prefect_nemo.errors import InvalidJobSpec, JobFailed, JobStopped, Throttled
 from prefect_nemo.jobs import JobResult, JobSpec, JobState
-from prefect_nemo.lifecycle import JobIdentity, Submission, Supervisor, WaitPolicy
+from prefect_nemo.lifecycle import JobIdentity, Submission, Supervisor
 from prefect_nemo.redaction import Redactor
 from prefect_nemo.tasks._blocks import ClusterLike, resolve_cluster
 from prefect_nemo.tasks._outbox import outbox
@@ -46,6 +46,7 @@ from prefect_nemo.tasks.jobs import (
     _identity,
     _track_cluster,
     job_spec,
+    wait_policy,
 )
 from prefect_nemo.tasks.reporting import JobReporter, RunProgress, say
 
@@ -170,13 +171,10 @@ class _Batch:
         """The body of one job's task run: submit (with backpressure), then wait."""
         run = current_run()
         spec = self.specs[index]
-        policy = WaitPolicy(
-            timeout_s=spec.timeout_s,
+        policy = wait_policy(
+            self.block, timeout_s=spec.timeout_s, queue_timeout_s=spec.queue_timeout_s,
             stream_logs=self.stream_logs,
-            max_poll_interval_s=self.block.max_poll_interval_s,
-            unreachable_budget_s=self.block.unreachable_budget_s,
-            stop_timeout_s=self.block.stop_timeout_s,
-        )
+        )  # fmt: skip
         reporter = JobReporter(run, self.redact, settle=False)
         supervisor = Supervisor(self.backend, policy, reporter, run.interrupted, self.redact)
         slot = (
