@@ -70,7 +70,7 @@ control-plane: $(STAMP)
 	$(BIN)/python -m prefect_nemo.testing.control_plane $(or $(CP),build)
 
 lint: $(STAMP)
-	$(BIN)/ruff check prefect_nemo flows tests bench examples
+	$(BIN)/ruff check prefect_nemo flows tests bench examples docs
 
 ## The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link or anchor, a page
 ## missing from the nav, or a docstring or API reference that does not resolve fails the build.
