@@ -23,6 +23,8 @@ KUBERAY_RULES = [
      "verbs": ["get", "list", "watch", "create", "delete", "patch"]},
     {"apiGroups": ["ray.io"], "resources": ["rayclusters"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "delete", "patch"]},
+    {"apiGroups": [""], "resources": ["configmaps"],
+     "verbs": ["get", "create", "delete", "patch"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]},
     {"apiGroups": [""], "resources": ["services/proxy"], "verbs": ["get", "create"]},

@@ -50,7 +50,6 @@ The job id is at most 50 characters, not 63: JobSet gives every pod the hostname
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
 from collections.abc import AsyncGenerator
@@ -61,6 +60,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from prefect_nemo.backends._kube_job import KubeJobBackend
 from prefect_nemo.backends._kube_objects import (
     check_labels,
+    code_configmaps,
+    code_plan,
     flow_run_of,
     job_object,
     parse_time,
@@ -101,7 +102,6 @@ from prefect_nemo.kube import (
     KubeApi,
     KubeError,
     apply_or_attach,
-    managed_labels,
 )
 from prefect_nemo.names import is_dns1035_label
 
@@ -432,16 +432,8 @@ class KubeflowTrainerBackend(KubeJobBackend[TrainerConfig]):
     # -- helpers ----------------------------------------------------------------------------------
 
     def _plan(self, spec: JobSpec, job_id: str) -> TransportPlan:
-        """The ConfigMap transport of working_dir. build_archive reuses an unchanged tree's
-        archive (by content hash), so planning again at submit costs only the file walk."""
-        from prefect_nemo.packaging import build_archive, plan_for
-
-        assert spec.working_dir is not None
-        archive = build_archive(Path(spec.working_dir), exclude=tuple(spec.exclude))
-        return plan_for(
-            "kubernetes", archive, name=job_id,
-            chunk_bytes=self.chunk_bytes, max_bytes=self.max_code_bytes,
-        )  # fmt: skip
+        """The ConfigMap transport of working_dir, within this block's sizes."""
+        return code_plan(spec, job_id, chunk_bytes=self.chunk_bytes, max_bytes=self.max_code_bytes)
 
     def _documents(
         self, spec: JobSpec, job_id: str, metadata: dict[str, str]
@@ -459,13 +451,9 @@ class KubeflowTrainerBackend(KubeJobBackend[TrainerConfig]):
         owned: list[tuple[Kind, dict[str, Any]]] = []
         if secret is not None:
             owned.append((SECRET, secret))
-        for cm in plan.configmaps if plan is not None else []:
-            cm = copy.deepcopy(cm)
-            meta = cm.setdefault("metadata", {})
-            meta["namespace"] = self.namespace
-            meta["labels"] = {**(meta.get("labels") or {}), **managed_labels(flow_run_id)}
-            meta.pop("ownerReferences", None)
-            owned.append((CONFIGMAP, cm))
+        if plan is not None:
+            cms = code_configmaps(plan, namespace=self.namespace, flow_run_id=flow_run_id)
+            owned += [(CONFIGMAP, cm) for cm in cms]
         return manifest, owned
 
     def _shared_objects(self) -> list[dict[str, Any]]:
