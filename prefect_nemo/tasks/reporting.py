@@ -152,25 +152,28 @@ class RunTable(_CoalescedWrites):
 
 
 class RunProgress(_CoalescedWrites):
-    """One progress artifact per flow run (percent done), its description saying k/N."""
+    """One progress artifact per flow run (percent done), its description saying k/N and how
+    the rest are doing (e.g. "4 running, 984 queued")."""
 
     def __init__(self, what: str) -> None:
         super().__init__()
         self.what = what
-        self._counts: dict[str, tuple[int, int]] = {}  # flow run -> (done, total)
+        self._counts: dict[str, tuple[int, int, str]] = {}  # flow run -> (done, total, detail)
 
-    def update(self, flow_run_id: str | None, done: int, total: int) -> None:
-        """Record k of N done and have the artifact rewritten. No-op outside a flow run."""
+    def update(self, flow_run_id: str | None, done: int, total: int, detail: str = "") -> None:
+        """Record k of N done (and a word on the others) and have the artifact rewritten.
+        No-op outside a flow run."""
         if flow_run_id is None:
             return
         with self._lock:
-            self._counts[flow_run_id] = (done, total)
+            self._counts[flow_run_id] = (done, total, detail)
             self._changed(flow_run_id)
 
     def _data(self, flow_run_id: str) -> tuple[str, Any, str]:
-        done, total = self._counts[flow_run_id]
+        done, total, detail = self._counts[flow_run_id]
         percent = 100.0 * done / total if total else 100.0
-        return "progress", percent, f"{done}/{total} {self.what} (prefect-nemo)"
+        others = f"; {detail}" if detail else ""
+        return "progress", percent, f"{done}/{total} {self.what}{others} (prefect-nemo)"
 
 
 # ---------------------------------------------------------------------------------------------
