@@ -197,7 +197,7 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
         return False
     for cond in status.get("conditions") or []:
         if cond.get("type") == "Ready":
-            return cond.get("status") == "True"
+            return bool(cond.get("status") == "True")
     containers = status.get("containerStatuses") or []
     return bool(containers) and all(c.get("ready") for c in containers)
 

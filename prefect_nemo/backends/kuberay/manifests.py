@@ -208,7 +208,7 @@ def rayjob_manifest(
     if working_dir_uri is not None:
         runtime_env["working_dir"] = working_dir_uri
     body: dict[str, Any] = {
-        "entrypoint": submitted_entrypoint(spec.entrypoint, config.submission_mode),
+        "entrypoint": submitted_entrypoint(spec.entrypoint or "", config.submission_mode),
         "jobId": job_id,
         "metadata": {**spec.metadata, **metadata},
         "runtimeEnvYAML": yaml.safe_dump(runtime_env, sort_keys=True),
