@@ -224,7 +224,7 @@ def wait_dgd_ready(
     port: int = FRONTEND_PORT,
     probe_interval_s: float = 1.0,
     on_change: Callable[[DgdReadiness], None] | None = None,
-    interrupted: Callable[[], bool] | None = None,
+    interrupted: Callable[[], str | bool | None] | None = None,
 ) -> DgdReadiness:
     """Wait until the DGD serves: state successful, every DGD pod Ready, frontend answers.
 
