@@ -344,7 +344,7 @@ class KubeApi:
             resp = cast(
                 urllib3.BaseHTTPResponse,
                 core.read_namespaced_pod_log(
-                    name, self._ns(POD, namespace), container=container,
+                    name, self._namespace(namespace), container=container,
                     _request_timeout=self.request_timeout_s, _preload_content=False,
                 ),
             )  # fmt: skip
@@ -402,8 +402,10 @@ class KubeApi:
         self, kind: Kind, namespace: str | None, obj: dict[str, Any] | None = None
     ) -> str | None:
         """The namespace a request goes to, checked (every request passes here)."""
-        if not kind.namespaced:
-            return None
+        return self._namespace(namespace, obj) if kind.namespaced else None
+
+    def _namespace(self, namespace: str | None, obj: dict[str, Any] | None = None) -> str:
+        """The namespace of a request for a namespaced kind, checked."""
         chosen = namespace or (obj or {}).get("metadata", {}).get("namespace") or self.namespace
         return check_namespace(chosen)
 
