@@ -69,8 +69,10 @@ chaos: $(STAMP)
 control-plane: $(STAMP)
 	$(BIN)/python -m prefect_nemo.testing.control_plane $(or $(CP),build)
 
+## ruff, then mypy: strict on prefect_nemo outside testing/ (config in pyproject.toml [tool.mypy])
 lint: $(STAMP)
 	$(BIN)/ruff check prefect_nemo flows tests bench examples docs
+	$(BIN)/mypy
 
 ## The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link or anchor, a page
 ## missing from the nav, or a docstring or API reference that does not resolve fails the build.
@@ -87,4 +89,4 @@ bench-scale: $(STAMP) $(NR_STAMP)  # its Slurm part runs in the extras environme
 	$(BIN)/python -m bench.scale
 
 clean:
-	rm -rf $(VENV) $(NR_VENV) .prefect-nemo .pytest_cache site
+	rm -rf $(VENV) $(NR_VENV) .prefect-nemo .pytest_cache .mypy_cache site

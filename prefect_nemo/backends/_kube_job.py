@@ -388,7 +388,7 @@ class KubeJobBackend(Generic[ConfigT]):
         wanted = [(self.job_kind, MANAGED)]
         if self.pod_job_label:
             wanted.append((POD, f"{MANAGED},{self.pod_job_label}"))
-        current = list(self._informers) or [None] * len(wanted)
+        current: list[Informer | None] = [*self._informers] or [None] * len(wanted)
         for i, (kind, selector) in enumerate(wanted):
             old = current[i]
             rejected = old is not None and isinstance(old.error, AuthenticationFailed)

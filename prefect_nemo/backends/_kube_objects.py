@@ -77,7 +77,7 @@ def job_object(
     }
     if owned:
         reserved[OWNED_ANNOTATION] = json.dumps(dict(owned))
-    manifest = {
+    manifest: dict[str, Any] = {
         "apiVersion": kind.api_version,
         "kind": kind.kind,
         "metadata": {

@@ -297,7 +297,7 @@ class RayJobsBackend:
             if "404" in str(exc) or "does not exist" in str(exc):
                 return None
             raise
-        return _status_from_details(info)  # type: ignore[arg-type]
+        return _status_from_details(info)
 
     def submit(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> JobHandle:
         """Submit the spec under job_id; JobAlreadyExists if someone took the id first."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from prefect_nemo.errors import InvalidJobSpec
 
@@ -66,14 +67,15 @@ KNOWN_KINDS: tuple[Kind, ...] = (
     NAMESPACE, POD, SERVICE, CONFIGMAP, SECRET, PVC, EVENT, RAY_CLUSTER, RAY_JOB,
     TRAIN_JOB, TRAINING_RUNTIME, CLUSTER_TRAINING_RUNTIME, *(dgd_kind(v) for v in DGD_VERSIONS),
 )  # fmt: skip
-_BY_TYPE = {(k.api_version, k.kind): k for k in KNOWN_KINDS}
+# keyed for lookups with whatever a manifest holds there (None when absent)
+_BY_TYPE: dict[tuple[object, object], Kind] = {(k.api_version, k.kind): k for k in KNOWN_KINDS}
 
 
-def kind_for(manifest: dict) -> Kind:
+def kind_for(manifest: dict[str, Any]) -> Kind:
     """The Kind of a manifest, from its apiVersion and kind."""
     key = (manifest.get("apiVersion"), manifest.get("kind"))
     try:
-        return _BY_TYPE[key]  # type: ignore[index]
+        return _BY_TYPE[key]
     except KeyError:
         known = ", ".join(sorted(f"{k.api_version} {k.kind}" for k in KNOWN_KINDS))
         raise InvalidJobSpec(

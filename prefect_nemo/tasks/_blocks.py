@@ -59,7 +59,9 @@ def resolve_cluster(cluster: ClusterLike) -> ClusterBlock:
             "cluster: expected a cluster block (e.g. RayJobsCluster), a saved block name or "
             f"None, got {type(cluster).__name__}"
         )
-    return resolve_block(cluster, ClusterBlock, "cluster", "ray-jobs-cluster/prod", "cluster")
+    # mypy takes only concrete classes for type[B] (python/mypy#4717); resolve_block only
+    # checks isinstance
+    return resolve_block(cluster, ClusterBlock, "cluster", "ray-jobs-cluster/prod", "cluster")  # type: ignore[type-abstract]
 
 
 def resolve_kube(kube: KubeLike) -> KubernetesCluster:

@@ -197,7 +197,7 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
         return False
     for cond in status.get("conditions") or []:
         if cond.get("type") == "Ready":
-            return cond.get("status") == "True"
+            return bool(cond.get("status") == "True")
     containers = status.get("containerStatuses") or []
     return bool(containers) and all(c.get("ready") for c in containers)
 
@@ -224,7 +224,7 @@ def wait_dgd_ready(
     port: int = FRONTEND_PORT,
     probe_interval_s: float = 1.0,
     on_change: Callable[[DgdReadiness], None] | None = None,
-    interrupted: Callable[[], bool] | None = None,
+    interrupted: Callable[[], str | bool | None] | None = None,
 ) -> DgdReadiness:
     """Wait until the DGD serves: state successful, every DGD pod Ready, frontend answers.
 

@@ -236,7 +236,8 @@ def owned_objects(spec: JobSpec, job_id: str, plan: TransportPlan | None) -> dic
 
 
 def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any] | None:
-    for cond in (obj.get("status") or {}).get("conditions") or []:
+    conditions: list[dict[str, Any]] = (obj.get("status") or {}).get("conditions") or []
+    for cond in conditions:
         if cond.get("type") == type_ and cond.get("status") == "True":
             return cond
     return None

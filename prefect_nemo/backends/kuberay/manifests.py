@@ -256,7 +256,7 @@ def rayjob_manifest(
     if plan is not None:
         runtime_env["working_dir"] = CODE_DIR  # a local path of the submitter: Ray uploads it
     body: dict[str, Any] = {
-        "entrypoint": submitted_entrypoint(spec.entrypoint, config.submission_mode),
+        "entrypoint": submitted_entrypoint(spec.entrypoint or "", config.submission_mode),
         "jobId": job_id,
         "metadata": {**spec.metadata, **metadata},
         "runtimeEnvYAML": yaml.safe_dump(runtime_env, sort_keys=True),
