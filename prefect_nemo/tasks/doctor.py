@@ -35,7 +35,18 @@ def doctor(blocks: Sequence[str] = (), *, clock: Callable[[], float] = time.time
         with contextlib.suppress(ValidationError):  # it exists: a failed row says the rest
             resolve_block(ref, Block, "blocks", EXAMPLE, "saved block")
     rows = [prefect_clock(clock)]
-    for ref in named or saved_block_names([*cluster_block_types(), KubernetesCluster]):
+    refs = named or saved_block_names([*cluster_block_types(), KubernetesCluster])
+    if not refs:
+        rows.append(
+            Check(
+                "blocks",
+                Status.WARN,
+                "no saved block of prefect-nemo's types to check",
+                "save one (`prefect-nemo blocks apply`, the UI, or Block.save) and run again",
+                THIS_MACHINE,
+            )
+        )
+    for ref in refs:
         rows += block_checks(ref)
     return rows
 
