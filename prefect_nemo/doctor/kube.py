@@ -19,6 +19,7 @@ import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from prefect_nemo.backends.dynamo import VERSIONS, dgd_access, dgd_kind
 from prefect_nemo.doctor.checks import Check, Status, ok
 from prefect_nemo.doctor.ray import ray_checks
 from prefect_nemo.errors import PrefectNemoError
@@ -48,8 +49,6 @@ def job_checks(backend: Any) -> list[Check]:
 def cluster_checks(api: KubeApi, namespace: str) -> list[Check]:
     """A KubernetesCluster block alone: its credentials and namespace, and Dynamo's
     DynamoGraphDeployments for deploy_dgd (a warning only: the block serves other kinds too)."""
-    from prefect_nemo.backends.dynamo import DGD_KIND, VERSIONS, dgd_access, dgd_kind
-
     who = _credentials(api)
     if who.check.status is Status.FAIL:
         return [who.check]
@@ -58,11 +57,9 @@ def cluster_checks(api: KubeApi, namespace: str) -> list[Check]:
     fix = "install the Dynamo platform (dynamo-crds and dynamo-platform Helm charts)"
     crd, served = _crd(api, dgd_kind(VERSIONS[0]), fix, accept=VERSIONS, optional=dynamo)
     rows.append(crd)
-    if served:  # the verbs at the version the operator serves (deploy_dgd's version=)
-        version = next(v for v in VERSIONS if v in served)
+    # the verbs at the version the operator serves (deploy_dgd's version=)
+    if version := next((v for v in VERSIONS if v in served), None):
         rows += _rbac(api, namespace, dgd_access(version), who.user, optional=dynamo)
-    elif crd.status is not Status.FAIL:
-        rows.append(ok(f"{DGD_KIND} access", "not checked: the CRD is not installed"))
     return rows
 
 
