@@ -44,6 +44,7 @@ from prefect_nemo.kube import (
     MANAGED_BY,
     POD,
     SECRET,
+    Access,
     AlreadyExists,
     Informer,
     Invalid,
@@ -112,6 +113,11 @@ class KubeJobBackend(Generic[ConfigT]):
 
     def read_log(self, job_id: str) -> str | None:
         """The job's whole log from its source; None while (or once) there is none to read."""
+        raise NotImplementedError
+
+    def access(self) -> tuple[Access, ...]:
+        """The verbs this backend uses on each resource, for RBAC (the one list: the README's
+        permissions and `prefect-nemo doctor` read it)."""
         raise NotImplementedError
 
     # -- identity ------------------------------------------------------------------------------

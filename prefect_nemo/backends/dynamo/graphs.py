@@ -40,6 +40,18 @@ class DgdCrdMissing(PrefectNemoError):
 # API calls
 
 
+def dgd_access(version: str = "v1alpha1") -> tuple[kube.Access, ...]:
+    """What deploy_dgd uses in the graphs' namespace, for RBAC: the DGDs (applied, owned by a
+    RayCluster, watched, deleted), their pods (watched for readiness) and the frontend's
+    Service proxy (the HTTP probe)."""
+    return (
+        kube.Access(dgd_kind(version), ("get", "list", "watch", "create", "patch", "delete")),
+        kube.Access(kube.POD, ("list", "watch")),
+        kube.Access(kube.SERVICE, ("get",), subresource="proxy"),
+    )
+
+
+
 def check_crd_installed(
     api: kube.KubeApi, version: str = "v1alpha1", namespace: str | None = None
 ) -> bool:

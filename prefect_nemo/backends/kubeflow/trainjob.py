@@ -96,6 +96,7 @@ from prefect_nemo.kube import (
     PVC,
     SECRET,
     TRAIN_JOB,
+    Access,
     AlreadyExists,
     Invalid,
     Kind,
@@ -356,6 +357,29 @@ class KubeflowTrainerBackend(KubeJobBackend[TrainerConfig]):
         """The API credentials and pip's index URLs, for redaction."""
         urls = [self.config.pip_index_url, *self.config.pip_extra_index_urls]
         return [*self.api.secrets, *(u for u in urls if u)]
+
+    def access(self) -> tuple[Access, ...]:
+        """In the jobs' namespace: the TrainJobs, the runtime (created, stamped, removed when
+        unused), the Secret and code ConfigMaps each job owns, the PVCs of the mounts, the
+        pods and their logs. Removing an unused ClusterTrainingRuntime reads the TrainJobs of
+        every namespace (a submit goes on without it; `cleanup` needs it)."""
+        runtime = self.config.runtime_kind
+        needs = [
+            Access(TRAIN_JOB, ("get", "list", "watch", "create", "delete")),
+            Access(runtime, ("get", "list", "create", "patch", "delete")),
+            Access(SECRET, ("get", "create", "delete", "patch")),
+            Access(CONFIGMAP, ("get", "create", "delete", "patch")),
+            Access(POD, ("get", "list", "watch")),
+            Access(POD, ("get",), subresource="log"),
+        ]
+        if self.config.pvc_mounts:
+            needs.append(Access(PVC, ("get", "create")))
+        if not runtime.namespaced:
+            needs.append(Access(
+                TRAIN_JOB, ("list",), all_namespaces=True,
+                optional="removing ClusterTrainingRuntimes no TrainJob uses (cleanup)",
+            ))  # fmt: skip
+        return tuple(needs)
 
     def job_status(self, obj: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
         """The TrainJob's status from it and its pods (the table in the module docstring)."""
