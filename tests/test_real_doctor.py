@@ -130,8 +130,10 @@ def test_the_command_exits_1_on_a_missing_verb_and_never_prints_the_token(
     ServiceAccount token (in the saved kubeconfig) is in neither output."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    rules = [dict(rule) for rule in KUBERAY_RULES]
-    rules[3] = {**rules[3], "verbs": ["get", "list"]}  # pods: no watch
+    rules = [  # pods: no watch
+        {**rule, "verbs": ["get", "list"]} if rule["resources"] == ["pods"] else rule
+        for rule in KUBERAY_RULES
+    ]
     outcomes = {}
     for label, role in (("lacking", rules), ("full", KUBERAY_RULES)):
         namespace = f"doctor-{uuid.uuid4().hex[:6]}"

@@ -71,7 +71,16 @@ from prefect_nemo.backends.kuberay.raycluster import DASHBOARD_PORT, head_servic
 from prefect_nemo.backends.ray_jobs import RayJobsBackend
 from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec
 from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus, refuse_launcher
-from prefect_nemo.kube import POD, RAY_CLUSTER, RAY_JOB, SECRET, SERVICE, Access, KubeApi
+from prefect_nemo.kube import (
+    CONFIGMAP,
+    POD,
+    RAY_CLUSTER,
+    RAY_JOB,
+    SECRET,
+    SERVICE,
+    Access,
+    KubeApi,
+)
 from prefect_nemo.packaging import TransportPlan, collect_source, stage_source
 
 STOP_ESCALATE_S = 10.0  # a Ray stop not confirmed by then is escalated to deleting the RayJob
@@ -189,12 +198,14 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
 
     def access(self) -> tuple[Access, ...]:
         """In the RayJobs' namespace: the RayJobs, their RayClusters (read), the Secret of
-        secret env values, the pods and their logs, and the head Service's proxy (Ray's Jobs
-        API: logs, stop, working_dir upload)."""
+        secret env values, the ConfigMaps of an inline cluster's working_dir, the pods and
+        their logs, and the head Service's proxy (Ray's Jobs API: logs, stop, working_dir
+        upload)."""
         return (
             Access(RAY_JOB, ("get", "list", "watch", "create", "delete", "patch")),
             Access(RAY_CLUSTER, ("get", "list", "watch")),
             Access(SECRET, ("get", "create", "delete", "patch")),
+            Access(CONFIGMAP, ("get", "create", "delete", "patch")),
             Access(POD, ("get", "list", "watch")),
             Access(POD, ("get",), subresource="log"),
             Access(SERVICE, ("get", "create"), subresource="proxy"),
