@@ -134,7 +134,8 @@ class _Batch:
         secrets = list(self.backend.secrets) + [v for s in specs for v in s.secret_values()]
         self.redact = Redactor(secrets)
         self.done = 0
-        self.states: dict[str, JobState] = {}  # live jobs' latest states (the progress' detail)
+        self.states: dict[str, JobState] = {}  # each job's latest state
+        self.counts: Counter[JobState] = Counter()  # ... counted (the progress' detail)
         self._states_lock = threading.Lock()  # a stop's status comes from an executor thread
         self.settler = _Settler()
         self.limit_name: str | None = None  # the cluster's concurrency cap (run_job's), if set
@@ -176,7 +177,7 @@ class _Batch:
     def report_progress(self) -> None:
         """k/N ended, and how many of the others run, wait in a queue, or are on their way."""
         with self._states_lock:
-            live = Counter(s for s in self.states.values() if not s.is_terminal())
+            live = self.counts.copy()
         detail = ", ".join(
             f"{live[state]} {state.value.lower()}"
             for state in (JobState.RUNNING, JobState.QUEUED, JobState.PENDING)
@@ -187,8 +188,13 @@ class _Batch:
     def changed(self, job_id: str, state: JobState) -> None:
         """A job's new state (from its reporter): the progress says it when it moved."""
         with self._states_lock:
-            moved = self.states.get(job_id) is not state
-            self.states[job_id] = state
+            before = self.states.get(job_id)
+            moved = before is not state
+            if moved:  # kept as counts: a thousand jobs' changes cost O(1) each, not O(N)
+                self.states[job_id] = state
+                self.counts[state] += 1
+                if before is not None:
+                    self.counts[before] -= 1
         if moved:
             self.report_progress()
 
