@@ -11,6 +11,7 @@ run_job holds a slot of the cluster's concurrency cap while the job runs.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -58,7 +59,16 @@ def wait_policy(
     queue_timeout_s: float | None,
     stream_logs: bool,
 ) -> WaitPolicy:
-    """How a job on this block is waited for: the job's timeouts, the block's limits."""
+    """How a job on this block is waited for: the job's timeouts, the block's limits.
+    InvalidJobSpec for a timeout that is no number of seconds > 0 (a JobSpec checks its own;
+    wait_for_job's arrive here unchecked)."""
+    for name, value in (("timeout_s", timeout_s), ("queue_timeout_s", queue_timeout_s)):
+        if value is not None and not (
+            isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf
+        ):
+            raise InvalidJobSpec(
+                f"{name}: expected seconds > 0 (or None: wait as long as it takes), got {value!r}"
+            )
     return WaitPolicy(
         timeout_s=timeout_s,
         queue_timeout_s=queue_timeout_s,
