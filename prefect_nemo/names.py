@@ -13,6 +13,8 @@ _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _NOT_LABEL_VALUE = re.compile(r"[^A-Za-z0-9_.-]+")
+# a Slurm partition or QOS as we pass it: nothing that ends an #SBATCH line or means more to a shell
+_SLURM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 MAX_LABEL = 63  # RFC 1123 / 1035 label length; Kubernetes names reuse it
 _HASH_LEN = 8
 _ATTEMPT_ROOM = 4  # "-r99"
@@ -77,6 +79,12 @@ def is_label_key(key: str) -> bool:
     if prefix and not is_dns1123_subdomain(prefix):
         return False
     return len(name) <= MAX_LABEL and bool(_LABEL_NAME.match(name))
+
+
+def is_slurm_name(text: str, *, many: bool = False) -> bool:
+    """True for a Slurm partition or QOS name (letters, digits, '_', '-', '.'); `many`: a
+    comma-separated list of them (sbatch --partition takes one)."""
+    return all(_SLURM_NAME.fullmatch(name) for name in (text.split(",") if many else [text]))
 
 
 def label_value(value: str) -> str:

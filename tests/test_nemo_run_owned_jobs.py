@@ -70,7 +70,7 @@ def wait_for(check: Any, timeout_s: float = 30.0) -> Any:
 
 def assert_listed_live(jobs: list[OwnedJob], ids: set[str], since: datetime) -> None:
     for job in (j for j in jobs if j.job_id in ids):
-        assert job.state in (JobState.PENDING, JobState.RUNNING), job
+        assert job.state in (JobState.PENDING, JobState.QUEUED, JobState.RUNNING), job
         assert job.submitted_at is not None and job.submitted_at >= since - timedelta(seconds=2)
 
 

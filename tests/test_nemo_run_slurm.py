@@ -230,7 +230,9 @@ def test_afterok_downstream_waits_then_runs(block, slurm, job_root, gate):
         return pending, results, submit_s
 
     pending, (up, down), submit_s = pipeline()
-    assert pending.state is JobState.PENDING and "Dependency" in pending.message, pending
+    # job_reason_codes: "Dependency — This job has a dependency on another job that has not
+    # been satisfied": it waits in Slurm's queue (QUEUED), not for resources
+    assert pending.state is JobState.QUEUED and pending.queue.reason == "Dependency", pending
     assert up.succeeded and down.succeeded
     assert down.start_time >= up.end_time
     script = next(job_root.rglob(f"{down.handle.job_id}_sbatch.sh")).read_text()

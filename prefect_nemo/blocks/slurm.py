@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 
 from prefect_nemo.blocks.base import ClusterBlock
+from prefect_nemo.names import is_slurm_name
 
 if TYPE_CHECKING:
     from prefect_nemo.backends.nemo_run.slurm import SlurmBackend
@@ -65,7 +66,10 @@ def train():
     )
     account: str = Field(description="Slurm account charged for the jobs (sbatch --account).")
     partition: str | None = Field(
-        default=None, description="Slurm partition (sbatch --partition); empty: the default."
+        default=None,
+        description="Slurm partition (sbatch --partition), or a comma-separated list of them "
+        "(Slurm starts the job in whichever frees up first); empty: the cluster's default. "
+        "JobSpec.queue overrides it.",
     )
     time: str = Field(
         default="01:00:00",
@@ -81,7 +85,11 @@ def train():
     )
     cpus_per_task: int | None = Field(default=None, ge=1, description="CPUs per task.")
     mem: str | None = Field(default=None, description="Memory per node (sbatch --mem), e.g. 64G.")
-    qos: str | None = Field(default=None, description="Quality of service (sbatch --qos).")
+    qos: str | None = Field(
+        default=None,
+        description="Quality of service (sbatch --qos): the job's priority and limits. "
+        "JobSpec.priority overrides it.",
+    )
     constraint: str | None = Field(
         default=None, description="Node features (sbatch --constraint), e.g. 'h100'."
     )
@@ -133,6 +141,20 @@ def train():
     def _time_ok(cls, value: str) -> str:
         if not _TIME.match(value.strip()):
             raise ValueError(f"'{value}' is not a Slurm time: use minutes, HH:MM:SS or D-HH:MM:SS")
+        return value.strip()
+
+    @field_validator("partition", "qos")
+    @classmethod
+    def _slurm_names_ok(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if not value or not value.strip():
+            return None
+        many = info.field_name == "partition"
+        if not is_slurm_name(value.strip(), many=many):
+            listed = " (several partitions: a comma-separated list)" if many else ""
+            raise ValueError(
+                f"{value!r} is not a Slurm {'partition' if many else 'QOS'} name: use letters, "
+                f"digits, '_', '-' or '.'{listed}"
+            )
         return value.strip()
 
     @field_validator("job_dir")

@@ -145,11 +145,12 @@ def _account(backend: Any, field: str, who: str) -> Check:
 def _partition(backend: Any, field: str, partition: str) -> Check:
     listed = backend.run("sinfo -h -o %P", warn=True).stdout.split()
     names = [p.rstrip("*") for p in listed]  # sinfo marks the default partition with '*'
-    if partition not in names:
+    # the block may list several (sbatch --partition=a,b): each must exist
+    if missing := [p for p in partition.split(",") if p not in names]:
         return Check(
             "slurm partition",
             Status.FAIL,
-            f"no partition '{partition}'",
+            f"no partition {', '.join(repr(p) for p in missing)}",
             f"{field}.partition: one of {', '.join(names) or '(none listed)'}",
         )
     return ok("slurm partition", f"'{partition}' exists")

@@ -332,6 +332,8 @@ def _queue_fields(queue: QueueInfo, clock: JobClock | None) -> dict[str, Any]:
         "queue": queue.queue or "",
         "queue_reason": queue.reason[:MESSAGE_CHARS],
         "queue_position": queue.position,
+        # Slurm's backfill estimate comes after the job is first seen queued (its first event)
+        "queue_estimated_start": queue.estimated_start,
     }
     if clock is not None:
         fields["queue_wait_s"] = round(clock.queued_s(), 1)

@@ -12,16 +12,20 @@ from datetime import UTC, datetime
 from typing import Any
 
 from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec, Throttled
-from prefect_nemo.jobs import META_FLOW_RUN, JobState, JobStatus, OwnedJob
+from prefect_nemo.jobs import META_FLOW_RUN, JobState, JobStatus, OwnedJob, QueueInfo
+from prefect_nemo.names import is_slurm_name
 
-#: sacct/squeue state (first word) -> ours.
+#: sacct/squeue state (first word) -> ours. A job in Slurm's queue is QUEUED: `row_status`
+#: keeps PENDING for one the scheduler has not looked at yet (no reason) and one that can never
+#: run (DependencyNeverSatisfied). PREEMPTED is an end only once squeue no longer lists the job:
+#: a job requeued after its preemption is QUEUED again (`parse_rows`).
 SLURM_STATES = {
-    "PENDING": JobState.PENDING,
-    "CONFIGURING": JobState.PENDING,
-    "REQUEUED": JobState.PENDING,
-    "REQUEUE_FED": JobState.PENDING,
-    "REQUEUE_HOLD": JobState.PENDING,
-    "RESV_DEL_HOLD": JobState.PENDING,
+    "PENDING": JobState.QUEUED,
+    "REQUEUED": JobState.QUEUED,
+    "REQUEUE_FED": JobState.QUEUED,
+    "REQUEUE_HOLD": JobState.QUEUED,
+    "RESV_DEL_HOLD": JobState.QUEUED,
+    "CONFIGURING": JobState.PENDING,  # allocated, its nodes booting: no longer in the queue
     "RUNNING": JobState.RUNNING,
     "COMPLETING": JobState.RUNNING,
     "RESIZING": JobState.RUNNING,
@@ -70,9 +74,20 @@ SBATCH_FIELDS = {
 SUBMIT_LIMIT = re.compile(r"\b(?:QOS|Assoc)\w*Submit\w*Limit\b")
 
 
-def sbatch_error(exc: Any, field: str) -> Exception:
+def check_names(value: str, field: str, what: str, *, many: bool = False) -> None:
+    """InvalidJobSpec unless `value` is a Slurm name (`many`: a comma-separated list)."""
+    if not is_slurm_name(value, many=many):
+        also = " (a comma-separated list lets Slurm start it in whichever frees up first)"
+        raise InvalidJobSpec(
+            f"{field}={value!r} is not a Slurm {what} name: use letters, digits, '_', '-' or "
+            f"'.'{also if many else ''}; nothing was submitted"
+        )
+
+
+def sbatch_error(exc: Any, field: str, overrides: dict[str, str] | None = None) -> Exception:
     """sbatch's refusal: Throttled at a submit limit, else InvalidJobSpec naming the block
-    field it is about (else BackendUnavailable with sbatch's message)."""
+    field it is about, or the JobSpec field that overrode it (`overrides`: block field ->
+    JobSpec field); else BackendUnavailable with sbatch's message."""
     text = (exc.result.stderr or exc.result.stdout or "").strip()
     reason = text.splitlines()[-1] if text else f"exit {exc.result.exited}"
     if limit := SUBMIT_LIMIT.search(text):
@@ -80,8 +95,9 @@ def sbatch_error(exc: Any, field: str) -> Exception:
     lowered = reason.lower()
     for needle, name in SBATCH_FIELDS.items():
         if needle in lowered:
+            where = (overrides or {}).get(name) or f"{field}.{name}"
             return InvalidJobSpec(
-                f"sbatch refused the job: {reason}. Check {field}.{name} (nothing was submitted)"
+                f"sbatch refused the job: {reason}. Check {where} (nothing was submitted)"
             )
     return BackendUnavailable(f"sbatch failed: {reason}")
 
@@ -118,13 +134,30 @@ def _epoch(text: str) -> datetime | None:
 
 
 def row_status(job_id: str, sid: str, row: dict[str, str]) -> JobStatus:
-    """Our status of job_id from its Slurm row (`parse_rows`), with a message that says why
-    a job that waits on or was cancelled for a dependency did not run."""
+    """Our status of job_id from its Slurm row (`parse_rows`): QUEUED with the partition,
+    squeue's reason and estimated start while Slurm's queue holds it, and a message that says
+    why a job that waits on or was cancelled for a dependency did not run."""
     word = row["State"].split()[0] if row["State"] else "PENDING"
     state = SLURM_STATES.get(word, JobState.PENDING)
     reason = row.get("Reason", "")
+    restarts = int(row.get("Restarts") or 0)
     message = f"{row['State']} (Slurm job {sid}" + (f", {reason})" if reason else ")")
     started = _epoch(row.get("Start", ""))
+    queue = None
+    if state is JobState.QUEUED and (reason == NEVER_SATISFIED or not (reason or restarts)):
+        # never satisfied: cancelled soon (kill_on_invalid_dep), not waiting for anything; no
+        # reason yet: the scheduler has not looked at the job (a second at most)
+        state = JobState.PENDING
+    elif state is JobState.QUEUED:
+        queue = QueueInfo(
+            queue=row.get("Partition") or None,
+            reason=reason,
+            estimated_start=_epoch(row.get("Estimate", "")),
+            preempted=restarts > 0,
+        )
+        if restarts:
+            runs = "run" if restarts == 1 else "runs"
+            message = message[:-1] + f"; requeued after {restarts} {runs})"
     if reason == NEVER_SATISFIED and not state.is_terminal():
         message = (
             f"Slurm job {sid} cannot run: a job it depends on (afterok) did not succeed ({reason})"
@@ -136,6 +169,11 @@ def row_status(job_id: str, sid: str, row: dict[str, str]) -> JobStatus:
             "on (afterok); Slurm cancels it when one of them fails or is cancelled "
             f"({row['State']}, {reason})"
         )
+    elif word == "PREEMPTED" and state.is_terminal():
+        message = (
+            f"Slurm job {sid} was preempted and not requeued (the partition's PreemptMode "
+            "cancels preempted jobs, or the job cannot be requeued)"
+        )
     exit_code = None
     code = row.get("ExitCode", "")
     if code and code.split(":")[0].isdigit() and state in (JobState.SUCCEEDED, JobState.FAILED):
@@ -144,6 +182,7 @@ def row_status(job_id: str, sid: str, row: dict[str, str]) -> JobStatus:
         job_id=job_id,
         state=state,
         message=message,
+        queue=queue,
         start_time=started,
         end_time=_epoch(row.get("End", "")) if state.is_terminal() else None,
         exit_code=exit_code,
@@ -151,50 +190,87 @@ def row_status(job_id: str, sid: str, row: dict[str, str]) -> JobStatus:
     )
 
 
+#: squeue's fields of a poll (`-O`, each unpadded and ended by '|'). StartTime is Slurm's
+#: estimate while the job is pending (the one `squeue --start` prints; N/A without one) and
+#: RestartCnt counts its requeues (a preemption with PreemptMode=REQUEUE is one).
+SQUEUE_FIELDS = ("JobID", "State", "Reason", "StartTime", "Partition", "RestartCnt")
+
+
 def status_command(slurm_ids: Collection[str]) -> str:
     """One shell line for a poll: squeue (current, never lags a just-submitted job), '@@',
     then sacct (exit code and end of jobs that left the queue), with epoch times."""
     joined = ",".join(sorted(set(slurm_ids)))
+    fields = ",".join(f"{name}:0|" for name in SQUEUE_FIELDS)
     return (
-        f"export SLURM_TIME_FORMAT=%s; squeue -h -t all -j {joined} -o '%i|%T|%r|%S' "
+        f"export SLURM_TIME_FORMAT=%s; squeue -h -t all -j {joined} -O '{fields}' "
         f"2>/dev/null; echo @@; sacct -n -X -P -j {joined} "
         "-o JobID,State,ExitCode,Start,End,Reason 2>/dev/null"
     )
 
 
 def parse_rows(output: str, slurm_ids: Collection[str]) -> dict[str, dict[str, str]]:
-    """The row of each Slurm id in `status_command`'s output: squeue's while the job is
-    queued or running, sacct's once it ended (sacct has the exit code and the end)."""
+    """The row of each Slurm id in `status_command`'s output: squeue's while it lists the job
+    queued or running, sacct's (exit code, end) once the run squeue lists has ended there, or
+    the job has left squeue. sacct lags squeue, and for a moment after a preemption it has only
+    the preempted run, ended, while squeue already lists the job requeued."""
     queue, _, acct = output.partition("@@")
     rows: dict[str, dict[str, str]] = {}
     for line in queue.splitlines():
         parts = line.strip().split("|")
-        if len(parts) == 4:
-            sid, state, reason, start = parts
-            if SLURM_STATES.get(state, JobState.PENDING).is_terminal():
-                # ended, but sacct (exit code, end time) has not caught up: still finishing
-                state = "COMPLETING" if start.isdigit() else "PENDING"
-            reason = "" if reason in ("None", "(null)") else reason
-            if SLURM_STATES.get(state) is not JobState.RUNNING:
-                start = ""  # a pending job's %S is Slurm's estimate, not a start
-            rows[sid] = {"State": state, "Reason": reason, "Start": start}
+        if len(parts) < len(SQUEUE_FIELDS):
+            continue
+        sid, state, reason, start, partition, restarts = parts[: len(SQUEUE_FIELDS)]
+        reason = "" if reason in ("None", "(null)") else reason
+        row = {
+            "State": state,
+            "Reason": reason,
+            "Partition": partition,
+            "Restarts": restarts if restarts.isdigit() else "0",
+            "Listed": state,  # squeue's own word and start, kept to compare sacct's with
+            "ListedStart": start,
+        }
+        ours = SLURM_STATES.get(state, JobState.PENDING)
+        if ours.is_terminal():
+            # ended, but sacct (exit code, end) has not caught up: still finishing, or still
+            # queued for a job cancelled in the queue (Slurm keeps its pending reason)
+            ran = start.isdigit() and not (state == "CANCELLED" and reason)
+            row["State"] = "COMPLETING" if ran else "PENDING"
+            row["Start" if ran else "Estimate"] = start if ran else ""
+        else:  # a pending job's StartTime is Slurm's estimate, not a start
+            row["Estimate" if ours.is_waiting() else "Start"] = start
+        rows[sid] = row
     for line in acct.splitlines():
         parts = line.strip().split("|")
         if len(parts) == 6 and parts[0] in slurm_ids:
             sid, state, exit_code, start, end, reason = parts
             live = rows.get(sid)
-            ended = SLURM_STATES.get(state.split()[0], JobState.PENDING).is_terminal()
-            if live is None or ended:  # squeue is current; sacct has the end
-                rows[sid] = {
-                    "State": state,
-                    "ExitCode": exit_code,
-                    "Start": start,
-                    "End": end,
-                    "Reason": reason
-                    if reason not in ("None", "")
-                    else (live or {}).get("Reason", ""),
-                }
+            if live is not None and not _sacct_ends(live, state, start):
+                continue  # squeue is current
+            rows[sid] = {
+                "State": state,
+                "ExitCode": exit_code,
+                "Start": start,
+                "End": end,
+                "Reason": reason if reason not in ("None", "") else (live or {}).get("Reason", ""),
+                "Partition": (live or {}).get("Partition", ""),
+                "Restarts": (live or {}).get("Restarts", "0"),
+            }
     return rows
+
+
+def _sacct_ends(live: dict[str, str], state: str, start: str) -> bool:
+    """Whether sacct's row (`state`, `start`) is the end of the run squeue lists in `live`.
+    Not while squeue lists the job back in the queue (the row is a run before its requeue),
+    nor a PREEMPTED row while squeue lists the job live (being requeued: a job preempted for
+    good, PreemptMode=CANCEL, ends PREEMPTED in squeue too); else when both say the same end,
+    or the row has the start of the run squeue lists (sacct may say it ended first)."""
+    word = state.split()[0] if state else ""
+    if not SLURM_STATES.get(word, JobState.PENDING).is_terminal():
+        return False  # sacct lags: squeue's row is current
+    listed = SLURM_STATES.get(live["Listed"], JobState.PENDING)
+    if listed.is_waiting() or (word == "PREEMPTED" and not listed.is_terminal()):
+        return False
+    return word == live["Listed"] or (start.isdigit() and start == live["ListedStart"])
 
 
 def sacct_id_command(job_id: str, job_dir: str) -> str:

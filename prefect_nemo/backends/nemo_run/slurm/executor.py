@@ -37,6 +37,7 @@ from prefect_nemo.backends.nemo_run.base import (
 )
 from prefect_nemo.backends.nemo_run.isolation import nemo_run
 from prefect_nemo.backends.nemo_run.slurm.accounting import (
+    check_names,
     owned_command,
     owner_comment,
     parse_owned,
@@ -228,6 +229,10 @@ class SlurmBackend(SlurmJobRegistry, NemoRunBackend):
                 f"{self._field}.additional_parameters['comment']: prefect-nemo writes each job's "
                 "Slurm comment (the flow run that owns it, for `prefect-nemo sweep`): remove it"
             )
+        if spec.queue is not None:
+            check_names(spec.queue, "JobSpec.queue", "partition", many=True)
+        if spec.priority is not None:
+            check_names(spec.priority, "JobSpec.priority", "QOS")
         time = self.config.time
         mounts = self.git_mounts()
         if mounts and not self.config.container_image:
@@ -251,7 +256,10 @@ class SlurmBackend(SlurmJobRegistry, NemoRunBackend):
         try:
             return super().submit(spec, job_id, metadata)
         except UnexpectedExit as exc:
-            raise sbatch_error(exc, self._field) from None
+            overrides = {"partition": "JobSpec.queue"} if spec.queue is not None else {}
+            if spec.priority is not None:
+                overrides["qos"] = "JobSpec.priority"
+            raise sbatch_error(exc, self._field, overrides) from None
 
     def make_executor(self, spec: JobSpec, job_id: str) -> Any:
         """NeMo-Run's SlurmExecutor for spec: placement/resources over the block's defaults,
@@ -284,10 +292,11 @@ class SlurmBackend(SlurmJobRegistry, NemoRunBackend):
             extra["kill_on_invalid_dep"] = "yes"  # a failed upstream cancels us, not a hang
         executor = run.SlurmExecutor(
             account=self.config.account,
-            partition=self.config.partition,
+            # where the job queues: the JobSpec's partition and QOS over the block's
+            partition=spec.queue or self.config.partition,
             time=self.config.time,
             ntasks_per_node=self.config.ntasks_per_node,
-            qos=self.config.qos,
+            qos=spec.priority or self.config.qos,
             container_image=self.config.container_image,
             container_mounts=[
                 *(m for m in self.config.container_mounts if not is_auto_mount(m)),
