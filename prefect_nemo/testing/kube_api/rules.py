@@ -11,6 +11,8 @@ checks it on both servers with the shipped CRDs and a probe CRD of its own):
 - a transition rule (one that names `oldSelf`) runs on updates only, where the node has an old
   value to compare with: object properties and map values by key, items of `map` lists by
   their keys and of `set` lists by value (items of atomic lists have none);
+- on an update, the other rules of a node whose value did not change are ratcheted (their
+  failures would only be warnings): they are not evaluated, nor is `self == oldSelf` there;
 - a failed rule is one cause `<path>: Invalid value: <value>: <message>` (the value only for
   scalars; `<nil>` is the root's path), its text from `messageExpression` when that gives a
   one-line, non-blank string, else `message`, else "failed rule: <rule>"; `reason` makes it
@@ -22,22 +24,48 @@ The rules of the shipped CRDs need CEL's standard functions only (`matches`, `si
 `all`, `exists`, `filter`, `in`). A rule calling a function the library lacks (Kubernetes'
 extension libraries: `isURL`, `quantity`, ...) is skipped, logged once, rather than refusing
 objects the real server accepts. `optionalOldSelf` is not supported: such transition rules
-run on updates only, like the others.
+run on updates only, like the others. Not replicated: the Warning header for a ratcheted
+failure (it needs an object stored before its CRD's rules changed).
 """
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import logging
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Any
-
-import cel
 
 from prefect_nemo.testing.kube_api.schema import Cause
 
 log = logging.getLogger(__name__)
+
+
+def _load_cel() -> ModuleType:
+    """The library's compiled module alone: `import cel` also imports its command line (typer,
+    prompt_toolkit), a second or more of start-up we would pay in every process for nothing."""
+    spec = importlib.util.find_spec("cel")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            if (path := Path(folder) / f"cel{suffix}").is_file():
+                loader = importlib.machinery.ExtensionFileLoader("cel.cel", str(path))
+                module = importlib.util.module_from_spec(
+                    importlib.util.spec_from_loader("cel.cel", loader)  # type: ignore[arg-type]
+                )
+                loader.exec_module(module)
+                sys.modules["cel.cel"] = module  # `import cel` later reuses it
+                return module
+    import cel  # another layout: the package as it is
+
+    return cel
+
+
+cel = sys.modules.get("cel.cel") or _load_cel()
 
 NOT_CHECKED = Cause(
     "FieldValueInvalid",
@@ -58,12 +86,13 @@ class Rule:
     """One compiled `x-kubernetes-validations` entry."""
 
     source: str
-    program: cel.Program
+    program: Any  # cel.Program
     message: str  # "" when the rule has none
-    message_expression: cel.Program | None
+    message_expression: Any  # cel.Program | None
     reason: str  # FieldValueInvalid (the default), ...Forbidden, ...Required, ...Duplicate
     field_path: str  # appended to the node's path ("" or ".a.b")
     transition: bool  # names oldSelf: evaluated on updates only
+    immutable: bool  # is `self == oldSelf`: holds wherever the value did not change
 
     @property
     def error_name(self) -> str:
@@ -105,6 +134,7 @@ def _compile_rule(entry: dict[str, Any]) -> Rule | None:
         reason=str(entry.get("reason") or "FieldValueInvalid"),
         field_path=str(entry.get("fieldPath") or ""),
         transition="oldSelf" in program.variables(),
+        immutable=" ".join(source.split()) in ("self == oldSelf", "oldSelf == self"),
     )
 
 
@@ -143,11 +173,20 @@ def _root_view(obj: dict[str, Any]) -> dict[str, Any]:
 def _walk(node: Node, value: Any, old: Any, path: str, causes: list[Cause]) -> None:
     if value is None:
         return
-    for rule in node.rules:
-        if rule.transition and old is None:
-            continue
-        if (cause := _evaluate(rule, node, value, old, path)) is not None:
-            causes.append(cause)
+    unchanged = old is not None and value == old
+    due = [
+        rule
+        for rule in node.rules
+        if not (rule.transition and old is None)  # nothing to compare with: new here
+        and not (unchanged and (rule.immutable or not rule.transition))  # ratcheted, or holds
+    ]
+    if due:  # the values converted for CEL once, for all the node's rules
+        transition = any(rule.transition for rule in due)
+        variables = {"self": value, "oldSelf": old} if transition else {"self": value}
+        context = cel.Context(variables=variables)
+        for rule in due:
+            if (cause := _evaluate(rule, node, value, context, path)) is not None:
+                causes.append(cause)
     if isinstance(value, dict):
         olds = old if isinstance(old, dict) else {}
         for key in sorted(value):
@@ -175,10 +214,9 @@ def _correlate(node: Node, items: list[Any], old: Any) -> Iterator[tuple[Any, An
         yield item, match
 
 
-def _evaluate(rule: Rule, node: Node, value: Any, old: Any, path: str) -> Cause | None:
-    activation = {"self": value, "oldSelf": old} if rule.transition else {"self": value}
+def _evaluate(rule: Rule, node: Node, value: Any, context: Any, path: str) -> Cause | None:
     try:
-        result = rule.program.execute(activation)
+        result = rule.program.execute(context)
     except Exception as exc:
         text = str(exc)
         if "Undefined variable or function" in text:
@@ -193,15 +231,15 @@ def _evaluate(rule: Rule, node: Node, value: Any, old: Any, path: str) -> Cause 
         )
     if result is True:
         return None
-    detail = _message(rule, activation)
+    detail = _message(rule, context)
     where = path + _field_path(rule.field_path)
     return _cause(rule.reason, where or "<nil>", value, detail)
 
 
-def _message(rule: Rule, activation: dict[str, Any]) -> str:
+def _message(rule: Rule, context: Any) -> str:
     if rule.message_expression is not None:
         try:
-            text = rule.message_expression.execute(activation)
+            text = rule.message_expression.execute(context)
         except Exception:
             text = None
         # the real server falls back to `message` for a blank or multi-line result
