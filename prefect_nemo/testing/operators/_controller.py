@@ -30,6 +30,10 @@ Obj = dict[str, Any]
 Key = tuple[str, str, str]  # (plural, namespace, name)
 
 WATCH_TIMEOUT_S = 30  # the server ends each watch after this; we resume from the last version
+# Every write of a simulator says fieldValidation=Strict: an operator writes typed objects, so a
+# field it does not know is our typo, refused loudly (by default an API server drops it with
+# only a Warning header).
+STRICT = "Strict"
 
 
 @dataclass(frozen=True)
@@ -439,6 +443,7 @@ def set_pod_status(core: client.CoreV1Api, pod: Obj, status: Obj) -> None:
             meta["namespace"],
             {"status": status},
             _content_type="application/merge-patch+json",
+            field_validation=STRICT,
         )
     except ApiException as exc:
         if exc.status != 404:  # gone meanwhile: nothing to report
