@@ -37,7 +37,8 @@ def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 @dataclass
@@ -49,6 +50,8 @@ class LocalRayCluster:
     token: str | None = field(default=None, repr=False)
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     log_path: Path | None = None
+    temp_dir: Path | None = None
+    """Ray's temp dir (sessions, logs, sockets) of a head we started; None for one we found."""
 
     @property
     def owned(self) -> bool:
@@ -60,7 +63,7 @@ class LocalRayCluster:
         return RayJobsCluster(
             dashboard_url=self.dashboard_url,
             auth_token=self.token,
-            **overrides,  # type: ignore[arg-type]
+            **overrides,
         )
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -189,11 +192,15 @@ def _start_head(
 
     # A temp dir of its own, not Ray's shared /tmp/ray: a job's driver finds its cluster through
     # the temp dir's ray_current_cluster (the job supervisor resolves RAY_ADDRESS "auto" there),
-    # which names whichever head on this machine started last. Short, under /tmp: Ray's unix
-    # socket paths live below it and must stay under 108 characters.
-    temp_dir = Path(tempfile.mkdtemp(prefix="prefect-nemo-ray-", dir=_SHORT_TMP))
+    # which names whichever head on this machine started last. Ray makes its temp dir and
+    # everything below it world-readable (0777 directories, 0644 logs), and its logs hold what
+    # jobs were given, secret env values included (runtime_env_agent.log): so it lives inside a
+    # folder only we may enter (mkdtemp's 0700, which Ray never touches). Short, under /tmp:
+    # Ray's unix socket paths live below it and must stay under 108 characters.
+    private = Path(tempfile.mkdtemp(prefix="prefect-nemo-ray-", dir=_SHORT_TMP))
+    temp_dir = private / "ray"
     cmd.append(f"--temp-dir={temp_dir}")
-    log_path = temp_dir / "ray-start.log"
+    log_path = private / "ray-start.log"
     with open(log_path, "wb") as log:  # the child keeps its own descriptor
         process = subprocess.Popen(
             cmd,
@@ -209,6 +216,7 @@ def _start_head(
         token=token,
         process=process,
         log_path=log_path,
+        temp_dir=temp_dir,
     )
     try:
         _wait_until_serving(cluster, timeout_s)

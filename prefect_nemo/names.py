@@ -5,8 +5,11 @@ from __future__ import annotations
 import hashlib
 import re
 
+from prefect_nemo.errors import InvalidJobSpec
+
 _NOT_LABEL = re.compile(r"[^a-z0-9-]+")
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _NOT_LABEL_VALUE = re.compile(r"[^A-Za-z0-9_.-]+")
@@ -46,6 +49,26 @@ def is_dns1035_label(text: str, max_len: int = MAX_LABEL) -> bool:
 def is_dns1123_subdomain(text: str, max_len: int = 253) -> bool:
     """True for a valid RFC 1123 subdomain (most object names)."""
     return len(text) <= max_len and bool(_DNS1123.match(text))
+
+
+def is_dns1123_label(text: str) -> bool:
+    """True for a valid RFC 1123 label (namespace names): [a-z0-9-], alphanumeric at both ends,
+    at most 63 characters."""
+    return len(text) <= MAX_LABEL and bool(_DNS1123_LABEL.match(text))
+
+
+def check_namespace(namespace: object, where: str = "namespace") -> str:
+    """`namespace` when Kubernetes could name a namespace so; InvalidJobSpec naming `where` and
+    the fix otherwise (before any request: the API server would answer 404 for a name no
+    namespace can have, which reads like a missing namespace)."""
+    if isinstance(namespace, str) and is_dns1123_label(namespace):
+        return namespace
+    example = dns_label(namespace) if isinstance(namespace, str) and namespace else "default"
+    raise InvalidJobSpec(
+        f"{where}: {namespace!r} is not a Kubernetes namespace name: use a lowercase RFC 1123 "
+        "label (letters a-z, digits and '-', starting and ending with a letter or digit, at "
+        f"most {MAX_LABEL} characters), e.g. {example!r}"
+    )
 
 
 def is_label_key(key: str) -> bool:

@@ -75,6 +75,7 @@ ONE_CONTROL_PLANE = (
     "tests/test_real_kuberay_simulator.py",
     "tests/test_real_rl_dynamo_flow.py",
     "tests/test_real_sft_kubeflow_flow.py",
+    "tests/test_real_doctor.py",
 )
 
 
@@ -141,7 +142,7 @@ def pytest_configure(config: pytest.Config) -> None:
         head = config.stash[_shared_head] = _ray_head()  # before the workers start
         os.environ[SHARED_RAY] = json.dumps(
             {"dashboard_url": head.dashboard_url, "gcs_address": head.gcs_address,
-             "token": head.token}
+             "token": head.token, "temp_dir": str(head.temp_dir)}
         )  # fmt: skip
 
 
@@ -155,7 +156,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if "raylet" not in names:
         terminalreporter.write_line(
             f"the shared Ray head lost its raylet during the run (left: {sorted(set(names))}); "
-            f"{head.log_path.parent}/session_latest/logs/raylet.out says why",  # type: ignore[union-attr]
+            f"{head.temp_dir}/session_latest/logs/raylet.out says why",
             red=True,
         )
 
@@ -178,7 +179,8 @@ def ray_head() -> Iterator[LocalRayCluster]:
     """A real Ray head with its dashboard and token auth on, on free ports: the one shared by
     every worker of this run (not ours to stop), or one of this process's own."""
     if shared := os.environ.get(SHARED_RAY):
-        yield LocalRayCluster(**json.loads(shared))
+        fields = json.loads(shared)
+        yield LocalRayCluster(**{**fields, "temp_dir": Path(fields["temp_dir"])})
         return
     with _ray_head() as cluster:
         yield cluster

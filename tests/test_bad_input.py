@@ -173,6 +173,16 @@ slow = pytest.mark.slow
             id="timeout-nan",
         ),
         pytest.param(
+            {"entrypoint": "true", "queue_timeout_s": -1},
+            r"JobSpec\.queue_timeout_s: Input should be greater than 0",
+            id="queue-timeout-negative",
+        ),
+        pytest.param(
+            {"entrypoint": "true", "queue_timeout_s": 0},
+            r"JobSpec\.queue_timeout_s: Input should be greater than 0",
+            id="queue-timeout-zero",
+        ),
+        pytest.param(
             {"entrypoint": "true", "exclude": "*.ckpt"},
             r"JobSpec\.exclude: Input should be a valid tuple",
             id="exclude-as-one-string",
@@ -503,3 +513,99 @@ def test_good_spec_still_runs_after_bad_ones(cluster, prefect_api, ray_client, t
         return run_job(spec, cluster=cluster)
 
     assert good_flow().succeeded
+
+
+# ---------------------------------------------------------------------------------------------
+# Kubernetes names and counts (issue 27): refused by blocks, renders, dry runs and real calls
+# alike, before any request. test_real_control_plane.py shows the real kube-apiserver refuses
+# the same namespaces and negative Deployment replicas.
+
+BAD_NAMESPACES = ["Bad_NS!", "n" * 64]
+
+
+@pytest.mark.parametrize("namespace", BAD_NAMESPACES)
+def test_a_namespace_that_is_no_dns_label_is_refused_everywhere(
+    kube_server: Any, namespace: str, capsys: pytest.CaptureFixture[str]
+):
+    from prefect_nemo.backends.kuberay import KubeRayBackend, RayJobConfig
+    from prefect_nemo.blocks import KubeflowTrainerCluster, KubeRayCluster, KubernetesCluster
+    from prefect_nemo.cli import main
+    from prefect_nemo.tasks.dgd import deploy_dgd
+    from tests.test_kuberay import cluster_spec
+
+    fix = r"is not a Kubernetes namespace name: use a lowercase RFC 1123 label"
+    kube = KubernetesCluster(kubeconfig=kube_server.kubeconfig())
+    kube_server.requests.clear()
+    for block, fields in [
+        (KubernetesCluster, {"kubeconfig": kube_server.kubeconfig()}),
+        (KubeRayCluster, {"kubernetes": kube, "ray_cluster_spec": cluster_spec()}),
+        (KubeflowTrainerCluster, {"kubernetes": kube, "image": "img:1"}),
+    ]:
+        with pytest.raises(ValidationError, match=fix) as info:
+            block(namespace=namespace, **fields)
+        assert [e["loc"][0] for e in info.value.errors()] == ["namespace"]
+    with pytest.raises(InvalidJobSpec, match=fix):  # a namespace handed to a backend
+        KubeRayBackend(kube.api(), RayJobConfig(ray_cluster_spec=cluster_spec()),
+                       namespace=namespace)  # fmt: skip
+    for dry_run in (True, False):  # the dry run and the real deploy
+        with pytest.raises(InvalidJobSpec, match=fix):
+            deploy_dgd.fn("flows/manifests/dgd-vllm-agg.yaml", kube, namespace=namespace,
+                          image="img:1", dry_run=dry_run)  # fmt: skip
+    capsys.readouterr()
+    render = ["render", "dgd", "flows/manifests/dgd-vllm-agg.yaml", "--namespace", namespace]
+    assert main(render) != 0  # `prefect-nemo render dgd`
+    assert re.search(fix, capsys.readouterr().err)
+    assert kube_server.requests.entries == [], "a request went out with a bad namespace"
+
+
+def test_negative_replica_counts_are_refused_before_anything_is_sent(kube_server: Any):
+    """A DGD service with replicas=-1 (Kubernetes refuses such a Deployment: see
+    test_real_control_plane.py) and an inline RayCluster worker group with replicas=-2. KubeRay
+    (v1.6.1, utils/validation.go) refuses "worker group %s has negative minReplicas" and
+    "... negative maxReplicas", and GetWorkerGroupDesiredReplicas clamps a replicas below
+    minReplicas up to it ("if ... *workerGroupSpec.Replicas < minReplicas { workerReplicas =
+    minReplicas }"): -2 workers would quietly run as 0."""
+    from prefect_nemo.backends.kuberay import ensure_ray_cluster
+    from prefect_nemo.blocks import KubeRayCluster, KubernetesCluster
+    from prefect_nemo.tasks.dgd import deploy_dgd
+    from tests.test_kuberay import cluster_spec
+
+    kube = KubernetesCluster(kubeconfig=kube_server.kubeconfig())
+    kube_server.requests.clear()
+    negative = {"spec": {"services": {"VllmDecodeWorker": {"replicas": -1}}}}
+    for dry_run in (True, False):
+        with pytest.raises(InvalidJobSpec, match=r"'VllmDecodeWorker': replicas is -1.*>= 0"):
+            deploy_dgd.fn("flows/manifests/dgd-vllm-agg.yaml", kube, overrides=negative,
+                          image="img:1", dry_run=dry_run)  # fmt: skip
+    cases = [
+        ({"replicas": -2, "minReplicas": 0}, r"workerGroupSpecs\[0\]\.replicas: -2 is negative"),
+        ({"minReplicas": -1}, r"workerGroupSpecs\[0\]\.minReplicas: -1 is negative"),
+        ({"minReplicas": 3, "maxReplicas": 2}, r"minReplicas 3 is greater than maxReplicas 2"),
+        ({"replicas": 5, "minReplicas": 1, "maxReplicas": 2},
+         r"replicas: 5 is outside \[minReplicas 1, maxReplicas 2\]; KubeRay would run 2"),
+        ({"replicas": "2"}, r"replicas: '2' is not a whole number"),
+    ]  # fmt: skip
+    for counts, match in cases:
+        spec = cluster_spec()
+        group = spec["workerGroupSpecs"][0]
+        for key in ("replicas", "minReplicas", "maxReplicas"):
+            group.pop(key)
+        group.update(counts)
+        with pytest.raises(ValidationError, match=match):
+            KubeRayCluster(kubernetes=kube, ray_cluster_spec=spec)
+        with pytest.raises(InvalidJobSpec, match=match):
+            ensure_ray_cluster(kube.api(), spec, name="negative")
+    assert kube_server.requests.entries == [], "a request went out with a bad count"
+
+
+@pytest.mark.parametrize("field", ["timeout_s", "queue_timeout_s"])
+@pytest.mark.parametrize("value", [-1, 0, float("nan"), float("inf"), "600", True])
+def test_wait_for_job_refuses_a_timeout_that_is_no_seconds(field: str, value: Any) -> None:
+    """wait_for_job's own timeouts (a handle has no JobSpec to check them) are refused naming
+    the parameter before any request: the cluster here answers nothing."""
+    from prefect_nemo import JobHandle, RayJobsCluster, wait_for_job
+
+    nowhere = RayJobsCluster(dashboard_url="http://127.0.0.1:9")
+    handle = JobHandle(job_id="j", backend="ray-jobs", cluster="http://127.0.0.1:9")
+    with pytest.raises(InvalidJobSpec, match=rf"^{field}: expected seconds > 0 \(or None"):
+        wait_for_job.fn(handle, nowhere, **{field: value})

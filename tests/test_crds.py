@@ -42,7 +42,7 @@ def test_prefect_nemo_crds_overrides_and_a_bad_one_is_named(
     monkeypatch.setenv("PREFECT_NEMO_CRDS", str(tmp_path))
     assert crd_dir() == tmp_path
     monkeypatch.setenv("PREFECT_NEMO_CRDS", str(tmp_path / "nope"))
-    with pytest.raises(FileNotFoundError, match="PREFECT_NEMO_CRDS=.*is not a folder"):
+    with pytest.raises(FileNotFoundError, match=r"PREFECT_NEMO_CRDS=.*is not a folder"):
         crd_dir()
 
 

@@ -84,3 +84,35 @@ def test_a_head_whose_ray_start_gave_up_is_started_again(tmp_path, monkeypatch):
 
     monkeypatch.setattr(local_ray, "_start_head", start_head)
     assert local_ray.start_local_ray() is cluster and len(tries) == 2
+
+
+def test_what_ray_keeps_on_disk_is_private_to_its_user(ray_head, ray_client):
+    """Ray logs what each job was given, secret env values included (the runtime env agent
+    writes the job's runtime_env to runtime_env_agent.log), and makes its temp dir and the
+    folders below it world-accessible (0777; its logs 0644). A head we start keeps Ray's temp dir
+    inside a folder only its user may enter (0700): another user (here `nobody`) reads nothing,
+    not even after the head stopped."""
+    import pwd
+    import uuid
+
+    secret = f"s3cret-{uuid.uuid4().hex}"
+    job = ray_client.submit_job(entrypoint="true", runtime_env={"env_vars": {"KEY": secret}})
+    wait_until(lambda: ray_client.get_job_status(job).is_terminal(), 120)
+    temp_dir = ray_head.temp_dir
+    assert temp_dir is not None and temp_dir.is_dir()
+    found = subprocess.run(["grep", "-rl", secret, str(temp_dir)], capture_output=True,
+                           text=True).stdout.split()  # fmt: skip
+    assert found, "Ray no longer logs a job's env: this test should then look elsewhere"
+    private = temp_dir.parent
+    assert private.stat().st_mode & 0o777 == 0o700 and private.stat().st_uid == os.getuid()
+    nobody = pwd.getpwnam("nobody")
+
+    def as_nobody() -> None:
+        os.setgid(nobody.pw_gid)
+        os.setuid(nobody.pw_uid)
+
+    for path in found:
+        read = subprocess.run(["cat", path], capture_output=True, text=True,
+                              preexec_fn=as_nobody)  # fmt: skip
+        assert read.returncode != 0 and secret not in read.stdout, f"{path} is readable"
+        assert "Permission denied" in read.stderr

@@ -102,7 +102,7 @@ def test_bad_input_names_the_field():
 
 
 def test_nemo_run_home_is_isolated_and_the_root_logger_kept():
-    from prefect_nemo.backends.nemo_run.isolation import nemorun_home
+    from prefect_nemo.nemo_run_home import nemorun_home
 
     nr = nemo_run()
     assert os.path.abspath(nr.config.get_nemorun_home()) == str(nemorun_home())
@@ -153,3 +153,31 @@ def test_run_job_and_prefect_level_dependencies(prefect_api, tmp_path, caplog):
     with pytest.raises(DependencyFailed, match=r"ended FAILED.*not submitted"):
         broken()
     assert not (tmp_path / "ran").exists()
+
+
+def test_the_docs_nemo_run_example_keeps_nemo_runs_files_where_documented(tmp_path):
+    """The docs say NeMo-Run's home is ./.prefect-nemo/nemo-run (docs/guides/nemo-run.md);
+    NeMo-Run reads its home (NEMORUN_HOME) once, when it is first imported. The imports of the
+    NeMo-Run tasks guide's example (docs/guides/nemo-run-tasks.md), run as they stand in a fresh
+    interpreter, must leave it there, not in ~/.nemo_run: `import prefect_nemo` claims the home,
+    and the example imports it first."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parent.parent / "docs" / "guides"
+    assert "`./.prefect-nemo/nemo-run`" in (docs / "nemo-run.md").read_text()
+    section = (docs / "nemo-run-tasks.md").read_text()
+    example = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    imports = [line for line in example.splitlines()
+               if re.match(r"(import|from) ", line) and "my_project" not in line]  # fmt: skip
+    assert any("nemo_run" in line for line in imports), "the example no longer imports nemo_run"
+    code = "\n".join([*imports, "print(run.config.get_nemorun_home())"])
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NEMORUN_HOME", "PREFECT_NEMO_NEMORUN_HOME")}  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    home = out.stdout.strip().splitlines()[-1]
+    assert Path(home) == tmp_path / ".prefect-nemo" / "nemo-run", f"NeMo-Run's home is {home}"

@@ -15,7 +15,7 @@ from prefect_nemo.testing.control_plane.run import OPERATOR_NAMESPACE
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("control-plane")]
 
-# What the KubeRay block needs in its namespace (the README's "Permissions" table): its
+# What the KubeRay block needs in its namespace (docs/guides/kuberay.md, "Permissions"): its
 # RayJobs (and their RayClusters to read), the Secret of secret env values, the pods and
 # their logs, and the head Service's proxy (Ray's Jobs API, existing-cluster mode).
 KUBERAY_RULES = [
@@ -23,6 +23,8 @@ KUBERAY_RULES = [
      "verbs": ["get", "list", "watch", "create", "delete", "patch"]},
     {"apiGroups": ["ray.io"], "resources": ["rayclusters"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "delete", "patch"]},
+    {"apiGroups": [""], "resources": ["configmaps"],
+     "verbs": ["get", "create", "delete", "patch"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]},
     {"apiGroups": [""], "resources": ["services/proxy"], "verbs": ["get", "create"]},
@@ -167,3 +169,60 @@ def test_an_unknown_field_is_refused_not_pruned(control_plane: Any) -> None:
         backend.submit(spec, "rejected-job", META)
     assert control_plane.get("secrets", namespace, "rejected-job-env") is None
     assert control_plane.get("rayjobs", namespace, "rejected-job", group="ray.io") is None
+
+
+# Names a new user tried (issue 27): not DNS labels, one too long, and good ones beside them.
+NAMESPACES = ["Bad_NS!", "n" * 64, "UPPER", "-lead", "trail-", "a.b", "", "ok", "a-1", "n" * 63]
+
+
+@pytest.mark.parametrize("name", NAMESPACES)
+def test_our_namespace_check_agrees_with_kube_apiserver(control_plane: Any, name: str) -> None:
+    """Kubernetes docs, "Namespaces": a namespace name "must be a valid RFC 1123 DNS label";
+    kube-apiserver 1.37 says why it refuses one ("a lowercase RFC 1123 label must consist of
+    lower case alphanumeric characters or '-', and must start and end with an alphanumeric
+    character"). `check_namespace` (what blocks, renders, dry runs and every request of ours go
+    through) accepts exactly the names the real server accepts, so a bad one is refused before
+    anything is sent rather than answered with a 404 for a namespace that cannot exist."""
+    from prefect_nemo import InvalidJobSpec
+    from prefect_nemo.names import check_namespace
+
+    core = client.CoreV1Api(control_plane.api_client())
+    try:
+        core.create_namespace({"metadata": {"name": name}}, dry_run="All")
+        server_accepts = True
+    except client.ApiException as exc:
+        assert exc.status == 422, exc.body
+        server_accepts = False
+    try:
+        check_namespace(name)
+        we_accept = True
+    except InvalidJobSpec as exc:
+        assert repr(name) in str(exc) and "RFC 1123 label" in str(exc)
+        we_accept = False
+    assert we_accept == server_accepts
+
+
+def test_a_negative_replica_count_is_what_kubernetes_refuses(control_plane: Any) -> None:
+    """The Dynamo operator turns a DGD service's `replicas` into its Deployment's; Kubernetes
+    refuses a Deployment with `spec.replicas: Invalid value: -1: must be greater than or equal
+    to 0`. Our DGD check refuses replicas=-1 before the DGD (which would be stored, and never
+    become ready) is sent."""
+    from prefect_nemo import InvalidJobSpec
+    from prefect_nemo.backends.dynamo import render_dgd
+
+    apps = client.AppsV1Api(control_plane.api_client())
+    pod = {"metadata": {"labels": {"a": "b"}},
+           "spec": {"containers": [{"name": "c", "image": "i"}]}}  # fmt: skip
+    deployment = {"metadata": {"name": "negative"},
+                  "spec": {"replicas": -1, "selector": {"matchLabels": {"a": "b"}},
+                           "template": pod}}  # fmt: skip
+    with pytest.raises(client.ApiException) as refused:
+        apps.create_namespaced_deployment("default", deployment, dry_run="All")
+    assert refused.value.status == 422
+    assert "must be greater than or equal to 0" in refused.value.body
+    dgd = {"apiVersion": "nvidia.com/v1alpha1", "kind": "DynamoGraphDeployment",
+           "metadata": {"name": "neg"},
+           "spec": {"services": {"Frontend": {"componentType": "frontend", "replicas": 1},
+                                 "Worker": {"replicas": -1}}}}  # fmt: skip
+    with pytest.raises(InvalidJobSpec, match=r"service 'Worker': replicas is -1: .* >= 0"):
+        render_dgd(dgd, namespace="default")

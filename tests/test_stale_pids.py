@@ -38,13 +38,19 @@ def test_a_slurm_state_naming_another_process_is_not_our_supervisor(
 
 def test_a_slurm_state_names_a_supervisor_only_for_its_own_state_dir(tmp_path: Path) -> None:
     """The supervisor's command line is `slurm.py _supervise <spec>`, its spec naming its state
-    dir: one for another state dir (or a prefix of it) is not the one recorded."""
+    dir: one for another state dir (or a prefix of it) is not the one recorded.
+
+    The stand-in is asked only once it runs: Popen returns when the child's exec has closed its
+    close-on-exec pipe, which the kernel does (begin_new_exec) before it sets up the new
+    program's arguments (create_elf_tables), so for a moment /proc/<pid>/cmdline reads empty
+    (seen: 2 of 1,000 spawns on a busy machine; this test failed so twice in CI-like runs)."""
     spec = json.dumps({"state_dir": str(tmp_path / "slurm")})
-    # a stand-in with the supervisor's arguments
-    script = "import time; time.sleep(120)"
-    # this interpreter itself, not a pyenv shim that execs one (its command line would change)
-    proc = subprocess.Popen([sys.executable, "-c", script, "_supervise", spec])
+    # a stand-in with the supervisor's arguments that says when it runs
+    script = "import sys, time; print('running', flush=True); time.sleep(120)"
+    proc = subprocess.Popen([sys.executable, "-c", script, "_supervise", spec],
+                            stdout=subprocess.PIPE)  # fmt: skip
     try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"running\n"
         assert slurm._supervisor_alive({"supervisor_pid": proc.pid,
                                         "state_dir": str(tmp_path / "slurm")})  # fmt: skip
         assert not slurm._supervisor_alive({"supervisor_pid": proc.pid,

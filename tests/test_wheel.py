@@ -80,6 +80,13 @@ def test_wheel_ships_the_testing_kits_crds_with_their_sources(wheel: Path):
     assert shipped == local and f"{CRDS}/SOURCES.md" in shipped and len(shipped) >= 8
 
 
+@pytest.mark.slow
+def test_wheel_is_typed(wheel: Path):
+    """PEP 561: the py.typed marker ships, so type checkers read the package's own annotations."""
+    with zipfile.ZipFile(wheel) as zf:
+        assert "prefect_nemo/py.typed" in zf.namelist()
+
+
 def _import_testing_without(*blocked: str) -> subprocess.CompletedProcess[str]:
     """`import prefect_nemo.testing` in a fresh interpreter where `blocked` cannot be imported."""
     code = (
@@ -107,10 +114,10 @@ def test_testing_kit_without_its_extra_names_the_extra(blocked: tuple[str, ...])
 
 @pytest.fixture(scope="module")
 def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh venv with the wheel and its demo and testing extras, pinned like `make install` pins (and
-    installed the same way, by uv: pip took ~40 s of the 2-core CI's CPU resolving and unpacking
-    Ray and Prefect; uv links them from its cache). uv compiles nothing: the venv's processes
-    compile only what they import (_outside_repo lets them cache it)."""
+    """A fresh venv with the wheel and its demo and testing extras, pinned like `make install`
+    pins (and installed the same way, by uv: pip took ~40 s of the 2-core CI's CPU resolving and
+    unpacking Ray and Prefect; uv links them from its cache). uv compiles nothing: the venv's
+    processes compile only what they import (_outside_repo lets them cache it)."""
     env_dir = tmp_path_factory.mktemp("wheel-venv")
     venv.create(env_dir, with_pip=False)
     uv = Path(sys.executable).parent / "uv"  # `make install` puts it next to the interpreter

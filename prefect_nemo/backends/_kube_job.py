@@ -44,6 +44,7 @@ from prefect_nemo.kube import (
     MANAGED_BY,
     POD,
     SECRET,
+    Access,
     AlreadyExists,
     Informer,
     Invalid,
@@ -53,6 +54,7 @@ from prefect_nemo.kube import (
     add_owner_reference,
     wait_for,
 )
+from prefect_nemo.names import check_namespace
 
 MANAGED = f"{MANAGED_BY}=prefect-nemo"
 ConfigT = TypeVar("ConfigT")
@@ -91,7 +93,7 @@ class KubeJobBackend(Generic[ConfigT]):
     def __init__(self, api: KubeApi, config: ConfigT, *, namespace: str | None = None) -> None:
         self.api = api
         self.config = config
-        self.namespace = namespace or api.namespace
+        self.namespace = check_namespace(namespace or api.namespace)
         self._lock = threading.Lock()
         self._informers: tuple[Informer, ...] = ()  # (jobs, pods?) while subscribed
         self._wakes: list[Callable[[], None]] = []
@@ -111,6 +113,11 @@ class KubeJobBackend(Generic[ConfigT]):
 
     def read_log(self, job_id: str) -> str | None:
         """The job's whole log from its source; None while (or once) there is none to read."""
+        raise NotImplementedError
+
+    def access(self) -> tuple[Access, ...]:
+        """The verbs this backend uses on each resource, for RBAC (the one list: the README's
+        permissions and `prefect-nemo doctor` read it)."""
         raise NotImplementedError
 
     # -- identity ------------------------------------------------------------------------------
@@ -387,7 +394,7 @@ class KubeJobBackend(Generic[ConfigT]):
         wanted = [(self.job_kind, MANAGED)]
         if self.pod_job_label:
             wanted.append((POD, f"{MANAGED},{self.pod_job_label}"))
-        current = list(self._informers) or [None] * len(wanted)
+        current: list[Informer | None] = [*self._informers] or [None] * len(wanted)
         for i, (kind, selector) in enumerate(wanted):
             old = current[i]
             rejected = old is not None and isinstance(old.error, AuthenticationFailed)

@@ -6,7 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from prefect_nemo.backends.kubeflow import KubeflowTrainerBackend, PvcMount, TrainerConfig
 from prefect_nemo.blocks.base import ClusterBlock
-from prefect_nemo.blocks.kubernetes import KubernetesCluster
+from prefect_nemo.blocks.kubernetes import KubernetesCluster, Namespace
 from prefect_nemo.errors import InvalidJobSpec
 
 
@@ -68,7 +68,7 @@ def sft():
     kubernetes: KubernetesCluster = Field(
         description="The Kubernetes cluster (credentials, context, namespace) Trainer runs in.",
     )
-    namespace: str | None = Field(
+    namespace: Namespace | None = Field(
         default=None,
         description="Namespace of the TrainJobs; empty for the Kubernetes block's namespace.",
     )

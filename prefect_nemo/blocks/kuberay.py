@@ -14,7 +14,7 @@ from prefect_nemo.backends.kuberay import (
     tls_verify,
 )
 from prefect_nemo.blocks.base import ClusterBlock
-from prefect_nemo.blocks.kubernetes import KubernetesCluster
+from prefect_nemo.blocks.kubernetes import KubernetesCluster, Namespace
 from prefect_nemo.blocks.ray_jobs import RayJobsCluster
 from prefect_nemo.errors import InvalidJobSpec
 
@@ -83,7 +83,7 @@ def train():
         description="The Ray cluster's auth token (Ray >= 2.59), sent in X-Ray-Authorization "
         "through the API server's service proxy for logs and stop.",
     )
-    namespace: str | None = Field(
+    namespace: Namespace | None = Field(
         default=None,
         description="Namespace of the RayJobs; empty for the Kubernetes block's namespace.",
     )
@@ -154,9 +154,9 @@ def ray_jobs_block(
         )
     return RayJobsCluster(
         dashboard_url=url,
-        auth_token=token,  # type: ignore[arg-type]
+        auth_token=token,
         token_header="X-Ray-Authorization",
-        headers=headers or None,  # type: ignore[arg-type]
+        headers=headers or None,
         verify_tls=tls_verify(api),
         **overrides,
     )

@@ -19,7 +19,7 @@ import yaml
 
 from prefect_nemo import kube
 from prefect_nemo.errors import InvalidJobSpec
-from prefect_nemo.names import is_dns1035_label, resource_name
+from prefect_nemo.names import check_namespace, is_dns1035_label, resource_name
 
 DGD_KIND = "DynamoGraphDeployment"
 DGD_GROUP = "nvidia.com"
@@ -141,6 +141,7 @@ def render_dgd(
     Raises InvalidJobSpec before any API call when something is wrong.
     """
     _check_version(version)
+    check_namespace(namespace)
     if not isinstance(manifest, Mapping):
         raise InvalidJobSpec(f"DGD manifest: expected a mapping, got {type(manifest).__name__}")
     doc = (
@@ -311,6 +312,8 @@ def validate_dgd(doc: Mapping[str, Any], version: str = "v1alpha1") -> None:
     _check_version(version)
     _check_api_version(doc, version)
     name = check_dgd_name(_name_of(doc))
+    for key, svc in _services(doc, version):
+        _check_replicas(svc, f"DGD {name!r} service {key!r}")
     frontends = _frontends(doc, version)
     if len(frontends) != 1:
         what = "no service" if not frontends else f"{len(frontends)} services {frontends}"
@@ -324,6 +327,23 @@ def validate_dgd(doc: Mapping[str, Any], version: str = "v1alpha1") -> None:
             f"DGD {name!r}: the frontend service key {frontends[0]!r} gives Service name "
             f"{service!r}, which is not a valid DNS-1035 name of at most {_MAX_NAME} characters"
         )
+
+
+def _check_replicas(svc: Mapping[str, Any], where: str) -> None:
+    """The operator turns `replicas` (and autoscaling's bounds) into the replicas of the
+    service's Deployment, which Kubernetes refuses when negative ("must be greater than or
+    equal to 0"): the DGD would be stored and never become ready."""
+    autoscaling = svc.get("autoscaling")
+    bounds = autoscaling if isinstance(autoscaling, Mapping) else {}
+    for field, value in (("replicas", svc.get("replicas")),
+                         ("autoscaling.minReplicas", bounds.get("minReplicas")),
+                         ("autoscaling.maxReplicas", bounds.get("maxReplicas"))):  # fmt: skip
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidJobSpec(
+                f"{where}: {field} is {value!r}: give a whole number of pods >= 0"
+            )
 
 
 def _frontends(doc: Mapping[str, Any], version: str) -> list[str]:

@@ -23,7 +23,7 @@ from prefect_nemo.kube import (
     managed_labels,
     wait_for,
 )
-from prefect_nemo.names import is_dns1123_subdomain
+from prefect_nemo.names import check_namespace, is_dns1123_subdomain
 
 DASHBOARD_PORT = 8265
 RAY_TOKEN_HEADER = "X-Ray-Authorization"
@@ -52,10 +52,42 @@ def check_cluster_spec(spec: Any) -> None:
         if not isinstance(group, dict):
             raise InvalidJobSpec(f"{where}.workerGroupSpecs[{i}]: must be a mapping")
         _containers(group, f"{where}.workerGroupSpecs[{i}]")
+        _replica_counts(group, f"{where}.workerGroupSpecs[{i}]")
     try:
         json.dumps(spec, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise InvalidJobSpec(f"{where}: must be JSON-serializable ({exc})") from None
+
+
+def _replica_counts(group: dict[str, Any], where: str) -> None:
+    """KubeRay refuses a negative minReplicas or maxReplicas, or min > max; a replicas outside
+    [minReplicas, maxReplicas] it clamps without a word (GetWorkerGroupDesiredReplicas), so a
+    negative one would quietly run minReplicas workers: all refused here."""
+    counts: dict[str, int] = {}
+    for key in ("replicas", "minReplicas", "maxReplicas"):
+        if key not in group:
+            continue
+        value = group[key]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidJobSpec(f"{where}.{key}: {value!r} is not a whole number of worker pods")
+        if value < 0:
+            raise InvalidJobSpec(
+                f"{where}.{key}: {value} is negative: give a count of worker pods >= 0"
+            )
+        counts[key] = value
+    low, high = counts.get("minReplicas", 0), counts.get("maxReplicas")
+    if high is not None and low > high:
+        raise InvalidJobSpec(
+            f"{where}: minReplicas {low} is greater than maxReplicas {high}: lower minReplicas "
+            "or raise maxReplicas"
+        )
+    replicas = counts.get("replicas")
+    if replicas is not None and (replicas < low or (high is not None and replicas > high)):
+        raise InvalidJobSpec(
+            f"{where}.replicas: {replicas} is outside [minReplicas {low}, maxReplicas "
+            f"{high}]; KubeRay would run {low if replicas < low else high} worker pods "
+            "instead: make replicas fit the range"
+        )
 
 
 def _containers(group: dict[str, Any], where: str) -> list[dict[str, Any]]:
@@ -102,6 +134,7 @@ def ray_cluster_manifest(
 ) -> dict[str, Any]:
     """A RayCluster manifest around a spec, labelled as ours."""
     check_cluster_spec(spec)
+    check_namespace(namespace)
     return {
         "apiVersion": RAY_CLUSTER.api_version,
         "kind": RAY_CLUSTER.kind,

@@ -7,6 +7,6 @@ package does not import nemo_run: `isolation.nemo_run()` does, on first use, wit
 isolated."""
 
 from prefect_nemo.backends.nemo_run.base import NemoRunBackend
-from prefect_nemo.backends.nemo_run.isolation import HOME_ENV, nemorun_home
+from prefect_nemo.nemo_run_home import HOME_ENV, nemorun_home
 
 __all__ = ["HOME_ENV", "NemoRunBackend", "nemorun_home"]

@@ -18,21 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
-#: Overrides where NeMo-Run keeps its files for prefect-nemo (default: ./.prefect-nemo/nemo-run).
-HOME_ENV = "PREFECT_NEMO_NEMORUN_HOME"
+from prefect_nemo.nemo_run_home import nemorun_home
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _module: ModuleType | None = None
-
-
-def nemorun_home() -> Path:
-    """The NEMORUN_HOME prefect-nemo gives NeMo-Run: $PREFECT_NEMO_NEMORUN_HOME, else the
-    project's ``.prefect-nemo/nemo-run`` (beside the CLI's other state), as an absolute path."""
-    env = os.environ.get(HOME_ENV)
-    return (
-        Path(env).expanduser().absolute() if env else Path(".prefect-nemo", "nemo-run").absolute()
-    )
 
 
 def nemo_run() -> ModuleType:
@@ -65,8 +55,9 @@ def nemo_run() -> ModuleType:
             import nemo_run.run.torchx_backend.launcher
             import nemo_run.run.torchx_backend.packaging
             import nemo_run.run.torchx_backend.runner
-        _module = nemo_run
-        return nemo_run
+        module: ModuleType = nemo_run
+        _module = module
+        return module
 
 
 @contextlib.contextmanager
