@@ -90,7 +90,6 @@ def is_conflict(exc: BaseException) -> bool:
     return isinstance(exc, ApiException) and exc.status == 409
 
 
-
 def _shutdown(resp: Any) -> None:
     """End a streaming response so that a thread blocked reading it returns at once. urllib3
     >= 2.3 has `shutdown()`; 1.26 (the nemo-run set's) does not, so shut its socket down."""
@@ -98,6 +97,7 @@ def _shutdown(resp: Any) -> None:
         resp.shutdown()
     elif (sock := getattr(getattr(resp, "_connection", None), "sock", None)) is not None:
         sock.shutdown(socket.SHUT_RDWR)
+
 
 class _Informer:
     """List+watch one kind in a thread; updates a cache and reports each change."""
