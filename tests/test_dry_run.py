@@ -428,8 +428,8 @@ def test_the_cli_renders_the_code_configmaps_of_an_inline_kuberay_job(tmp_path, 
 
 
 # ---------------------------------------------------------------------------------------------
-# Kubernetes backends: every rendered manifest is accepted by the strict loopback API server
-# (the real CRD schemas from ../shared/crds), and rendering sends no request at all
+# Kubernetes backends: every rendered manifest is accepted by the loopback API server with
+# fieldValidation=Strict (the kit's real CRD schemas), and rendering sends no request at all
 
 
 RAY_IMAGE = "rayproject/ray:2.60.0"
@@ -445,11 +445,16 @@ def _ray_cluster_spec() -> dict[str, Any]:
 
 def _accepted(kube_server: Any, doc: dict[str, Any]) -> dict[str, Any]:
     """`doc` as the server would store it (validated and defaulted by a create with
-    dryRun=All: nothing is stored)."""
+    dryRun=All: nothing is stored); Strict: a field the schema lacks is refused, not dropped."""
     api = KubernetesCluster(kubeconfig=kube_server.kubeconfig()).api()
     kind = kind_for(doc)
     ns = api._ns(kind, None, doc)
-    return api._resource(kind).create(body=doc, namespace=ns, dry_run="All").to_dict()
+    strict = [("fieldValidation", "Strict")]
+    return (
+        api._resource(kind)
+        .create(body=doc, namespace=ns, dry_run="All", query_params=strict)
+        .to_dict()
+    )
 
 
 def _no_request(kube_server: Any) -> None:

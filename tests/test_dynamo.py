@@ -323,7 +323,7 @@ def test_example_manifests_are_valid_against_the_crd(api: Any) -> None:
             image_pull_secrets=["ngc"],
             labels={"a": "b"},
         )
-        assert apply_dgd(api, doc).outcome == "created", path  # strict server: 422 otherwise
+        assert apply_dgd(api, doc).outcome == "created", path  # refused otherwise: Strict
         delete_dgd(api, doc["metadata"]["name"], "default")
 
 

@@ -463,6 +463,59 @@ def test_run_job_inline_cluster_success(kube_server, kuberay, kube_block, ray_he
     assert wait_until(lambda: not rayclusters_of(kube_block, job_id)), "the job's cluster remains"
 
 
+# As a user writes it in YAML: quantities as plain integers (int-or-string in the CRD).
+GPU_CLUSTER_YAML = f"""
+rayVersion: "2.60.0"
+headGroupSpec:
+  rayStartParams: {{}}
+  template:
+    spec:
+      containers:
+      - name: ray-head
+        image: {RAY_IMAGE}
+        resources:
+          limits: {{cpu: 4, memory: 16Gi}}
+workerGroupSpecs:
+- groupName: gpus
+  replicas: 1
+  minReplicas: 1
+  maxReplicas: 1
+  rayStartParams: {{}}
+  template:
+    spec:
+      containers:
+      - name: ray-worker
+        image: {RAY_IMAGE}
+        resources:
+          limits: {{cpu: 8, nvidia.com/gpu: 8}}
+          requests: {{cpu: 8, nvidia.com/gpu: 8}}
+"""
+
+
+@pytest.mark.slow
+def test_integer_quantities_from_yaml_run_to_succeeded(kube_server, kuberay, kube_block,
+                                                       ray_head, prefect_api):  # fmt: skip
+    """`nvidia.com/gpu: 8` and `cpu: 8` as YAML writes them, integers: the API server keeps
+    them in the RayJob's cluster spec (int-or-string), the operator makes pods of them (a
+    typed Pod says "8"), and the job runs to SUCCEEDED (the simulator's pod creation used to
+    fail on them, the job PENDING until its timeout)."""
+    from prefect_nemo import run_job
+
+    spec = yaml.safe_load(GPU_CLUSTER_YAML)
+    block = inline_block(kube_block, ray_head, ray_cluster_spec=spec)
+
+    @flow
+    def gpu_flow():
+        return run_job(JobSpec(entrypoint="echo on-gpus", name="gpus", timeout_s=120),
+                       cluster=block)  # fmt: skip
+
+    result = gpu_flow()
+    assert result.state is JobState.SUCCEEDED
+    rj = kube_server.get("rayjobs", "default", result.handle.job_id, group="ray.io")
+    worker = rj["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]
+    assert worker["containers"][0]["resources"]["limits"] == {"cpu": 8, "nvidia.com/gpu": 8}
+
+
 @pytest.mark.slow
 def test_run_job_failure_has_log_tail(kuberay, kube_block, ray_head, prefect_api):
     from prefect_nemo import JobFailed, run_job

@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.slow]
 KUBERAY_REAL = (
     "test_run_job_inline_cluster_success",
     "test_run_job_failure_has_log_tail",
+    "test_integer_quantities_from_yaml_run_to_succeeded",
     "test_validation_failed_is_surfaced",
     "test_rerun_attaches_to_the_same_rayjob",
     "test_timeout_stops_the_ray_job_and_leaves_no_cluster",

@@ -444,13 +444,14 @@ def test_dry_run_changes_nothing_and_renders_valid_manifests(env: dict[str, Any]
     # nrl-k8s: "With multiple DGDs the user is expected to wire dgd_name themselves"
     assert rayjob["spec"]["entrypoint"] == TRAIN, "two DGDs: the recipe is left alone"
     assert "kind: RayJob" in out["yaml"]
-    # Every manifest passes the strict server's schema (server-side dry run: nothing stored).
+    # Every manifest passes the server's schema, no field unknown to it (server-side dry run:
+    # nothing stored).
     custom = k8s.CustomObjectsApi(server.api_client())
     for manifest in out["manifests"]:
         group, version = manifest["apiVersion"].split("/")
         plural = "rayjobs" if manifest["kind"] == "RayJob" else "dynamographdeployments"
         custom.create_namespaced_custom_object(
-            group, version, "default", plural, manifest, dry_run="All"
+            group, version, "default", plural, manifest, dry_run="All", field_validation="Strict"
         )
     assert dgds(env) == {} and rayjobs(env) == []
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from prefect_nemo.testing import REQUIRES
+from prefect_nemo.testing import _MODULES, REQUIRES
 from tests.conftest import subprocess_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,10 +88,13 @@ def test_wheel_is_typed(wheel: Path):
 
 
 def _import_testing_without(*blocked: str) -> subprocess.CompletedProcess[str]:
-    """`import prefect_nemo.testing` in a fresh interpreter where `blocked` cannot be imported."""
+    """`import prefect_nemo.testing` in a fresh interpreter where the distributions `blocked`
+    cannot be imported (blocked by the module each is imported as: cel for
+    common-expression-language)."""
+    modules = tuple(_MODULES.get(name, name) for name in blocked)
     code = (
         "import sys\n"
-        f"for name in {blocked!r}:\n"
+        f"for name in {modules!r}:\n"
         "    sys.modules[name] = None  # what an uninstalled package looks like to import\n"
         "import prefect_nemo.testing\n"
     )

@@ -18,10 +18,12 @@ from __future__ import annotations
 from importlib.util import find_spec
 from typing import TYPE_CHECKING, Any
 
-#: What the `testing` extra installs (module names = distribution names).
-REQUIRES = ("jsonschema", "jsonpatch", "cryptography")
+#: What the `testing` extra installs (distribution names).
+REQUIRES = ("jsonschema", "jsonpatch", "cryptography", "common-expression-language")
+# the module each one is imported as, where the names differ
+_MODULES = {"common-expression-language": "cel"}
 
-if _missing := [name for name in REQUIRES if find_spec(name) is None]:
+if _missing := [name for name in REQUIRES if find_spec(_MODULES.get(name, name)) is None]:
     raise ImportError(
         f"prefect_nemo.testing needs {', '.join(_missing)}: pip install 'prefect-nemo[testing]'",
         name=_missing[0],

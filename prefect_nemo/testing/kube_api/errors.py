@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from prefect_nemo.testing.kube_api.schema import Cause, ResourceType
@@ -28,6 +29,8 @@ class ApiError(Exception):
             "reason": self.reason,
             "code": self.code,
         }
+        if not self.reason:  # an internal error has none (Go's omitempty)
+            del body["reason"]
         if self.details is not None:
             body["details"] = self.details
         return body
@@ -64,13 +67,53 @@ def conflict(rt: ResourceType, name: str) -> ApiError:
 def invalid(rt: ResourceType, name: str, causes: list[Cause]) -> ApiError:
     texts = [c.text() for c in causes]
     joined = texts[0] if len(texts) == 1 else "[" + ", ".join(texts) + "]"
-    details: dict[str, Any] = {"name": name, "kind": rt.kind}
+    # empty name, group and kind are left out, as Go's omitempty does
+    details: dict[str, Any] = {k: v for k, v in (("name", name), ("kind", rt.kind)) if v}
     if rt.group:
         details["group"] = rt.group
     details["causes"] = [
         {"reason": c.reason, "message": c.message, "field": c.field} for c in causes
     ]
     return ApiError(422, "Invalid", f'{rt.qualified_kind} "{name}" is invalid: {joined}', details)
+
+
+def options_invalid(options: str, cause: Cause) -> ApiError:
+    """422 for a bad query parameter of a write: `options` is CreateOptions, UpdateOptions or
+    PatchOptions."""
+    rt = ResourceType("meta.k8s.io", ["v1"], options.lower(), options.lower(), options, False)
+    return invalid(rt, "", [cause])
+
+
+def strict_decoding(rt: ResourceType, version: str, problems: list[str]) -> ApiError:
+    """What fieldValidation=Strict answers a create or update with unknown fields: 400."""
+    return bad_request(
+        f'{rt.kind} in version "{version}" cannot be handled as a {rt.kind}: strict decoding '
+        f"error: {', '.join(problems)}"
+    )
+
+
+def strict_patch(patched: Any, problems: list[str]) -> ApiError:
+    """... and a JSON or merge patch: 422 for a `patch` field whose value is the patched
+    object, of no kind and no name."""
+    shown = json.dumps(json.dumps(patched, separators=(",", ":"), sort_keys=True))
+    message = f"Invalid value: {shown}: strict decoding error: {', '.join(problems)}"
+    return ApiError(
+        422, "Invalid", f' "" is invalid: patch: {message}',
+        {"causes": [{"reason": "FieldValueInvalid", "message": message, "field": "patch"}]},
+    )  # fmt: skip
+
+
+def apply_undeclared(obj: Any, api_version: str, kind: str, paths: list[str]) -> ApiError:
+    """A server-side apply of undeclared fields: 500, whatever fieldValidation says (the
+    field manager cannot type the applied configuration)."""
+    meta = (obj.get("metadata") if isinstance(obj, dict) else None) or {}
+    problems = [f"{p}: field not declared in schema" for p in paths]
+    listed = problems[0] if len(problems) == 1 else "errors:\n  " + "\n  ".join(problems)
+    return ApiError(
+        500, "",
+        f"failed to create typed patch object ({meta.get('namespace', '')}/{meta.get('name', '')}; "
+        f"{api_version}, Kind={kind}): {listed}",
+    )  # fmt: skip
 
 
 def apply_conflict(conflicts: list[tuple[str, str]]) -> ApiError:

@@ -2,9 +2,8 @@
 validation.
 
 Validation goes through `jsonschema` (Draft 7) on a converted copy of each served version's
-schema, compiled once per CRD version on first use. `x-kubernetes-validations` (CEL rules) are
-not evaluated: no CEL library is a project dependency, and the rules in our CRDs guard fields
-the backends do not set (immutability, managedBy values, name format).
+schema, compiled once per CRD version on first use; so are its `x-kubernetes-validations` (CEL
+rules, `rules.py`).
 """
 
 from __future__ import annotations
@@ -102,12 +101,23 @@ def _to_json_schema(node: Any) -> Any:
     return out
 
 
+# ObjectMeta's fields: any other key under metadata is an unknown field
+OBJECT_META = frozenset({
+    "name", "generateName", "namespace", "selfLink", "uid", "resourceVersion", "generation",
+    "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "labels",
+    "annotations", "ownerReferences", "finalizers", "managedFields",
+})  # fmt: skip
+_UNCOMPILED: Any = object()
+
+
 class Schema:
     """A compiled CRD version schema."""
 
     def __init__(self, openapi: dict[str, Any]):
         self.raw = openapi
-        self._validator: Any = None  # compiled on first use: most loaded versions are never written
+        # compiled on first use: most loaded versions are never written
+        self._validator: Any = None
+        self._rules: Any = _UNCOMPILED
 
     @property
     def validator(self) -> Any:
@@ -115,26 +125,67 @@ class Schema:
             self._validator = _Validator(_to_json_schema(self.raw))
         return self._validator
 
+    @property
+    def rules(self) -> Any:
+        """The CEL rule tree (`rules.Node`), None when the schema has no rule."""
+        if self._rules is _UNCOMPILED:
+            from prefect_nemo.testing.kube_api import rules  # it imports Cause from here
+
+            self._rules = rules.compile_schema(self.raw)
+        return self._rules
+
     def default_and_prune(self, obj: dict[str, Any], prune: bool) -> list[str]:
-        """Apply `default:` values in place; return unknown field paths (removed when `prune`)."""
+        """Apply `default:` values in place; return unknown field paths, sorted (removed when
+        `prune`)."""
         unknown: list[str] = []
         props = self.raw.get("properties", {})
         for key in list(obj):
-            if key in ("apiVersion", "kind", "metadata"):
+            if key in ("apiVersion", "kind"):
                 continue
-            if key in props:
+            if key == "metadata":
+                if isinstance(meta := obj[key], dict):
+                    for bad in [k for k in meta if k not in OBJECT_META]:
+                        unknown.append(f"metadata.{bad}")
+                        if prune:
+                            del meta[bad]
+            elif key in props:
                 obj[key] = _walk(obj[key], props[key], key, unknown, prune)
             elif not self.raw.get("x-kubernetes-preserve-unknown-fields"):
                 unknown.append(key)
                 if prune:
                     del obj[key]
         _apply_defaults(obj, self.raw, skip=("metadata",))
-        return unknown
+        return sorted(unknown)
 
     def validate(self, obj: dict[str, Any]) -> list[Cause]:
         body = {k: v for k, v in obj.items() if k != "metadata"}
         causes = [_cause(e) for e in self.validator.iter_errors(body)]
         return sorted(causes, key=lambda c: c.field)
+
+    def validate_rules(
+        self, obj: dict[str, Any], old: dict[str, Any] | None, causes: list[Cause]
+    ) -> list[Cause]:
+        """The causes of failed CEL rules, after the schema's own `causes`: none are evaluated
+        after an error that leaves the object mistyped (kube-apiserver then says so instead)."""
+        if self.rules is None:
+            return []
+        from prefect_nemo.testing.kube_api import rules
+
+        if any(c.reason in rules.BLOCKING_REASONS for c in causes):
+            return [rules.NOT_CHECKED]
+        return rules.validate(self.rules, obj, old)
+
+    def applied_unknown_fields(self, obj: dict[str, Any]) -> list[str]:
+        """What a server-side apply of `obj` is refused for (500, whatever fieldValidation
+        says): the first undeclared field of each object, as `.spec.foo`, list items by their
+        map keys (`containers[name="a"]`), sorted."""
+        found: list[str] = []
+        meta = obj.get("metadata")
+        if isinstance(meta, dict):
+            found += [f".metadata.{k}" for k in meta if k not in OBJECT_META][:1]
+        body = {k: v for k, v in obj.items() if k not in ("apiVersion", "kind", "metadata")}
+        _undeclared(body, self.raw, "", found)
+        return sorted(found)
 
 
 def _apply_defaults(
@@ -169,6 +220,35 @@ def _walk(value: Any, schema: dict[str, Any], path: str, unknown: list[str], pru
             _walk(v, schema["items"], f"{path}[{i}]", unknown, prune) for i, v in enumerate(value)
         ]
     return value
+
+
+def _undeclared(value: Any, schema: dict[str, Any], path: str, found: list[str]) -> None:
+    """Structured-merge-diff's view of unknown fields: one per object, in document order."""
+    if isinstance(value, dict):
+        props = schema.get("properties")
+        extra = schema.get("additionalProperties")
+        if schema.get("x-kubernetes-preserve-unknown-fields") or extra is True:
+            return
+        reported = False
+        embedded = schema.get("x-kubernetes-embedded-resource")
+        for key, sub in value.items():
+            if props is not None and key in props:
+                _undeclared(sub, props[key], f"{path}.{key}", found)
+            elif isinstance(extra, dict):
+                _undeclared(sub, extra, f"{path}.{key}", found)
+            elif embedded and key in ("apiVersion", "kind", "metadata"):
+                continue
+            elif not reported and (props is not None or schema.get("type") == "object"):
+                found.append(f"{path}.{key}")
+                reported = True
+    elif isinstance(value, list) and isinstance(items := schema.get("items"), dict):
+        keys = schema.get("x-kubernetes-list-map-keys") or []
+        for i, item in enumerate(value):
+            if keys and isinstance(item, dict):
+                where = ",".join(f"{k}={json.dumps(item.get(k))}" for k in keys)
+                _undeclared(item, items, f"{path}[{where}]", found)
+            else:
+                _undeclared(item, items, f"{path}[{i}]", found)
 
 
 def _show(value: Any) -> str:

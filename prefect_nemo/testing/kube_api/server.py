@@ -22,7 +22,7 @@ import yaml
 from aiohttp import web
 
 from prefect_nemo.testing.app_thread import AppThread
-from prefect_nemo.testing.kube_api import errors, fields
+from prefect_nemo.testing.kube_api import errors, fields, quantity
 from prefect_nemo.testing.kube_api import patch as patches
 from prefect_nemo.testing.kube_api.client_config import TokenClientConfig
 from prefect_nemo.testing.kube_api.errors import ApiError
@@ -33,7 +33,15 @@ from prefect_nemo.testing.kube_api.schema import (
     resource_from_crd,
 )
 from prefect_nemo.testing.kube_api.selectors import field_matcher, label_matcher
-from prefect_nemo.testing.kube_api.store import Event, Obj, Store, Watcher, WatchWindow, now
+from prefect_nemo.testing.kube_api.store import (
+    Event,
+    Obj,
+    Store,
+    Watcher,
+    WatchWindow,
+    generate_name,
+    now,
+)
 
 ProxyHandler = Callable[[str, str, dict[str, str], bytes], tuple[int, dict[str, str], bytes]]
 _CRD_TYPE = ResourceType(
@@ -78,6 +86,8 @@ _VERSION = {
     "compiler": "gc",
     "platform": "linux/amd64",
 }
+_OPTIONS = {"create": "CreateOptions", "update": "UpdateOptions", "patch": "PatchOptions"}
+_FIELD_VALIDATION = ("", "Ignore", "Strict", "Warn")
 _DROP = object()  # watcher sentinel: cut the connection
 _STOP = object()  # watcher sentinel: end the stream cleanly (server shutdown)
 
@@ -140,11 +150,14 @@ class LoopbackKubeServer(TokenClientConfig):
     against it unchanged.
 
     Serves core Namespaces, Pods, Services, ConfigMaps, Secrets, PVCs, Events, ServiceAccounts
-    and the custom resources of the CRDs given (validated against their openAPIV3Schema). Runs
-    its own event loop in a background thread. Service proxy requests need an existing Service
-    object plus a target registered with
-    `set_service_proxy`. Server-side apply tracks field ownership (`metadata.managedFields`) and
-    answers conflicts with 409 unless forced (see `fields.py` for what it simplifies).
+    and the custom resources of the CRDs given (validated against their openAPIV3Schema and
+    their `x-kubernetes-validations` rules). As kube-apiserver does, it drops a custom
+    resource's unknown fields with a Warning header (refuses them with `fieldValidation=Strict`)
+    and stores the quantities of Pods and PVCs as canonical strings. Runs its own event loop in
+    a background thread. Service proxy requests need an existing Service object plus a target
+    registered with `set_service_proxy`. Server-side apply tracks field ownership
+    (`metadata.managedFields`) and answers conflicts with 409 unless forced (see `fields.py`
+    for what it simplifies).
     """
 
     def __init__(
@@ -154,12 +167,10 @@ class LoopbackKubeServer(TokenClientConfig):
         token: str | None = None,
         tls: bool = False,
         namespaces: Iterable[str] = ("default",),
-        strict_fields: bool = True,
         watch_window: WatchWindow | None = None,
     ):
         self.token = token or secrets.token_urlsafe(24)
         self.tls = tls
-        self.strict_fields = strict_fields
         self.requests = RequestLog()
         self.ca_pem: bytes | None = None
         self.url = ""
@@ -656,40 +667,50 @@ class LoopbackKubeServer(TokenClientConfig):
                 f"the body of the request could not be decoded: {exc}"
             ) from exc
 
-    def _field_mode(self, query: dict[str, str]) -> str:
-        mode = query.get("fieldValidation") or ""
-        if mode in ("Strict", "Warn", "Ignore"):
-            return mode
-        return "Loopback" if self.strict_fields else "Warn"
-
-    def _check_custom(self, rt: ResourceType, version: str, obj: Obj, mode: str) -> list[str]:
-        """Default, prune and validate a custom resource in place; returns Warning texts."""
-        schema = rt.schemas.get(version)
+    def _check_custom(
+        self, route: _Route, obj: Obj, old: Obj | None, mode: str, verb: str
+    ) -> list[str]:
+        """Default, prune and validate a custom resource in place (its schema, then its CEL
+        rules, the transition rules against `old`); returns Warning texts. Unknown fields are
+        dropped: with a warning for `Warn` (the default), silently for `Ignore`; `Strict`
+        refuses them, a create or update with 400, a patch with 422 (kube-apiserver's
+        wording for each)."""
+        rt = route.rt
+        schema = rt.schemas.get(route.version)
         if schema is None:
             return []
-        name = (obj.get("metadata") or {}).get("name") or (obj.get("metadata") or {}).get(
-            "generateName", ""
-        )
+        as_sent = copy.deepcopy(obj) if mode == "Strict" and verb == "patch" else None
         unknown = schema.default_and_prune(obj, prune=True)
-        if unknown and mode == "Strict":
-            raise errors.bad_request(
-                "strict decoding error: " + ", ".join(f'unknown field "{p}"' for p in unknown)
-            )
-        warnings = [f'unknown field "{p}"' for p in unknown] if mode == "Warn" else []
+        problems = [f'unknown field "{p}"' for p in unknown]
+        if problems and mode == "Strict":
+            if as_sent is not None:
+                raise errors.strict_patch(as_sent, problems)
+            raise errors.strict_decoding(rt, route.version, problems)
+        warnings = problems if mode == "Warn" else []
         causes = schema.validate(obj)
-        if unknown and mode == "Loopback":  # our stricter default: unknown fields are errors too
-            causes += [
-                Cause("FieldValueForbidden", p, f'Forbidden: unknown field "{p}"') for p in unknown
-            ]
+        causes += schema.validate_rules(obj, old, causes)
         if causes:
-            raise errors.invalid(rt, name, causes)
+            error = errors.invalid(rt, (obj.get("metadata") or {}).get("name") or "", causes)
+            if warnings:  # the real server warns on a refused write too
+                error.headers["Warning"] = _warning_header(warnings)
+            raise error
         return warnings
 
     def _prepare(
-        self, route: _Route, body: Any, query: dict[str, str], status_view: bool = False
-    ) -> tuple[Obj, list[str]]:
-        """Typed body ready for the store: apiVersion/kind set; custom resources checked."""
+        self, route: _Route, body: Any, query: dict[str, str], *, verb: str,
+        old: Obj | None = None, status_view: bool = False,
+    ) -> tuple[Obj, list[str]]:  # fmt: skip
+        """Typed body ready for the store: apiVersion/kind set; custom resources checked (a
+        `verb` of create, update or patch; `old` the object an update changes), quantities of
+        built-in types canonical."""
         rt = route.rt
+        mode = query.get("fieldValidation", "")
+        if mode not in _FIELD_VALIDATION:
+            raise errors.options_invalid(_OPTIONS[verb], Cause(
+                "FieldValueNotSupported", "fieldValidation",
+                f"Unsupported value: {json.dumps(mode)}: supported values: "
+                + ", ".join(json.dumps(m) for m in _FIELD_VALIDATION),
+            ))  # fmt: skip
         if not isinstance(body, dict):
             raise errors.bad_request("the body of the request was in an unknown format")
         body = copy.deepcopy(body)
@@ -698,20 +719,32 @@ class LoopbackKubeServer(TokenClientConfig):
         body.setdefault("metadata", {})
         warnings: list[str] = []
         if rt.crd is not None:
-            view = body
+            view, old_view = body, old
             if rt.status_subresource and not status_view:
                 view = {k: v for k, v in body.items() if k != "status"}
-            warnings = self._check_custom(rt, route.version, view, self._field_mode(query))
+                old_view = {k: v for k, v in old.items() if k != "status"} if old else None
+            warnings = self._check_custom(route, view, old_view, mode or "Warn", verb)
             if view is not body:
                 view.update({k: v for k, v in body.items() if k == "status"})
                 body = view
+        else:
+            try:
+                quantity.canonicalize(rt.plural, body)
+            except quantity.QuantityError as exc:
+                raise errors.bad_request(
+                    f'{rt.kind} in version "{route.version}" cannot be handled as a {rt.kind}: '
+                    f"{exc}"
+                ) from exc
         return body, warnings
 
     async def _create(
         self, request: web.Request, route: _Route, query: dict[str, str]
     ) -> web.StreamResponse:
         rt = route.rt
-        body, warnings = self._prepare(route, await self._body(request), query)
+        body = await self._body(request)
+        if isinstance(body, dict) and isinstance(body.get("metadata"), dict):
+            generate_name(body["metadata"])
+        body, warnings = self._prepare(route, body, query, verb="create")
         if rt.status_subresource and rt.crd is not None:
             body.pop("status", None)  # create ignores status when it is a subresource
         created = self._store.create(
@@ -727,9 +760,12 @@ class LoopbackKubeServer(TokenClientConfig):
     ) -> web.StreamResponse:
         status = route.sub == ["status"]
         body = await self._body(request)
+        current = self._store.get(route.rt, route.namespace, route.name)
         if status and isinstance(body, dict):
             body = self._status_merge(route, body)
-        body, warnings = self._prepare(route, body, query, status_view=status)
+        old = self._render(route.rt, current, route.version) if current is not None else None
+        body, warnings = self._prepare(route, body, query, verb="update", old=old,
+                                       status_view=status)  # fmt: skip
         updated = self._store.update(
             route.rt, route.namespace, route.name, body, status=status, dry_run=_dry_run(query),
             write=self._writer(request, route, query, "Update"),
@@ -774,6 +810,10 @@ class LoopbackKubeServer(TokenClientConfig):
         apply = ctype == patches.APPLY
         _check_patch_options(query, apply)
         write = self._writer(request, route, query, "Apply" if apply else "Update", body)
+        if apply and isinstance(body, dict) and (schema := rt.schemas.get(route.version)):
+            if undeclared := schema.applied_unknown_fields(body):
+                raise errors.apply_undeclared(body, rt.api_version(route.version), rt.kind,
+                                              undeclared)  # fmt: skip
         if apply and current is None and not status:
             return await self._create_from(route, body, query, write)
         if current is None:
@@ -805,7 +845,8 @@ class LoopbackKubeServer(TokenClientConfig):
             keep_rv = (patched.get("metadata") or {}).get("resourceVersion")
             patched = self._status_merge(route, patched)
             patched["metadata"]["resourceVersion"] = keep_rv or ""
-        body, warnings = self._prepare(route, patched, query, status_view=status)
+        body, warnings = self._prepare(route, patched, query, verb="patch", old=current,
+                                       status_view=status)  # fmt: skip
         updated = self._store.update(
             rt, route.namespace, route.name, body, status=status, dry_run=_dry_run(query),
             write=write,
@@ -817,7 +858,7 @@ class LoopbackKubeServer(TokenClientConfig):
     ) -> web.StreamResponse:
         if isinstance(body, dict):
             body.setdefault("metadata", {})["name"] = route.name
-        prepared, warnings = self._prepare(route, body, query)
+        prepared, warnings = self._prepare(route, body, query, verb="patch")
         if route.rt.status_subresource and route.rt.crd is not None:
             prepared.pop("status", None)
         created = self._store.create(
@@ -1088,22 +1129,22 @@ def _check_patch_options(query: dict[str, str], apply: bool) -> None:
             "FieldValueForbidden", "force", "Forbidden: may not be specified for non-apply patch"
         )
     if cause is not None:
-        options = ResourceType(
-            "meta.k8s.io", ["v1"], "patchoptions", "patchoption", "PatchOptions", False
-        )
-        raise errors.invalid(options, "", [cause])
+        raise errors.options_invalid("PatchOptions", cause)
 
 
 def _dry_run(query: dict[str, str]) -> bool:
     return query.get("dryRun") == "All"
 
 
+def _warning_header(warnings: list[str]) -> str:
+    """Warnings as one Warning header (the same as several, once a client joins them)."""
+    return ", ".join(f'299 - "{w.replace(chr(34), chr(92) + chr(34))}"' for w in warnings)
+
+
 def _json(body: Any, status: int = 200, warnings: list[str] | None = None) -> web.Response:
     headers = {}
     if warnings:
-        headers["Warning"] = ", ".join(
-            f'299 - "{w.replace(chr(34), chr(92) + chr(34))}"' for w in warnings
-        )
+        headers["Warning"] = _warning_header(warnings)
     return web.Response(
         status=status,
         body=json.dumps(body).encode(),

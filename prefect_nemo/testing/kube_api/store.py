@@ -60,6 +60,13 @@ _CONFIG_KEY_MSG = (
 )
 
 
+def generate_name(md: Obj) -> None:
+    """Give an object that has only a generateName its name (as the registry does before it
+    validates the object, so that the name's checks and CEL rules see it)."""
+    if not md.get("name") and md.get("generateName"):
+        md["name"] = md["generateName"] + "".join(random.choices(_SUFFIX_CHARS, k=5))
+
+
 def now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -290,8 +297,7 @@ class Store:
                     )
             else:
                 md.pop("namespace", None)
-            if not md.get("name") and md.get("generateName"):
-                md["name"] = md["generateName"] + "".join(random.choices(_SUFFIX_CHARS, k=5))
+            generate_name(md)
             name = md.get("name") or ""
             if not name:
                 raise errors.invalid(

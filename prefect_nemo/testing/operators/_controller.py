@@ -30,6 +30,10 @@ Obj = dict[str, Any]
 Key = tuple[str, str, str]  # (plural, namespace, name)
 
 WATCH_TIMEOUT_S = 30  # the server ends each watch after this; we resume from the last version
+# Every write of a simulator says fieldValidation=Strict: an operator writes typed objects, so a
+# field it does not know is our typo, refused loudly (by default an API server drops it with
+# only a Warning header).
+STRICT = "Strict"
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,6 @@ def is_conflict(exc: BaseException) -> bool:
     return isinstance(exc, ApiException) and exc.status == 409
 
 
-
 def _shutdown(resp: Any) -> None:
     """End a streaming response so that a thread blocked reading it returns at once. urllib3
     >= 2.3 has `shutdown()`; 1.26 (the nemo-run set's) does not, so shut its socket down."""
@@ -94,6 +97,7 @@ def _shutdown(resp: Any) -> None:
         resp.shutdown()
     elif (sock := getattr(getattr(resp, "_connection", None), "sock", None)) is not None:
         sock.shutdown(socket.SHUT_RDWR)
+
 
 class _Informer:
     """List+watch one kind in a thread; updates a cache and reports each change."""
@@ -439,6 +443,7 @@ def set_pod_status(core: client.CoreV1Api, pod: Obj, status: Obj) -> None:
             meta["namespace"],
             {"status": status},
             _content_type="application/merge-patch+json",
+            field_validation=STRICT,
         )
     except ApiException as exc:
         if exc.status != 404:  # gone meanwhile: nothing to report

@@ -59,7 +59,7 @@ class SimNode:
             "metadata": {"name": self.name, "labels": {"kubernetes.io/hostname": self.name}},
         }
         try:
-            self.core.create_node(body)
+            self.core.create_node(body, field_validation="Strict")  # as the simulators write
         except ApiException as exc:
             if exc.status != 409:  # 409: there already
                 raise
@@ -77,7 +77,7 @@ class SimNode:
         self.serve(node, KUBELET_PORT, self._container_log, tls)
         status = {"addresses": [{"type": "InternalIP", "address": self.address(node)}],
                   "daemonEndpoints": {"kubeletEndpoint": {"Port": KUBELET_PORT}}}  # fmt: skip
-        self.core.patch_node_status(self.name, {"status": status})
+        self.core.patch_node_status(self.name, {"status": status}, field_validation="Strict")
 
     def set_log(self, namespace: str, pod: str, source: LogSource, container: str | None) -> None:
         """What `pods/{pod}/log` answers (a callable: asked on each read; container None: any)."""

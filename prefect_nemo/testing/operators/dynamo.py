@@ -28,6 +28,7 @@ from kubernetes.client.rest import ApiException
 
 from prefect_nemo.testing.operators._controller import (
     PODS,
+    STRICT,
     Controller,
     Key,
     Kind,
@@ -322,8 +323,9 @@ class DynamoSimulator(Controller):
         meta = dgd["metadata"]
         try:
             self._custom.patch_namespaced_custom_object_status(
-                GROUP, self.version, meta["namespace"], PLURAL, meta["name"], {"status": status}
-            )
+                GROUP, self.version, meta["namespace"], PLURAL, meta["name"], {"status": status},
+                field_validation=STRICT,
+            )  # fmt: skip
         except ApiException as exc:
             if not is_not_found(exc):
                 raise
@@ -376,7 +378,10 @@ class DynamoSimulator(Controller):
             },
             "spec": pod_spec,
         }
-        return json.loads(self._core.create_namespaced_pod(ns, body, _preload_content=False).data)
+        created = self._core.create_namespaced_pod(
+            ns, body, field_validation=STRICT, _preload_content=False
+        )
+        return json.loads(created.data)
 
     def _ensure_frontend(self, dgd: Obj, comp: str, behavior: DgdBehavior) -> None:
         ns, name = dgd["metadata"]["namespace"], dgd["metadata"]["name"]
@@ -409,7 +414,7 @@ class DynamoSimulator(Controller):
             },
         }
         try:
-            self._core.create_namespaced_service(ns, body)
+            self._core.create_namespaced_service(ns, body, field_validation=STRICT)
         except ApiException as exc:
             if exc.status != 409:
                 raise

@@ -20,6 +20,7 @@ kubelet endpoint, and a deleted pod's deletion is finished by it.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import random
@@ -39,6 +40,7 @@ from ray.job_submission import JobDetails, JobStatus
 from prefect_nemo.backends.ray_jobs import TimedJobClient
 from prefect_nemo.testing.operators._controller import (
     PODS,
+    STRICT,
     Controller,
     Key,
     Kind,
@@ -52,6 +54,7 @@ from prefect_nemo.testing.operators._controller import (
     parse_rfc3339,
     pod_is_ready,
     pod_is_running,
+    quantities_as_strings,
     running_pod_status,
     set_condition,
     set_pod_status,
@@ -477,7 +480,7 @@ class KubeRaySimulator(Controller):
             },
         }
         try:
-            self._core.create_namespaced_service(ns, body)
+            self._core.create_namespaced_service(ns, body, field_validation=STRICT)
         except ApiException as exc:
             if exc.status != 409:
                 raise
@@ -532,11 +535,16 @@ class KubeRaySimulator(Controller):
                 "annotations": meta.get("annotations") or {},
                 "ownerReferences": [owner_reference(rc)],
             },
-            "spec": template.get("spec") or {"containers": [{"name": "ray", "image": "ray"}]},
+            # the CRD keeps `nvidia.com/gpu: 8` an integer; the operator's typed Pod says "8"
+            "spec": quantities_as_strings(copy.deepcopy(template.get("spec") or {}))
+            or {"containers": [{"name": "ray", "image": "ray"}]},
         }
         if self.node:
             body["spec"] = {**body["spec"], "nodeName": self.node.name}  # bound: no scheduler
-        pod = json.loads(self._core.create_namespaced_pod(ns, body, _preload_content=False).data)
+        created = self._core.create_namespaced_pod(
+            ns, body, field_validation=STRICT, _preload_content=False
+        )
+        pod = json.loads(created.data)
         self._created[(ns, pod["metadata"]["name"])] = time.monotonic()
         return pod
 
@@ -851,7 +859,7 @@ class KubeRaySimulator(Controller):
         }
         try:
             return self._custom.create_namespaced_custom_object(
-                GROUP, VERSION, ns, "rayclusters", body
+                GROUP, VERSION, ns, "rayclusters", body, field_validation=STRICT
             )
         except ApiException as exc:
             if exc.status != 409:
@@ -1032,8 +1040,9 @@ class KubeRaySimulator(Controller):
         meta = obj["metadata"]
         try:
             self._custom.patch_namespaced_custom_object_status(
-                GROUP, VERSION, meta["namespace"], plural, meta["name"], {"status": status}
-            )
+                GROUP, VERSION, meta["namespace"], plural, meta["name"], {"status": status},
+                field_validation=STRICT,
+            )  # fmt: skip
         except ApiException as exc:
             if not is_not_found(exc):
                 raise
@@ -1048,6 +1057,7 @@ class KubeRaySimulator(Controller):
                 obj["kind"].lower() + "s",
                 m["name"],
                 {"metadata": meta},
+                field_validation=STRICT,
             )
         except ApiException as exc:
             if not is_not_found(exc):

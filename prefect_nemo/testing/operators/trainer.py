@@ -55,6 +55,7 @@ from kubernetes.client.rest import ApiException
 from prefect_nemo.local_ray import free_port
 from prefect_nemo.testing.operators._controller import (
     PODS,
+    STRICT,
     Controller,
     Key,
     Kind,
@@ -445,7 +446,10 @@ class TrainJobSimulator(Controller):
             },
             "spec": spec,
         }
-        pod = json.loads(self._core.create_namespaced_pod(ns, body, _preload_content=False).data)
+        created = self._core.create_namespaced_pod(
+            ns, body, field_validation=STRICT, _preload_content=False
+        )
+        pod = json.loads(created.data)
         scheduled = {"type": "PodScheduled", "status": "True", "lastTransitionTime": now_rfc3339()}
         set_pod_status(self._core, pod, {"phase": "Pending", "conditions": [scheduled]})
         return pod
@@ -646,8 +650,9 @@ class TrainJobSimulator(Controller):
         meta = tj["metadata"]
         try:
             self._custom.patch_namespaced_custom_object_status(
-                GROUP, VERSION, meta["namespace"], "trainjobs", meta["name"], {"status": new}
-            )
+                GROUP, VERSION, meta["namespace"], "trainjobs", meta["name"], {"status": new},
+                field_validation=STRICT,
+            )  # fmt: skip
         except ApiException as exc:
             if not is_not_found(exc):
                 raise
