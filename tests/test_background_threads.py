@@ -113,7 +113,14 @@ def test_closing_the_backend_leaves_no_thread_and_no_log(records: Records) -> No
     time.sleep(1.0)  # anything still retrying would log within this second
     assert not waiter.is_alive()
     assert isinstance(outcome.get("error"), BackendUnavailable), outcome
-    noise = [r for r in records.records if r.name.startswith(("prefect_nemo", "urllib3"))]
+    # only this test's threads: one another test left behind (seen once under heavy load: a
+    # RayJob's GET retried against its module's stopped server) is not this backend's
+    earlier = before - {threading.get_ident()}
+    noise = [
+        r
+        for r in records.records
+        if r.name.startswith(("prefect_nemo", "urllib3")) and r.thread not in earlier
+    ]
     assert noise == [], [r.getMessage() for r in noise]
 
 

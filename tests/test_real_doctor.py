@@ -65,7 +65,8 @@ def test_a_token_with_every_verb_passes_every_row(control_plane: Any) -> None:
     names = [c.name for c in checks]
     assert names[:3] == ["kubernetes credentials", "crd rayjobs.ray.io", "crd rayclusters.ray.io"]
     assert {n for n in names if n.startswith("rbac ")} == {
-        "rbac rayjobs.ray.io", "rbac rayclusters.ray.io", "rbac secrets", "rbac pods",
+        "rbac rayjobs.ray.io", "rbac rayclusters.ray.io", "rbac secrets", "rbac configmaps",
+        "rbac pods",
         "rbac pods/log", "rbac services/proxy",
     }  # fmt: skip
     assert not failed(checks)

@@ -316,7 +316,7 @@ def test_a_thousand_jobs_in_one_flow_run_all_end_and_nothing_leaks(
         runs = task_runs_of(out["run"])
         return sum(r.state is not None and r.state.type.value == "COMPLETED" for r in runs)
 
-    assert wait_until(lambda: completed() == 1000, 60), f"{completed()} task runs COMPLETED"
+    assert wait_until(lambda: completed() == 1000, 180), f"{completed()} task runs COMPLETED"
 
     # the informers' threads are "prefect-nemo-informer ..." threads: counted here too
     assert wait_until(lambda: ours() == threads, 15), f"threads left: {ours() - threads}"
@@ -346,7 +346,8 @@ def test_cancelling_the_thousand_job_flow_run_midway_leaves_no_job_running(
 
     thread = in_thread(lambda: out.update(state=long_sweep(return_state=True)))
     mine = lambda: [j for j in fake_ray.running() if f"-{prefix}-" in j]  # noqa: E731
-    assert wait_until(lambda: len(mine()) >= 200, 120), f"only {len(mine())} jobs ran"
+    # a bound, not a goal: under load (2 cores at load 12) 136 had started after 120 s
+    assert wait_until(lambda: len(mine()) >= 200, 300), f"only {len(mine())} jobs ran"
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(uuid.UUID(out["run"]), Cancelling(), force=True)
     thread.join(180)
