@@ -331,6 +331,21 @@ def wait_until(predicate: Callable[[], Any], timeout_s: float = 60.0) -> Any:
     return predicate()
 
 
+def job_events(prefect_api: str, resource_id: str, until: str, timeout_s: float = 30) -> list[Any]:
+    """The prefect-nemo.job.* events of one job, oldest first, once `until` is among them."""
+    import httpx
+
+    events: list[Any] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        body = {"filter": {"resource": {"id": [resource_id]}}, "limit": 50}
+        events = httpx.post(f"{prefect_api}/events/filter", json=body).json()["events"]
+        if any(e["event"] == until for e in events):
+            break
+        time.sleep(0.5)
+    return sorted(events, key=lambda e: e["occurred"])
+
+
 def subprocess_env(prefect_api: str, **extra: str) -> dict[str, str]:
     """Environment for a child process that talks to the session's Prefect API."""
     env = dict(os.environ, PREFECT_API_URL=prefect_api, PYTHONUNBUFFERED="1", **extra)

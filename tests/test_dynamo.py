@@ -21,6 +21,7 @@ from prefect_nemo.backends.dynamo import (
     DgdCrdMissing,
     DgdFailed,
     DgdNotReady,
+    DgdQueueTimedOut,
     apply_dgd,
     check_crd_installed,
     deep_merge,
@@ -33,8 +34,10 @@ from prefect_nemo.backends.dynamo import (
     resolve_frontend_url,
     wait_dgd_ready,
 )
+from prefect_nemo.backends.dynamo.graphs import queued_reason
 from prefect_nemo.kube import KubeTimeout
 from prefect_nemo.packaging import tee_command
+from tests.conftest import wait_until
 
 MANIFESTS = Path(__file__).parent.parent / "flows" / "manifests"
 AGG = MANIFESTS / "dgd-vllm-agg.yaml"
@@ -446,6 +449,60 @@ def test_pods_not_ready_alone_keeps_it_not_ready(api: Any, dynamo_sim: Any) -> N
         wait_dgd_ready(api, "slow-pods", "default", 1.5)
     assert "status.state" not in str(info.value) or "successful" in str(info.value)
     delete_dgd(api, "slow-pods", "default")
+
+
+GPU_SHORT = "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
+
+
+def test_unschedulable_pods_are_queued_and_the_wait_is_not_timeout_time(
+    api: Any, dynamo_sim: Any
+) -> None:
+    """Rule (Kubernetes, Pod Lifecycle): PodScheduled False with reason Unschedulable means
+    "the scheduler cannot schedule the Pod right now, for example due to lack of resources":
+    the DGD waits for capacity (queued, with the scheduler's message), it is not "not ready";
+    that wait does not count against timeout_s (here shorter than the wait)."""
+    dynamo_sim.configure("no-gpus", unschedulable=GPU_SHORT)
+    deploy(api, "no-gpus")
+    seen: list[dynamo.DgdReadiness] = []
+
+    def capacity_frees() -> None:
+        wait_until(lambda: any(s.queued for s in seen), timeout_s=20)
+        time.sleep(2.5)
+        dynamo_sim.configure("no-gpus")
+
+    freer = threading.Thread(target=capacity_frees, daemon=True)
+    freer.start()
+    start = time.monotonic()
+    ready = wait_dgd_ready(api, "no-gpus", "default", 2.0, on_change=seen.append)
+    freer.join()
+    assert ready.ready and not ready.queued and time.monotonic() - start > 2.5
+    queued = next(s for s in seen if s.queued)
+    assert "Unschedulable" in queued.queued and GPU_SHORT in queued.queued
+    assert queued.state == "pending"  # the operator's state: queued is ours to tell
+    delete_dgd(api, "no-gpus", "default")
+
+
+def test_queue_timeout_ends_a_dgd_queued_for_capacity(api: Any, dynamo_sim: Any) -> None:
+    """Rule: `queue_timeout_s` bounds the wait in the queue, and the error names the reason;
+    a readiness timeout meanwhile says the DGD is queued, not only which gates are unmet."""
+    dynamo_sim.configure("never-fits", unschedulable=GPU_SHORT)
+    deploy(api, "never-fits")
+    start = time.monotonic()
+    with pytest.raises(DgdQueueTimedOut, match=r"never-fits.*queue_timeout_s of 1s.*Insufficient"):
+        wait_dgd_ready(api, "never-fits", "default", 30, queue_timeout_s=1)
+    assert time.monotonic() - start < 10
+    delete_dgd(api, "never-fits", "default")
+
+
+def test_insufficient_capacity_condition_is_queued() -> None:
+    """Rule: a DGD condition with Dynamo's insufficient_capacity reason is a wait for capacity;
+    other pending reasons (some_resources_are_not_ready) are not."""
+    waiting = {"status": {"state": "pending", "conditions": [{"type": "Ready", "status": "False",
+               "reason": "insufficient_capacity", "message": "need 8 GPUs, 0 free"}]}}  # fmt: skip
+    assert queued_reason(waiting, []) == "insufficient_capacity: need 8 GPUs, 0 free"
+    starting = {"status": {"state": "pending", "conditions": [{"type": "Ready", "status": "False",
+                "reason": "some_resources_are_not_ready", "message": "pods"}]}}  # fmt: skip
+    assert queued_reason(starting, []) == ""
 
 
 @pytest.mark.parametrize(

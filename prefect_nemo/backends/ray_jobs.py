@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import functools
 import inspect
 import json
 import re
@@ -30,11 +31,13 @@ from prefect_nemo.errors import (
 from prefect_nemo.jobs import (
     META_FLOW_RUN,
     META_KEY,
+    RESERVED_PREFIX,
     JobHandle,
     JobSpec,
     JobState,
     JobStatus,
     OwnedJob,
+    QueueInfo,
     refuse_launcher,
 )
 from prefect_nemo.packaging import collect_source, stage_source
@@ -46,6 +49,11 @@ T = TypeVar("T")
 
 # Lets a driver's own ray.init(runtime_env=...) win over the job's runtime_env instead of failing.
 OVERRIDE_RUNTIME_ENV = {"RAY_OVERRIDE_JOB_RUNTIME_ENV": "1"}
+
+#: Metadata key of the entrypoint's resource ask, named as nodes name resources ({"GPU": 1}).
+#: Ray's Jobs API returns no entrypoint resources, and a PENDING job is QUEUED only when no
+#: node has what it asked for.
+META_ASK = RESERVED_PREFIX + "entrypoint_resources"
 
 # JobSubmissionClient.submit_job gained entrypoint_label_selector in this release (2.53.0 has
 # no such parameter; checked in both wheels' ray/dashboard/modules/job/sdk.py).
@@ -98,6 +106,24 @@ def _status_from_details(details: JobDetails) -> JobStatus:
     )
 
 
+def entrypoint_ask(details: JobDetails) -> dict[str, float]:
+    """The resources the job's entrypoint asked for, as we recorded them at submit (Ray's
+    JobDetails carries no entrypoint_num_cpus/gpus/memory/resources)."""
+    try:
+        ask = json.loads((details.metadata or {}).get(META_ASK) or "{}")
+    except ValueError:
+        return {}
+    return {str(k): float(n) for k, n in ask.items()} if isinstance(ask, dict) else {}
+
+
+def unmet(ask: dict[str, float], nodes: list[dict[str, float]]) -> dict[str, float]:
+    """What of `ask` no single node has (the entrypoint runs on one node), or {} when some
+    node has all of it."""
+    if any(all(node.get(k, 0.0) >= n for k, n in ask.items()) for node in nodes):
+        return {}
+    return {k: n for k, n in ask.items() if not any(node.get(k, 0.0) >= n for node in nodes)} or ask
+
+
 class _AskingCost:
     """Which way statuses() asks Ray, by what each way last cost. list_jobs answers for every
     watched job at once, but returns every job the cluster ever ran (Ray keeps them all:
@@ -135,7 +161,6 @@ _clients: dict[tuple[object, ...], TimedJobClient] = {}
 _clients_lock = threading.Lock()
 
 
-
 def _server_error(text: str) -> str:
     """A dashboard's 500 in one line: its status and the exception its traceback ends with
     (the first line alone says only "Traceback (most recent call last):")."""
@@ -143,6 +168,7 @@ def _server_error(text: str) -> str:
     status = lines[0].split("Traceback (most recent call last):")[0].rstrip(": ")
     cause = lines[-1] if len(lines) > 1 else ""
     return f"{status}: {cause[:200]}" if cause else status[:200]
+
 
 class RayJobsBackend:
     """Submit, watch, stop and read logs of jobs on a running Ray cluster's Jobs API."""
@@ -291,13 +317,55 @@ class RayJobsBackend:
 
     def find(self, job_id: str) -> JobStatus | None:
         """The job's status, or None when the cluster has no such job."""
+        info = self._details(job_id)
+        return None if info is None else self._status(info, functools.cache(self._node_resources))
+
+    def _details(self, job_id: str) -> JobDetails | None:
         try:
-            info = self._call(lambda: self.client.get_job_info(job_id))
+            return self._call(lambda: self.client.get_job_info(job_id))
         except RuntimeError as exc:
             if "404" in str(exc) or "does not exist" in str(exc):
                 return None
             raise
-        return _status_from_details(info)
+
+    def _status(
+        self, details: JobDetails, nodes: Callable[[], list[dict[str, float]]]
+    ) -> JobStatus:
+        """The job's status; a PENDING job whose entrypoint asks for resources no alive node
+        has is QUEUED (Ray's PENDING covers that wait and the runtime_env set-up alike; its
+        message says "It may be waiting for resources ... to become available" whenever
+        entrypoint resources were asked). `nodes` lists the alive nodes' total resources,
+        asked only for such a job."""
+        status = _status_from_details(details)
+        ask = entrypoint_ask(details) if status.state is JobState.PENDING else {}
+        missing = unmet(ask, nodes()) if ask else {}
+        if not missing:
+            return status
+        wanted = ", ".join(f"{k}: {n:g}" for k, n in missing.items())
+        reason = f"{status.message} (no alive node has {wanted} yet)".lstrip()
+        queue = QueueInfo(queue=f"Ray cluster {self.address}", reason=reason)
+        return status.model_copy(update={"state": JobState.QUEUED, "queue": queue})
+
+    def _node_resources(self) -> list[dict[str, float]]:
+        """The total resources of each alive node."""
+        return [
+            {k: float(v) for k, v in (row.get("resources_total") or {}).items()}
+            for row in self._state_nodes()
+            if row.get("state") == "ALIVE"
+        ]
+
+    def _state_nodes(self) -> list[dict[str, Any]]:
+        """The cluster's nodes, as the dashboard's state API lists them."""
+        response = self._call(lambda: self.client._do_request("GET", "/api/v0/nodes?limit=1000"))
+        if response.status_code != 200:
+            raise BackendUnavailable(
+                f"Ray dashboard at {self.address} answered {response.status_code} to "
+                f"/api/v0/nodes: {response.text[:200]}"
+            )
+        rows: list[dict[str, Any]] = (
+            response.json().get("data", {}).get("result", {}).get("result", [])
+        )
+        return rows
 
     def submit(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> JobHandle:
         """Submit the spec under job_id; JobAlreadyExists if someone took the id first."""
@@ -355,6 +423,14 @@ class RayJobsBackend:
             request["entrypoint_resources"] = dict(res.custom)
         placed, selector, _ = self._placement(spec, head_node_id)
         request.update(placed)
+        ask = {
+            "CPU": request.get("entrypoint_num_cpus"),
+            "GPU": request.get("entrypoint_num_gpus"),
+            "memory": request.get("entrypoint_memory"),
+            **request.get("entrypoint_resources", {}),
+        }
+        if ask := {k: n for k, n in ask.items() if n}:
+            request["metadata"][META_ASK] = json.dumps(ask, sort_keys=True)
         if selector:  # older clients raise TypeError even for None: send only when set
             request["entrypoint_label_selector"] = selector
         return request
@@ -409,15 +485,7 @@ class RayJobsBackend:
         """The Ray id of the cluster's head node, from the dashboard's state API (which lists
         no node for a few seconds after the cluster starts: asked again, up to ~3 s)."""
         for attempt in range(4):
-            response = self._call(
-                lambda: self.client._do_request("GET", "/api/v0/nodes?limit=1000")
-            )
-            if response.status_code != 200:
-                raise BackendUnavailable(
-                    f"Ray dashboard at {self.address} answered {response.status_code} to "
-                    f"/api/v0/nodes: {response.text[:200]}"
-                )
-            rows = response.json().get("data", {}).get("result", {}).get("result", [])
+            rows = self._state_nodes()
             head = Topology.from_state_nodes(rows).head
             if head is not None:
                 return head.node_id
@@ -433,15 +501,16 @@ class RayJobsBackend:
         """The watched jobs' statuses, asked the cheaper way (`_AskingCost`): one list_jobs
         for all of them, or one get_job_info each."""
         wanted = set(job_ids)
+        nodes = functools.cache(self._node_resources)  # once per poll, if a job waits
         started = time.monotonic()
         if self._asking.each(len(wanted)):
-            found = {job_id: self.find(job_id) for job_id in wanted}
+            found = {job_id: self._details(job_id) for job_id in wanted}
             self._asking.asked_each(len(wanted), time.monotonic() - started)
-            return {job_id: status for job_id, status in found.items() if status is not None}
+            return {job_id: self._status(d, nodes) for job_id, d in found.items() if d is not None}
         details = self._call(self.client.list_jobs)
         self._asking.listed(len(details), time.monotonic() - started)
         return {
-            d.submission_id: _status_from_details(d) for d in details if d.submission_id in wanted
+            d.submission_id: self._status(d, nodes) for d in details if d.submission_id in wanted
         }
 
     def owned_jobs(self) -> list[OwnedJob]:

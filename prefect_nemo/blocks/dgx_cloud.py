@@ -52,7 +52,10 @@ def train():
     )
     client_id: str = Field(description="The run:ai application's client id.")
     client_secret: SecretStr = Field(description="The run:ai application's client secret.")
-    project_name: str = Field(description="The run:ai project jobs are submitted to.")
+    project_name: str = Field(
+        description="The run:ai project jobs are submitted to (its quota is what they queue "
+        "for); JobSpec.queue names another one for a job."
+    )
     container_image: str = Field(
         default="nvcr.io/nvidia/nemo:25.07", description="Container image every pod runs."
     )
@@ -77,6 +80,12 @@ def train():
     custom_spec: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra run:ai workload spec fields (e.g. nodePools), merged last.",
+    )
+    priority_class: str | None = Field(
+        default=None,
+        description="run:ai priority class of the workloads (spec.priorityClass: very-low, low, "
+        "medium-low, medium, medium-high, high, very-high, or build, train, inference, "
+        "interactive-preemptible); JobSpec.priority overrides it; None = run:ai's default.",
     )
     env_vars: dict[str, str] = Field(
         default_factory=dict, description="Environment variables every job gets."

@@ -54,7 +54,16 @@ def train():
         description="The workspace token (LEPTON_WORKSPACE_TOKEN), from the dashboard's "
         "credentials page.",
     )
-    node_group: str = Field(description="Name of the dedicated node group jobs run on.")
+    node_group: str = Field(
+        description="Name of the dedicated node group jobs run on (and queue for when it is "
+        "full); JobSpec.queue names another one for a job."
+    )
+    priority_class: str | None = Field(
+        default=None,
+        description="Lepton priority class of the jobs in their node group's queue (low-1000, "
+        "low-2000, low-3000, mid-4000, mid-5000, mid-6000, high-7000, high-8000, high-9000; "
+        "or low, mid, high); JobSpec.priority overrides it; None = Lepton's default.",
+    )
     resource_shape: str = Field(
         default="gpu.1xh100-80gb",
         description="Lepton resource shape of each replica, e.g. gpu.8xh100-80gb or cpu.small.",

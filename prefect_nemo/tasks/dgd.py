@@ -150,6 +150,7 @@ def _row(run: str | None, dgd: DeployedDgd, **fields: Any) -> None:
             "namespace": dgd.namespace,
             "outcome": dgd.outcome,
             "state": "",
+            "queue": "",  # why it waited for capacity, if it did
             "frontend_url": dgd.frontend_url,
         },
     )
@@ -337,16 +338,35 @@ def _keep_creator_label(doc: dict[str, Any], existing: Mapping[str, Any], ctx: R
 
 @task(name="wait_dgd_ready", cache_policy=NO_CACHE)
 def wait_dgd_ready(
-    dgd: DeployedDgd, kube_block: KubeLike, *, timeout_s: float = 1800.0
+    dgd: DeployedDgd,
+    kube_block: KubeLike,
+    *,
+    timeout_s: float = 1800.0,
+    queue_timeout_s: float | None = None,
 ) -> DeployedDgd:
     """Wait until the DGD serves (state successful, all its pods Ready, the frontend answers
     HTTP through the service proxy). Raises DgdFailed at once if the operator reports failure
-    and DgdNotReady (naming the unmet gates) on timeout or cancellation."""
+    and DgdNotReady (naming the unmet gates) on timeout or cancellation. A DGD waiting for
+    capacity (Unschedulable pods, insufficient_capacity) is QUEUED, with the reason: that wait
+    does not count against `timeout_s`; `queue_timeout_s` (None: wait) bounds it
+    (DgdQueueTimedOut)."""
     ctx = current_run()
     api = resolve_kube(kube_block).api()
     redact = Redactor(api.secrets)
 
+    queued: list[str] = []  # the last queue reason reported ("" once admitted)
+
     def changed(seen: dynamo.DgdReadiness) -> None:
+        if seen.queued:
+            if queued[-1:] != [seen.queued]:
+                ctx.logger.info(f"DGD {dgd.name} is QUEUED: {seen.queued}")
+                _emit("queued", dgd, {"reason": seen.queued[:300]})
+            queued.append(seen.queued)
+            _row(ctx.flow_run_id, dgd, state="queued", queue=seen.queued[:200])
+            return
+        if queued and queued[-1]:
+            _emit("admitted", dgd)
+            queued.append("")
         front = "-" if seen.frontend_status is None else str(seen.frontend_status or "refused")
         ctx.logger.info(
             f"DGD {dgd.name}: state={seen.state or 'unset'} pods "
@@ -367,6 +387,7 @@ def wait_dgd_ready(
                 port=dgd.frontend_port,
                 on_change=changed,
                 interrupted=ctx.interrupted,
+                queue_timeout_s=queue_timeout_s,
             )
     except Exception as exc:
         if isinstance(exc, dynamo.DgdFailed) and ctx.interrupted(ask_now=True):
@@ -377,11 +398,10 @@ def wait_dgd_ready(
         message = redact(str(exc))
         ctx.logger.error(message)
         _emit("failed", dgd, {"message": message[:300]})
-        _row(
-            ctx.flow_run_id,
-            dgd,
-            state="failed" if isinstance(exc, dynamo.DgdFailed) else "not ready",
-        )
+        state = "failed" if isinstance(exc, dynamo.DgdFailed) else "not ready"
+        if isinstance(exc, dynamo.DgdQueueTimedOut):
+            state = "queue timed out"
+        _row(ctx.flow_run_id, dgd, state=state)
         raise exc from None
     took = round(time.monotonic() - start, 2)
     ctx.logger.info(f"DGD {dgd.name} is ready ({took}s): {dgd.frontend_url}")

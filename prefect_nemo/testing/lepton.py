@@ -9,7 +9,11 @@ dashboard when one is configured. A bearer token is required (a wrong one is 401
 and Ray clusters are validated with leptonai's own pydantic models, unknown fields refused.
 
 Nothing runs in a pod: job states follow the clock (Starting → Running → Completed/Failed,
-Stopping → Stopped) and the server's knobs. What would break at ``exec`` in a real pod does
+Stopping → Stopped) and the server's knobs. A node group holds one replica per node: a job
+whose replicas do not fit in the free nodes of its group (``spec.affinity``) waits
+``Queueing`` until they do, higher ``spec.queue_config.priority_class`` first, then in order of
+creation, none overtaking another of its group (NeMo-Run's ``data-mover-*`` jobs are never
+held). What would break at ``exec`` in a real pod does
 break here: a command argument or ``NAME=value`` env string over Linux's MAX_ARG_STRLEN
 (128 KiB), or argv + env over ARG_MAX (2 MiB), makes the job fail with "argument list too long".
 """
@@ -37,6 +41,11 @@ MAX_ARG_STRLEN = 128 * 1024
 ARG_MAX = 2 * 1024 * 1024
 _JOB_ID = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _JOB_ID_MAX = 36
+#: Lepton's queue priority classes, lowest first (a job without one counts as mid-4000).
+PRIORITY_CLASSES = tuple(
+    f"{band}-{n}000" for band, ns in (("low", "123"), ("mid", "456"), ("high", "789")) for n in ns
+)
+_HOLDING = ("Starting", "Running", "Stopping")  # states whose replicas occupy nodes
 _HOP = {"host", "authorization", "origin", "content-length", "transfer-encoding", "connection"}
 
 
@@ -97,6 +106,19 @@ class Job:
     message: str = ""
     replica_ids: list[str] = field(default_factory=list)
     log: str | None = None
+    waiting: bool = False  # Queueing for nodes of its group
+
+    @property
+    def group_id(self) -> str | None:
+        """The dedicated node group it runs in (its affinity's first)."""
+        groups = (self.spec.get("affinity") or {}).get("allowed_dedicated_node_groups") or []
+        return str(groups[0]) if groups else None
+
+    @property
+    def priority_rank(self) -> int:
+        """Where its queue priority class stands (higher goes first)."""
+        priority = (self.spec.get("queue_config") or {}).get("priority_class") or "mid-4000"
+        return PRIORITY_CLASSES.index(priority)
 
     @property
     def spec(self) -> dict[str, Any]:
@@ -327,16 +349,26 @@ class LeptonServer(LoopbackHttpServer):
         for gid in affinity.get("allowed_dedicated_node_groups") or []:
             if gid not in ids:
                 raise ApiError(400, f"spec.affinity: dedicated node group '{gid}' not found")
+        priority = ((body.get("spec") or {}).get("queue_config") or {}).get("priority_class")
+        if priority is not None and priority not in PRIORITY_CLASSES:
+            raise ApiError(
+                400,
+                f"spec.queue_config.priority_class: '{priority}' is not one of "
+                + ", ".join(PRIORITY_CLASSES),
+            )
         now = time.time()
         with self.lock:
             if job_id in self.jobs:
                 raise ApiError(409, f"job '{job_id}' already exists")
+            self._admit(now)
             record = Job(job_id, body, now, self._schedule(job_id, now))
             failure = _exec_failure(record)
             if failure:  # the pod cannot even start its command
                 record.phases = [(now, "Starting"), (now + self.start_s, "Failed")]
                 record.message = failure
                 record.log = failure + "\n"
+            elif not job_id.startswith("data-mover-") and self._must_wait(record, now):
+                record.phases, record.waiting = [(now, "Queueing")], True
             n = record.parallelism
             record.replica_ids = [f"{job_id}-{i}-{secrets.token_hex(3)}" for i in range(n)]
             self.jobs[job_id] = record
@@ -351,8 +383,41 @@ class LeptonServer(LoopbackHttpServer):
             phases.append((now + self.start_s + self.running_s, end))
         return phases
 
+    def _must_wait(self, job: Job, now: float) -> bool:
+        """True when `job` does not fit in the free nodes of its group now, or another job of
+        the group waits ahead of it (same or higher priority: no overtaking)."""
+        gid = job.group_id
+        count = next((n for g, n in self.node_groups.values() if g == gid), None)
+        if count is None:
+            return False
+        busy = sum(
+            j.parallelism
+            for j in self.jobs.values()
+            if j is not job and j.group_id == gid and not j.waiting and j.state(now) in _HOLDING
+            and any(phase == "Starting" for _, phase in j.phases)  # it got nodes
+        )  # fmt: skip
+        ahead = any(
+            j.waiting and j is not job and j.group_id == gid
+            and (-j.priority_rank, j.created) < (-job.priority_rank, job.created)
+            for j in self.jobs.values()
+        )  # fmt: skip
+        return ahead or busy + job.parallelism > count
+
+    def _admit(self, now: float) -> None:
+        """Start the queued jobs that fit now, in queue order. Called with the lock held, on
+        every request: the clock decides when nodes free up."""
+        queued = sorted(
+            (j for j in self.jobs.values() if j.waiting),
+            key=lambda j: (-j.priority_rank, j.created),
+        )
+        for job in queued:
+            if not self._must_wait(job, now):
+                job.waiting = False
+                job.phases += [(t, phase) for t, phase in self._schedule(job.id, now)]
+
     def _job(self, request: web.Request) -> Job:
         with self.lock:
+            self._admit(time.time())
             job = self.jobs.get(request.match_info["id"])
         if job is None:
             raise ApiError(404, f"job '{request.match_info['id']}' not found")
@@ -371,6 +436,7 @@ class LeptonServer(LoopbackHttpServer):
         size = int(request.query.get("page_size", "50"))
         now = time.time()
         with self.lock:
+            self._admit(now)
             jobs = [
                 j.as_json(now)
                 for j in self.jobs.values()
@@ -396,6 +462,8 @@ class LeptonServer(LoopbackHttpServer):
                 job.phases = [p for p in job.phases if p[0] <= now]
                 job.phases += [(now, "Stopping"), (now + self.stopping_s, "Stopped")]
                 job.spec["stopped"] = True
+                job.waiting = False  # a stopped job leaves the queue
+            self._admit(now)
         return web.json_response(job.as_json(now))
 
     async def _delete_job(self, request: web.Request) -> web.Response:
@@ -404,6 +472,7 @@ class LeptonServer(LoopbackHttpServer):
         with self.lock:
             self.jobs.pop(job.id, None)
             self.deleted.append(job.id)
+            self._admit(time.time())
         return web.json_response({})
 
     async def _replicas(self, request: web.Request) -> web.Response:

@@ -3,11 +3,16 @@
 Serves what NeMo-Run and our backend call under ``{url}/api/v1``: ``POST /token``
 (client_credentials; a wrong secret is 401, tokens expire after ``token_ttl_s``),
 ``GET /org-unit/projects``, ``POST/GET/DELETE /workloads/{workspaces,trainings,distributed}``,
-``POST .../{id}/suspend`` and ``/resume``, and ``GET /workloads?filterBy=name==...`` (each item
+``POST .../{id}/suspend`` and ``/resume``, ``GET /workloads?filterBy=name==...`` (each item
 with its ``projectName`` and ``environmentVariables``, a name-to-value object, as run:ai's
-``Workload`` schema has them since API 2.19; its labels are not in the list). Workload
-phases (Creating → Initializing → Running → Completed/Failed, Stopping → Stopped on suspend)
-follow the clock and the server's knobs; nothing runs. Payloads are checked as the real service
+``Workload`` schema has them since API 2.19; its labels are not in the list) and
+``GET /workloads/{id}`` (one item of that schema: ``phase``, ``phaseMessage``,
+``priorityClassName``). Workload phases (Creating → Initializing → Running →
+Completed/Failed, Stopping → Stopped on suspend) follow the clock and the server's knobs;
+nothing runs. A project with a GPU quota (`set_quota`) holds a workload that does not fit in
+what is left of it ``Pending`` (run:ai's "waiting for the scheduler"), with a ``phaseMessage``
+saying so, until running workloads of the project end (higher ``priorityClass`` first, then
+in order of creation). Payloads are checked as the real service
 checks them (required fields, an env var value <= 10,000 characters, args <= 9,500, labels and
 annotations as ``{name, value, exclude}`` items with a name of 1-63 characters) and a
 rejected one is a 400 with a message. Every request is recorded for tests.
@@ -45,6 +50,13 @@ ARGS_LIMIT = 9_500
 #: Kinds of workloads by the path segment that names them.
 KINDS = {"workspaces": "Workspace", "trainings": "Training", "distributed": "Distributed"}
 TERMINAL_PHASES = {"Completed", "Failed", "Stopped", "Degraded"}
+#: The priority classes run:ai's workload API takes in ``spec.priorityClass``, lowest first:
+#: the 2.2x names ("very-low" ... "very-high") and the older dictionary's ("build", "train",
+#: "inference", "interactive-preemptible").
+PRIORITY_CLASSES = (
+    "very-low", "low", "medium-low", "medium", "medium-high", "high", "very-high",
+    "interactive-preemptible", "train", "build", "inference",
+)  # fmt: skip
 _NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _NAME_MAX = 35  # longer names are refused (NeMo-Run shortens to 34 for this reason)
 
@@ -238,6 +250,19 @@ class Workload:
     phases: list[tuple[float, str]]  # (from time, phase), in order
     deleted: float | None = None
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list, repr=False)
+    project_name: str = ""
+    waiting: str = ""  # while queued for quota: the scheduler's message (phaseMessage)
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the workload holds while it runs: its pods' gpuDevicesRequest."""
+        per_pod = int((self.spec.get("compute") or {}).get("gpuDevicesRequest") or 0)
+        return per_pod * self.replicas
+
+    @property
+    def priority_rank(self) -> int:
+        """Where its ``spec.priorityClass`` stands (higher goes first; unset is "train")."""
+        return PRIORITY_CLASSES.index(self.spec.get("priorityClass") or "train")
 
     @property
     def replicas(self) -> int:
@@ -289,6 +314,8 @@ class Workload:
             "clusterId": self.cluster_id,
             "createdAt": _iso(self.created),
             "phaseUpdatedAt": _iso(max(s for s, _ in self.phases if s <= now)),
+            "phaseMessage": self.waiting if phase == "Pending" else "",
+            "priorityClassName": self.spec.get("priorityClass") or "train",
             "deletedAt": _iso(self.deleted),
         }
 
@@ -299,7 +326,8 @@ class RunaiServer(LoopbackHttpServer):
     Knobs: `token_ttl_s` (tokens expire, then 401 until a new one is fetched),
     `expire_tokens()`, `creating_s` / `initializing_s` / `running_s` (phase durations),
     `outcome` ("Completed" or "Failed") or `set_outcome(prefix, phase)` per workload,
-    `hold(prefix)` (stays Running until suspended), `stopping_s`.
+    `hold(prefix)` (stays Running until suspended), `stopping_s`, `set_quota(project, gpus)`
+    (workloads that do not fit wait ``Pending``).
 
     With `execute=True` the pods really run, as local processes: once Initializing is over,
     each replica's ``command`` + ``args`` runs with `pod_env` (paths as in the spec, so point
@@ -338,6 +366,7 @@ class RunaiServer(LoopbackHttpServer):
         self.tokens: dict[str, float] = {}  # token -> expiry (monotonic clock)
         self.issued_tokens: list[str] = []  # every token ever handed out, for leak scans
         self.workloads: dict[str, Workload] = {}
+        self.quotas: dict[str, int] = {}  # project name -> GPUs (no entry: no limit)
 
     @property
     def base_url(self) -> str:
@@ -350,6 +379,16 @@ class RunaiServer(LoopbackHttpServer):
         """Every token issued so far stops working (401) until the client fetches a new one."""
         with self.lock:
             self.tokens.clear()
+
+    def set_quota(self, project: str, gpus: int | None) -> None:
+        """The project's GPU quota (None: no limit); workloads waiting for it are scheduled
+        as soon as they fit."""
+        with self.lock:
+            if gpus is None:
+                self.quotas.pop(project, None)
+            else:
+                self.quotas[project] = gpus
+            self._admit(time.time())
 
     def by_name(self, requested_name: str) -> list[Workload]:
         """Workloads created with this requested name (prefix names get a random suffix)."""
@@ -374,6 +413,7 @@ class RunaiServer(LoopbackHttpServer):
         r.add_post("/api/v1/token", self._token)
         r.add_get("/api/v1/org-unit/projects", self._projects)
         r.add_get("/api/v1/workloads", self._list)
+        r.add_get("/api/v1/workloads/{id}", self._get_any)
         r.add_post("/api/v1/workloads/{kind}", self._create)
         r.add_get("/api/v1/workloads/{kind}/{id}", self._get)
         r.add_delete("/api/v1/workloads/{kind}/{id}", self._delete)
@@ -423,17 +463,84 @@ class RunaiServer(LoopbackHttpServer):
                 w.name == workload.name and w.deleted is None for w in self.workloads.values()
             ):
                 raise ApiError(409, f"workload '{workload.name}' already exists in the project")
+            now = time.time()
+            self._admit(now)  # what ended frees quota first
             self.workloads[workload.id] = workload
-        if self.execute:
-            threading.Thread(
-                target=self._run_pods, args=(workload,), name="loopback-runai-pods", daemon=True
-            ).start()
+            if self._queue_ahead(workload, now):
+                workload.phases = [(now, "Creating"), (now + self.creating_s, "Pending")]
+                workload.waiting = self._waiting_message(workload, now)
+            elif self.execute:
+                self._start_pods(workload)
         return web.json_response(workload.as_json(time.time()), status=202)
+
+    def _start_pods(self, workload: Workload) -> None:
+        threading.Thread(
+            target=self._run_pods, args=(workload,), name="loopback-runai-pods", daemon=True
+        ).start()
+
+    def _holding(self, project: str, now: float) -> list[Workload]:
+        """The project's workloads that hold their GPUs now (scheduled, not ended)."""
+        return [
+            w
+            for w in self.workloads.values()
+            if w.project_name == project
+            and w.deleted is None
+            and not w.waiting
+            and w.phase(now) not in TERMINAL_PHASES
+        ]
+
+    def _queue_ahead(self, workload: Workload, now: float) -> bool:
+        """True when `workload` must wait: it does not fit in the project's free quota, or a
+        workload of the project waits ahead of it (same or higher priority: no overtaking)."""
+        quota = self.quotas.get(workload.project_name)
+        if quota is None:
+            return False
+        used = sum(w.gpus for w in self._holding(workload.project_name, now) if w is not workload)
+        ahead = [
+            w
+            for w in self.workloads.values()
+            if w.waiting and w is not workload and w.project_name == workload.project_name
+            and (-w.priority_rank, w.created) < (-workload.priority_rank, workload.created)
+        ]  # fmt: skip
+        return bool(ahead) or used + workload.gpus > quota
+
+    def _waiting_message(self, workload: Workload, now: float) -> str:
+        """Why it waits, in the words of run:ai's scheduler (its ``phaseMessage``)."""
+        quota = self.quotas.get(workload.project_name, 0)
+        used = sum(w.gpus for w in self._holding(workload.project_name, now))
+        return (
+            f"Workload requested {workload.gpus} GPUs, but project '{workload.project_name}' "
+            f"has {max(0, quota - used)} of its {quota} GPUs quota free ({used} allocated): "
+            "waiting for resources"
+        )
+
+    def _admit(self, now: float) -> None:
+        """Schedule the waiting workloads that fit now, higher priority first, then oldest,
+        none overtaking another of its project. Called with the lock held, on every request:
+        the clock decides when quota frees."""
+        waiting = sorted(
+            (w for w in self.workloads.values() if w.waiting and w.deleted is None),
+            key=lambda w: (-w.priority_rank, w.created),
+        )
+        for workload in waiting:
+            if self._queue_ahead(workload, now):
+                workload.waiting = self._waiting_message(workload, now)
+                continue
+            workload.waiting = ""
+            pending_at = max(t for t, phase in workload.phases if phase == "Pending")
+            start = max(now, pending_at)
+            run_at = start + self.initializing_s
+            workload.phases += [(start, "Initializing"), (run_at, "Running")]
+            end = self.end_of(workload.requested_name)
+            if end is not None:
+                workload.phases.append((run_at + self.running_s, end))
+            if self.execute:
+                self._start_pods(workload)
 
     def _run_pods(self, workload: Workload) -> None:
         """Start the replicas when Running begins, then end the workload by their exit codes."""
         with self.lock:
-            start = next(t for t, phase in workload.phases if phase == "Running")
+            start = [t for t, phase in workload.phases if phase == "Running"][-1]
             workload.phases = [p for p in workload.phases if p[0] <= start]  # no timed end
         time.sleep(max(0.0, start - time.time()))
         with self.lock:
@@ -519,6 +626,13 @@ class RunaiServer(LoopbackHttpServer):
                     raise ApiError(400, f"spec.{key}[{i}].name: required, 1-63 characters")
                 if set(item) - {"name", "value", "exclude"}:
                     raise ApiError(400, f"spec.{key}[{i}]: only name, value and exclude")
+        priority = spec.get("priorityClass")
+        if priority is not None and priority not in PRIORITY_CLASSES:
+            raise ApiError(
+                400,
+                f"spec.priorityClass: '{priority}' is not a priority class; valid values are "
+                + ", ".join(PRIORITY_CLASSES),
+            )
         compute = spec.get("compute") or {}
         gpus = compute.get("gpuDevicesRequest")
         if gpus is not None and (not isinstance(gpus, int) or gpus < 0):
@@ -529,7 +643,9 @@ class RunaiServer(LoopbackHttpServer):
                     raise ApiError(400, f"spec.{key}: required for distributed workloads")
         final = f"{name}-{secrets.token_hex(3)}" if body.get("useGivenNameAsPrefix") else name
         now = time.time()
+        project = next(n for n, pid in self.projects.items() if pid == body["projectId"])
         return Workload(
+            project_name=project,
             id=str(uuid.uuid4()),
             kind=kind,
             name=final,
@@ -560,14 +676,31 @@ class RunaiServer(LoopbackHttpServer):
 
     async def _get(self, request: web.Request) -> web.Response:
         self._auth(request)
-        return web.json_response(self._workload(request).as_json(time.time()))
+        now = time.time()
+        with self.lock:
+            self._admit(now)
+        return web.json_response(self._workload(request).as_json(now))
+
+    async def _get_any(self, request: web.Request) -> web.Response:
+        """``GET /workloads/{workloadId}``: the workload as the ``Workload`` schema has it."""
+        self._auth(request)
+        now = time.time()
+        with self.lock:
+            self._admit(now)
+            wid = request.match_info["id"]
+            workload = self.workloads.get(wid)
+            if workload is None or workload.deleted is not None:
+                raise ApiError(404, f"The specified resource was not found: '{wid}'")
+            return web.json_response(workload.list_item(now, workload.project_name))
 
     async def _delete(self, request: web.Request) -> web.Response:
         self._auth(request)
         workload = self._workload(request)
         with self.lock:
             workload.deleted = time.time()
+            workload.waiting = ""
             self._kill(workload)
+            self._admit(time.time())
         return web.json_response({"code": 202, "message": "Accepted"}, status=202)
 
     async def _suspend(self, request: web.Request) -> web.Response:
@@ -578,7 +711,9 @@ class RunaiServer(LoopbackHttpServer):
             if workload.phase(now) not in TERMINAL_PHASES:
                 workload.phases = [p for p in workload.phases if p[0] <= now]
                 workload.phases += [(now, "Stopping"), (now + self.stopping_s, "Stopped")]
+                workload.waiting = ""  # out of the queue: a suspended workload waits for nothing
                 self._kill(workload)
+            self._admit(now)
         return web.json_response({"code": 202, "message": "Accepted"}, status=202)
 
     async def _resume(self, request: web.Request) -> web.Response:
@@ -587,7 +722,13 @@ class RunaiServer(LoopbackHttpServer):
         now = time.time()
         with self.lock:
             if workload.phase(now) == "Stopped":
-                workload.phases += self._schedule(workload.requested_name, now)
+                if self._queue_ahead(workload, now):
+                    workload.phases += [(now, "Resuming"), (now + self.creating_s, "Pending")]
+                    workload.waiting = self._waiting_message(workload, now)
+                else:
+                    workload.phases += self._schedule(workload.requested_name, now)
+                    if self.execute:
+                        self._start_pods(workload)
         return web.json_response({"code": 202, "message": "Accepted"}, status=202)
 
     async def _list(self, request: web.Request) -> web.Response:
@@ -599,6 +740,7 @@ class RunaiServer(LoopbackHttpServer):
         now = time.time()
         names = {pid: name for name, pid in self.projects.items()}
         with self.lock:
+            self._admit(now)
             items = [
                 w.list_item(now, names.get(w.project_id, ""))
                 for w in self.workloads.values()

@@ -14,6 +14,7 @@ from prefect_nemo.backends.dynamo.graphs import (
     DgdCrdMissing,
     DgdFailed,
     DgdNotReady,
+    DgdQueueTimedOut,
     DgdReadiness,
     apply_dgd,
     check_crd_installed,
@@ -46,7 +47,8 @@ from prefect_nemo.backends.dynamo.manifests import (
 __all__ = [
     "DGD_GROUP", "DGD_KIND", "FRONTEND_PORT", "FRONTEND_PROBE_PATH", "FRONTEND_TYPE",
     "GRAPH_LABEL", "MAIN_CONTAINER", "STATE_FAILED", "STATE_READY", "VERSIONS", "DgdCrdMissing",
-    "DgdFailed", "DgdNotReady", "DgdReadiness", "apply_dgd", "check_crd_installed",
+    "DgdFailed", "DgdNotReady", "DgdQueueTimedOut", "DgdReadiness", "apply_dgd",
+    "check_crd_installed",
     "check_dgd_name", "check_frontend_port", "deep_merge", "delete_dgd", "dgd_access", "dgd_kind",
     "frontend_service", "frontend_url", "load_dgd", "own_by", "pod_ready", "render_dgd",
     "resolve_frontend_url", "validate_dgd", "wait_dgd_ready", "wait_for_dgd_gone",

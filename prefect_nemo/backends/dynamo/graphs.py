@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,11 @@ GRAPH_LABEL = "nvidia.com/dynamo-graph-deployment-name"
 FRONTEND_PROBE_PATH = "/v1/models"
 STATE_READY = "successful"
 STATE_FAILED = "failed"
+#: Reasons that mean a DGD waits for capacity (queued), not that it fails to come up: a pod's
+#: PodScheduled=False with reason Unschedulable (Kubernetes: "the scheduler cannot schedule the
+#: Pod right now, for example due to lack of resources or other constraints"), or a condition
+#: of the DGD with Dynamo's insufficient_capacity reason.
+QUEUED_REASONS = ("Unschedulable", "insufficient_capacity")
 
 log = logging.getLogger("prefect_nemo.dynamo")
 
@@ -30,6 +35,10 @@ class DgdFailed(PrefectNemoError):
 
 class DgdNotReady(PrefectNemoError, TimeoutError):
     """The DGD did not pass every readiness gate in time; the message names the gates."""
+
+
+class DgdQueueTimedOut(DgdNotReady):
+    """The DGD waited queued for capacity past `queue_timeout_s`; the message names why."""
 
 
 class DgdCrdMissing(PrefectNemoError):
@@ -157,6 +166,7 @@ class DgdReadiness:
     pods_ready: int = 0
     frontend_status: int | None = None  # HTTP status through the service proxy; 0 = refused
     exists: bool = True
+    queued: str = ""  # why it waits for capacity (QUEUED_REASONS), "" when it does not
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -184,6 +194,8 @@ class DgdReadiness:
         gates = []
         if not self.exists:
             return [f"DGD {self.name} does not exist"]
+        if self.queued:
+            gates.append(f"queued for capacity ({self.queued})")
         if not self.state_ok:
             gates.append(f"status.state is {self.state or 'unset'!r}, not {STATE_READY!r}")
         if not self.pods_ok:
@@ -237,6 +249,7 @@ def wait_dgd_ready(
     probe_interval_s: float = 1.0,
     on_change: Callable[[DgdReadiness], None] | None = None,
     interrupted: Callable[[], str | bool | None] | None = None,
+    queue_timeout_s: float | None = None,
 ) -> DgdReadiness:
     """Wait until the DGD serves: state successful, every DGD pod Ready, frontend answers.
 
@@ -247,6 +260,9 @@ def wait_dgd_ready(
     and refused do not.
     State `failed` raises DgdFailed at once; the timeout (or `interrupted()`) raises DgdNotReady
     listing the gates still unmet. `on_change` sees each new combination of gate values.
+    While the DGD waits for capacity (`DgdReadiness.queued`) it is queued, not slow: that time
+    does not count against `timeout_s`, and `queue_timeout_s` (None: wait) bounds each such
+    wait with DgdQueueTimedOut.
     """
     kind = dgd_kind(version)
     service = service or f"{name}-frontend"
@@ -261,6 +277,7 @@ def wait_dgd_ready(
         on_change=wake, on_error=wake,
     )  # fmt: skip
     deadline = time.monotonic() + timeout_s
+    queued_since: float | None = None  # while queued, the deadline moves with the clock
     last_key: tuple[Any, ...] | None = None
     seen = DgdReadiness(name, namespace)
     dgds.start()
@@ -284,8 +301,14 @@ def wait_dgd_ready(
             if seen.state_ok and seen.pods_ok:
                 status, _ = api.proxy(namespace, service, port, FRONTEND_PROBE_PATH)
                 seen.frontend_status = status
+            now = time.monotonic()
+            if seen.queued and queued_since is None:
+                queued_since = now
+            elif not seen.queued and queued_since is not None:
+                deadline, queued_since = deadline + now - queued_since, None
             key = (
                 seen.exists,
+                seen.queued,
                 seen.state,
                 seen.pods_total,
                 seen.pods_ready,
@@ -297,8 +320,17 @@ def wait_dgd_ready(
             last_key = key
             if seen.ready:
                 return seen
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if queued_since is not None:
+                waited = now - queued_since
+                if queue_timeout_s is not None and waited >= queue_timeout_s:
+                    raise DgdQueueTimedOut(
+                        f"DGD {name} in {namespace} waited queued for capacity {waited:.0f}s, "
+                        f"past its queue_timeout_s of {queue_timeout_s:g}s: {seen.queued}"
+                    )
+            remaining = deadline + (now - queued_since if queued_since else 0) - time.monotonic()
+            if queued_since is not None and queue_timeout_s is not None:
+                remaining = min(remaining, queued_since + queue_timeout_s - now)
+            if remaining <= 0 and queued_since is None:
                 raise DgdNotReady(
                     f"DGD {name} in {namespace} not ready after {timeout_s:g}s: "
                     + "; ".join(seen.unmet())
@@ -309,7 +341,7 @@ def wait_dgd_ready(
                 )
             # Watch events wake us at once; the frontend probe needs a poll.
             pause = probe_interval_s if seen.state_ok and seen.pods_ok else 5.0
-            changed.wait(min(pause, remaining))
+            changed.wait(max(0.05, min(pause, remaining)))
     finally:
         dgds.stop(wait_s=5.0)
         pods.stop(wait_s=5.0)
@@ -331,4 +363,24 @@ def _look(dgds: kube.Informer, pods: kube.Informer, name: str, namespace: str) -
     items = pods.items()
     seen.pods_total = len(items)
     seen.pods_ready = sum(1 for p in items if pod_ready(p))
+    if seen.state not in (STATE_READY, STATE_FAILED):
+        seen.queued = queued_reason(obj, items)
     return seen
+
+
+def queued_reason(dgd: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> str:
+    """Why the DGD waits for capacity (a condition of it, or of one of its pods, with a reason
+    in QUEUED_REASONS), or "" when nothing says so."""
+    for cond in (dgd.get("status") or {}).get("conditions") or []:
+        if cond.get("status") != "True" and cond.get("reason") in QUEUED_REASONS:
+            return f"{cond['reason']}: {cond.get('message') or ''}".rstrip(": ")
+    for pod in pods:
+        for cond in (pod.get("status") or {}).get("conditions") or []:
+            if (
+                cond.get("type") == "PodScheduled"
+                and cond.get("status") == "False"
+                and cond.get("reason") in QUEUED_REASONS
+            ):
+                pod_name = (pod.get("metadata") or {}).get("name", "?")
+                return f"pod {pod_name} {cond['reason']}: {cond.get('message') or ''}".rstrip(": ")
+    return ""

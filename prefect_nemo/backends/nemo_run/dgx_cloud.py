@@ -16,10 +16,17 @@ What NeMo-Run 0.11.1 gets wrong and this backend does itself (`runai.RunaiClient
 GET ``/workloads/distributed/<id>/suspend``; run:ai documents POST
 ``/workloads/<trainings|distributed>/<id>/suspend``), token reuse (one token per call there;
 here one cached token, refreshed once on a 401), bad credentials (three tries 10 s apart
-there; a clear error naming the block field here). Phases map to our states as: Creating,
-Initializing, Pending, Resuming, Unknown → PENDING; Running, Updating, Stopping, Deleting,
-Terminating → RUNNING (still live); Completed → SUCCEEDED; Failed, Degraded → FAILED;
-Stopped → STOPPED.
+there; a clear error naming the block field here). Phases map to our states as: Pending
+(run:ai: "the Job is waiting to be scheduled", for quota or nodes; again after a preemption)
+→ QUEUED, its reason run:ai's ``phaseMessage`` (from ``GET /workloads/{id}``, asked only while
+Pending); Creating, Initializing, Resuming, Unknown → PENDING; Running, Updating, Stopping,
+Deleting, Terminating → RUNNING (still live); Completed → SUCCEEDED; Failed, Degraded →
+FAILED; Stopped → STOPPED.
+
+Where a job queues: JobSpec.queue is the run:ai project (else DGXCloudCluster.project_name),
+JobSpec.priority the workload's ``spec.priorityClass`` (else
+DGXCloudCluster.priority_class, else run:ai's default for trainings), one of run:ai's priority
+dictionary (`runai.PRIORITY_CLASSES`), checked before anything is sent.
 
 The owner: each workload carries our run:ai labels (``spec.labels``, which run:ai puts on its
 pods: managed-by prefect-nemo and the flow run that submitted it, `service.owner_labels`) and
@@ -50,6 +57,7 @@ from prefect_nemo.backends.nemo_run.dry_run import Answer, Sent
 from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
 from prefect_nemo.backends.nemo_run.runai import (
     KINDS,
+    PRIORITY_CLASSES,
     DGXCloudConfig,
     RunaiClient,
     runai_answer,
@@ -57,7 +65,7 @@ from prefect_nemo.backends.nemo_run.runai import (
 )
 from prefect_nemo.backends.nemo_run.service import ServiceBackend, nodes_and_gpus, owner_labels
 from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec
-from prefect_nemo.jobs import META_FLOW_RUN, JobSpec, JobState, JobStatus, OwnedJob
+from prefect_nemo.jobs import META_FLOW_RUN, JobSpec, JobState, JobStatus, OwnedJob, QueueInfo
 from prefect_nemo.packaging import TransportPlan
 from prefect_nemo.packaging.transport import RUNAI_ENV_VALUE_LIMIT
 
@@ -69,7 +77,7 @@ CODE_SUBDIR = "code"
 _PHASES: dict[str, JobState] = {
     "Creating": JobState.PENDING,
     "Initializing": JobState.PENDING,
-    "Pending": JobState.PENDING,
+    "Pending": JobState.QUEUED,
     "Resuming": JobState.PENDING,
     "Unknown": JobState.PENDING,
     "Running": JobState.RUNNING,
@@ -133,6 +141,11 @@ class DGXCloudBackend(ServiceBackend):
         self.client.token(refresh=True)
         self.client.project()
 
+    def validate(self, spec: JobSpec) -> None:
+        """The priority class is one run:ai knows, then the checks every service makes."""
+        priority_class(spec, self.config.priority_class)
+        super().validate(spec)
+
     def env_refusal(self, key: str, value: str) -> str | None:
         """run:ai takes env values up to `RUNAI_ENV_VALUE_LIMIT` characters."""
         if len(value) > RUNAI_ENV_VALUE_LIMIT:
@@ -183,12 +196,16 @@ class DGXCloudBackend(ServiceBackend):
             service="DGX Cloud",
             pick_nodes="pick node pools with DGXCloudCluster.custom_spec={'nodePools': [...]}",
         )
+        custom = dict(self.config.custom_spec)
+        priority = priority_class(spec, self.config.priority_class)
+        if priority is not None:
+            custom["priorityClass"] = priority
         return run.DGXCloudExecutor(
             base_url=self.config.base_url,
             kube_apiserver_url=self.config.kube_apiserver_url,
             client_id=self.config.client_id,
             client_secret=self.config.client_secret,  # in memory only: nothing is serialized
-            project_name=self.config.project_name,
+            project_name=spec.queue or self.config.project_name,
             container_image=self.config.container_image,
             pvc_nemo_run_dir=self.config.pvc_nemo_run_dir,
             pvcs=[dict(p) for p in self.config.pvcs],
@@ -196,7 +213,7 @@ class DGXCloudBackend(ServiceBackend):
             gpus_per_node=gpus,
             nprocs_per_node=self.config.nprocs_per_node,
             distributed_framework=self.config.distributed_framework,
-            custom_spec=dict(self.config.custom_spec),
+            custom_spec=custom,
             env_vars=dict(self.config.env_vars),
             launched_from_cluster=True,  # the code travels in env chunks: no data mover
         )
@@ -225,6 +242,8 @@ class DGXCloudBackend(ServiceBackend):
         self, spec: JobSpec, job_id: str, metadata: dict[str, str], local_dir: Path | None = None
     ) -> str | None:
         """Create the workload through the DGXCloudExecutor, with our pod command and owner."""
+        if spec.queue:  # NeMo-Run would say only "Unable to determine project/cluster IDs"
+            self.client.project(spec.queue, field="JobSpec.queue (the run:ai project)")
         executor = self.assigned_executor(spec, job_id, local_dir)
         plan = self.add_code_env(spec, executor)
         self.carry_owner(executor, metadata)
@@ -282,12 +301,31 @@ class DGXCloudBackend(ServiceBackend):
         if data is None:
             return None
         phase = str(data.get("actualPhase") or data.get("phase") or "Unknown")
+        state = _PHASES.get(phase, JobState.PENDING)
+        queue = self._queue_info(where[1]) if state is JobState.QUEUED else None
         return JobStatus(
             job_id=job_id,
-            state=_PHASES.get(phase, JobState.PENDING),
-            message=f"run:ai phase {phase}",
+            state=state,
+            message=f"run:ai phase {phase}" + (f": {queue.reason}" if queue else ""),
+            queue=queue,
             start_time=_time(data.get("createdAt")),
             metadata=self.job_metadata(job_id),
+        )
+
+    def _queue_info(self, workload_id: str) -> QueueInfo:
+        """Why a Pending workload waits: run:ai's ``phaseMessage`` (else the messages of its
+        conditions that do not hold), in its project."""
+        data = self.client.workload_summary(workload_id) or {}
+        reason = str(data.get("phaseMessage") or "")
+        if not reason:
+            reason = "; ".join(
+                str(c.get("message") or c.get("reason"))
+                for c in data.get("conditions") or []
+                if c.get("status") != "True" and (c.get("message") or c.get("reason"))
+            )
+        return QueueInfo(
+            queue=str(data.get("projectName") or "") or None,
+            reason=reason or "waiting for the run:ai scheduler",
         )
 
     def owned_jobs(self) -> list[OwnedJob]:
@@ -353,6 +391,20 @@ def unreadable_log(job_id: str, pvc_dir: Path, pvc_nemo_run_dir: str) -> str:
         "not mounted here. To follow them in Prefect, run the flow where that PVC is mounted "
         f"at {pvc_nemo_run_dir} (DGXCloudCluster.pvc_nemo_run_dir), e.g. in a pod of the "
         "cluster.\n"
+    )
+
+
+def priority_class(spec: JobSpec, default: str | None) -> str | None:
+    """The run:ai priority class of the job (JobSpec.priority, else the block's), checked
+    against run:ai's dictionary: an unknown name is refused before anything is sent."""
+    chosen = spec.priority or default
+    if chosen is None or chosen in PRIORITY_CLASSES:
+        return chosen
+    field = "JobSpec.priority" if spec.priority else "DGXCloudCluster.priority_class"
+    raise InvalidJobSpec(
+        f"{field}={chosen!r} is not a run:ai priority class: use one of "
+        f"{', '.join(PRIORITY_CLASSES)} (run:ai's priority dictionary; the workload's "
+        "spec.priorityClass)"
     )
 
 

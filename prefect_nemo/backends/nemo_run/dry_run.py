@@ -13,7 +13,9 @@ which to keep. Outside a recording context the stand-ins are the real modules.
 
 The same leptonai stand-in adds the labels NeMo-Run's ``create_lepton_job`` cannot set (its
 ``Metadata(id=name)`` has none) to the job it creates, in a dry run and in a real submit alike:
-inside `job_labels(job_id, labels)` the created job with that id carries them.
+inside `job_labels(job_id, labels)` the created job with that id carries them, and with a
+`priority_class` its ``spec.queue_config.priority_class`` (NeMo-Run sends its executor's
+``queue_priority`` only together with a preemption flag).
 
 Nothing here imports Prefect.
 """
@@ -43,7 +45,7 @@ Answer = Callable[[str, str, Any], tuple[int, Any]]
 _CHUNK = re.compile(re.escape(ENV_PREFIX) + r"(\d+)")
 
 _recording: ContextVar[Recorder | None] = ContextVar("prefect_nemo_recording", default=None)
-_labels: ContextVar[tuple[str, dict[str, str]] | None] = ContextVar(
+_labels: ContextVar[tuple[str, dict[str, str], str | None] | None] = ContextVar(
     "prefect_nemo_job_labels", default=None
 )
 _install_lock = threading.Lock()
@@ -109,11 +111,14 @@ def recording(
 
 
 @contextlib.contextmanager
-def job_labels(job_id: str, labels: dict[str, str]) -> Iterator[None]:
+def job_labels(
+    job_id: str, labels: dict[str, str], priority_class: str | None = None
+) -> Iterator[None]:
     """Within the block, the Lepton job NeMo-Run creates with id `job_id` (in this context)
-    carries `labels` in its ``metadata.labels``, sent or recorded."""
+    carries `labels` in its ``metadata.labels`` and, when given, `priority_class` in its
+    ``spec.queue_config``, sent or recorded."""
     _install()
-    token = _labels.set((job_id, dict(labels)))
+    token = _labels.set((job_id, dict(labels), priority_class))
     try:
         yield
     finally:
@@ -199,13 +204,21 @@ class _Client:
         return client
 
 
-def _label_created_job(client: Any, job_id: str, labels: dict[str, str]) -> None:
-    """Make `client.job.create` add `labels` to the job it creates with id `job_id`."""
+def _label_created_job(
+    client: Any, job_id: str, labels: dict[str, str], priority_class: str | None
+) -> None:
+    """Make `client.job.create` add `labels` (and the priority class) to the job it creates
+    with id `job_id`."""
+    from leptonai.api.v1.types.deployment import QueueConfig
+
     create = client.job.create
 
     def labelled(job: Any) -> Any:
         if job.metadata is not None and job.metadata.id_ == job_id:
             job.metadata.labels = {**(job.metadata.labels or {}), **labels}
+            if priority_class is not None:
+                queue = job.spec.queue_config or QueueConfig()
+                job.spec.queue_config = queue.model_copy(update={"priority_class": priority_class})
         return create(job)
 
     client.job.create = labelled

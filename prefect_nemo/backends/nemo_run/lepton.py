@@ -14,10 +14,17 @@ argument (a pod cannot exec one past 128 KiB): it travels in env-var chunks of 9
 LEPTON_JOB_WORKER_INDEX=0 only (the rank Lepton sets before NeMo-Run's init script maps it to
 NODE_RANK), the other replicas waiting for its marker.
 
-States: Starting, Queueing, Awaiting, PendingRetry, Restarting, UNK → PENDING; Running (all
-replicas ready; else PENDING, as NeMo-Run does), Stopping, Deleting → RUNNING; Completed,
-Archived → SUCCEEDED; Failed → FAILED; Stopped, Deleted → STOPPED. Stop is
-``PATCH {"spec": {"stopped": true}}`` (the job and its logs stay); NeMo-Run's cancel deletes.
+States: Queueing, Awaiting (the job waits in its node group's queue for nodes, by priority
+class) → QUEUED, its reason Lepton's state (a job's status carries no message); Starting,
+PendingRetry, Restarting, UNK → PENDING; Running (all replicas ready; else PENDING, as
+NeMo-Run does), Stopping, Deleting → RUNNING; Completed, Archived → SUCCEEDED; Failed →
+FAILED; Stopped, Deleted → STOPPED. Stop is ``PATCH {"spec": {"stopped": true}}`` (the job and
+its logs stay, out of the queue); NeMo-Run's cancel deletes.
+
+Where a job queues: JobSpec.queue is the dedicated node group (else LeptonWorkspace.node_group),
+JobSpec.priority its ``spec.queue_config.priority_class`` (else LeptonWorkspace.priority_class,
+else Lepton's default), one of Lepton's classes (`PRIORITY_CLASSES`, or the CLI's short names
+low/mid/high, 1-9), checked before anything is sent.
 
 Each job carries our labels (``metadata.labels``: managed-by prefect-nemo and the flow run that
 submitted it, `service.owner_labels`), added to the job NeMo-Run creates (`dry_run.job_labels`);
@@ -52,7 +59,7 @@ from prefect_nemo.backends.nemo_run.service import (
     owner_labels,
 )
 from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable, InvalidJobSpec
-from prefect_nemo.jobs import JobSpec, JobState, JobStatus, OwnedJob
+from prefect_nemo.jobs import JobSpec, JobState, JobStatus, OwnedJob, QueueInfo
 from prefect_nemo.kube import FLOW_RUN_LABEL, managed_labels
 from prefect_nemo.packaging.transport import ARG_STRLEN_LIMIT
 
@@ -68,10 +75,22 @@ LOG_IDLE_S = 3.0
 #: What a dry run shows where the workspace token would be (it sends nothing).
 DRY_RUN_TOKEN = "<the workspace token>"
 
+#: Lepton's queue priority classes (``queue_config.priority_class``), lowest first.
+PRIORITY_CLASSES = tuple(
+    f"{band}-{n}000" for band, ns in (("low", "123"), ("mid", "456"), ("high", "789")) for n in ns
+)
+#: The short names leptonai's CLI takes for them (``--queue-priority``).
+_PRIORITY_SHORT = {
+    "low": "low-1000", "l": "low-1000", "mid": "mid-4000", "m": "mid-4000",
+    "high": "high-7000", "h": "high-7000",
+    **{f"{c.split('-')[0]}-{c.split('-')[1][0]}": c for c in PRIORITY_CLASSES},
+    **{c.split("-")[1][0]: c for c in PRIORITY_CLASSES},
+}  # fmt: skip
+
 _STATES: dict[str, JobState] = {
     "Starting": JobState.PENDING,
-    "Queueing": JobState.PENDING,
-    "Awaiting": JobState.PENDING,
+    "Queueing": JobState.QUEUED,
+    "Awaiting": JobState.QUEUED,
     "PendingRetry": JobState.PENDING,
     "Restarting": JobState.PENDING,
     "UNK": JobState.PENDING,
@@ -103,6 +122,7 @@ class LeptonConfig:
     nodes: int = 1
     gpus_per_node: int = 1
     shared_memory_size: int = 65536
+    priority_class: str | None = None
     image_pull_secrets: list[str] = field(default_factory=list)
     node_reservation: str = ""
     env_vars: dict[str, str] = field(default_factory=dict)
@@ -148,6 +168,7 @@ class LeptonBackend(ServiceBackend):
     )
     config: LeptonConfig
     _client: Any = None  # leptonai's APIClient, made on first use
+    _group_names: dict[str, str] | None = None  # node group id -> name, listed once
 
     # -- identity -------------------------------------------------------------------------------
 
@@ -234,6 +255,11 @@ class LeptonBackend(ServiceBackend):
                 f"in workspace '{self.config.workspace_id}' (there are: {names})"
             )
 
+    def validate(self, spec: JobSpec) -> None:
+        """The priority class is one Lepton knows, then the checks every service makes."""
+        priority_class(spec, self.config.priority_class)
+        super().validate(spec)
+
     def env_refusal(self, key: str, value: str) -> str | None:
         """A pod cannot start with one env string (KEY=value) of 128 KiB or more."""
         if len(f"{key}={value}".encode()) >= ARG_STRLEN_LIMIT:
@@ -262,7 +288,8 @@ class LeptonBackend(ServiceBackend):
             nprocs_per_node=max(gpus, 1),
             shared_memory_size=self.config.shared_memory_size,
             resource_shape=shape,
-            node_group=self.config.node_group,
+            node_group=spec.queue or self.config.node_group,
+            queue_priority=priority_class(spec, self.config.priority_class),
             node_reservation=self.config.node_reservation,
             secret_vars=dict(self.config.secret_vars),
             mounts=[dict(m) for m in self.config.mounts],
@@ -299,6 +326,13 @@ class LeptonBackend(ServiceBackend):
         created the job first)."""
         from leptonai.api.v1.api_resource import ClientError
 
+        if spec.queue:  # NeMo-Run would fail with a KeyError on an unknown node group
+            groups = self._node_groups()
+            if spec.queue not in groups.values():
+                raise InvalidJobSpec(
+                    f"JobSpec.queue: no dedicated node group '{spec.queue}' in workspace "
+                    f"'{self.config.workspace_id}' (there are: {sorted(groups.values())})"
+                )
         executor = self.assigned_executor(spec, job_id, local_dir)
         plan = self.add_code_env(spec, executor)
         if plan is not None:
@@ -309,7 +343,7 @@ class LeptonBackend(ServiceBackend):
             with (
                 workspace_env(self.config),
                 root_logger_kept(),
-                job_labels(job_id, owner_labels(metadata)),
+                job_labels(job_id, owner_labels(metadata), executor.queue_priority),
             ):
                 cmd = [self.pod_command(spec, executor)]
                 self._call(lambda: executor.launch(name=job_id, cmd=cmd), "launching")
@@ -359,14 +393,33 @@ class LeptonBackend(ServiceBackend):
         if job is None or job.status is None:
             return None
         raw, state = _state(job)
+        queue = self._queue_info(job, raw) if state is JobState.QUEUED else None
         return JobStatus(
             job_id=job_id,
             state=state,
             message=f"Lepton state {raw}",
+            queue=queue,
             start_time=_seconds(job.status.creation_time),
             end_time=_seconds(job.status.completion_time),
             metadata=self.job_metadata(job_id),
         )
+
+    def _node_groups(self) -> dict[str, str]:
+        """The workspace's dedicated node groups, id -> name (listed once per backend)."""
+        if self._group_names is None:
+            groups = self._call(self.client.nodegroup.list_all, "listing dedicated node groups")
+            self._group_names = {str(g.metadata.id_): str(g.metadata.name) for g in groups}
+        return self._group_names
+
+    def _queue_info(self, job: Any, raw: str) -> QueueInfo:
+        """Where a Queueing job waits (its node group, from its affinity) and why, as far as
+        Lepton says: its state and priority class (its status has no message)."""
+        affinity = job.spec.affinity if job.spec else None
+        ids = list((affinity.allowed_dedicated_node_groups if affinity else None) or [])
+        group = self._node_groups().get(ids[0], ids[0]) if ids else None
+        queue_config = job.spec.queue_config if job.spec else None
+        priority = (queue_config.priority_class if queue_config else None) or "default"
+        return QueueInfo(queue=group, reason=f"Lepton state {raw} (priority class {priority})")
 
     def owned_jobs(self) -> list[OwnedJob]:
         """The workspace's live jobs with our label, in one listing (leptonai's ``list_all``:
@@ -432,6 +485,24 @@ class LeptonBackend(ServiceBackend):
         finally:
             stream.close()  # ends the request of a log still being streamed
         return "".join(chunks)
+
+
+def priority_class(spec: JobSpec, default: str | None) -> str | None:
+    """The Lepton priority class of the job (JobSpec.priority, else the block's), in Lepton's
+    canonical form ("mid" is "mid-4000", as leptonai's CLI reads it); an unknown name is
+    refused before anything is sent."""
+    chosen = spec.priority or default
+    if chosen is None or chosen in PRIORITY_CLASSES:
+        return chosen
+    canonical = _PRIORITY_SHORT.get(chosen.strip().lower())
+    if canonical is not None:
+        return canonical
+    field = "JobSpec.priority" if spec.priority else "LeptonWorkspace.priority_class"
+    raise InvalidJobSpec(
+        f"{field}={chosen!r} is not a Lepton priority class: use one of "
+        f"{', '.join(PRIORITY_CLASSES)} (or low, mid, high), the job's "
+        "queue_config.priority_class in its node group's queue"
+    )
 
 
 def dry_run_client_args(config: LeptonConfig) -> dict[str, Any]:

@@ -20,6 +20,12 @@ from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable, Invali
 
 #: run:ai's workload types and the path segment that names each.
 KINDS = {"Training": "trainings", "Distributed": "distributed"}
+#: The priority classes run:ai takes in a workload's ``spec.priorityClass`` (its priority
+#: dictionary): the API 2.2x names, then the older names ("train" is a training's default).
+PRIORITY_CLASSES = (
+    "very-low", "low", "medium-low", "medium", "medium-high", "high", "very-high",
+    "build", "train", "inference", "interactive-preemptible",
+)  # fmt: skip
 #: What a dry run shows for what only run:ai knows (it sends nothing).
 DRY_RUN_TOKEN = "<a run:ai access token>"
 DRY_RUN_WORKLOAD = "<the workload id run:ai assigns>"
@@ -42,6 +48,7 @@ class DGXCloudConfig:
     nprocs_per_node: int = 1
     distributed_framework: str = "PyTorch"
     custom_spec: dict[str, Any] = field(default_factory=dict)
+    priority_class: str | None = None
     env_vars: dict[str, str] = field(default_factory=dict)
     secret_env: dict[str, str] = field(default_factory=dict)
     request_timeout_s: float = 30.0
@@ -131,17 +138,30 @@ class RunaiClient:
                 f"DGX Cloud at {self.config.base_url} answered {response.status_code} to {path}"
             )
 
-    def project(self) -> tuple[str, str]:
-        """(project id, cluster id) of the configured project, or a clear error."""
+    def project(
+        self, name: str | None = None, field: str = "DGXCloudCluster.project_name"
+    ) -> tuple[str, str]:
+        """(project id, cluster id) of the project `name` (default: the block's), or a clear
+        error naming `field`, where the name came from."""
+        wanted = name or self.config.project_name
         projects = _json(self.request("GET", "/org-unit/projects")).get("projects") or []
         for project in projects:
-            if project.get("name") == self.config.project_name:
+            if project.get("name") == wanted:
                 return str(project["id"]), str(project["clusterId"])
         names = sorted(str(p.get("name")) for p in projects)
         raise InvalidJobSpec(
-            f"DGXCloudCluster.project_name: no project '{self.config.project_name}' is visible "
-            f"to this application (visible: {names}): fix the name or the application's access"
+            f"{field}: no project '{wanted}' is visible to this application (visible: "
+            f"{names}): fix the name or the application's access"
         )
+
+    def workload_summary(self, workload_id: str) -> dict[str, Any] | None:
+        """``GET /workloads/{id}``: the workload as run:ai's ``Workload`` schema has it (phase,
+        ``phaseMessage``, conditions: why a Pending one waits, which the per-kind GET leaves
+        out); None when run:ai has no such workload or serves no such endpoint."""
+        response = self.request("GET", f"/workloads/{workload_id}")
+        if response.status_code != 200:
+            return None
+        return _json(response)
 
     def named(self, job_id: str) -> dict[str, Any] | None:
         """The live (not deleted) training or distributed workload created for job_id."""

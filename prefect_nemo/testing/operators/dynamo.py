@@ -69,6 +69,7 @@ class DgdBehavior:
     frontend: Frontend = "ok"
     start_delay_s: float | None = None  # None: the simulator's start_delay_s
     models: tuple[str, ...] = field(default=())  # empty: one model named after the DGD
+    unschedulable: str = ""  # set: the pods stay Pending, Unschedulable with this message
 
 
 def components(dgd: Obj) -> list[tuple[str, str, int]]:
@@ -162,13 +163,19 @@ class DynamoSimulator(Controller):
         frontend: Frontend = "ok",
         start_delay_s: float | None = None,
         models: Sequence[str] = (),
+        unschedulable: str = "",
     ) -> None:
         """Set how the DGD named dgd_name (in any namespace) behaves, or with None every DGD
-        not configured by name; applies at once."""
+        not configured by name; applies at once. `unschedulable` holds its pods Pending as the
+        scheduler leaves pods that fit no node (PodScheduled False, reason Unschedulable, this
+        message, e.g. "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.")."""
         self._set(
             dgd_name,
-            DgdBehavior(fail, fail_message, pods_ready, frontend, start_delay_s, tuple(models)),
-        )
+            DgdBehavior(
+                fail, fail_message, pods_ready, frontend, start_delay_s, tuple(models),
+                unschedulable,
+            ),
+        )  # fmt: skip
 
     def _set(self, name: str | None, behavior: DgdBehavior) -> None:
         with self._lock:
@@ -258,7 +265,13 @@ class DynamoSimulator(Controller):
             self._delete(pod)
             pods.remove(pod)
 
-        if left <= 0:
+        if left <= 0 and behavior.unschedulable:
+            for pod in pods:
+                status = unschedulable_pod_status(behavior.unschedulable)
+                if (pod.get("status") or {}).get("conditions") != status["conditions"]:
+                    set_pod_status(self._core, pod, status)
+                    pod["status"] = status
+        elif left <= 0:
             for pod in pods:
                 if not pod_is_running(pod) or pod_is_ready(pod) != behavior.pods_ready:
                     ip = (pod.get("status") or {}).get("podIP") or self._pod_ip(pod)
@@ -464,6 +477,13 @@ class DynamoSimulator(Controller):
         except ApiException as exc:
             if not is_not_found(exc):
                 raise
+
+
+def unschedulable_pod_status(message: str) -> Obj:
+    """The status the scheduler leaves on a pod that fits no node."""
+    condition = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                 "message": message}  # fmt: skip
+    return {"phase": "Pending", "conditions": [condition]}
 
 
 def _frontend_handler(mode: Frontend, models: list[str]) -> Any:
