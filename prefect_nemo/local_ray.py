@@ -35,10 +35,20 @@ DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` different TCP ports on 127.0.0.1 that nothing listens on right now: all held
+    open until all are chosen (ports asked one at a time may repeat, and `ray start` refuses
+    one port given to two of its components)."""
+    with contextlib.ExitStack() as held:
+        ports: list[int] = []
+        for _ in range(count):
+            sock = held.enter_context(socket.socket())
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+        return ports
 
 
 @dataclass
@@ -142,20 +152,18 @@ def _start_head(
     timeout_s: float,
 ) -> LocalRayCluster:
     """One `ray start --head --block` on free ports, waited for."""
-    ports = {
-        name: free_port()
-        for name in (
-            "port",
-            "dashboard-port",
-            "dashboard-agent-listen-port",
-            "dashboard-agent-grpc-port",
-            "ray-client-server-port",
-            "node-manager-port",
-            "object-manager-port",
-            "metrics-export-port",
-            "runtime-env-agent-port",
-        )
-    }
+    names = (
+        "port",
+        "dashboard-port",
+        "dashboard-agent-listen-port",
+        "dashboard-agent-grpc-port",
+        "ray-client-server-port",
+        "node-manager-port",
+        "object-manager-port",
+        "metrics-export-port",
+        "runtime-env-agent-port",
+    )
+    ports = dict(zip(names, free_ports(len(names)), strict=True))
     bin_dir = Path(sys.executable).parent
     cmd = [
         str(bin_dir / "ray"),

@@ -26,7 +26,7 @@ import pytest
 from prefect import flow
 
 from prefect_nemo.jobs import JobResult, JobSpec, JobState, Resources
-from prefect_nemo.local_ray import LocalRayCluster, free_port
+from prefect_nemo.local_ray import LocalRayCluster, free_ports
 from prefect_nemo.tasks import run_job, submit_job, wait_for_job
 from tests.conftest import job_events, wait_until
 
@@ -46,7 +46,7 @@ def worker_node(head: LocalRayCluster, resources: dict[str, float]) -> Iterator[
            f"--address={head.gcs_address}", "--node-ip-address=127.0.0.1", "--num-cpus=0",
            f"--resources={json.dumps(resources)}", "--object-store-memory=100000000",
            f"--temp-dir={head.temp_dir}",
-           *(f"--{p}-port={free_port()}" for p in ports)]  # fmt: skip
+           *(f"--{p}-port={n}" for p, n in zip(ports, free_ports(6), strict=True))]  # fmt: skip
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     env.pop("RAY_ADDRESS", None)
     env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": head.token or ""})
@@ -71,13 +71,14 @@ def test_ray_job_waiting_for_resources_is_queued_then_runs(
     """Rules: a PENDING job whose entrypoint asks for a resource no alive node has is QUEUED,
     its reason Ray's own message ("It may be waiting for resources ... to become available");
     once a node with it joins, the job runs (QUEUED, then RUNNING, then SUCCEEDED);
-    `timeout_s` counts from RUNNING, so a wait longer than it does not fire."""
+    `timeout_s` does not count the wait in the queue, so a wait longer than it does not fire."""
     block = ray_head.block()
     backend = block.backend()
     resource = f"queue_test_{uuid.uuid4().hex[:8]}"  # only the node added later has it
     spec = JobSpec(
-        entrypoint="sleep 1", name="waits", resources=Resources(custom={resource: 1}), timeout_s=4
-    )
+        entrypoint="sleep 1", name="waits", resources=Resources(custom={resource: 1}), timeout_s=15
+    )  # 15 s: once the node joins, the job is PENDING while Ray starts its worker there (8 s
+    # seen under load), which timeout_s counts, as Kubernetes' activeDeadlineSeconds does
     submitted: list[str] = []
 
     def queued() -> bool:
@@ -92,11 +93,11 @@ def test_ray_job_waiting_for_resources_is_queued_then_runs(
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(waits)
         wait_until(queued, timeout_s=60)
-        time.sleep(6)  # longer than timeout_s
+        time.sleep(16)  # longer than timeout_s
         with worker_node(ray_head, {resource: 1}):
             result = running.result(timeout=120)
     assert result.state is JobState.SUCCEEDED
-    assert result.queue_wait_s is not None and result.queue_wait_s > 5.5
+    assert result.queue_wait_s is not None and result.queue_wait_s > 15.5
 
     events = job_events(prefect_api, result.handle.resource_id, "prefect-nemo.job.succeeded")
     names = [e["event"] for e in events]

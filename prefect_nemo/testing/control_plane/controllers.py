@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from prefect_nemo.local_ray import free_port  # the control plane's processes all bind 127.0.0.1
+from prefect_nemo.local_ray import free_ports  # the control plane's processes all bind 127.0.0.1
 from prefect_nemo.testing.control_plane import build
 from prefect_nemo.testing.kube_api.tls import server_cert_pems
 
@@ -67,15 +67,16 @@ def prepare(workdir: Path, kubeconfig: Path) -> tuple[list[Controller], list[dic
     trainer_dir, jobset_dir = workdir / "trainer", workdir / "jobset"
     # the Trainer reads its certificate from the default cert dir under its TMPDIR
     _write_cert(trainer_dir / "k8s-webhook-server" / "serving-certs", "trainer-controller")
-    trainer_probe = f"127.0.0.1:{free_port()}"
+    trainer_probe_port, trainer_port, jobset_probe_port, jobset_port = free_ports(4)
+    trainer_probe = f"127.0.0.1:{trainer_probe_port}"
     (trainer_dir / "config.yaml").write_text(yaml.safe_dump({
         "apiVersion": "config.trainer.kubeflow.org/v1alpha1", "kind": "Configuration",
         "health": {"healthProbeBindAddress": trainer_probe}, "metrics": {"bindAddress": "0"},
-        "webhook": {"host": "127.0.0.1", "port": free_port()},
+        "webhook": {"host": "127.0.0.1", "port": trainer_port},
         "leaderElection": {"leaderElect": False}, "certManagement": {"enable": False},
     }))  # fmt: skip
     ca_pem = _write_cert(jobset_dir / "certs", "jobset-webhook")
-    jobset_probe, jobset_port = f"127.0.0.1:{free_port()}", free_port()
+    jobset_probe = f"127.0.0.1:{jobset_probe_port}"
     (jobset_dir / "config.yaml").write_text(yaml.safe_dump({
         "apiVersion": "config.jobset.x-k8s.io/v1alpha1", "kind": "Configuration",
         "health": {"healthProbeBindAddress": jobset_probe}, "metrics": {"bindAddress": "0"},

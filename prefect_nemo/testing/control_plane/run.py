@@ -32,7 +32,7 @@ import yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from prefect_nemo.local_ray import free_port
+from prefect_nemo.local_ray import free_ports
 from prefect_nemo.testing.control_plane import build, controllers, pod_network
 from prefect_nemo.testing.kube_api.client_config import TokenClientConfig
 from prefect_nemo.testing.kube_api.tls import server_cert_pems
@@ -97,7 +97,7 @@ class ControlPlane(TokenClientConfig):
             return self
         t0 = time.monotonic()
         binary = build.binary
-        etcd_port, etcd_peer, api_port = (free_port() for _ in range(3))
+        etcd_port, etcd_peer, api_port = free_ports(3)
         self.url = f"https://127.0.0.1:{api_port}"
         files = self._write_files()  # the admin kubeconfig names the url
         try:
