@@ -22,6 +22,7 @@ def main(argv: list[str]) -> int:
         build.build()
         build.build_trainer()  # the real Kubeflow Trainer controller (test_real_dynamo_trainer)
         build.build_jobset()  # ... and the JobSet controller that runs the Trainer's JobSets
+        build.build_kueue()  # Kueue: queues and quotas for RayJobs and TrainJobs
         print(f"control-plane binaries: {build.cache_dir()}")
         return 0
     if command == "up":
