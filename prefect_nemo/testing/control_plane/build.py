@@ -39,7 +39,9 @@ def cache_dir() -> Path:
 
 
 def _component_dir(folder: str) -> Path:
-    version = {"kubernetes": KUBERNETES, "etcd": ETCD, "kuberay": KUBERAY}[folder]
+    # "-stamped": Kubernetes built with its version stamped in (_build_kubernetes); the folder
+    # of an earlier build without it stays as it was
+    version = {"kubernetes": f"{KUBERNETES}-stamped", "etcd": ETCD, "kuberay": KUBERAY}[folder]
     return cache_dir() / f"{folder}-{version}"
 
 
@@ -101,7 +103,14 @@ def _build_kubernetes(src: Path, out: Path, env: dict[str, str]) -> None:
         f"k8s.io/kubernetes/cmd/{name}" for name in ("kube-apiserver", "kube-controller-manager")
     ]
     _go(["get", *(f"{c}@{KUBERNETES}" for c in cmds)], src, env)
-    _go(["build", "-o", f"{out}/", *cmds], src, env)
+    # the version as Kubernetes' own build stamps it (hack/lib/version.sh): unstamped, /version
+    # says "v0.0.0-master+$Format:%H$", which Kueue's manager cannot parse and refuses to start
+    pkg = "k8s.io/component-base/version"
+    major, minor = KUBERNETES.lstrip("v").split(".")[:2]
+    stamp = " ".join(f"-X {pkg}.{key}={value}" for key, value in (
+        ("gitVersion", KUBERNETES), ("gitMajor", major), ("gitMinor", minor),
+        ("gitTreeState", "clean")))  # fmt: skip
+    _go(["build", f"-ldflags={stamp}", "-o", f"{out}/", *cmds], src, env)
 
 
 def _build_etcd(src: Path, out: Path, env: dict[str, str]) -> None:
@@ -221,10 +230,12 @@ def build_jobset() -> None:
 # the kit's Kueue CRDs (testing/crds/kueue) are this module's own
 KUEUE = "v0.17.0"
 # what Kueue's own manifests say about the manager, kept beside the binary (read when it starts):
-# its ClusterRole, the metrics/delegated-auth role, and its webhook configurations
+# its ClusterRole, the metrics/delegated-auth role, its Secrets role in its own namespace, and its
+# webhook configurations
 KUEUE_CONFIG = {
     "role.yaml": "config/components/rbac/role.yaml",
     "metrics_auth_role.yaml": "config/components/rbac/metrics_auth_role.yaml",
+    "manager_secrets_role.yaml": "config/components/rbac/manager_secrets_role.yaml",
     "webhooks.yaml": "config/components/webhook/manifests.yaml",
 }
 
