@@ -35,7 +35,11 @@ def main(argv: list[str]) -> int:
         plane.save_state()
         print(f"control plane up at {plane.url} in {time.monotonic() - t0:.1f}s; "
               f"kubeconfig {plane.workdir / 'admin.kubeconfig'}; pids {plane.pids}")  # fmt: skip
-        for why in (plane.agent_unavailable, plane.controllers_unavailable):
+        for why in (
+            plane.agent_unavailable,
+            plane.controllers_unavailable,
+            plane.kueue_unavailable,
+        ):
             if why:
                 print(f"not started: {why}")
         return 0
