@@ -8,8 +8,8 @@ NR_VENV := .venv-nemo-run
 NR_BIN := $(NR_VENV)/bin
 NR_STAMP := $(NR_VENV)/.installed-nemo-run
 
-.PHONY: demo test test-core test-extras test-fast bench bench-scale chaos lint install system clean \
-	control-plane
+.PHONY: demo test test-core test-extras test-fast bench bench-scale chaos lint docs install system \
+	clean control-plane
 
 # The virtualenv, installed with the pinned versions of constraints/core.txt by uv (pip's resolver
 # and byte-compiling took ~45 s of the 2-core CI budget; uv installs the same set in ~8 s).
@@ -43,7 +43,7 @@ demo: $(STAMP)
 ## (newest Prefect), then in the extras environment (Prefect 3.5) what needs the extras plus
 ## the Prefect 3.5 smoke of the core (tests marked `compat`, chosen in tests/conftest.py).
 test:
-	@MAKE="$(MAKE)" scripts/timed-phases install system lint control-plane test-core test-extras
+	@MAKE="$(MAKE)" scripts/timed-phases install system lint docs control-plane test-core test-extras
 
 # --durations: CI's log names the slowest tests of each phase (the budget is 20 minutes in all).
 # Two workers, each taking whole files: most real-engine tests wait on a cluster, not on a core.
@@ -69,8 +69,15 @@ chaos: $(STAMP)
 control-plane: $(STAMP)
 	$(BIN)/python -m prefect_nemo.testing.control_plane $(or $(CP),build)
 
+## ruff, then mypy: strict on prefect_nemo outside testing/ (config in pyproject.toml [tool.mypy])
 lint: $(STAMP)
-	$(BIN)/ruff check prefect_nemo flows tests bench examples
+	$(BIN)/ruff check prefect_nemo flows tests bench examples docs
+	$(BIN)/mypy
+
+## The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link or anchor, a page
+## missing from the nav, or a docstring or API reference that does not resolve fails the build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 ## Every benchmark; prints one key=value line per figure.
 bench: $(STAMP)
@@ -82,4 +89,4 @@ bench-scale: $(STAMP) $(NR_STAMP)  # its Slurm part runs in the extras environme
 	$(BIN)/python -m bench.scale
 
 clean:
-	rm -rf $(VENV) $(NR_VENV) .prefect-nemo .pytest_cache
+	rm -rf $(VENV) $(NR_VENV) .prefect-nemo .pytest_cache .mypy_cache site

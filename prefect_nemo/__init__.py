@@ -24,9 +24,19 @@ from prefect_nemo.errors import (
     JobStopped,
     JobTimedOut,
     PrefectNemoError,
+    QueueTimedOut,
     StopNotConfirmed,
 )
-from prefect_nemo.jobs import DryRun, JobHandle, JobResult, JobSpec, JobState, JobStatus, Resources
+from prefect_nemo.jobs import (
+    DryRun,
+    JobHandle,
+    JobResult,
+    JobSpec,
+    JobState,
+    JobStatus,
+    QueueInfo,
+    Resources,
+)
 from prefect_nemo.nemo_run_home import claim_home
 
 # NeMo-Run reads its home when first imported: a user's `import nemo_run` after ours keeps its
@@ -94,6 +104,8 @@ __all__ = [
     "JobStopped",
     "JobTimedOut",
     "PrefectNemoError",
+    "QueueInfo",
+    "QueueTimedOut",
     "RayJobsCluster",
     "Resources",
     "StopNotConfirmed",

@@ -1,6 +1,7 @@
 """The `prefect-nemo` command: run the demo on the embedded default, manage the local server,
 apply block documents (`blocks apply`) and deployments (`deploy`), render what a job or a
-Dynamo graph would send (`render`, a dry run), and clean up what no run needs (`cleanup`)."""
+Dynamo graph would send (`render`, a dry run), clean up what no run needs (`cleanup`), and
+check blocks before their first job (`doctor`)."""
 
 from __future__ import annotations
 
@@ -340,6 +341,26 @@ def sweep(refs: list[str], dry_run: bool, every_s: float | None) -> int:
             time.sleep(every_s)
 
 
+def doctor(refs: list[str]) -> int:
+    """Check saved blocks before their first job (every saved block without names): print one
+    row per check with its fix; 1 when a check failed, 2 when a named block does not exist."""
+    api_url, _ = ensure_prefect_server()  # where the blocks are saved
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from prefect_nemo.doctor import failed, table
+    from prefect_nemo.errors import PrefectNemoError
+    from prefect_nemo.tasks.doctor import doctor as run_doctor
+
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        try:
+            checks = run_doctor(refs)
+        except PrefectNemoError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    print(table(checks), flush=True)
+    return 1 if failed(checks) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `prefect-nemo` command."""
     parser = argparse.ArgumentParser(prog="prefect-nemo", description=__doc__)
@@ -402,7 +423,16 @@ def main(argv: list[str] | None = None) -> int:
     sweeper.add_argument("blocks", nargs="*", help="saved cluster blocks (default: all)")
     sweeper.add_argument("--dry-run", action="store_true", help="judge, stop nothing")
     sweeper.add_argument("--every", type=float, metavar="SECONDS", help="sweep again and again")
+    doctor_cmd = commands.add_parser(
+        "doctor", help="check saved blocks before the first job: credentials, permissions, "
+        "CRDs, versions, Slurm, clock; one row per check with its fix"
+    )  # fmt: skip
+    doctor_cmd.add_argument(
+        "blocks", nargs="*", help="saved blocks, e.g. kube-ray-cluster/prod (default: all)"
+    )
     args = parser.parse_args(argv)
+    if args.command == "doctor":
+        return doctor(args.blocks)
     if args.command == "sweep":
         return sweep(args.blocks, args.dry_run, args.every)
     if args.command == "render":

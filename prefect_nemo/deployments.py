@@ -63,7 +63,7 @@ def read_deployments(path: str | Path = DEFAULT_FILE) -> list[DeploymentEntry]:
 
 def check_deployments(entries: list[DeploymentEntry], root: str | Path = ".") -> None:
     """Every entrypoint loads as a flow and every parameter given is one of its parameters."""
-    from prefect.flows import load_flow_from_entrypoint
+    from prefect.flows import Flow, load_flow_from_entrypoint
 
     root = Path(root)
     problems = []
@@ -77,7 +77,7 @@ def check_deployments(entries: list[DeploymentEntry], root: str | Path = ".") ->
             )
             continue
         try:
-            flow = load_flow_from_entrypoint(str(root / entry.entrypoint))
+            flow: Flow[..., Any] = load_flow_from_entrypoint(str(root / entry.entrypoint))
         except Exception as exc:  # any import error is the entrypoint's problem
             problems.append(f"{where}: entrypoint {entry.entrypoint!r} does not load: {exc}")
             continue

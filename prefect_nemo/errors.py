@@ -53,6 +53,11 @@ class JobTimedOut(JobStopped):
     """The job exceeded its timeout and was stopped."""
 
 
+class QueueTimedOut(JobTimedOut):
+    """The job waited in its scheduler's queue past `queue_timeout_s` and was removed from it;
+    the message names the queue and the scheduler's reason."""
+
+
 class JobAlreadyExists(PrefectNemoError):
     """Submit found the job id taken (a concurrent submitter won the race): attach instead."""
 

@@ -45,9 +45,16 @@ MAX_ENTRYPOINT_CHARS = 100_000
 
 
 class JobState(StrEnum):
-    """Where a job is in its life; the last three are terminal (as Ray's JobStatus)."""
+    """Where a job is in its life; the last three are terminal (as Ray's JobStatus).
+
+    QUEUED is a job that waits in a scheduler's queue for quota or resources (Kueue, Slurm,
+    run:ai, Lepton, a Ray cluster without the resources): it has not run yet, or it was
+    preempted and waits to run again. PENDING is any other wait before running (being
+    created, pulling images, starting).
+    """
 
     PENDING = "PENDING"
+    QUEUED = "QUEUED"
     RUNNING = "RUNNING"
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
@@ -56,6 +63,10 @@ class JobState(StrEnum):
     def is_terminal(self) -> bool:
         """True once the job can no longer change state."""
         return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED)
+
+    def is_waiting(self) -> bool:
+        """True before the job runs (or between runs, once preempted): PENDING or QUEUED."""
+        return self in (JobState.PENDING, JobState.QUEUED)
 
 
 _validating: ContextVar[bool] = ContextVar("prefect_nemo_validating", default=False)
@@ -124,7 +135,8 @@ class JobSpec(_Model):
     resources and limits.
 
     Fields: entrypoint, task, name, env, working_dir, exclude, resources, label_selector,
-    placement, runtime_env, labels, metadata, timeout_s, launcher.
+    placement, runtime_env, labels, metadata, timeout_s, queue, priority, queue_timeout_s,
+    launcher.
     """
 
     entrypoint: StrictStr | None = Field(
@@ -183,7 +195,28 @@ class JobSpec(_Model):
         default_factory=dict, description="Free-form string metadata stored with the job."
     )
     timeout_s: float | None = Field(
-        None, gt=0, description="Seconds the job may run before it is stopped; None = no limit."
+        None,
+        gt=0,
+        description="Seconds the job may run before it is stopped, counted from when it runs: "
+        "time queued for quota or resources does not count; None = no limit.",
+    )
+    queue: StrictStr | None = Field(
+        None,
+        description="Where the job queues on a shared cluster, overriding the block's: the "
+        "Kueue LocalQueue (KubeRay, Kubeflow Trainer), the Slurm partition, the run:ai project, "
+        "the Lepton node group.",
+    )
+    priority: StrictStr | None = Field(
+        None,
+        description="Its priority in that queue, overriding the block's: the Kueue "
+        "WorkloadPriorityClass, the Slurm QOS, the Lepton priority class.",
+    )
+    queue_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds the job may wait in its scheduler's queue before it is removed "
+        "from it (and the task fails naming the queue and the scheduler's reason); each wait "
+        "counts anew after a preemption. None = wait as long as it takes.",
     )
     launcher: Literal["torchrun"] | None = Field(
         None,
@@ -313,8 +346,9 @@ class JobSpec(_Model):
 
         Secret values are left out (a hash of a short secret could be brute-forced).
         """
-        data = self.model_dump(mode="json", exclude={"timeout_s"})
-        for absent in ("placement", "task", "launcher"):  # absent, not null: old specs keep theirs
+        data = self.model_dump(mode="json", exclude={"timeout_s", "queue_timeout_s"})
+        for absent in ("placement", "task", "launcher", "queue", "priority"):  # absent, not
+            # null: older specs keep their fingerprints
             if data[absent] is None:
                 del data[absent]
         data["env"] = {
@@ -351,6 +385,31 @@ class JobHandle(BaseModel):
         return f"prefect-nemo.job.{self.backend}.{self.job_id}"
 
 
+class QueueInfo(BaseModel):
+    """Why a QUEUED job waits, as its scheduler tells it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    queue: str | None = Field(None, description="The queue it waits in (LocalQueue, partition).")
+    reason: str = Field("", description="The scheduler's reason, in its own words.")
+    position: int | None = Field(None, description="Its place in that queue (1 = next).")
+    estimated_start: datetime | None = Field(None, description="When the scheduler expects to "
+                                             "start it, where it says.")  # fmt: skip
+    preempted: bool = Field(False, description="It ran and was preempted (evicted) back into "
+                            "the queue.")  # fmt: skip
+
+    def describe(self) -> str:
+        """One line for logs and messages: "in batch (Resources), position 2, starts ~12:30"."""
+        text = f"in {self.queue}" if self.queue else "in its queue"
+        if self.reason:
+            text += f" ({self.reason})"
+        if self.position is not None:
+            text += f", position {self.position}"
+        if self.estimated_start is not None:
+            text += f", expected to start at {self.estimated_start:%Y-%m-%d %H:%M:%S %Z}".rstrip()
+        return text
+
+
 class JobStatus(BaseModel):
     """One observation of a job as the cluster reports it."""
 
@@ -359,6 +418,7 @@ class JobStatus(BaseModel):
     job_id: str
     state: JobState
     message: str = ""
+    queue: QueueInfo | None = Field(None, description="Why it waits, while QUEUED.")
     start_time: datetime | None = None
     end_time: datetime | None = None
     exit_code: int | None = None
@@ -378,6 +438,10 @@ class JobResult(BaseModel):
     exit_code: int | None = None
     log_tail: str = ""
     attached: bool = Field(False, description="True when this run re-attached to an existing job.")
+    queue_wait_s: float | None = Field(
+        None, description="Seconds it waited in its scheduler's queue while we watched it."
+    )
+    preemptions: int = Field(0, description="Times it was preempted back into the queue.")
 
     @property
     def duration_s(self) -> float | None:

@@ -43,7 +43,7 @@ from prefect_nemo.jobs import (
 )
 from prefect_nemo.logs import LogFollower, log_pump
 from prefect_nemo.redaction import Redactor
-from prefect_nemo.watcher import ClusterWatcher, _never, watcher_for
+from prefect_nemo.watcher import ClusterWatcher, JobClock, _never, watcher_for
 from prefect_nemo.watcher import wait_until_terminal as wait_until_terminal  # where callers look
 from prefect_nemo.watcher import wait_until_terminal_async as wait_until_terminal_async
 
@@ -74,9 +74,10 @@ class JobIdentity:
 
 @dataclass(frozen=True)
 class WaitPolicy:
-    """How a job is waited for: the cluster block's limits plus the job's own timeout."""
+    """How a job is waited for: the cluster block's limits plus the job's own timeouts."""
 
     timeout_s: float | None = None
+    queue_timeout_s: float | None = None
     stream_logs: bool = True
     max_poll_interval_s: float = 2.0
     unreachable_budget_s: float = 120.0
@@ -93,8 +94,9 @@ class JobObserver(Protocol):
         """From now until `ended`, `stop()` must run if the caller goes away (it returns how
         the job ended and never raises)."""
 
-    def changed(self, handle: JobHandle, status: JobStatus) -> None:
-        """A new observation of the job (maybe the same state again)."""
+    def changed(self, handle: JobHandle, status: JobStatus, clock: JobClock | None) -> None:
+        """A new observation of the job (maybe the same state again); `clock` says where its
+        time went while we watched (None for a status outside a wait, e.g. a stop's)."""
 
     def log(self, handle: JobHandle, line: str) -> None:
         """One line of the job's own log."""
@@ -116,7 +118,7 @@ class QuietObserver:
     def live(self, handle: JobHandle, stop: Callable[[], str]) -> None:
         """Nothing."""
 
-    def changed(self, handle: JobHandle, status: JobStatus) -> None:
+    def changed(self, handle: JobHandle, status: JobStatus, clock: JobClock | None) -> None:
         """Nothing."""
 
     def log(self, handle: JobHandle, line: str) -> None:
@@ -179,30 +181,33 @@ class Supervisor:
         stop = partial(self._stop_quietly, handle)
         self.observer.live(handle, stop)
         logs = _LogStream(self, handle)
+        clock = JobClock()
         final: JobStatus | None = None
         stopped = False  # set once we have stopped the job ourselves
 
         def on_change(status: JobStatus) -> None:
             logs.update(status)
-            self.observer.changed(handle, status)
+            self.observer.changed(handle, status, clock)
 
         try:
             final = wait_until_terminal(
                 self.watcher,
                 handle,
                 timeout_s=self.policy.timeout_s,
+                queue_timeout_s=self.policy.queue_timeout_s,
                 on_change=on_change,
                 interrupted=self.interrupted,
+                clock=clock,
             )
         except (JobTimedOut, JobInterrupted) as exc:
             final, stopped = self._stop(handle), True
-            raise self._stopped_error(handle, final, attached, exc) from None
+            raise self._stopped_error(handle, final, attached, exc, clock) from None
         finally:
             logs.close()
             if final is None and not stopped:  # cancelled, crashed or lost the cluster
                 self._stop(handle)
             self.observer.ended(handle)
-        return self._outcome(handle, final, attached, logs.whole)
+        return self._outcome(handle, final, attached, logs.whole, clock)
 
     async def wait_async(self, handle: JobHandle, *, attached: bool = False) -> JobResult:
         """`wait` on an event loop: the wait holds no thread; what blocks (stopping, reading
@@ -210,33 +215,38 @@ class Supervisor:
         stop = partial(self._stop_quietly, handle)
         self.observer.live(handle, stop)
         logs = _LogStream(self, handle)
+        clock = JobClock()
         final: JobStatus | None = None
         stopped = False
 
         def on_change(status: JobStatus) -> None:
             if not status.state.is_terminal():  # the end is told after its log was read
                 logs.update(status)
-                self.observer.changed(handle, status)
+                self.observer.changed(handle, status, clock)
 
         try:
             final = await wait_until_terminal_async(
                 self.watcher,
                 handle,
                 timeout_s=self.policy.timeout_s,
+                queue_timeout_s=self.policy.queue_timeout_s,
                 on_change=on_change,
                 interrupted=self.interrupted,
+                clock=clock,
             )
             await asyncio.to_thread(logs.update, final)
-            self.observer.changed(handle, final)
+            self.observer.changed(handle, final, clock)
         except (JobTimedOut, JobInterrupted) as exc:
             final, stopped = await asyncio.to_thread(self._stop, handle), True
-            raise self._stopped_error(handle, final, attached, exc) from None
+            raise self._stopped_error(handle, final, attached, exc, clock) from None
         finally:
             await asyncio.to_thread(logs.close)
             if final is None and not stopped:  # cancelled, crashed or lost the cluster
                 await asyncio.to_thread(self._stop, handle)
             self.observer.ended(handle)
-        return await asyncio.to_thread(self._outcome, handle, final, attached, logs.whole)
+        return await asyncio.to_thread(
+            self._outcome, handle, final, attached, logs.whole, clock
+        )
 
     def render(self, spec: JobSpec, identity: JobIdentity) -> DryRun:
         """What `run`/`submit` would send for this job (its first attempt), secrets masked;
@@ -260,7 +270,7 @@ class Supervisor:
         """Stop the job and return how it ended once the cluster confirms it."""
         status = stop_and_confirm(self.backend, handle.job_id, timeout_s=self.policy.stop_timeout_s)
         if status is not None:
-            self.observer.changed(handle, status)
+            self.observer.changed(handle, status, None)
         return self._result(handle, status, attached=False)
 
     def wait_for_upstream(self, handle: JobHandle) -> JobStatus:
@@ -280,7 +290,7 @@ class Supervisor:
             )
             return None
         if status is not None:
-            self.observer.changed(handle, status)
+            self.observer.changed(handle, status, None)
         return status
 
     def _stopped_error(
@@ -289,11 +299,12 @@ class Supervisor:
         final: JobStatus | None,
         attached: bool,
         why: JobTimedOut | JobInterrupted,
+        clock: JobClock,
     ) -> JobStopped:
         """What a wait we ended (timeout, interruption) raises, once the job was stopped."""
-        result = self._result(handle, final, attached)
-        if isinstance(why, JobTimedOut):
-            return JobTimedOut(self.redact(str(why)), result)
+        result = self._result(handle, final, attached, clock=clock)
+        if isinstance(why, JobTimedOut):  # QueueTimedOut stays one
+            return type(why)(self.redact(str(why)), result)
         return JobStopped(f"job {handle.job_id} {result.state.value}: {why.reason}", result)
 
     def _stop_quietly(self, handle: JobHandle) -> str:
@@ -308,12 +319,17 @@ class Supervisor:
             return message
 
     def _outcome(
-        self, handle: JobHandle, final: JobStatus, attached: bool, whole_log: str | None
+        self,
+        handle: JobHandle,
+        final: JobStatus,
+        attached: bool,
+        whole_log: str | None,
+        clock: JobClock,
     ) -> JobResult:
         if final.state is JobState.SUCCEEDED:
-            return self._result(handle, final, attached)
+            return self._result(handle, final, attached, clock=clock)
         tail = self._log_tail(handle, whole_log) if final.state is JobState.FAILED else ""
-        result = self._result(handle, final, attached, log_tail=self.redact(tail))
+        result = self._result(handle, final, attached, log_tail=self.redact(tail), clock=clock)
         exit_code = f" (exit code {final.exit_code})" if final.exit_code is not None else ""
         message = self.redact(
             f"job {handle.job_id} {final.state.value}{exit_code}: {final.message}".rstrip(": ")
@@ -338,13 +354,20 @@ class Supervisor:
         status: JobStatus | None,
         attached: bool,
         log_tail: str = "",
+        clock: JobClock | None = None,
     ) -> JobResult:
+        queued = clock.queued_s() if clock is not None else 0.0
+        waited = {
+            "queue_wait_s": round(queued, 3) if queued else None,
+            "preemptions": clock.preemptions if clock is not None else 0,
+        }
         if status is None:
             return JobResult(
                 handle=handle,
                 state=JobState.STOPPED,
                 message="stop not confirmed",
                 attached=attached,
+                **waited,
             )
         return JobResult(
             handle=handle,
@@ -355,6 +378,7 @@ class Supervisor:
             exit_code=status.exit_code,
             log_tail=log_tail,
             attached=attached,
+            **waited,
         )
 
 
@@ -477,7 +501,7 @@ def stop_and_confirm(
             state = last.state.value if last else "unknown"
             hint = (
                 " Ray stops a PENDING job only once it gets resources; the stop stays queued."
-                if last and last.state is JobState.PENDING
+                if last and last.state.is_waiting() and backend.kind == "ray-jobs"
                 else ""
             )
             raise StopNotConfirmed(

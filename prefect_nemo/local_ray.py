@@ -37,7 +37,8 @@ def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 @dataclass
@@ -62,7 +63,7 @@ class LocalRayCluster:
         return RayJobsCluster(
             dashboard_url=self.dashboard_url,
             auth_token=self.token,
-            **overrides,  # type: ignore[arg-type]
+            **overrides,
         )
 
     def stop(self, timeout_s: float = 30.0) -> None:

@@ -91,7 +91,8 @@ def spec_fields(data: dict[str, Any], max_command: int) -> dict[str, Any]:
     """A JobSpec's fields with its `task` (a NeMo-Run object or a NemoTask) as a NemoTask, its
     command as the entrypoint and its env (a Script's, the secret values) added to the env;
     ValueError naming the field when they clash or the command is too long."""
-    task, task_env = data["task"], {}
+    task = data["task"]
+    task_env: dict[str, str | SecretStr] = {}
     if not isinstance(task, NemoTask | dict):
         try:
             task, task_env = from_object(task, data.get("working_dir"))

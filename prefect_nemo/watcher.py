@@ -31,6 +31,7 @@ from prefect_nemo.errors import (
     BackendUnavailable,
     JobInterrupted,
     JobTimedOut,
+    QueueTimedOut,
 )
 from prefect_nemo.jobs import Backend, JobHandle, JobState, JobStatus, PushesChanges
 
@@ -314,7 +315,10 @@ class ClusterWatcher:
 
 
 def _changed(current: JobStatus, seen: JobStatus | None) -> bool:
-    return seen is None or (current.state, current.message) != (seen.state, seen.message)
+    """What wakes a waiter: a new state or message, or news of its place in a queue."""
+    return seen is None or (current.state, current.message, current.queue) != (
+        seen.state, seen.message, seen.queue
+    )
 
 
 def _never() -> str | None:
@@ -325,10 +329,68 @@ def _never() -> str | None:
 # Waiting for one job to end, on the watcher
 
 
+class JobClock:
+    """Where one job's time goes while we watch it: active (PENDING or RUNNING: what
+    `timeout_s` bounds) and queued (QUEUED: what `queue_timeout_s` bounds, each wait anew, and
+    the queue wait a result reports). Queue time is not run time."""
+
+    def __init__(self, now: datetime | None = None) -> None:
+        self._since = now or datetime.now(UTC)  # when the current phase began
+        self._state: JobState | None = None  # None before the first status (counted active)
+        self._closed_active_s = 0.0
+        self._closed_queued_s = 0.0
+        self.preemptions = 0  # RUNNING -> QUEUED transitions seen
+        self.last_wait_s: float | None = None  # the last wait in the queue that ended
+
+    @property
+    def state(self) -> JobState | None:
+        """The state of the current phase (None before the first status)."""
+        return self._state
+
+    def observe(self, status: JobStatus, now: datetime | None = None) -> None:
+        """Take a status: a new state closes the phase before it."""
+        if status.state is self._state:
+            return
+        now = now or datetime.now(UTC)
+        if self._state is None and status.start_time and not status.state.is_waiting():
+            # first seen running (re-attached): the cluster's start bounds what ran before us,
+            # so a re-attach never extends the timeout
+            self._since = min(self._since, status.start_time)
+        spent = max(0.0, (now - self._since).total_seconds())
+        if self._state is JobState.QUEUED:
+            self._closed_queued_s += spent
+            self.last_wait_s = spent
+        elif self._state is None or not self._state.is_terminal():
+            self._closed_active_s += spent
+        if status.state is JobState.QUEUED and self._state is JobState.RUNNING:
+            self.preemptions += 1
+        self._state, self._since = status.state, now
+
+    def _current(self, now: datetime | None) -> float:
+        return max(0.0, ((now or datetime.now(UTC)) - self._since).total_seconds())
+
+    def active_s(self, now: datetime | None = None) -> float:
+        """Seconds spent PENDING or RUNNING so far."""
+        live = self._state is None or not (self._state is JobState.QUEUED or
+                                           self._state.is_terminal())  # fmt: skip
+        return self._closed_active_s + (self._current(now) if live else 0.0)
+
+    def queued_s(self, now: datetime | None = None) -> float:
+        """Seconds spent QUEUED so far, every wait together."""
+        current = self._current(now) if self._state is JobState.QUEUED else 0.0
+        return self._closed_queued_s + current
+
+    def this_wait_s(self, now: datetime | None = None) -> float | None:
+        """Seconds of the current wait in the queue; None unless QUEUED."""
+        return self._current(now) if self._state is JobState.QUEUED else None
+
+
 class _TerminalWait:
     """The rules of waiting for one job, whoever waits (a thread or a coroutine): each new
-    status is passed on once, a terminal one ends the wait, `interrupted()` and the timeout
-    (counted from the job's start on the cluster, so re-attaching does not extend it) raise."""
+    status is passed on once, a terminal one ends the wait, `interrupted()` and the timeouts
+    raise: `timeout_s` bounds the time the job is active (not queued; from its start on the
+    cluster when we attach to a running job, so re-attaching does not extend it),
+    `queue_timeout_s` each wait in its scheduler's queue."""
 
     def __init__(
         self,
@@ -336,16 +398,19 @@ class _TerminalWait:
         timeout_s: float | None,
         on_change: Callable[[JobStatus], None],
         interrupted: Callable[[], str | bool | None],
+        queue_timeout_s: float | None = None,
+        clock: JobClock | None = None,
     ) -> None:
-        self.handle, self.timeout_s = handle, timeout_s
+        self.handle, self.timeout_s, self.queue_timeout_s = handle, timeout_s, queue_timeout_s
         self.on_change, self.interrupted = on_change, interrupted
-        self.waited_from = datetime.now(UTC)
+        self.clock = clock or JobClock()
         self.seen: JobStatus | None = None
 
     def step(self, status: JobStatus | None) -> JobStatus | None:
         """Take the watcher's latest status: the terminal status, or None to wait on."""
         if status is not None and status != self.seen:
             self.seen = status
+            self.clock.observe(status)
             self.on_change(status)
         if self.seen is not None and self.seen.state.is_terminal():
             return self.seen
@@ -354,11 +419,21 @@ class _TerminalWait:
                 self.handle.job_id,
                 reason if isinstance(reason, str) else "the flow run is being cancelled",
             )
-        started = (self.seen.start_time if self.seen else None) or self.waited_from
-        timeout_s = self.timeout_s
-        if timeout_s is not None and (datetime.now(UTC) - started).total_seconds() > timeout_s:
+        now = datetime.now(UTC)
+        if self.timeout_s is not None and self.clock.active_s(now) > self.timeout_s:
             raise JobTimedOut(
-                f"job '{self.handle.job_id}' ran past its timeout of {timeout_s:g}s: stopping it"
+                f"job '{self.handle.job_id}' ran past its timeout of {self.timeout_s:g}s: "
+                "stopping it"
+            )
+        waited = self.clock.this_wait_s(now)
+        if self.queue_timeout_s is not None and waited is not None and (
+            waited > self.queue_timeout_s
+        ):
+            queue = self.seen.queue if self.seen else None
+            where = queue.describe() if queue else "in its queue"
+            raise QueueTimedOut(
+                f"job '{self.handle.job_id}' waited {waited:.0f}s {where}, past its "
+                f"queue_timeout_s of {self.queue_timeout_s:g}s: removing it from the queue"
             )
         return None
 
@@ -368,18 +443,22 @@ def wait_until_terminal(
     handle: JobHandle,
     *,
     timeout_s: float | None = None,
+    queue_timeout_s: float | None = None,
     on_change: Callable[[JobStatus], None] = lambda status: None,
     interrupted: Callable[[], str | bool | None] = _never,
     tick_s: float = 1.0,
+    clock: JobClock | None = None,
 ) -> JobStatus:
     """Block until the job is terminal, calling on_change once per observed change.
 
-    The timeout counts from the job's start on the cluster, so re-attaching after a crash does
-    not extend it. Raises JobTimedOut (the caller stops the job), JobInterrupted when
+    `timeout_s` counts the time the job is active, not queued (from its start on the cluster
+    when first seen running, so re-attaching after a crash does not extend it);
+    `queue_timeout_s` each wait in its scheduler's queue; `clock` (optional) keeps the
+    account. Raises JobTimedOut / QueueTimedOut (the caller stops the job), JobInterrupted when
     `interrupted()` gives a reason (or True: the run is being cancelled), or
     BackendUnavailable.
     """
-    waiting = _TerminalWait(handle, timeout_s, on_change, interrupted)
+    waiting = _TerminalWait(handle, timeout_s, on_change, interrupted, queue_timeout_s, clock)
     with watcher.watching(handle.job_id):
         while True:
             # Bounded waits keep the thread responsive to signals (Prefect's cancellation).
@@ -393,12 +472,14 @@ async def wait_until_terminal_async(
     handle: JobHandle,
     *,
     timeout_s: float | None = None,
+    queue_timeout_s: float | None = None,
     on_change: Callable[[JobStatus], None] = lambda status: None,
     interrupted: Callable[[], str | bool | None] = _never,
     tick_s: float = 1.0,
+    clock: JobClock | None = None,
 ) -> JobStatus:
     """`wait_until_terminal` on an event loop: the wait holds no thread."""
-    waiting = _TerminalWait(handle, timeout_s, on_change, interrupted)
+    waiting = _TerminalWait(handle, timeout_s, on_change, interrupted, queue_timeout_s, clock)
     with watcher.watching(handle.job_id):
         while True:
             status = await watcher.next_status_async(handle.job_id, waiting.seen, tick_s)

@@ -75,6 +75,7 @@ ONE_CONTROL_PLANE = (
     "tests/test_real_kuberay_simulator.py",
     "tests/test_real_rl_dynamo_flow.py",
     "tests/test_real_sft_kubeflow_flow.py",
+    "tests/test_real_doctor.py",
     "tests/test_real_kueue.py",
 )
 

@@ -173,6 +173,16 @@ slow = pytest.mark.slow
             id="timeout-nan",
         ),
         pytest.param(
+            {"entrypoint": "true", "queue_timeout_s": -1},
+            r"JobSpec\.queue_timeout_s: Input should be greater than 0",
+            id="queue-timeout-negative",
+        ),
+        pytest.param(
+            {"entrypoint": "true", "queue_timeout_s": 0},
+            r"JobSpec\.queue_timeout_s: Input should be greater than 0",
+            id="queue-timeout-zero",
+        ),
+        pytest.param(
             {"entrypoint": "true", "exclude": "*.ckpt"},
             r"JobSpec\.exclude: Input should be a valid tuple",
             id="exclude-as-one-string",
@@ -586,3 +596,16 @@ def test_negative_replica_counts_are_refused_before_anything_is_sent(kube_server
         with pytest.raises(InvalidJobSpec, match=match):
             ensure_ray_cluster(kube.api(), spec, name="negative")
     assert kube_server.requests.entries == [], "a request went out with a bad count"
+
+
+@pytest.mark.parametrize("field", ["timeout_s", "queue_timeout_s"])
+@pytest.mark.parametrize("value", [-1, 0, float("nan"), float("inf"), "600", True])
+def test_wait_for_job_refuses_a_timeout_that_is_no_seconds(field: str, value: Any) -> None:
+    """wait_for_job's own timeouts (a handle has no JobSpec to check them) are refused naming
+    the parameter before any request: the cluster here answers nothing."""
+    from prefect_nemo import JobHandle, RayJobsCluster, wait_for_job
+
+    nowhere = RayJobsCluster(dashboard_url="http://127.0.0.1:9")
+    handle = JobHandle(job_id="j", backend="ray-jobs", cluster="http://127.0.0.1:9")
+    with pytest.raises(InvalidJobSpec, match=rf"^{field}: expected seconds > 0 \(or None"):
+        wait_for_job.fn(handle, nowhere, **{field: value})

@@ -398,6 +398,35 @@ def test_the_cli_renders_a_job_from_a_block_document_offline(tmp_path, capsys) -
     assert TOKEN not in out
 
 
+def test_the_cli_renders_the_code_configmaps_of_an_inline_kuberay_job(tmp_path, capsys) -> None:
+    """`prefect-nemo render job --working-dir` against a KubeRay block with an inline cluster
+    prints the ConfigMaps the job would bring its code in, before the RayJob (offline)."""
+    from prefect_nemo.cli import main
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "t.py").write_text("print(1)\n")
+    kubeconfig = {
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": f"https://127.0.0.1:{_closed_port()}"}}],
+        "users": [{"name": "u", "user": {"token": TOKEN}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+    }  # fmt: skip
+    document = tmp_path / "blocks.yaml"
+    document.write_text(yaml.safe_dump({"blocks": [{
+        "type": "kube-ray-cluster", "name": "own",
+        "data": {"kubernetes": {"kubeconfig": kubeconfig, "namespace": "ml"},
+                 "ray_cluster_spec": _ray_cluster_spec()},
+    }]}))  # fmt: skip
+    status = main(["render", "job", "--document", str(document), "--cluster", "own", "--name",
+                   "train", "--working-dir", str(code), "--", "python", "t.py"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert status == 0, out
+    kinds = [doc["kind"] for doc in yaml.safe_load_all(out) if isinstance(doc, dict)]
+    assert kinds == ["ConfigMap", "RayJob"], out[:2000]
+    assert "submitterPodTemplate" in out and TOKEN not in out
+
+
 # ---------------------------------------------------------------------------------------------
 # Kubernetes backends: every rendered manifest is accepted by the strict loopback API server
 # (the real CRD schemas from ../shared/crds), and rendering sends no request at all
@@ -479,6 +508,40 @@ def test_kuberay_dry_run_names_the_code_package_ray_would_upload(
     assert runtime_env["working_dir"].startswith("gcs://_ray_pkg_")
     assert rayjob["spec"]["clusterSelector"] == {"ray.io/cluster": "shared"}
     _accepted(kube_server, rayjob)
+
+
+def test_kuberay_dry_run_shows_the_code_configmaps_of_an_inline_cluster(
+    kube_server: Any, tmp_path: Any
+) -> None:
+    """Issue 27: with an inline cluster working_dir travels in ConfigMaps the RayJob owns and
+    its submitter pod unpacks; the dry run shows them (Secret, ConfigMap, RayJob, in the order
+    submit creates them), each accepted by the server, no request sent, and submit then
+    creates exactly what was rendered."""
+    (tmp_path / "t.py").write_text("print(1)\n")
+    kube = KubernetesCluster(kubeconfig=kube_server.kubeconfig())
+    cluster = KubeRayCluster(kubernetes=kube, ray_cluster_spec=_ray_cluster_spec(),
+                             namespace="default")  # fmt: skip
+    spec = JobSpec(name="train", entrypoint="python t.py", working_dir=tmp_path,
+                   env={"HF_TOKEN": SecretStr(SECRET)})  # fmt: skip
+    kube_server.requests.clear()
+    dry = run_job.fn(spec, cluster, dry_run=True)
+    _no_request(kube_server)
+    assert [d["kind"] for d in dry.documents] == ["Secret", "ConfigMap", "RayJob"]
+    configmap, rayjob = dry.documents[1:]
+    volume = rayjob["spec"]["submitterPodTemplate"]["spec"]["volumes"][0]
+    assert volume["projected"]["sources"][0]["configMap"]["name"] == configmap["metadata"]["name"]
+    assert yaml.safe_load(rayjob["spec"]["runtimeEnvYAML"])["working_dir"] == "/prefect-nemo/code"
+    assert SECRET not in dry.yaml
+    for doc in dry.documents:
+        _accepted(kube_server, doc)
+    backend = cluster.backend()
+    rendered = [_accepted(kube_server, d) for d in backend.render(spec, "code-dry-vs-real", {})]
+    backend.submit(spec, "code-dry-vs-real", {})
+    for doc in rendered[1:]:  # the ConfigMap and the RayJob as the server holds them
+        stored = backend.api.get(kind_for(doc), doc["metadata"]["name"], "default")
+        key = "spec" if doc["kind"] == "RayJob" else "binaryData"
+        assert stored[key] == doc[key]
+    backend.api.delete(kind_for(rendered[-1]), "code-dry-vs-real", "default")
 
 
 def test_kubeflow_dry_run_renders_everything_submit_would_create(

@@ -3,8 +3,10 @@ against the loopback API server (strict CRD validation), the KubeRay simulator a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -30,7 +32,7 @@ from prefect_nemo.backends.kuberay import (
     status_from_rayjob,
     wait_ray_cluster_ready,
 )
-from prefect_nemo.kube import RAY_CLUSTER, RAY_JOB
+from prefect_nemo.kube import CONFIGMAP, POD, RAY_CLUSTER, RAY_JOB, SECRET
 from prefect_nemo.lifecycle import META_FLOW_RUN, META_KEY, META_SPEC
 
 RAY_IMAGE = "rayproject/ray:2.60.0"
@@ -173,12 +175,113 @@ def test_status_messages_times_and_metadata():
     assert failed.metadata == {"owner": "me", "prefect_nemo.key": "k"}
 
 
+# what the jobs of issue 27 ship: a module the entrypoint imports, which reports what it saw
+MYMOD = """import hashlib, os
+
+
+def main():
+    seen = hashlib.sha256(os.environ.get("API_KEY", "").encode()).hexdigest()
+    print("mymod ran, secret sha256 " + seen, flush=True)
+"""
+MYMOD_ENTRYPOINT = "python -c 'import mymod; mymod.main()'"
+
+
+def mymod_dir(root: Path) -> Path:
+    """A working_dir with `mymod.py` (and a file left out by .gitignore-style exclude)."""
+    code = root / "code"
+    code.mkdir()
+    (code / "mymod.py").write_text(MYMOD)
+    return code
+
+
+def secret_seen(secret: str) -> str:
+    """The line mymod prints when the job saw `secret` (its hash: the value is never printed)."""
+    return "mymod ran, secret sha256 " + hashlib.sha256(secret.encode()).hexdigest()
+
+
+def test_inline_working_dir_rides_on_the_submitter_pod(tmp_path):
+    """Issue 27: local code and a secret env value go together to an inline cluster. KubeRay's
+    K8sJobMode submitter runs `ray job submit --runtime-env-json <runtimeEnvYAML as JSON>`
+    (common/job.go BuildJobSubmitCommand) from `spec.submitterPodTemplate` when given
+    (GetSubmitterTemplate), filling in the command of its first container when it has none
+    (configureSubmitterContainer); Ray's CLI uploads a local working_dir itself. So: an init
+    container unpacks our ConfigMaps into an emptyDir the submitter mounts at working_dir."""
+    from prefect_nemo.backends.kuberay.manifests import CODE_DIR, SUBMITTER, SUBMITTER_RESOURCES
+
+    spec_ = cluster_spec()
+    spec_["headGroupSpec"]["template"]["spec"]["imagePullSecrets"] = [{"name": "registry"}]
+    config = RayJobConfig(ray_cluster_spec=spec_)
+    job = JobSpec(entrypoint=MYMOD_ENTRYPOINT, working_dir=mymod_dir(tmp_path),
+                  env={"API_KEY": SecretStr("hunter2-secret")})  # fmt: skip
+    backend = KubeRayBackend(_NoApi(), config)  # type: ignore[arg-type]
+    backend.validate(job)
+    *owned, rayjob = backend.render(job, "job-abc", META)
+    assert [d["kind"] for d in owned] == ["Secret", "ConfigMap"]
+    cm = owned[1]
+    assert cm["immutable"] is True and cm["metadata"]["namespace"] == "default"
+    assert cm["metadata"]["labels"]["prefect.io/flow-run-id"] == "run-1"
+    assert json.loads(rayjob["metadata"]["annotations"]["prefect-nemo.io/owned-objects"]) == {
+        "secrets": ["job-abc-env"], "configmaps": [cm["metadata"]["name"]]}  # fmt: skip
+    body = rayjob["spec"]
+    assert yaml.safe_load(body["runtimeEnvYAML"])["working_dir"] == CODE_DIR
+    pod = body["submitterPodTemplate"]["spec"]
+    assert pod["restartPolicy"] == "Never" and pod["imagePullSecrets"] == [{"name": "registry"}]
+    (init,), (submitter,) = pod["initContainers"], pod["containers"]
+    assert submitter["name"] == SUBMITTER and "command" not in submitter, "KubeRay fills it in"
+    assert submitter["image"] == init["image"] == RAY_IMAGE, "the head's image"
+    assert submitter["resources"] == SUBMITTER_RESOURCES
+    assert {m["mountPath"] for m in submitter["volumeMounts"]} == {CODE_DIR}
+    assert f"tar -xzf - -C {CODE_DIR}" in init["command"][-1]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounted = {m["name"] for m in init["volumeMounts"]}
+    assert mounted == set(volumes), "the init container sees the parts and the emptyDir"
+    sources = next(v for v in volumes.values() if "projected" in v)["projected"]["sources"]
+    assert [s["configMap"]["name"] for s in sources] == [cm["metadata"]["name"]]
+    head = body["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert head["envFrom"] == [{"secretRef": {"name": "job-abc-env"}}], "the secret: the Secret"
+    assert "hunter2-secret" not in json.dumps([rayjob, cm])
+
+
+def test_inline_code_too_large_for_configmaps_is_refused_before_any_request(tmp_path):
+    """The ConfigMaps' ceiling (packaging's 8 MiB of archive) is checked by validate."""
+    from prefect_nemo.packaging import TransportTooLarge
+
+    package = tmp_path / "code" / "pkg"  # a package ships whole (packaging.build_archive)
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "weights.bin").write_bytes(os.urandom(9 * 1024 * 1024))  # does not compress
+    backend = KubeRayBackend(_NoApi(), INLINE)  # type: ignore[arg-type]
+    with pytest.raises(TransportTooLarge, match=r"weights\.bin.*exclude="):
+        backend.validate(JobSpec(entrypoint="python x.py", working_dir=package.parent))
+
+
+@pytest.mark.parametrize("mode", ["HTTPMode", "SidecarMode"])
+def test_inline_working_dir_needs_the_k8sjobmode_submitter(mode: str, tmp_path):
+    """HTTPMode has no submitter pod (the operator posts the job), and KubeRay refuses a
+    submitterPodTemplate in SidecarMode (utils/validation.go): the error names the field and
+    the fix before anything is sent."""
+    config = RayJobConfig(ray_cluster_spec=cluster_spec(), submission_mode=mode)
+    backend = KubeRayBackend(_NoApi(), config)  # type: ignore[arg-type]
+    with pytest.raises(InvalidJobSpec) as info:
+        backend.validate(JobSpec(entrypoint="x", working_dir=mymod_dir(tmp_path)))
+    text = str(info.value)
+    assert text.startswith("JobSpec.working_dir:") and f"submission_mode='{mode}'" in text
+    assert "use submission_mode='K8sJobMode'" in text and "ray_cluster_name" in text
+    imageless = cluster_spec()
+    del imageless["headGroupSpec"]["template"]["spec"]["containers"][0]["image"]
+    backend = KubeRayBackend(_NoApi(), RayJobConfig(ray_cluster_spec=imageless))  # type: ignore[arg-type]
+    with pytest.raises(InvalidJobSpec, match=r"containers\[0\]\.image: needed with working_dir"):
+        backend.validate(JobSpec(entrypoint="x", working_dir=tmp_path / "code"))
+
+
 def test_bad_specs_name_the_field_and_the_fix():
     cases = [
         (JobSpec(entrypoint="x", resources=Resources(memory_bytes=1)), INLINE, "memory_bytes"),
         (JobSpec(entrypoint="x", label_selector={"a": "b"}), INLINE, "label_selector"),
         (JobSpec(entrypoint="x", env={"K": SecretStr("v")}), SELECTOR, "Kubernetes Secret"),
-        (JobSpec(entrypoint="x", working_dir=Path(".")), INLINE, "ConfigMap transport"),
+        (JobSpec(entrypoint="x", working_dir=Path(".")),
+         RayJobConfig(ray_cluster_spec=cluster_spec(), submission_mode="HTTPMode"),
+         "submission_mode='K8sJobMode'"),
         (JobSpec(entrypoint="x", labels={"bad key!": "v"}), INLINE, "JobSpec.labels"),
         (JobSpec(entrypoint="x", labels={"prefect.io/flow-run-id": "v"}), INLINE, "set by"),
         (JobSpec(entrypoint="x", runtime_env={"x": object()}), INLINE, "runtime_env"),
@@ -693,6 +796,110 @@ def test_existing_cluster_with_working_dir(
     assert "dashboard" in result.handle.links
     rj = rayjobs(kube_server)[result.handle.job_id]
     assert "gcs://" in rj["spec"]["runtimeEnvYAML"]
+
+
+def owned_by_rayjob(api: Any, job_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The RayJob and the Secret and ConfigMaps it owns (by its owned-objects annotation), each
+    checked to name it as owner (so the garbage collector takes them with it)."""
+    from prefect_nemo.backends._kube_objects import OWNED_ANNOTATION
+
+    rj = api.get(RAY_JOB, job_id)
+    owned = json.loads(rj["metadata"]["annotations"][OWNED_ANNOTATION])
+    assert set(owned) == {"secrets", "configmaps"} and owned["configmaps"], owned
+    objects = [api.get(SECRET, n) for n in owned["secrets"]]
+    objects += [api.get(CONFIGMAP, n) for n in owned["configmaps"]]
+    for obj in objects:
+        assert obj is not None, owned
+        assert [r["uid"] for r in obj["metadata"]["ownerReferences"]] == [rj["metadata"]["uid"]]
+    return rj, objects
+
+
+def gone_with_the_rayjob(api: Any, owned: list[dict[str, Any]], timeout_s: float = 30) -> bool:
+    """Whether the Secret and ConfigMaps went by garbage collection (the RayJob was deleted)."""
+    kinds = {"Secret": SECRET, "ConfigMap": CONFIGMAP}
+    return wait_until(lambda: all(api.get(kinds[o["kind"]], o["metadata"]["name"]) is None
+                                  for o in owned), timeout_s)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_inline_cluster_gets_local_code_and_a_secret_together(
+    kube_server, kuberay, kube_block, ray_head, prefect_api, run_logs, tmp_path
+):
+    """Issue 27: an inline RayCluster spec, a working_dir with a module the entrypoint imports
+    and a SecretStr env value the job reads. The simulator runs the RayJob's submitter pod as
+    the real operator and a kubelet would (its ConfigMap volume, its init container unpacking
+    the code, the submit uploading it); the driver reads the value from the head's env (the
+    Secret, envFrom). The job ran the module and saw the value; the ConfigMaps and the Secret
+    are owned by the RayJob and go with it; no stored object, Ray job field or log holds it."""
+    from prefect.client.orchestration import get_client
+
+    from prefect_nemo import run_job
+    from tests.test_secrets import _logs_of_flow_run
+
+    secret = f"s3cret-{uuid.uuid4().hex}"
+    block = inline_block(kube_block, ray_head, ttl_seconds_after_finished=30)  # pods to look at
+    spec = JobSpec(entrypoint=MYMOD_ENTRYPOINT, name="mymod", working_dir=mymod_dir(tmp_path),
+                   env={"API_KEY": SecretStr(secret)})  # fmt: skip
+
+    @flow
+    def code_and_secret_flow():
+        return run_job(spec, cluster=block)
+
+    state = code_and_secret_flow(return_state=True)
+    result = state.result()
+    job_id = result.handle.job_id
+    assert result.state is JobState.SUCCEEDED, result.message
+    logged = "\n".join(run_logs)
+    assert secret_seen(secret) in logged, "the module ran and read the value"
+
+    api = kube_block.api()
+    rj, owned = owned_by_rayjob(api, job_id)
+    cluster = rj["status"]["rayClusterName"]
+    pods = api.list(POD, label_selector=f"ray.io/cluster={cluster}")[0]
+    assert pods, "the job's cluster is still up (TTL 30 s)"
+    info = ray_head.block().backend().client.get_job_info(job_id)
+    with get_client(sync_client=True) as client:
+        prefect_logs = _logs_of_flow_run(client, state.state_details.flow_run_id, until=job_id)
+    haystacks = {
+        "objects": json.dumps([rj, [o for o in owned if o["kind"] != "Secret"], pods,
+                               api.get(RAY_CLUSTER, cluster)]),
+        "ray job": json.dumps([info.entrypoint, info.runtime_env, info.metadata]),
+        "run logs": logged,
+        "prefect logs": prefect_logs,
+    }  # fmt: skip
+    for where, text in haystacks.items():
+        assert secret not in text, f"the secret leaked into {where}"
+    api.delete(RAY_JOB, job_id)
+    assert gone_with_the_rayjob(api, owned), "a ConfigMap or the Secret outlived its RayJob"
+
+
+@pytest.mark.slow
+def test_inline_working_dir_in_httpmode_sends_nothing(kube_server, kube_block, ray_head,
+                                                      prefect_api, tmp_path):  # fmt: skip
+    """HTTPMode has no submitter pod to carry the code: run_job fails naming the field and the
+    fix, and no RayJob, Secret or ConfigMap was written."""
+    from prefect_nemo import run_job
+
+    block = inline_block(kube_block, ray_head, submission_mode="HTTPMode")
+    spec = JobSpec(entrypoint=MYMOD_ENTRYPOINT, working_dir=mymod_dir(tmp_path),
+                   env={"API_KEY": SecretStr("s3cret")})  # fmt: skip
+
+    ours = ("/rayjobs", "/secrets", "/configmaps")
+
+    def writes() -> int:
+        return sum(1 for e in list(kube_server.requests.entries)
+                   if e.method in ("POST", "PUT", "PATCH") and not e.path.endswith("/status")
+                   and any(k in e.path for k in ours))  # fmt: skip
+
+    before = writes()
+
+    @flow
+    def http_flow():
+        run_job(spec, cluster=block)
+
+    with pytest.raises(InvalidJobSpec, match=r"JobSpec\.working_dir: .*HTTPMode.*K8sJobMode"):
+        http_flow()
+    assert writes() == before
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ ENGINE = [
     "prefect_nemo.backends.kubeflow",
     "prefect_nemo.backends.dynamo",
     "prefect_nemo.backends.nemo_run",
+    "prefect_nemo.doctor",
 ]
 
 

@@ -155,18 +155,20 @@ def test_run_job_and_prefect_level_dependencies(prefect_api, tmp_path, caplog):
     assert not (tmp_path / "ran").exists()
 
 
-def test_the_readmes_nemo_run_example_keeps_nemo_runs_files_where_documented(tmp_path):
-    """The README says NeMo-Run's home is ./.prefect-nemo/nemo-run; NeMo-Run reads its home
-    (NEMORUN_HOME) once, when it is first imported. The imports of the README's "Run a NeMo-Run
-    task" example, run as they stand in a fresh interpreter, must leave it there, not in
-    ~/.nemo_run: `import prefect_nemo` claims the home, and the example imports it first."""
+def test_the_docs_nemo_run_example_keeps_nemo_runs_files_where_documented(tmp_path):
+    """The docs say NeMo-Run's home is ./.prefect-nemo/nemo-run (docs/guides/nemo-run.md);
+    NeMo-Run reads its home (NEMORUN_HOME) once, when it is first imported. The imports of the
+    NeMo-Run tasks guide's example (docs/guides/nemo-run-tasks.md), run as they stand in a fresh
+    interpreter, must leave it there, not in ~/.nemo_run: `import prefect_nemo` claims the home,
+    and the example imports it first."""
     import re
     import subprocess
     import sys
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("### Run a NeMo-Run task", 1)[1]
+    docs = Path(__file__).resolve().parent.parent / "docs" / "guides"
+    assert "`./.prefect-nemo/nemo-run`" in (docs / "nemo-run.md").read_text()
+    section = (docs / "nemo-run-tasks.md").read_text()
     example = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     imports = [line for line in example.splitlines()
                if re.match(r"(import|from) ", line) and "my_project" not in line]  # fmt: skip

@@ -15,7 +15,7 @@ from prefect_nemo.testing.control_plane.run import OPERATOR_NAMESPACE
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("control-plane")]
 
-# What the KubeRay block needs in its namespace (the README's "Permissions" table): its
+# What the KubeRay block needs in its namespace (docs/guides/kuberay.md, "Permissions"): its
 # RayJobs (and their RayClusters to read), the Secret of secret env values, the pods and
 # their logs, and the head Service's proxy (Ray's Jobs API, existing-cluster mode).
 KUBERAY_RULES = [
@@ -23,6 +23,8 @@ KUBERAY_RULES = [
      "verbs": ["get", "list", "watch", "create", "delete", "patch"]},
     {"apiGroups": ["ray.io"], "resources": ["rayclusters"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "delete", "patch"]},
+    {"apiGroups": [""], "resources": ["configmaps"],
+     "verbs": ["get", "create", "delete", "patch"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]},
     {"apiGroups": [""], "resources": ["services/proxy"], "verbs": ["get", "create"]},

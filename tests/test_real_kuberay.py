@@ -25,11 +25,19 @@ from typing import Any
 import pytest
 from kubernetes import client
 from prefect import flow
+from pydantic import SecretStr
 
 from prefect_nemo import JobSpec, JobState, run_job, start_experiment
 from prefect_nemo.blocks import KubeRayCluster, KubernetesCluster
 from prefect_nemo.testing.control_plane.run import OPERATOR_NAMESPACE
-from tests.test_kuberay import run_logs  # noqa: F401 - a fixture
+from tests.test_kuberay import (  # noqa: F401 - run_logs is a fixture
+    MYMOD_ENTRYPOINT,
+    gone_with_the_rayjob,
+    mymod_dir,
+    owned_by_rayjob,
+    run_logs,
+    secret_seen,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("control-plane")]
 ROOT = Path(__file__).resolve().parent.parent
@@ -259,6 +267,67 @@ def test_the_real_operator_takes_our_rayjob_attach_and_stop(real_kuberay: Any) -
     assert wait_until(lambda: kube.get(RAY_JOB, job_id) is None, 60)
     assert wait_until(lambda: cluster() is None and not kube.list(POD, label_selector=selector)[0],
                       60)  # fmt: skip
+
+
+def test_local_code_and_a_secret_reach_an_inline_cluster_together(
+    real_kuberay, prefect_api, run_logs, tmp_path  # noqa: F811 - the fixture imported above
+):
+    """Issue 27 on the real operator. KubeRay v1.6.1's source: GetSubmitterTemplate "if
+    rayJobSpec.SubmitterPodTemplate != nil { return *rayJobSpec.SubmitterPodTemplate.DeepCopy()
+    }", configureSubmitterContainer "K8sJobMode: If the user doesn't specify the command, use
+    the default command" (`ray job submit ... --runtime-env-json <runtimeEnvYAML as JSON>`), and
+    Ray's CLI uploads a local working_dir of that runtime env. So the operator makes the
+    submitter Job from our template, the Job controller its pod, and our node agent runs its init
+    container (unpacking the code from the ConfigMap volume into the emptyDir) and then KubeRay's
+    submit command, whose upload reaches the RayCluster's own head (a local `ray start --head`),
+    whose env holds the Secret (envFrom). The job imports the shipped module and sees the value;
+    the ConfigMaps and the Secret exist while the RayJob does and go with it (the real garbage
+    collector), and no stored object holds the value."""
+    from prefect_nemo.backends.kuberay.manifests import SUBMITTER, UNPACK
+    from prefect_nemo.kube import POD, RAY_CLUSTER, RAY_JOB, KubeApi
+    from tests.conftest import wait_until
+
+    plane, kubeconfig, ray_token, token_secret = real_kuberay
+    kube = KubeApi(plane.api_client(), namespace=NAMESPACE)
+    block = block_for(kubeconfig, ray_token, token_secret, ttl_s=60)  # pods to look at
+    value = f"s3cret-{uuid.uuid4().hex}"
+    name = f"code-{uuid.uuid4().hex[:6]}"
+    spec = JobSpec(entrypoint=MYMOD_ENTRYPOINT, name=name, working_dir=mymod_dir(tmp_path),
+                   env={"API_KEY": SecretStr(value)})  # fmt: skip
+
+    @flow
+    def code_and_secret_flow() -> Any:
+        return run_job(spec, cluster=block)
+
+    result = code_and_secret_flow()
+    job_id, owned = result.handle.job_id, []
+    try:
+        assert result.state is JobState.SUCCEEDED, (result.message,
+                                                    plane.log("node_agent")[-3000:])  # fmt: skip
+        logged = "\n".join(run_logs)
+        assert secret_seen(value) in logged, "the shipped module ran and read the value"
+        rj, owned = owned_by_rayjob(kube, job_id)
+        submitter = plane.get("jobs", NAMESPACE, job_id, group="batch")
+        assert submitter is not None, "KubeRay's submitter Job"
+        pod_spec = submitter["spec"]["template"]["spec"]
+        assert [c["name"] for c in pod_spec["initContainers"]] == [UNPACK]
+        (container,) = pod_spec["containers"]
+        assert container["name"] == SUBMITTER and "ray job submit" in container["args"][0]
+        assert "/prefect-nemo/code" in container["args"][0], "working_dir in --runtime-env-json"
+        submitter_pods = kube.list(POD, label_selector=f"batch.kubernetes.io/job-name={job_id}")[0]
+        assert submitter_pods and all(
+            p["status"]["initContainerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+            for p in submitter_pods), submitter_pods  # fmt: skip
+        cluster = rj["status"]["rayClusterName"]
+        cluster_pods = kube.list(POD, label_selector=f"ray.io/cluster={cluster}")[0]
+        objects = [rj, [o for o in owned if o["kind"] != "Secret"], submitter, submitter_pods,
+                   cluster_pods, kube.get(RAY_CLUSTER, cluster)]  # fmt: skip
+        stored = json.dumps(objects)
+        assert value not in stored and value not in logged
+    finally:
+        kube.delete(RAY_JOB, job_id)
+    assert gone_with_the_rayjob(kube, owned, 60), "a ConfigMap or the Secret outlived its RayJob"
+    assert wait_until(lambda: plane.get("jobs", NAMESPACE, job_id, group="batch") is None, 60)
 
 
 if __name__ == "__main__":  # the flow process the kill -9 test kills

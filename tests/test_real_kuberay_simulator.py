@@ -37,6 +37,7 @@ KUBERAY_REAL = (
     "test_ensure_never_attaches_to_a_raycluster_being_deleted",
     "test_stop_of_a_job_pending_in_ray_escalates_to_delete",
     "test_existing_cluster_with_working_dir",
+    "test_inline_cluster_gets_local_code_and_a_secret_together",
     "test_ray_jobs_block_through_the_proxy",
 )
 for _name in KUBERAY_REAL:

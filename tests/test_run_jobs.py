@@ -278,6 +278,7 @@ def test_after_and_the_cluster_cap_hold_for_every_job(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # 140 s on a quiet 2-core machine; CI's ran past the default 300
 def test_a_thousand_jobs_in_one_flow_run_all_end_and_nothing_leaks(
     kube_server: Any, kube_block: Any, sim: KubeRaySimulator, block: Any, prefect_api: str
 ):
@@ -328,6 +329,7 @@ def test_a_thousand_jobs_in_one_flow_run_all_end_and_nothing_leaks(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # as the test above
 def test_cancelling_the_thousand_job_flow_run_midway_leaves_no_job_running(
     kube_block: Any, block: Any, fake_ray: FakeRay, prefect_api: str
 ):

@@ -77,3 +77,47 @@ def test_ray_asks_each_watched_job_only_where_that_costs_less_than_one_list() ->
     cost.listed(cluster_jobs=20, took_s=0.010)  # a young cluster: its list is cheap
     assert not cost.each(3) and cost.each(2)
     assert not cost.each(0), "nothing watched: nothing to ask"
+
+
+def test_the_clock_counts_queue_time_apart_from_active_time() -> None:
+    """Issue 28: "Queue time is not run time. JobSpec.timeout_s counts from RUNNING"; each wait
+    in the queue is bounded anew (queue_timeout_s) and they add up to the reported queue wait.
+    A job seen PENDING 1 s, QUEUED 100 s, RUNNING 10 s, preempted back into the queue for 50 s,
+    RUNNING 5 s, SUCCEEDED."""
+    from datetime import timedelta
+
+    from prefect_nemo.watcher import JobClock
+
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    clock = JobClock(now=t0)
+
+    def at(seconds: float, state: JobState) -> None:
+        clock.observe(JobStatus(job_id="j", state=state), now=t0 + timedelta(seconds=seconds))
+
+    at(0, JobState.PENDING)
+    at(1, JobState.QUEUED)
+    assert clock.this_wait_s(t0 + timedelta(seconds=61)) == 60
+    at(101, JobState.RUNNING)
+    assert clock.last_wait_s == 100 and clock.this_wait_s(t0) is None
+    assert clock.active_s(t0 + timedelta(seconds=111)) == 11  # PENDING 1 + RUNNING 10
+    at(111, JobState.QUEUED)
+    assert clock.preemptions == 1
+    assert clock.active_s(t0 + timedelta(seconds=150)) == 11, "queued time is not run time"
+    at(161, JobState.RUNNING)
+    at(166, JobState.SUCCEEDED)
+    assert clock.queued_s(t0 + timedelta(seconds=999)) == 150
+    assert clock.active_s(t0 + timedelta(seconds=999)) == 16
+
+
+def test_a_clock_that_attaches_to_a_running_job_counts_from_its_start() -> None:
+    """Re-attaching after a crash never extends the timeout: a job first seen RUNNING counts
+    from the start its cluster recorded."""
+    from datetime import timedelta
+
+    from prefect_nemo.watcher import JobClock
+
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    clock = JobClock(now=t0)
+    started = t0 - timedelta(seconds=300)
+    clock.observe(JobStatus(job_id="j", state=JobState.RUNNING, start_time=started), now=t0)
+    assert clock.active_s(t0 + timedelta(seconds=10)) == 310

@@ -81,6 +81,13 @@ def test_wheel_ships_the_testing_kits_crds_with_their_sources(wheel: Path):
     assert shipped == local and f"{CRDS}/SOURCES.md" in shipped and len(shipped) >= 19
 
 
+@pytest.mark.slow
+def test_wheel_is_typed(wheel: Path):
+    """PEP 561: the py.typed marker ships, so type checkers read the package's own annotations."""
+    with zipfile.ZipFile(wheel) as zf:
+        assert "prefect_nemo/py.typed" in zf.namelist()
+
+
 def _import_testing_without(*blocked: str) -> subprocess.CompletedProcess[str]:
     """`import prefect_nemo.testing` in a fresh interpreter where `blocked` cannot be imported."""
     code = (

@@ -44,6 +44,7 @@ from prefect_nemo.kube import (
     MANAGED_BY,
     POD,
     SECRET,
+    Access,
     AlreadyExists,
     Informer,
     Invalid,
@@ -112,6 +113,11 @@ class KubeJobBackend(Generic[ConfigT]):
 
     def read_log(self, job_id: str) -> str | None:
         """The job's whole log from its source; None while (or once) there is none to read."""
+        raise NotImplementedError
+
+    def access(self) -> tuple[Access, ...]:
+        """The verbs this backend uses on each resource, for RBAC (the one list: the README's
+        permissions and `prefect-nemo doctor` read it)."""
         raise NotImplementedError
 
     # -- identity ------------------------------------------------------------------------------
@@ -388,7 +394,7 @@ class KubeJobBackend(Generic[ConfigT]):
         wanted = [(self.job_kind, MANAGED)]
         if self.pod_job_label:
             wanted.append((POD, f"{MANAGED},{self.pod_job_label}"))
-        current = list(self._informers) or [None] * len(wanted)
+        current: list[Informer | None] = [*self._informers] or [None] * len(wanted)
         for i, (kind, selector) in enumerate(wanted):
             old = current[i]
             rejected = old is not None and isinstance(old.error, AuthenticationFailed)

@@ -1,16 +1,18 @@
 """What every Kubernetes job kind writes and reads the same way (pure, no API call): label
 checks, the job object's metadata and size limits, the Secret that carries secret env values,
-API timestamps; and what a backend remembers in this process beyond what the API server keeps.
-No Prefect import."""
+the ConfigMaps that carry working_dir, API timestamps; and what a backend remembers in this
+process beyond what the API server keeps. No Prefect import."""
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from collections import OrderedDict
 from collections.abc import Collection, Mapping
 from datetime import datetime
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pydantic import SecretStr
 
@@ -18,6 +20,9 @@ from prefect_nemo.errors import InvalidJobSpec
 from prefect_nemo.jobs import RESERVED_PREFIX, JobSpec
 from prefect_nemo.kube import FLOW_RUN_LABEL, MANAGED_BY, Kind, managed_labels
 from prefect_nemo.names import is_label_key, label_value
+
+if TYPE_CHECKING:
+    from prefect_nemo.packaging import TransportPlan
 
 ANNOTATION_PREFIX = "prefect-nemo.io/"  # prefect_nemo.<key> job metadata is kept as these
 MAX_OBJECT_BYTES = 1_000_000  # etcd's request limit is ~1.5 MiB; leave room for status
@@ -72,7 +77,7 @@ def job_object(
     }
     if owned:
         reserved[OWNED_ANNOTATION] = json.dumps(dict(owned))
-    manifest = {
+    manifest: dict[str, Any] = {
         "apiVersion": kind.api_version,
         "kind": kind.kind,
         "metadata": {
@@ -127,6 +132,35 @@ def secret_manifest(
         "type": "Opaque",
         "stringData": secrets,
     }
+
+
+def code_plan(
+    spec: JobSpec, name: str, *, chunk_bytes: int | None = None, max_bytes: int | None = None
+) -> TransportPlan:
+    """The ConfigMap transport of `spec.working_dir`, its parts named after `name` (the job
+    id); TransportTooLarge past `max_bytes`. build_archive reuses an unchanged tree's archive
+    (by content hash), so planning again at submit costs only the file walk."""
+    from prefect_nemo.packaging import build_archive, plan_for
+
+    assert spec.working_dir is not None
+    archive = build_archive(Path(spec.working_dir), exclude=tuple(spec.exclude))
+    return plan_for("kubernetes", archive, name=name, chunk_bytes=chunk_bytes, max_bytes=max_bytes)
+
+
+def code_configmaps(
+    plan: TransportPlan, *, namespace: str, flow_run_id: str | None
+) -> list[dict[str, Any]]:
+    """The plan's ConfigMaps as a job creates them before its object (which then owns them):
+    in its namespace, labelled as ours."""
+    out = []
+    for cm in plan.configmaps:
+        cm = copy.deepcopy(cm)
+        meta = cm.setdefault("metadata", {})
+        meta["namespace"] = namespace
+        meta["labels"] = {**(meta.get("labels") or {}), **managed_labels(flow_run_id)}
+        meta.pop("ownerReferences", None)
+        out.append(cm)
+    return out
 
 
 def parse_time(value: Any) -> datetime | None:

@@ -267,7 +267,7 @@ class RayJobsBackend:
         refuse_launcher(spec, self.kind)
         # the head's id is only known at submit; a stand-in checks everything else
         _, selector, sources = self._placement(spec, "head-node-id")
-        if selector and "entrypoint_label_selector" not in self._submit_params():
+        if selector and not self.sends_label_selectors():
             # Sending the job without its selector would place it on any node (a GPU job on
             # the CPU head, say): worse than not running it, so stop here instead.
             raise InvalidJobSpec(
@@ -297,7 +297,7 @@ class RayJobsBackend:
             if "404" in str(exc) or "does not exist" in str(exc):
                 return None
             raise
-        return _status_from_details(info)  # type: ignore[arg-type]
+        return _status_from_details(info)
 
     def submit(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> JobHandle:
         """Submit the spec under job_id; JobAlreadyExists if someone took the id first."""
@@ -388,6 +388,22 @@ class RayJobsBackend:
     def _submit_params(self) -> set[str]:
         """The keyword arguments this Ray client's submit_job takes."""
         return set(inspect.signature(self.client_class.submit_job).parameters)
+
+    def sends_label_selectors(self) -> bool:
+        """Whether this Ray client can send an entrypoint label selector (ray >= 2.54.0)."""
+        return "entrypoint_label_selector" in self._submit_params()
+
+    @property
+    def selects_by_image(self) -> bool:
+        """Whether the block itself gives jobs label selectors (image_label_selectors/key)."""
+        return bool(self._image_label_selectors or self._image_label_key)
+
+    def cluster_ray_version(self) -> str:
+        """The Ray version the cluster runs, from its dashboard's version endpoint."""
+        response = self._call(lambda: self.client._do_request("GET", "/api/version"))
+        if response.status_code != 200:
+            self._call(lambda: self.client._raise_error(response))
+        return str(response.json().get("ray_version", "unknown"))
 
     def head_node_id(self) -> str:
         """The Ray id of the cluster's head node, from the dashboard's state API (which lists

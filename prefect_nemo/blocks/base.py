@@ -22,7 +22,9 @@ class ClusterBlock(Block):
     # a rejected value may be a secret (a key pasted wrong): errors name the field, not the value
     model_config = ConfigDict(hide_input_in_errors=True)
 
-    _documentation_url = DOCS_URL
+    # Block annotates _logo_url and _documentation_url as HttpUrl; a plain URL string works
+    # the same (Prefect's API takes either), hence the ignores on them in every block
+    _documentation_url = DOCS_URL  # type: ignore[assignment]
 
     max_concurrent_jobs: int | None = Field(
         default=None,

@@ -142,7 +142,8 @@ def train():
     def backend(self) -> DGXCloudBackend:
         """The NeMo-Run DGX Cloud backend for this cluster (needs prefect-nemo[nemo-run])."""
         from prefect_nemo.backends.nemo_run.base import config_from
-        from prefect_nemo.backends.nemo_run.dgx_cloud import DGXCloudBackend, DGXCloudConfig
+        from prefect_nemo.backends.nemo_run.dgx_cloud import DGXCloudBackend
+        from prefect_nemo.backends.nemo_run.runai import DGXCloudConfig
 
         return DGXCloudBackend(config_from(DGXCloudConfig, dict(self)))
 
@@ -179,7 +180,7 @@ def rl():
     def backend(self) -> DGXCloudRayBackend:
         """The Ray-on-DGX-Cloud backend (needs prefect-nemo[nemo-run])."""
         from prefect_nemo.backends.nemo_run.base import config_from
-        from prefect_nemo.backends.nemo_run.dgx_cloud import DGXCloudConfig
         from prefect_nemo.backends.nemo_run.ray_clusters import DGXCloudRayBackend
+        from prefect_nemo.backends.nemo_run.runai import DGXCloudConfig
 
         return DGXCloudRayBackend(config_from(DGXCloudConfig, dict(self.cluster)))

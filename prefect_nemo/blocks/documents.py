@@ -216,7 +216,7 @@ def _check_fields(cls: type[Block], data: dict[str, Any], where: str) -> None:
     for name, info in fields.items():
         nested = info.annotation
         if isinstance(data.get(name), dict) and Block.is_block_class(nested):
-            _check_fields(nested, data[name], f"{where}.{name}")  # type: ignore[arg-type]
+            _check_fields(nested, data[name], f"{where}.{name}")
 
 
 def _canonical(value: Any) -> Any:

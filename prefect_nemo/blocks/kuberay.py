@@ -154,9 +154,9 @@ def ray_jobs_block(
         )
     return RayJobsCluster(
         dashboard_url=url,
-        auth_token=token,  # type: ignore[arg-type]
+        auth_token=token,
         token_header="X-Ray-Authorization",
-        headers=headers or None,  # type: ignore[arg-type]
+        headers=headers or None,
         verify_tls=tls_verify(api),
         **overrides,
     )

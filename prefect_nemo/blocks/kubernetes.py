@@ -38,7 +38,7 @@ class KubernetesCluster(Block):
     _block_type_name = "Kubernetes Cluster"
     _block_type_slug = "kubernetes-cluster"
     _logo_url = "https://kubernetes.io/images/favicon.png"  # type: ignore[assignment]
-    _documentation_url = DOCS_URL
+    _documentation_url = DOCS_URL  # type: ignore[assignment]
     _description = (
         "A Kubernetes API server for prefect-nemo: a kubeconfig kept as a secret (never written "
         "to disk) or the pod's in-cluster service account, and the namespace to use."
@@ -100,14 +100,15 @@ api = k8s.api()  # prefect_nemo.kube.KubeApi
             return f"the kubeconfig field of {self.describe()}"
         return f"the kubeconfig file {_kubeconfig_path()} ({self.describe()}.kubeconfig is empty)"
 
-    def _kubeconfig_document(self) -> dict | None:
+    def _kubeconfig_document(self) -> dict[str, Any] | None:
         if self.in_cluster:
             return None
         if self.kubeconfig is not None:
             return self.kubeconfig.get_secret_value()
         path = _kubeconfig_path()
         try:
-            return yaml.safe_load(path.expanduser().read_text())
+            document: dict[str, Any] = yaml.safe_load(path.expanduser().read_text())
+            return document
         except OSError as exc:
             raise InvalidJobSpec(
                 f"KubernetesCluster.kubeconfig: empty and {path} cannot be read ({exc}); paste "
@@ -124,14 +125,14 @@ _clients: dict[str, ApiClient] = {}
 _clients_lock = threading.Lock()
 
 
-def _api_client(document: dict | None, context: str | None) -> ApiClient:
+def _api_client(document: dict[str, Any] | None, context: str | None) -> ApiClient:
     if document is None:
         config = Configuration()
         k8s_config.load_incluster_config(client_configuration=config)
         return ApiClient(config)
     document, keep_open = _certificates_in_memory(document)
     try:
-        client = k8s_config.new_client_from_config_dict(
+        client: ApiClient = k8s_config.new_client_from_config_dict(
             document, context=context, persist_config=False
         )
     except k8s_config.ConfigException as exc:
@@ -140,7 +141,7 @@ def _api_client(document: dict | None, context: str | None) -> ApiClient:
     return client
 
 
-def _certificates_in_memory(document: dict) -> tuple[dict, list[Any]]:
+def _certificates_in_memory(document: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
     """Move base64 certificate data into anonymous in-memory files (memfd) and point the
     kubeconfig at them: the client reads them by path, and nothing lands on disk (the client
     itself would write them to temp files)."""

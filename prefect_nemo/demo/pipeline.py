@@ -94,7 +94,8 @@ def evaluate(
 @task(name="start-experiment-run", cache_policy=NO_CACHE)
 def _start(experiment_flow: Any, **parameters: Any) -> dict[str, Any]:
     # A flow called from a task is its own (child) flow run: three of them run side by side.
-    return experiment_flow(**parameters)
+    outputs: dict[str, Any] = experiment_flow(**parameters)
+    return outputs
 
 
 @flow(name="demo-pipeline")

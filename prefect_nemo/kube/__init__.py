@@ -43,6 +43,7 @@ from prefect_nemo.kube.kinds import (
     SERVICE,
     TRAIN_JOB,
     TRAINING_RUNTIME,
+    Access,
     Kind,
     dgd_kind,
     kind_for,
@@ -52,7 +53,7 @@ from prefect_nemo.kube.watch import Informer, KubeTimeout, wait_for
 __all__ = [
     "CLUSTER_TRAINING_RUNTIME", "CONFIGMAP", "EVENT", "FLOW_RUN_LABEL", "GONE_TIMEOUT_S",
     "LAST_USED", "MANAGED_BY", "NAMESPACE", "POD", "PVC", "RAY_CLUSTER", "RAY_JOB", "SECRET",
-    "SERVICE", "SPEC_HASH", "TRAINING_RUNTIME", "TRAIN_JOB", "AlreadyExists", "Applied",
+    "SERVICE", "SPEC_HASH", "TRAINING_RUNTIME", "TRAIN_JOB", "Access", "AlreadyExists", "Applied",
     "Conflict", "Expired", "Forbidden", "Informer", "Invalid", "Kind", "KubeApi", "KubeError",
     "KubeTimeout", "NotFound", "add_owner_reference", "apply_or_attach", "check_same_namespace",
     "dgd_kind", "kind_for", "managed_labels", "owner_reference", "spec_hash", "wait_for",

@@ -7,9 +7,10 @@ discovery cache file on disk. Errors become prefect-nemo errors that say what fa
 
 from __future__ import annotations
 
+import builtins
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import urllib3
 from kubernetes import watch as k8s_watch
@@ -75,7 +76,7 @@ class _StaticResources:
         self.client = client
 
     @property
-    def version(self) -> dict:
+    def version(self) -> dict[str, Any]:
         return {}
 
     def get(self, **kwargs: Any) -> Resource:
@@ -124,7 +125,9 @@ class KubeApi:
         # where the credentials come from (a block and its field), for 401/403 messages; never
         # the credentials themselves
         self.credentials = credentials
-        self._dyn = _DynamicClient(api_client, discoverer=_StaticResources)
+        # DynamicClient.__init__ has no annotations (the option untyped_calls_exclude does not
+        # reach a subclass's constructor)
+        self._dyn = _DynamicClient(api_client, discoverer=_StaticResources)  # type: ignore[no-untyped-call]
         self._resources: dict[tuple[Kind, str | None], Resource] = {}
 
     # -- identity and credentials ------------------------------------------------------------
@@ -132,7 +135,8 @@ class KubeApi:
     @property
     def host(self) -> str:
         """The API server's base URL."""
-        return self.api_client.configuration.host.rstrip("/")
+        host: str = self.api_client.configuration.host
+        return host.rstrip("/")
 
     def auth_headers(self) -> dict[str, str]:
         """The Authorization header this client sends (a secret: for clients that go through
@@ -151,7 +155,7 @@ class KubeApi:
 
     # -- CRUD -----------------------------------------------------------------------------------
 
-    def get(self, kind: Kind, name: str, namespace: str | None = None) -> dict | None:
+    def get(self, kind: Kind, name: str, namespace: str | None = None) -> dict[str, Any] | None:
         """The object, or None if it does not exist."""
         try:
             return self._json(
@@ -176,7 +180,7 @@ class KubeApi:
         field_selector: str | None = None,
         limit: int | None = None,
         all_namespaces: bool = False,
-    ) -> tuple[list[dict], str]:
+    ) -> tuple[list[dict[str, Any]], str]:
         """The matching objects (in every namespace with `all_namespaces`) and the list's
         resourceVersion (to watch from)."""
         body = self._json(
@@ -197,7 +201,9 @@ class KubeApi:
             item.setdefault("kind", kind.kind)
         return items, str(body.get("metadata", {}).get("resourceVersion", ""))
 
-    def create(self, kind: Kind, obj: dict, namespace: str | None = None) -> dict:
+    def create(
+        self, kind: Kind, obj: dict[str, Any], namespace: str | None = None
+    ) -> dict[str, Any]:
         """Create the object; AlreadyExists if the name is taken, Invalid if it is rejected."""
         name = obj.get("metadata", {}).get("name", "")
         return self._json(
@@ -212,7 +218,9 @@ class KubeApi:
             )
         )
 
-    def replace(self, kind: Kind, obj: dict, namespace: str | None = None) -> dict:
+    def replace(
+        self, kind: Kind, obj: dict[str, Any], namespace: str | None = None
+    ) -> dict[str, Any]:
         """Replace the object; Conflict if its resourceVersion is stale."""
         name = obj["metadata"]["name"]
         return self._json(
@@ -232,11 +240,12 @@ class KubeApi:
         self,
         kind: Kind,
         name: str,
-        patch: dict | list,
+        # `builtins.list`: the method `list` above shadows the type in this class
+        patch: dict[str, Any] | builtins.list[dict[str, Any]],
         namespace: str | None = None,
         *,
         subresource: str | None = None,
-    ) -> dict:
+    ) -> dict[str, Any]:
         """A merge patch (dict) or JSON patch (list) of the object or of its subresource."""
         content_type = (
             "application/json-patch+json" if isinstance(patch, list)
@@ -295,7 +304,7 @@ class KubeApi:
         label_selector: str | None = None,
         field_selector: str | None = None,
         watcher: k8s_watch.Watch | None = None,
-    ) -> Iterator[tuple[str, dict]]:
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
         """Stream (type, object) events until the server ends the stream (after timeout_s) or
         `watcher.stop()` is called (from any thread: it unblocks the read at once).
 
@@ -330,9 +339,14 @@ class KubeApi:
         NotFound when the pod is gone."""
         core = CoreV1Api(self.api_client)
         try:
-            resp = core.read_namespaced_pod_log(
-                name, self._ns(POD, namespace), container=container,
-                _request_timeout=self.request_timeout_s, _preload_content=False,
+            # with _preload_content=False the client returns the raw HTTP response, not the str
+            # its annotation names
+            resp = cast(
+                urllib3.BaseHTTPResponse,
+                core.read_namespaced_pod_log(
+                    name, self._namespace(namespace), container=container,
+                    _request_timeout=self.request_timeout_s, _preload_content=False,
+                ),
             )  # fmt: skip
         except (ApiException, DynamicApiError) as exc:
             if getattr(exc, "status", 0) == 400:
@@ -384,10 +398,14 @@ class KubeApi:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _ns(self, kind: Kind, namespace: str | None, obj: dict | None = None) -> str | None:
+    def _ns(
+        self, kind: Kind, namespace: str | None, obj: dict[str, Any] | None = None
+    ) -> str | None:
         """The namespace a request goes to, checked (every request passes here)."""
-        if not kind.namespaced:
-            return None
+        return self._namespace(namespace, obj) if kind.namespaced else None
+
+    def _namespace(self, namespace: str | None, obj: dict[str, Any] | None = None) -> str:
+        """The namespace of a request for a namespaced kind, checked."""
         chosen = namespace or (obj or {}).get("metadata", {}).get("namespace") or self.namespace
         return check_namespace(chosen)
 
@@ -461,14 +479,17 @@ class KubeApi:
         return KubeError(code, reason, f"{verb} {what}: {message}")
 
     @staticmethod
-    def _json(resp: Any) -> dict:
+    def _json(resp: Any) -> dict[str, Any]:
         return json.loads(resp.data) if resp is not None else {}
 
 
 def _retry_after(exc: Any) -> float | None:
     """The Retry-After seconds of a 429/503 answer, if it gave them."""
     headers = getattr(exc, "headers", None) or {}
+    value = headers.get("Retry-After")
+    if value is None:
+        return None
     try:
-        return float(headers.get("Retry-After"))
+        return float(value)
     except (TypeError, ValueError):
         return None

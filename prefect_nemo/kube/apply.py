@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from prefect_nemo.errors import InvalidJobSpec
 from prefect_nemo.kube.api import AlreadyExists, KubeApi, NotFound
@@ -27,7 +27,7 @@ Outcome = Literal["created", "attached", "drifted", "recreated"]
 class Applied:
     """What apply_or_attach did: the object as the server has it, and how we got there."""
 
-    obj: dict
+    obj: dict[str, Any]
     outcome: Outcome
     drift: str | None = None
 
@@ -45,7 +45,7 @@ def managed_labels(flow_run_id: str | None = None) -> dict[str, str]:
     return labels
 
 
-def spec_hash(manifest: dict) -> str:
+def spec_hash(manifest: dict[str, Any]) -> str:
     """Fingerprint of what we ask for: everything but status and server-owned metadata."""
     meta = manifest.get("metadata", {})
     wanted = {
@@ -60,7 +60,7 @@ def spec_hash(manifest: dict) -> str:
 
 def apply_or_attach(
     api: KubeApi,
-    manifest: dict,
+    manifest: dict[str, Any],
     *,
     namespace: str | None = None,
     recreate: bool = False,
@@ -127,7 +127,9 @@ def wait_gone(
     )  # fmt: skip
 
 
-def check_same_namespace(kind: Kind, name: str, namespace: str | None, owner: dict) -> None:
+def check_same_namespace(
+    kind: Kind, name: str, namespace: str | None, owner: dict[str, Any]
+) -> None:
     """Raise InvalidJobSpec, naming both namespaces, when a namespaced `owner` is not in the
     dependent's namespace ("A namespaced owner must exist in the same namespace as the
     dependent. If it does not, the owner reference is treated as absent": Kubernetes)."""
@@ -143,8 +145,8 @@ def check_same_namespace(kind: Kind, name: str, namespace: str | None, owner: di
 
 
 def owner_reference(
-    owner: dict, *, controller: bool = False, block_owner_deletion: bool = False
-) -> dict:
+    owner: dict[str, Any], *, controller: bool = False, block_owner_deletion: bool = False
+) -> dict[str, Any]:
     """An ownerReference to `owner` (as the server returned it: it needs the uid)."""
     meta = owner["metadata"]
     return {
@@ -161,11 +163,11 @@ def add_owner_reference(
     api: KubeApi,
     kind: Kind,
     name: str,
-    owner: dict,
+    owner: dict[str, Any],
     namespace: str | None = None,
     *,
     controller: bool = False,
-) -> dict:
+) -> dict[str, Any]:
     """Make `owner` an owner of the object (idempotent by owner uid), so deleting the owner
     garbage-collects it. A merge patch replaces the whole list, so the existing refs are kept.
 

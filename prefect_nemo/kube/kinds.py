@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from prefect_nemo.errors import InvalidJobSpec
 
@@ -23,11 +24,48 @@ class Kind:
         """The manifest's apiVersion: "v1" for the core group, else "group/version"."""
         return f"{self.group}/{self.version}" if self.group else self.version
 
+    @property
+    def crd(self) -> str | None:
+        """The name of the CustomResourceDefinition that serves this kind ("rayjobs.ray.io");
+        None for the core group, which every API server serves."""
+        return f"{self.plural}.{self.group}" if self.group else None
+
     def describe(self, name: str = "", namespace: str | None = None) -> str:
         """A human-readable reference for messages: "rayjobs.ray.io default/train-1"."""
         what = f"{self.plural}.{self.group}" if self.group else self.plural
         where = f"{namespace}/{name}" if namespace and name else name
         return f"{what} {where}".strip()
+
+
+@dataclass(frozen=True)
+class Access:
+    """Verbs a backend needs on a kind (or a subresource of it): what RBAC must grant the
+    block's account, declared by the backend itself (`access()`) and asked of the API server,
+    verb by verb, by `prefect-nemo doctor`."""
+
+    kind: Kind
+    verbs: tuple[str, ...]
+    subresource: str = ""
+    all_namespaces: bool = False  # across every namespace: a ClusterRole's rule
+    optional: str = ""  # what stops working without it while jobs still run (a warning)
+
+    @property
+    def resource(self) -> str:
+        """The RBAC resource: the plural, or "plural/subresource" ("pods/log")."""
+        return f"{self.kind.plural}/{self.subresource}" if self.subresource else self.kind.plural
+
+    @property
+    def cluster_wide(self) -> bool:
+        """Granted by a ClusterRole (a cluster-scoped kind, or a list across namespaces)."""
+        return self.all_namespaces or not self.kind.namespaced
+
+    def rule(self, verbs: tuple[str, ...] | None = None) -> dict[str, list[str]]:
+        """The (Cluster)Role rule that grants `verbs` (default: all of them)."""
+        return {
+            "apiGroups": [self.kind.group],
+            "resources": [self.resource],
+            "verbs": list(self.verbs if verbs is None else verbs),
+        }
 
 
 NAMESPACE = Kind("", "v1", "Namespace", "namespaces", namespaced=False)
@@ -66,14 +104,15 @@ KNOWN_KINDS: tuple[Kind, ...] = (
     NAMESPACE, POD, SERVICE, CONFIGMAP, SECRET, PVC, EVENT, RAY_CLUSTER, RAY_JOB,
     TRAIN_JOB, TRAINING_RUNTIME, CLUSTER_TRAINING_RUNTIME, *(dgd_kind(v) for v in DGD_VERSIONS),
 )  # fmt: skip
-_BY_TYPE = {(k.api_version, k.kind): k for k in KNOWN_KINDS}
+# keyed for lookups with whatever a manifest holds there (None when absent)
+_BY_TYPE: dict[tuple[object, object], Kind] = {(k.api_version, k.kind): k for k in KNOWN_KINDS}
 
 
-def kind_for(manifest: dict) -> Kind:
+def kind_for(manifest: dict[str, Any]) -> Kind:
     """The Kind of a manifest, from its apiVersion and kind."""
     key = (manifest.get("apiVersion"), manifest.get("kind"))
     try:
-        return _BY_TYPE[key]  # type: ignore[index]
+        return _BY_TYPE[key]
     except KeyError:
         known = ", ".join(sorted(f"{k.api_version} {k.kind}" for k in KNOWN_KINDS))
         raise InvalidJobSpec(

@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from kubernetes import watch as k8s_watch
 
@@ -36,7 +37,7 @@ def _list_watch(
     deadline: float | None = None,
     on_error: Callable[[Exception | None], None] = lambda exc: None,
     new_watch: Callable[[], k8s_watch.Watch] = k8s_watch.Watch,
-) -> Iterator[tuple[str, dict | list[dict]]]:
+) -> Iterator[tuple[str, dict[str, Any] | list[dict[str, Any]]]]:
     """Yield ("LIST", items) and then watch events ("ADDED"/"MODIFIED"/"DELETED", obj) until
     `stopped` is set or the deadline. Dropped streams resume from the last resourceVersion seen;
     410 lists again; transport errors are retried with backoff (reported through on_error)."""
@@ -93,12 +94,12 @@ def wait_for(
     api: KubeApi,
     kind: Kind,
     name: str,
-    predicate: Callable[[dict | None], bool],
+    predicate: Callable[[dict[str, Any] | None], bool],
     *,
     namespace: str | None = None,
     timeout_s: float,
     what: str = "",
-) -> dict | None:
+) -> dict[str, Any] | None:
     """Wait until predicate(object) is true, the object being None while it does not exist.
 
     Driven by a watch on that one object. The predicate may raise to stop waiting at once
@@ -106,15 +107,15 @@ def wait_for(
     state seen.
     """
     deadline = time.monotonic() + timeout_s
-    last: dict | None = None
+    last: dict[str, Any] | None = None
     for event, payload in _list_watch(
         api, kind, namespace, field_selector=f"metadata.name={name}",
         stopped=threading.Event(), deadline=deadline,
     ):  # fmt: skip
-        if event == "LIST":
-            last = next(iter(payload), None)  # type: ignore[arg-type]
+        if isinstance(payload, list):  # the "LIST" event: every object (here: at most one)
+            last = next(iter(payload), None)
         else:
-            last = None if event == "DELETED" else payload  # type: ignore[assignment]
+            last = None if event == "DELETED" else payload
         if predicate(last):
             return last
     raise KubeTimeout(
@@ -123,7 +124,7 @@ def wait_for(
     )
 
 
-def _summary(obj: dict | None) -> str:
+def _summary(obj: dict[str, Any] | None) -> str:
     if obj is None:
         return "absent"
     status = obj.get("status")
@@ -165,7 +166,7 @@ class Informer:
         namespace: str | None = None,
         *,
         label_selector: str | None = None,
-        on_change: Callable[[str, dict], None] | None = None,
+        on_change: Callable[[str, dict[str, Any]], None] | None = None,
         on_error: Callable[[Exception | None], None] | None = None,
     ) -> None:
         self.api = api
@@ -176,7 +177,7 @@ class Informer:
         self.on_error = on_error or (lambda exc: None)
         self.synced = threading.Event()
         self.error: Exception | None = None
-        self._objects: dict[str, dict] = {}
+        self._objects: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
         self._stopper = _Stopper()
         self._failed = False  # the thread ended on an error, not by stop()
@@ -213,12 +214,12 @@ class Informer:
         if isinstance(self.error, AuthenticationFailed):
             raise type(self.error)(str(self.error))
 
-    def get(self, name: str) -> dict | None:
+    def get(self, name: str) -> dict[str, Any] | None:
         """The cached object, or None if the cache does not have it."""
         with self._lock:
             return self._objects.get(name)
 
-    def items(self) -> list[dict]:
+    def items(self) -> list[dict[str, Any]]:
         """A snapshot of every cached object."""
         with self._lock:
             return list(self._objects.values())
@@ -244,16 +245,16 @@ class Informer:
             self._failed = True
             self._set_error(exc)
 
-    def _apply(self, event: str, payload: dict | list[dict]) -> None:
-        changes: list[tuple[str, dict]] = []
+    def _apply(self, event: str, payload: dict[str, Any] | list[dict[str, Any]]) -> None:
+        changes: list[tuple[str, dict[str, Any]]] = []
         with self._lock:
-            if event == "LIST":
-                fresh = {o["metadata"]["name"]: o for o in payload}  # type: ignore[union-attr]
+            if isinstance(payload, list):  # the "LIST" event: every object
+                fresh = {o["metadata"]["name"]: o for o in payload}
                 changes += [("DELETED", o) for n, o in self._objects.items() if n not in fresh]
                 changes += [("ADDED", o) for o in fresh.values()]
                 self._objects = fresh
             else:
-                obj: dict = payload  # type: ignore[assignment]
+                obj = payload
                 name = obj["metadata"]["name"]
                 if event == "DELETED":
                     self._objects.pop(name, None)

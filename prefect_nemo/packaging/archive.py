@@ -194,7 +194,8 @@ def _write_targz(tree: SourceTree) -> bytes:
     tree_hash = hashlib.sha256()
     with (
         gzip.GzipFile(filename="", mode="wb", fileobj=out, compresslevel=GZIP_LEVEL, mtime=0) as gz,
-        tarfile.open(
+        # typeshed's overloads of tarfile.open leave out copybufsize (passed on to TarFile)
+        tarfile.open(  # type: ignore[call-overload]
             fileobj=gz, mode="w|", format=tarfile.GNU_FORMAT, copybufsize=_COPY_BUFSIZE
         ) as tar,
     ):
@@ -203,7 +204,7 @@ def _write_targz(tree: SourceTree) -> bytes:
                 st = os.fstat(f.fileno())
                 executable = _is_executable(st.st_mode)
                 reader = _HashingReader(f)
-                tar.addfile(_tarinfo(relpath, st.st_size, executable), reader)  # type: ignore[arg-type]
+                tar.addfile(_tarinfo(relpath, st.st_size, executable), reader)
             tree_hash.update(_tree_record(relpath, executable, reader.sha.hexdigest()))
     if tree_hash.hexdigest() != tree.digest:
         raise RuntimeError(

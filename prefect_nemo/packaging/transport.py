@@ -21,7 +21,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from prefect_nemo.errors import InvalidJobSpec
 from prefect_nemo.names import dns_label
@@ -104,11 +104,11 @@ class TransportPlan:
     """Archive size in bytes."""
     env: dict[str, str] = field(default_factory=dict, repr=False)
     """env_chunks: PREFECT_NEMO_CODE_0..N-1, PREFECT_NEMO_CODE_CHUNKS, PREFECT_NEMO_CODE_SHA256."""
-    configmaps: list[dict] = field(default_factory=list, repr=False)
+    configmaps: list[dict[str, Any]] = field(default_factory=list, repr=False)
     """configmaps: full ConfigMap manifests (caller sets namespace and owner references)."""
-    volumes: list[dict] = field(default_factory=list)
+    volumes: list[dict[str, Any]] = field(default_factory=list)
     """configmaps: pod volumes projecting every ConfigMap part into one directory."""
-    volume_mounts: list[dict] = field(default_factory=list)
+    volume_mounts: list[dict[str, Any]] = field(default_factory=list)
     """configmaps: container mounts of those volumes, read-only, at `PARTS_DIR`."""
     working_dir: Path | None = None
     """ray_working_dir: the staged directory to pass as runtime_env working_dir."""
@@ -281,10 +281,10 @@ def _configmap_name(name: str, sha256: str, index: int) -> str:
 
 def _configmaps(
     archive: SourceArchive, name: str, chunk: int, parts_dir: str
-) -> tuple[list[dict], list[dict], list[dict]]:
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     parts = _encoded_parts(archive, "configmaps", chunk)
-    manifests: list[dict] = []
-    sources: list[dict] = []
+    manifests: list[dict[str, Any]] = []
+    sources: list[dict[str, Any]] = []
     total = len(parts)
     for index, part in enumerate(parts):
         cm_name = _configmap_name(name, archive.sha256, index)
@@ -350,19 +350,25 @@ def plan_for(
     limit = DEFAULT_MAX_BYTES.get(backend) if max_bytes is None else int(max_bytes)
     if limit is not None and archive.size > limit:
         raise _too_large(backend, archive, limit)
-    common = {"sha256": archive.sha256, "size": archive.size}
+    sha256, size = archive.sha256, archive.size
     if kind == "native":
-        return TransportPlan(kind=kind, chunks=0, **common)
+        return TransportPlan(kind=kind, sha256=sha256, chunks=0, size=size)
     if kind == "ray_working_dir":
         return TransportPlan(
-            kind=kind, chunks=0, working_dir=stage_archive(archive, cache_dir), **common
+            kind=kind,
+            sha256=sha256,
+            chunks=0,
+            size=size,
+            working_dir=stage_archive(archive, cache_dir),
         )
     if not name:
         raise InvalidJobSpec("plan_for: name is empty; pass the job name the parts are named after")
     chunk = _chunk_size(backend, chunk_bytes)
     if kind == "env_chunks":
         env = _env_chunks(archive, chunk)
-        return TransportPlan(kind=kind, chunks=int(env[ENV_CHUNKS]), env=env, **common)
+        return TransportPlan(
+            kind=kind, sha256=sha256, chunks=int(env[ENV_CHUNKS]), size=size, env=env
+        )
     if not _SAFE_PATH.fullmatch(parts_dir):
         raise InvalidJobSpec(
             f"parts_dir={parts_dir!r} must be an absolute path of letters, digits, '.', '_', "
@@ -371,10 +377,11 @@ def plan_for(
     manifests, volumes, mounts = _configmaps(archive, name, chunk, parts_dir)
     return TransportPlan(
         kind=kind,
+        sha256=sha256,
         chunks=len(manifests),
+        size=size,
         configmaps=manifests,
         volumes=volumes,
         volume_mounts=mounts,
         parts_dir=parts_dir,
-        **common,
     )

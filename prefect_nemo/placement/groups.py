@@ -7,6 +7,7 @@ can find by name.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -44,7 +45,7 @@ def connect(address: str | None = None, *, auth_token: str | None = None) -> Non
     ray.init(
         address=address or "auto",
         namespace=NAMESPACE,
-        logging_level="WARNING",
+        logging_level=logging.WARNING,
         log_to_driver=False,
     )
 
@@ -53,7 +54,8 @@ def _reload_auth_config() -> None:
     # Ray reads RAY_AUTH_MODE into its config when it is imported and caches the token: refresh
     # both, as Ray's own token setup does (private API, so tolerate its absence).
     try:
-        from ray._raylet import AuthenticationTokenLoader, Config
+        # not in Ray's stubs of _raylet
+        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
 
         Config.initialize("")
         AuthenticationTokenLoader.instance().reset_cache()
@@ -71,14 +73,16 @@ def create_group(
     kwargs: dict[str, Any] = {}
     if bundle_label_selector:
         kwargs["bundle_label_selector"] = [dict(s) for s in bundle_label_selector]
-    return placement_group(
+    group: PlacementGroup = placement_group(
         [dict(b) for b in bundles], strategy=strategy, name=name, lifetime="detached", **kwargs
     )
+    return group
 
 
 def group_info(pg: PlacementGroup) -> dict[str, Any]:
     """Ray's table entry of the group (state, bundles, bundles_to_node_id, stats)."""
-    return placement_group_table(pg)
+    table: dict[str, Any] = placement_group_table(pg)
+    return table
 
 
 def wait_ready(groups: Sequence[PlacementGroup], timeout_s: float = READY_TIMEOUT_S) -> None:

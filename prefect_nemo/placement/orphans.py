@@ -106,9 +106,10 @@ def sweep(prefix: str = NAME_PREFIX, *, only_orphans: bool = False) -> SweepRepo
     for node_id, records in by_node.items():
         if node_id in alive:  # on a dead node the processes died with it
             strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
-            report.processes += ray.get(
+            killed: list[int] = ray.get(
                 kill_marked.options(scheduling_strategy=strategy).remote(records), timeout=60
             )
+            report.processes += killed
         for rec in records:
             _internal_kv_del(KV_PROC_PREFIX + rec["name"], namespace=NAMESPACE)
     for name in report.actors:  # actors outside any group (or left by a failed start)

@@ -109,7 +109,8 @@ def free_port() -> int:
     """A TCP port free right now on the node this runs on."""
     with socket.socket() as sock:
         sock.bind(("", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
@@ -155,7 +156,9 @@ def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
         time.sleep(0.05)
 
 
-@ray.remote(max_concurrency=4, max_restarts=0)
+# Ray's overloads of ray.remote name only remote functions' options (not an actor's
+# max_concurrency)
+@ray.remote(max_concurrency=4, max_restarts=0)  # type: ignore[call-overload]
 class ManagedProcess:
     """A Ray actor that owns one subprocess (its own session and process group)."""
 
@@ -317,7 +320,8 @@ def spawn_actor(
     name: str, pg: PlacementGroup, bundle_index: int, *, gpus: float = 0, cpus: float = 0
 ) -> Any:
     """A detached, named ManagedProcess actor in bundle `bundle_index` of `pg`."""
-    return ManagedProcess.options(
+    # mypy keeps a class's own type under a class decorator: @ray.remote made it an ActorClass
+    return ManagedProcess.options(  # type: ignore[attr-defined]
         name=name,
         namespace=NAMESPACE,
         lifetime="detached",

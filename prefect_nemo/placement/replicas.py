@@ -396,7 +396,8 @@ def _start_processes(
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
-            return 200 <= resp.status < 300
+            status: int = resp.status
+            return 200 <= status < 300
     except (urllib.error.URLError, OSError, ValueError):
         return False
 
@@ -462,8 +463,8 @@ def teardown(
     rs: ReplicaSet,
     *,
     stop_timeout_s: float = STOP_TIMEOUT_S,
-    then: Callable[[list[dict | None]], None] = lambda reports: None,
-) -> list[dict | None]:
+    then: Callable[[list[dict[str, Any] | None]], None] = lambda reports: None,
+) -> list[dict[str, Any] | None]:
     """Stop every replica's processes (SIGTERM, bounded wait, SIGKILL), kill the actors and
     remove the placement groups, then call `then(reports)`. Safe to call twice and on a
     half-started set; a second caller (the cancel watch racing the `with` block's exit) returns

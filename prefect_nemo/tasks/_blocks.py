@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TypeVar
 
 from prefect.blocks.core import Block
+from prefect.client.orchestration import get_client
 from prefect.exceptions import ObjectNotFound
 
 from prefect_nemo.blocks.base import ClusterBlock
@@ -59,7 +61,9 @@ def resolve_cluster(cluster: ClusterLike) -> ClusterBlock:
             "cluster: expected a cluster block (e.g. RayJobsCluster), a saved block name or "
             f"None, got {type(cluster).__name__}"
         )
-    return resolve_block(cluster, ClusterBlock, "cluster", "ray-jobs-cluster/prod", "cluster")
+    # mypy takes only concrete classes for type[B] (python/mypy#4717); resolve_block only
+    # checks isinstance
+    return resolve_block(cluster, ClusterBlock, "cluster", "ray-jobs-cluster/prod", "cluster")  # type: ignore[type-abstract]
 
 
 def resolve_kube(kube: KubeLike) -> KubernetesCluster:
@@ -74,4 +78,27 @@ def resolve_kube(kube: KubeLike) -> KubernetesCluster:
     raise InvalidJobSpec(
         f"kube: {type(block).__name__} holds no Kubernetes credentials: pass a KubernetesCluster "
         "block or a saved block name such as 'kubernetes-cluster/prod'"
+    )
+
+
+def cluster_block_types() -> list[type[ClusterBlock]]:
+    """Every cluster block type prefect-nemo ships (RayJobsCluster, KubeRayCluster, ...)."""
+    import prefect_nemo.blocks as blocks
+
+    return [
+        cls
+        for cls in vars(blocks).values()
+        if isinstance(cls, type) and issubclass(cls, ClusterBlock) and cls is not ClusterBlock
+    ]
+
+
+def saved_block_names(types: Iterable[type[Block]]) -> list[str]:
+    """'<slug>/<name>' of every saved (named) block document of these block types."""
+    slugs = {cls.get_block_type_slug() for cls in types}
+    with get_client(sync_client=True) as client:
+        documents = client.read_block_documents(include_secrets=False)
+    return sorted(
+        f"{doc.block_type.slug}/{doc.name}"
+        for doc in documents
+        if doc.block_type is not None and doc.block_type.slug in slugs and not doc.is_anonymous
     )

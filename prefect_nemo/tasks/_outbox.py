@@ -268,7 +268,7 @@ class Outbox:
             if events:
                 self._attach_related([item for item in events if not item.related_done])
                 payload = [item.value.model_dump(mode="json") for item in events]
-                client.request("POST", "/events", json=payload)  # type: ignore[arg-type]
+                client.request("POST", "/events", json=payload)
                 _mark_sent(events)
             for item in batch:
                 if item.kind == "call" and not item.sent:
@@ -397,7 +397,9 @@ def _flow_level(context: contextvars.Context) -> contextvars.Context:
     the flow run's context is there to look them up from."""
     copied = context.copy()
     if copied.run(FlowRunContext.get) is not None:
-        copied.run(TaskRunContext.__var__.set, None)
+        # Prefect types the var as holding a TaskRunContext; None is what .get() reads outside
+        # a task run
+        copied.run(TaskRunContext.__var__.set, None)  # type: ignore[arg-type]
     return copied
 
 

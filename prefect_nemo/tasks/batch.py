@@ -14,7 +14,8 @@ only once its job has a slot. When the cluster pushes back (`Throttled`: HTTP 42
 window halves and the submit is retried after the wait the cluster asked for (or a backoff);
 every job submitted afterwards grows it by one again, up to `max_in_flight`.
 
-Progress: one progress artifact (k/N done) and the run's one job table, rewritten in place.
+Progress: one progress artifact (k/N done; how many of the rest run, wait in a queue, or are on
+their way) and the run's one job table, rewritten in place.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import threading
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -33,8 +36,8 @@ from prefect.concurrency.asyncio import concurrency
 from prefect.context import AsyncClientContext
 
 from prefect_nemo.errors import InvalidJobSpec, JobFailed, JobStopped, Throttled
-from prefect_nemo.jobs import JobResult, JobSpec, JobState
-from prefect_nemo.lifecycle import JobIdentity, Submission, Supervisor, WaitPolicy
+from prefect_nemo.jobs import JobHandle, JobResult, JobSpec, JobState, JobStatus
+from prefect_nemo.lifecycle import JobIdentity, Submission, Supervisor
 from prefect_nemo.redaction import Redactor
 from prefect_nemo.tasks._blocks import ClusterLike, resolve_cluster
 from prefect_nemo.tasks._outbox import outbox
@@ -46,8 +49,10 @@ from prefect_nemo.tasks.jobs import (
     _identity,
     _track_cluster,
     job_spec,
+    wait_policy,
 )
 from prefect_nemo.tasks.reporting import JobReporter, RunProgress, say
+from prefect_nemo.watcher import JobClock
 
 T = TypeVar("T")
 
@@ -129,6 +134,9 @@ class _Batch:
         secrets = list(self.backend.secrets) + [v for s in specs for v in s.secret_values()]
         self.redact = Redactor(secrets)
         self.done = 0
+        self.states: dict[str, JobState] = {}  # each job's latest state
+        self.counts: Counter[JobState] = Counter()  # ... counted (the progress' detail)
+        self._states_lock = threading.Lock()  # a stop's status comes from an executor thread
         self.settler = _Settler()
         self.limit_name: str | None = None  # the cluster's concurrency cap (run_job's), if set
 
@@ -147,7 +155,7 @@ class _Batch:
             ThreadPoolExecutor(BLOCKING_THREADS, thread_name_prefix="prefect-nemo-jobs")
         )
         await asyncio.to_thread(self.backend.check_access)  # once, not once per job
-        _progress.update(self.run.flow_run_id, 0, len(self.specs))
+        self.report_progress()
         # one Prefect client on this loop for every task run (else each makes its own)
         async with AsyncClientContext.get_or_create():
             outcomes = await asyncio.gather(
@@ -164,20 +172,41 @@ class _Batch:
         finally:
             await self.window.release()
             self.done += 1
-            _progress.update(self.run.flow_run_id, self.done, len(self.specs))
+            self.report_progress()
+
+    def report_progress(self) -> None:
+        """k/N ended, and how many of the others run, wait in a queue, or are on their way."""
+        with self._states_lock:
+            live = self.counts.copy()
+        detail = ", ".join(
+            f"{live[state]} {state.value.lower()}"
+            for state in (JobState.RUNNING, JobState.QUEUED, JobState.PENDING)
+            if live[state]
+        )
+        _progress.update(self.run.flow_run_id, self.done, len(self.specs), detail)
+
+    def changed(self, job_id: str, state: JobState) -> None:
+        """A job's new state (from its reporter): the progress says it when it moved."""
+        with self._states_lock:
+            before = self.states.get(job_id)
+            moved = before is not state
+            if moved:  # kept as counts: a thousand jobs' changes cost O(1) each, not O(N)
+                self.states[job_id] = state
+                self.counts[state] += 1
+                if before is not None:
+                    self.counts[before] -= 1
+        if moved:
+            self.report_progress()
 
     async def run_one(self, index: int) -> JobResult:
         """The body of one job's task run: submit (with backpressure), then wait."""
         run = current_run()
         spec = self.specs[index]
-        policy = WaitPolicy(
-            timeout_s=spec.timeout_s,
+        policy = wait_policy(
+            self.block, timeout_s=spec.timeout_s, queue_timeout_s=spec.queue_timeout_s,
             stream_logs=self.stream_logs,
-            max_poll_interval_s=self.block.max_poll_interval_s,
-            unreachable_budget_s=self.block.unreachable_budget_s,
-            stop_timeout_s=self.block.stop_timeout_s,
-        )
-        reporter = JobReporter(run, self.redact, settle=False)
+        )  # fmt: skip
+        reporter = _BatchReporter(self, run, self.redact)
         supervisor = Supervisor(self.backend, policy, reporter, run.interrupted, self.redact)
         slot = (
             concurrency(self.limit_name, occupy=1, strict=True)
@@ -219,6 +248,19 @@ class _Batch:
                 continue
             await self.window.grow()
             return submission
+
+
+class _BatchReporter(JobReporter):
+    """A job's reporter that also tells its batch each new state (the progress' counts)."""
+
+    def __init__(self, batch: _Batch, run: RunContext, redact: Redactor) -> None:
+        super().__init__(run, redact, settle=False)  # the batch settles the outbox itself
+        self.batch = batch
+
+    def changed(self, handle: JobHandle, status: JobStatus, clock: JobClock | None) -> None:
+        """Report it, and count it in the batch's progress."""
+        super().changed(handle, status, clock)
+        self.batch.changed(handle.job_id, status.state)
 
 
 @task(name="run_job", cache_policy=NO_CACHE, task_run_name="{name}")

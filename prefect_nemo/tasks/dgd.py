@@ -297,7 +297,8 @@ def deploy_dgd(
     if dry_run:
         text = yaml.safe_dump(doc, sort_keys=False)
         ctx.logger.info(f"dry run: DGD {ns}/{described.name} would be applied:\n{text}")
-        return redact.deep(doc)
+        redacted: dict[str, Any] = redact.deep(doc)
+        return redacted
     dynamo.check_crd_installed(api, version, ns)
     existing = api.get(dynamo.dgd_kind(version), described.name, ns)
     if existing is not None:

@@ -11,6 +11,7 @@ run_job holds a slot of the cluster's concurrency cap while the job runs.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -51,16 +52,44 @@ from prefect_nemo.tasks.reporting import JobReporter, dry_run_reported
 Upstream = JobHandle | JobResult | Experiment
 
 
+def wait_policy(
+    block: ClusterBlock,
+    *,
+    timeout_s: float | None,
+    queue_timeout_s: float | None,
+    stream_logs: bool,
+) -> WaitPolicy:
+    """How a job on this block is waited for: the job's timeouts, the block's limits.
+    InvalidJobSpec for a timeout that is no number of seconds > 0 (a JobSpec checks its own;
+    wait_for_job's arrive here unchecked)."""
+    for name, value in (("timeout_s", timeout_s), ("queue_timeout_s", queue_timeout_s)):
+        if value is not None and not (
+            isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf
+        ):
+            raise InvalidJobSpec(
+                f"{name}: expected seconds > 0 (or None: wait as long as it takes), got {value!r}"
+            )
+    return WaitPolicy(
+        timeout_s=timeout_s,
+        queue_timeout_s=queue_timeout_s,
+        stream_logs=stream_logs,
+        max_poll_interval_s=block.max_poll_interval_s,
+        unreachable_budget_s=block.unreachable_budget_s,
+        stop_timeout_s=block.stop_timeout_s,
+    )
+
+
 def _supervisor(
     spec: JobSpec | None,
     cluster: ClusterLike,
     *,
     timeout_s: float | None = None,
+    queue_timeout_s: float | None = None,
     stream_logs: bool = True,
 ) -> tuple[ClusterBlock, RunContext, Supervisor]:
     """The cluster block, the run context and the supervisor of one task call; bad input fails
     here, before any request (and before any wait for upstream jobs). A spec brings its own
-    timeout."""
+    timeouts."""
     if spec is not None and not isinstance(spec, JobSpec):
         raise InvalidJobSpec(
             f"spec: expected a JobSpec or a NeMo-Run task, got {type(spec).__name__}"
@@ -73,12 +102,11 @@ def _supervisor(
         secrets += spec.secret_values()
     redact = Redactor(secrets)
     run = current_run()
-    policy = WaitPolicy(
+    policy = wait_policy(
+        block,
         timeout_s=spec.timeout_s if spec is not None else timeout_s,
+        queue_timeout_s=spec.queue_timeout_s if spec is not None else queue_timeout_s,
         stream_logs=stream_logs,
-        max_poll_interval_s=block.max_poll_interval_s,
-        unreachable_budget_s=block.unreachable_budget_s,
-        stop_timeout_s=block.stop_timeout_s,
     )
     supervisor = Supervisor(backend, policy, JobReporter(run, redact), run.interrupted, redact)
     return block, run, supervisor
@@ -280,10 +308,15 @@ def wait_for_job(
     cluster: ClusterLike = None,
     *,
     timeout_s: float | None = None,
+    queue_timeout_s: float | None = None,
     stream_logs: bool = True,
 ) -> JobResult:
-    """Wait for a submitted job to end; stop it on timeout, cancellation or crash."""
-    _, _, supervisor = _supervisor(None, cluster, timeout_s=timeout_s, stream_logs=stream_logs)
+    """Wait for a submitted job to end; stop it on timeout (`timeout_s` of activity,
+    `queue_timeout_s` of a wait in its scheduler's queue), cancellation or crash."""
+    _, _, supervisor = _supervisor(
+        None, cluster, timeout_s=timeout_s, queue_timeout_s=queue_timeout_s,
+        stream_logs=stream_logs,
+    )  # fmt: skip
     return supervisor.wait(handle)
 
 

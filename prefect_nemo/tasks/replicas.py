@@ -133,7 +133,9 @@ def _watched(rs: ReplicaSet, run: RunContext, what: str, payload: dict[str, Any]
     _emit(rs, what, payload)
 
 
-def teardown(rs: ReplicaSet, *, stop_timeout_s: float = STOP_TIMEOUT_S) -> list[dict | None]:
+def teardown(
+    rs: ReplicaSet, *, stop_timeout_s: float = STOP_TIMEOUT_S
+) -> list[dict[str, Any] | None]:
     """Stop the replicas (see `placement.replicas.teardown`) and stop tracking them for the run."""
     reports = engine.teardown(
         rs,
@@ -255,7 +257,7 @@ def stop_replicas(
     *,
     ray_address: str | LocalRayCluster | None = None,
     auth_token: str | None = None,
-) -> list:
+) -> list[dict[str, Any] | None]:
     """Task: stop replicas started by start_replicas, from any process that reaches the cluster
     (actors and groups are found by name); returns each process's stop report."""
     connect_ray(ray_address, auth_token=auth_token)

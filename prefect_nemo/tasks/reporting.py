@@ -20,10 +20,11 @@ from uuid import UUID
 from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate, LogCreate
 from prefect.events import Event
 
-from prefect_nemo.jobs import DryRun, JobHandle, JobState, JobStatus
+from prefect_nemo.jobs import DryRun, JobHandle, JobState, JobStatus, QueueInfo
 from prefect_nemo.redaction import Redactor
 from prefect_nemo.tasks._outbox import outbox
 from prefect_nemo.tasks._run import RunContext, api_outage_budget_s
+from prefect_nemo.watcher import JobClock
 
 JOB_EVENT_PREFIX = "prefect-nemo.job"
 MESSAGE_CHARS = 300
@@ -151,25 +152,28 @@ class RunTable(_CoalescedWrites):
 
 
 class RunProgress(_CoalescedWrites):
-    """One progress artifact per flow run (percent done), its description saying k/N."""
+    """One progress artifact per flow run (percent done), its description saying k/N and how
+    the rest are doing (e.g. "4 running, 984 queued")."""
 
     def __init__(self, what: str) -> None:
         super().__init__()
         self.what = what
-        self._counts: dict[str, tuple[int, int]] = {}  # flow run -> (done, total)
+        self._counts: dict[str, tuple[int, int, str]] = {}  # flow run -> (done, total, detail)
 
-    def update(self, flow_run_id: str | None, done: int, total: int) -> None:
-        """Record k of N done and have the artifact rewritten. No-op outside a flow run."""
+    def update(self, flow_run_id: str | None, done: int, total: int, detail: str = "") -> None:
+        """Record k of N done (and a word on the others) and have the artifact rewritten.
+        No-op outside a flow run."""
         if flow_run_id is None:
             return
         with self._lock:
-            self._counts[flow_run_id] = (done, total)
+            self._counts[flow_run_id] = (done, total, detail)
             self._changed(flow_run_id)
 
     def _data(self, flow_run_id: str) -> tuple[str, Any, str]:
-        done, total = self._counts[flow_run_id]
+        done, total, detail = self._counts[flow_run_id]
         percent = 100.0 * done / total if total else 100.0
-        return "progress", percent, f"{done}/{total} {self.what} (prefect-nemo)"
+        others = f"; {detail}" if detail else ""
+        return "progress", percent, f"{done}/{total} {self.what}{others} (prefect-nemo)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,9 +201,10 @@ def job_resource(handle: JobHandle) -> dict[str, str]:
 class JobReporter:
     """Reports jobs into the current Prefect run: the `lifecycle.JobObserver` of our tasks.
 
-    One log line and one `prefect-nemo.job.<state>` event per state change, a row per job in
-    the run's job table, the job's log lines in the task's log, and its teardown tracked by
-    the run while it is live.
+    One log line and one `prefect-nemo.job.<state>` event per state change (`queued` carries
+    the queue, the scheduler's reason and place; `preempted` and `admitted` mark the ways into
+    and out of the queue, with the wait), a row per job in the run's job table, the job's log
+    lines in the task's log, and its teardown tracked by the run while it is live.
     """
 
     def __init__(self, run: RunContext, redact: Redactor, *, settle: bool = True) -> None:
@@ -224,32 +229,57 @@ class JobReporter:
         self.run.track(_work_key(handle), stop)
         self.run.own(handle)
 
-    def changed(self, handle: JobHandle, status: JobStatus) -> None:
-        """Log and emit only when the state actually changed; update the row."""
-        if self._last_state.get(handle.job_id) is status.state:
+    def changed(self, handle: JobHandle, status: JobStatus, clock: JobClock | None) -> None:
+        """Log and emit only when the state changed (a queued job's new place in its queue
+        only updates its row); on the way into and out of a queue also `preempted` /
+        `admitted`; update the row."""
+        previous = self._last_state.get(handle.job_id)
+        queue = status.queue
+        if previous is status.state:
+            if status.state is JobState.QUEUED and queue is not None:
+                self._row(handle, _queue_fields(queue, clock))
             return
         self._last_state[handle.job_id] = status.state
         if status.state.is_terminal():
             self.run.release(handle)
         message = self.redact(status.message)[:MESSAGE_CHARS]
         line = f"job {handle.job_id} is {status.state.value}"
-        if status.state.is_terminal() and message:
+        if status.state is JobState.QUEUED and queue is not None:
+            line += f" {self.redact(queue.describe())}"
+        elif status.state.is_terminal() and message:
             line += f": {message.splitlines()[0]}"
         level = logging.ERROR if status.state is JobState.FAILED else logging.INFO
         say(self.run, level, line)
-        self._emit(
-            handle,
-            status.state.value.lower(),
-            {"state": status.state.value, "message": message, "exit_code": status.exit_code},
-        )
+        payload: dict[str, Any] = {
+            "state": status.state.value, "message": message, "exit_code": status.exit_code,
+        }  # fmt: skip
+        if queue is not None:
+            payload["queue"] = self._queue_payload(queue)
+        if clock is not None and clock.queued_s():
+            payload["queue_wait_s"] = round(clock.queued_s(), 3)
+        self._emit(handle, status.state.value.lower(), payload)
+        if status.state is JobState.QUEUED and previous is JobState.RUNNING:
+            self._emit(handle, "preempted", payload)
+        elif previous is JobState.QUEUED and not status.state.is_terminal():
+            waited = clock.last_wait_s if clock is not None else None
+            self._emit(handle, "admitted", {**payload, "this_wait_s": waited})
         fields: dict[str, Any] = {
             "state": status.state.value,
             "message": message.splitlines()[0] if message else "",
         }
+        if queue is not None:
+            fields.update(_queue_fields(queue, clock))
+        elif clock is not None and clock.queued_s():
+            fields["queue_wait_s"] = round(clock.queued_s(), 1)
         if status.start_time is not None:
             end = status.end_time or datetime.now(UTC)
             fields["duration_s"] = round((end - status.start_time).total_seconds(), 2)
         self._row(handle, fields)
+
+    def _queue_payload(self, queue: QueueInfo) -> dict[str, Any]:
+        data = queue.model_dump(mode="json")
+        data["reason"] = self.redact(queue.reason)[:MESSAGE_CHARS]
+        return data
 
     def log(self, handle: JobHandle, line: str) -> None:
         """One line of the job's log, into the task's log."""
@@ -294,6 +324,19 @@ class JobReporter:
                 "message": "",
             },
         )
+
+
+def _queue_fields(queue: QueueInfo, clock: JobClock | None) -> dict[str, Any]:
+    """A queued job's row fields: where it waits, why, its place, how long it has waited."""
+    fields: dict[str, Any] = {
+        "queue": queue.queue or "",
+        "queue_reason": queue.reason[:MESSAGE_CHARS],
+        "queue_position": queue.position,
+    }
+    if clock is not None:
+        fields["queue_wait_s"] = round(clock.queued_s(), 1)
+        fields["preemptions"] = clock.preemptions
+    return fields
 
 
 def _work_key(handle: JobHandle) -> str:

@@ -34,7 +34,6 @@ from typing import Any
 from uuid import UUID
 
 from prefect import flow
-from prefect.blocks.core import Block
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.objects import StateType
@@ -44,7 +43,7 @@ from prefect_nemo.errors import InvalidJobSpec, PrefectNemoError
 from prefect_nemo.jobs import JobHandle, OwnedJob
 from prefect_nemo.lifecycle import stop_and_confirm
 from prefect_nemo.redaction import Redactor
-from prefect_nemo.tasks._blocks import resolve_block
+from prefect_nemo.tasks._blocks import cluster_block_types, resolve_block, saved_block_names
 from prefect_nemo.tasks._run import current_run
 from prefect_nemo.tasks._run_watch import HEARTBEAT_EVENT
 from prefect_nemo.tasks.reporting import RunTable, emit, job_resource, say
@@ -236,9 +235,7 @@ def sweep(
     todo = [] if dry_run else [n for n, verdict in enumerate(verdicts) if verdict.stop]
     if todo:  # each stop waits for its confirmation: in parallel, each in this run's context
         with ThreadPoolExecutor(max_workers=min(16, len(todo))) as pool:
-            futures = [
-                pool.submit(contextvars.copy_context().run, _stop, *judged[n]) for n in todo
-            ]
+            futures = [pool.submit(_stop_in, contextvars.copy_context(), judged[n]) for n in todo]
             for n, future in zip(todo, futures, strict=True):
                 verdicts[n] = future.result()
     _report(run, verdicts, dry_run)
@@ -251,9 +248,10 @@ def _targets(blocks: Sequence[ClusterBlock | str], run: Any) -> list[tuple[str, 
     judged; a saved one that cannot is reported and the others are swept."""
     named = bool(blocks)
     out = []
-    for ref in blocks or _saved_cluster_blocks():
+    for ref in blocks or saved_block_names(cluster_block_types()):
         try:
-            block = resolve_block(ref, ClusterBlock, "blocks", "kube-ray-cluster/prod", "cluster")
+            # resolve_block only checks isinstance: the abstract class is fine (python/mypy#4717)
+            block = resolve_block(ref, ClusterBlock, "blocks", "kube-ray-cluster/prod", "cluster")  # type: ignore[type-abstract]
         except InvalidJobSpec as exc:
             if named:
                 raise
@@ -264,26 +262,11 @@ def _targets(blocks: Sequence[ClusterBlock | str], run: Any) -> list[tuple[str, 
     return out
 
 
-def _saved_cluster_blocks() -> list[str]:
-    """'<slug>/<name>' of every saved block document of a ClusterBlock type."""
-    slugs = {cls.get_block_type_slug() for cls in _cluster_block_types()}
-    with get_client(sync_client=True) as client:
-        documents = client.read_block_documents(include_secrets=False)
-    return sorted(
-        f"{doc.block_type.slug}/{doc.name}"
-        for doc in documents
-        if doc.block_type is not None and doc.block_type.slug in slugs and not doc.is_anonymous
-    )
-
-
-def _cluster_block_types() -> list[type[Block]]:
-    import prefect_nemo.blocks as blocks
-
-    return [
-        cls
-        for cls in vars(blocks).values()
-        if isinstance(cls, type) and issubclass(cls, ClusterBlock) and cls is not ClusterBlock
-    ]
+def _stop_in(
+    context: contextvars.Context, judged: tuple[Any, ClusterBlock, OwnedJob, Verdict]
+) -> Verdict:
+    """`_stop` of one judged job, run in `context` (a typed spelling of context.run(_stop, ...))."""
+    return context.run(_stop, *judged)
 
 
 def _stop(backend: Any, block: ClusterBlock, job: OwnedJob, verdict: Verdict) -> Verdict:

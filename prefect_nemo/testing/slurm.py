@@ -6,12 +6,21 @@ under one supervisor process, configured from files under a state dir (default
 /tmp/prefect-nemo-slurm; Slurm's own config has to live in /etc/slurm, where clients look for it).
 The supervisor is a child subreaper: slurmstepd and job processes that outlive their parents are
 reaped by it (PID 1 here reaps nothing), and on SIGTERM it stops every daemon it started and kills
-what is left under it. A cluster already running from the same state dir is reused, not restarted;
-The default partition holds the first node only (one-node jobs always land there);
-`multi_partition` holds both, for multi-node jobs (Ray on Slurm). `stop()` stops only a cluster
-this object started, and leaves it running while another LocalSlurm
-(in any process) is still attached. One cluster per machine (Slurm's config is global).
-Stop one left running with `python -m prefect_nemo.testing.slurm stop`.
+what is left under it. A cluster already running from the same state dir is reused, not restarted,
+as long as its slurm.conf is the one this version writes (else it is restarted once no other
+LocalSlurm is attached: new nodes and PreemptType need restarted daemons, not a reconfigure).
+
+Partitions: the default one (`partition`) holds the first node only (one-node jobs always land
+there); `multi_partition` holds the first two, for multi-node jobs (Ray on Slurm). Two more nodes
+of one CPU each stand for a busy shared cluster: `queue_partition` has room for one job at a time
+(the others wait, PENDING with reason Resources or Priority, `squeue --start` estimating when),
+and `low_partition` / `high_partition` share a node under `PreemptType=preempt/partition_prio`:
+a high job requeues the low one (`PreemptMode=REQUEUE`), which runs again after it. Jobs there
+get a 10-minute time limit unless they ask (backfill estimates start times from time limits).
+
+`stop()` stops only a cluster this object started, and leaves it running while another
+LocalSlurm (in any process) is still attached. One cluster per machine (Slurm's config is
+global). Stop one left running with `python -m prefect_nemo.testing.slurm stop`.
 
 This file imports only the standard library: the supervisor runs it as a script (no package import).
 """
@@ -36,8 +45,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from prefect_nemo.local_ray import free_port
-
 DEFAULT_STATE_DIR = Path("/tmp/prefect-nemo-slurm")
 SLURM_CONF_DIR = Path("/etc/slurm")
 MARKER = "# written by prefect_nemo.testing.slurm; state in "
@@ -59,6 +66,8 @@ REQUIRED_BINARIES = (
     "ssh-keygen",
     "rsync",
 )
+# each slurmd's port, in the state file and in the order of _node_names
+_SLURMD_PORTS = ("slurmd", "slurmd2", "slurmd3", "slurmd4")
 _SBIN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -144,6 +153,9 @@ class LocalSlurm:
     cluster: str = "prefectnemo"
     partition: str = "debug"
     multi_partition: str = "multi"
+    queue_partition: str = "queue"
+    low_partition: str = "low"
+    high_partition: str = "high"
     account: str = "nemo"
     host: str = "127.0.0.1"
     user: str = "root"
@@ -174,7 +186,22 @@ class LocalSlurm:
 
     @property
     def nodes(self) -> list[str]:
-        """Both compute nodes (slurmd daemons on this machine), the multi partition's."""
+        """The multi partition's two compute nodes (slurmd daemons on this machine)."""
+        return _node_names(self.node)[:2]
+
+    @property
+    def queue_node(self) -> str:
+        """The queue partition's one node: one CPU, so one job at a time."""
+        return _node_names(self.node)[2]
+
+    @property
+    def preempt_node(self) -> str:
+        """The node the low and high partitions share: one CPU, so a high job preempts."""
+        return _node_names(self.node)[3]
+
+    @property
+    def all_nodes(self) -> list[str]:
+        """Every compute node of the cluster."""
         return _node_names(self.node)
 
     @property
@@ -219,10 +246,13 @@ class LocalSlurm:
         self.state_dir.chmod(0o700)  # keys and the database password live here
         with self._lock("lock", fcntl.LOCK_EX):  # one starter or stopper at a time
             state = self._read_state()
-            if state and self._healthy(state):
+            healthy = bool(state) and self._healthy(state)  # type: ignore[arg-type]
+            if state and healthy and self._current(state):
                 self.port = state["ports"]["ssh"]
                 self.owned = False
             else:
+                if healthy:  # runs an older slurm.conf: restart it, but not under anyone's feet
+                    self._wait_unused(timeout_s)
                 if _supervisor_alive(state):
                     _terminate_supervisor(state["supervisor_pid"])  # ours, but broken: restart
                 self._spawn(state, timeout_s)
@@ -237,21 +267,49 @@ class LocalSlurm:
             fcntl.flock(handle, how)
             yield handle
 
-    def _spawn(self, previous: dict[str, Any] | None, timeout_s: float) -> None:
-        old_ports = (previous or {}).get("ports", {})
-        ports = {
-            name: (p if (p := old_ports.get(name)) and not _port_open(p) else free_port())
-            for name in ("ssh", "slurmctld", "slurmd", "slurmd2", "slurmdbd", "mysql")
-        }
-        spec = {
+    def _wait_unused(self, timeout_s: float) -> None:
+        """Wait until no other LocalSlurm is attached (each holds a shared lock on `users`);
+        a cluster restarted under a running test session would fail its jobs."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with self._lock("users", fcntl.LOCK_EX | fcntl.LOCK_NB):
+                    return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the local Slurm of {self.state_dir} runs an older slurm.conf and is "
+                        f"still in use after {timeout_s:.0f}s; once its users are done, stop it "
+                        "(`python -m prefect_nemo.testing.slurm stop`) or start again"
+                    ) from None
+                time.sleep(1.0)
+
+    def _spec(self, ports: dict[str, int]) -> dict[str, Any]:
+        """What the supervisor is started with, and what slurm.conf is written from."""
+        return {
             "state_dir": str(self.state_dir),
             "cluster": self.cluster,
             "partition": self.partition,
             "multi_partition": self.multi_partition,
+            "queue_partition": self.queue_partition,
+            "low_partition": self.low_partition,
+            "high_partition": self.high_partition,
             "account": self.account,
             "user": self.user,
             "ports": ports,
         }
+
+    def _spawn(self, previous: dict[str, Any] | None, timeout_s: float) -> None:
+        # imported here, not at the top: the supervisor runs this file as a script, and the
+        # package's import (Prefect's, through blocks) took it ~20 s on a busy machine
+        from prefect_nemo.local_ray import free_port
+
+        old_ports = (previous or {}).get("ports", {})
+        ports = {
+            name: (p if (p := old_ports.get(name)) and not _port_open(p) else free_port())
+            for name in ("ssh", "slurmctld", *_SLURMD_PORTS, "slurmdbd", "mysql")
+        }
+        spec = self._spec(ports)
         self._state_file.unlink(missing_ok=True)
         self.log_dir.mkdir(exist_ok=True)
         with open(self.log_dir / "supervisor.log", "ab") as out:
@@ -332,11 +390,19 @@ class LocalSlurm:
         """True when the recorded cluster answers: supervisor alive, slurmctld up, sshd open."""
         return (
             bool(state.get("ready"))
-            and "slurmd2" in state["ports"]  # a one-node cluster of an older version: restart
             and _supervisor_alive(state)
             and _port_open(state["ports"]["ssh"])
             and _run(["scontrol", "ping"], check=False, timeout=20).returncode == 0
         )
+
+    def _current(self, state: dict[str, Any]) -> bool:
+        """True when the running cluster's slurm.conf is the one this version would write for
+        it (same nodes, partitions and settings): an older one is restarted, not reused."""
+        try:
+            wanted = _slurm_conf(self._spec(state["ports"]))
+            return (SLURM_CONF_DIR / "slurm.conf").read_text() == wanted
+        except (OSError, KeyError):  # no config, or ports of an older layout (fewer nodes)
+            return False
 
     # -- using it -----------------------------------------------------------------------------
 
@@ -389,12 +455,12 @@ class LocalSlurm:
         return bin_dir
 
     def wait_idle(self, timeout_s: float = 60) -> None:
-        """Wait until no job is queued or running and both nodes are idle."""
+        """Wait until no job is queued or running and every node is idle."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             queued = self.run(["squeue", "-h", "-o", "%i"], check=False).stdout.split()
             node = self.run(
-                ["sinfo", "-h", "-N", "-n", ",".join(self.nodes), "-o", "%T"], check=False
+                ["sinfo", "-h", "-N", "-n", ",".join(self.all_nodes), "-o", "%T"], check=False
             ).stdout
             states = {line.strip().rstrip("*~#") for line in node.splitlines()}
             if not queued and states == {"idle"}:
@@ -671,60 +737,7 @@ StorageLoc=slurm_acct_db
             other = Path(first_line.removeprefix(MARKER))
             if other != self.dir and _cluster_running(other):
                 raise RuntimeError(f"the local Slurm of {other} is running: one per machine")
-        cpus = os.cpu_count() or 1
-        mem_mb = _mem_total_mb() * 9 // 10
-        p = self.ports
-        nodes = "\n".join(
-            f"NodeName={name} NodeHostname={self.node} NodeAddr=127.0.0.1 Port={p[port]} "
-            f"CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN"
-            for name, port in zip(_node_names(self.node), ("slurmd", "slurmd2"), strict=True)
-        )
-        conf = f"""{MARKER}{self.dir}
-ClusterName={self.spec["cluster"]}
-SlurmctldHost={self.node}(127.0.0.1)
-SlurmctldPort={p["slurmctld"]}
-SlurmdPort={p["slurmd"]}
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CryptoType=crypto/munge
-StateSaveLocation={self.dir / "ctld"}
-# two slurmd on this host (multiple-slurmd): each node's own port, spool, pid and log
-SlurmdSpoolDir={self.dir / "slurmd" / "%n"}
-SlurmctldPidFile={self.run_dir / "slurmctld.pid"}
-SlurmdPidFile={self.run_dir / "slurmd-%n.pid"}
-SlurmctldLogFile={self.logs / "slurmctld.log"}
-SlurmdLogFile={self.logs / "slurmd-%n.log"}
-# no cgroups here: track processes by parentage, no task binding
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-# quick scheduling and cancelling, so tests do not wait on defaults meant for big clusters
-SchedulerType=sched/backfill
-SchedulerParameters=sched_interval=2,bf_interval=2
-KillWait=2
-MinJobAge=600
-ReturnToService=2
-InactiveLimit=0
-MessageTimeout=10
-MpiDefault=none
-MailProg=/bin/true
-AccountingStorageType=accounting_storage/slurmdbd
-AccountingStorageHost=localhost
-AccountingStoragePort={p["slurmdbd"]}
-# limits: the QOS submit limits the pushback test sets are enforced (none is set by default)
-AccountingStorageEnforce=associations,limits
-JobAcctGatherType=jobacct_gather/linux
-JobAcctGatherFrequency=5
-JobCompType=jobcomp/none
-{nodes}
-# several jobs share a core, so dependency chains and parallel tests fit on 2 cores
-PartitionName={self.spec["partition"]} Nodes={self.node} Default=YES MaxTime=INFINITE State=UP \
-OverSubscribe=FORCE:4
-PartitionName={self.spec["multi_partition"]} Nodes={",".join(_node_names(self.node))} \
-MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
-"""
+        conf = _slurm_conf(self.spec)
         SLURM_CONF_DIR.mkdir(parents=True, exist_ok=True)
         _write(path, conf, 0o644)
 
@@ -735,7 +748,7 @@ MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
         )
 
     def start_slurmd(self) -> None:
-        for name, daemon in zip(_node_names(self.node), ("slurmd", "slurmd2"), strict=True):
+        for name, daemon in zip(_node_names(self.node), _SLURMD_PORTS, strict=True):
             (self.dir / "slurmd" / name).mkdir(parents=True, exist_ok=True)
             pid = self.spawn(daemon, ["slurmd", "-D", "-N", name])
             self.wait_for(daemon, functools.partial(_node_up, name, set()), pid, 60)
@@ -852,8 +865,90 @@ wait $!
 
 
 def _node_names(first: str) -> list[str]:
-    """The two nodes of the cluster: this host's short name, and a second one beside it."""
-    return [first, f"{first}-2"]
+    """The cluster's nodes, all on this host: its short name (the default partition's), -2
+    (with the first, the multi partition's), -3 (the queue partition's) and -4 (the low and
+    high partitions')."""
+    return [first, f"{first}-2", f"{first}-3", f"{first}-4"]
+
+
+def _slurm_conf(spec: dict[str, Any]) -> str:
+    """slurm.conf for the cluster of `spec` (the supervisor's): written at start, and compared
+    with the one in /etc/slurm to tell whether a running cluster is this version's."""
+    state_dir = Path(spec["state_dir"])
+    logs, run_dir, p = state_dir / "log", state_dir / "run", spec["ports"]
+    host = socket.gethostname().split(".")[0]
+    cpus = os.cpu_count() or 1
+    mem_mb = _mem_total_mb() * 9 // 10
+    first, second, queue_node, preempt_node = _node_names(host)
+    # the queue and preemption nodes get one CPU each: one job at a time, whatever the machine
+    node_cpus = (cpus, cpus, 1, 1)
+    nodes = "\n".join(
+        f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={p[port]} "
+        f"CPUs={n} RealMemory={mem_mb} State=UNKNOWN"
+        for name, port, n in zip(_node_names(host), _SLURMD_PORTS, node_cpus, strict=True)
+    )
+    return f"""{MARKER}{state_dir}
+ClusterName={spec["cluster"]}
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={p["slurmctld"]}
+SlurmdPort={p["slurmd"]}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CryptoType=crypto/munge
+# a requeued job may start again only once its old credential expired (120 s by default);
+# 5 s is Slurm's minimum, 20 s leaves a busy machine time to launch a step
+AuthInfo=cred_expire=20
+StateSaveLocation={state_dir / "ctld"}
+# four slurmd on this host (multiple-slurmd): each node's own port, spool, pid and log
+SlurmdSpoolDir={state_dir / "slurmd" / "%n"}
+SlurmctldPidFile={run_dir / "slurmctld.pid"}
+SlurmdPidFile={run_dir / "slurmd-%n.pid"}
+SlurmctldLogFile={logs / "slurmctld.log"}
+SlurmdLogFile={logs / "slurmd-%n.log"}
+# no cgroups here: track processes by parentage, no task binding
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+# quick scheduling and cancelling, so tests do not wait on defaults meant for big clusters
+SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
+KillWait=2
+MinJobAge=600
+ReturnToService=2
+InactiveLimit=0
+MessageTimeout=10
+MpiDefault=none
+MailProg=/bin/true
+# a job of a higher PriorityTier partition preempts those of lower tiers on its nodes: only the
+# low partition's are ever preempted (high is the top tier, the others say PreemptMode=OFF), and
+# they are requeued (batch jobs may be: JobRequeue=1, the default, said for the reader)
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+JobRequeue=1
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=localhost
+AccountingStoragePort={p["slurmdbd"]}
+# limits: the QOS submit limits the pushback test sets are enforced (none is set by default)
+AccountingStorageEnforce=associations,limits
+JobAcctGatherType=jobacct_gather/linux
+JobAcctGatherFrequency=5
+JobCompType=jobcomp/none
+{nodes}
+# several jobs share a core, so dependency chains and parallel tests fit on 2 cores
+PartitionName={spec["partition"]} Nodes={first} Default=YES MaxTime=INFINITE State=UP \
+OverSubscribe=FORCE:4 PreemptMode=OFF
+PartitionName={spec["multi_partition"]} Nodes={first},{second} MaxTime=INFINITE State=UP \
+OverSubscribe=FORCE:4 PreemptMode=OFF
+# a shared cluster's queue: one CPU, no sharing, so one job runs and the rest wait
+PartitionName={spec["queue_partition"]} Nodes={queue_node} DefaultTime=10 State=UP \
+OverSubscribe=NO PreemptMode=OFF
+PartitionName={spec["low_partition"]} Nodes={preempt_node} DefaultTime=10 State=UP \
+OverSubscribe=NO PriorityTier=1 PreemptMode=REQUEUE
+PartitionName={spec["high_partition"]} Nodes={preempt_node} DefaultTime=10 State=UP \
+OverSubscribe=NO PriorityTier=2
+"""
 
 
 def _node_up(node: str, resumed: set[str]) -> bool:
@@ -924,7 +1019,8 @@ def main(argv: list[str]) -> int:
         return 0
     if command == "status":
         up = bool(state) and slurm._healthy(state)  # type: ignore[arg-type]
-        print(json.dumps({"running": up, **(state or {})}, indent=1))
+        current = up and slurm._current(state)  # type: ignore[arg-type]
+        print(json.dumps({"running": up, "current_config": current, **(state or {})}, indent=1))
         return 0 if up else 1
     print("usage: python -m prefect_nemo.testing.slurm start|stop|status", file=sys.stderr)
     return 2

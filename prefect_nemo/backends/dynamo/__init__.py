@@ -18,6 +18,7 @@ from prefect_nemo.backends.dynamo.graphs import (
     apply_dgd,
     check_crd_installed,
     delete_dgd,
+    dgd_access,
     own_by,
     pod_ready,
     wait_dgd_ready,
@@ -46,7 +47,7 @@ __all__ = [
     "DGD_GROUP", "DGD_KIND", "FRONTEND_PORT", "FRONTEND_PROBE_PATH", "FRONTEND_TYPE",
     "GRAPH_LABEL", "MAIN_CONTAINER", "STATE_FAILED", "STATE_READY", "VERSIONS", "DgdCrdMissing",
     "DgdFailed", "DgdNotReady", "DgdReadiness", "apply_dgd", "check_crd_installed",
-    "check_dgd_name", "check_frontend_port", "deep_merge", "delete_dgd", "dgd_kind",
+    "check_dgd_name", "check_frontend_port", "deep_merge", "delete_dgd", "dgd_access", "dgd_kind",
     "frontend_service", "frontend_url", "load_dgd", "own_by", "pod_ready", "render_dgd",
     "resolve_frontend_url", "validate_dgd", "wait_dgd_ready", "wait_for_dgd_gone",
 ]  # fmt: skip

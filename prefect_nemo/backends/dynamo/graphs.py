@@ -40,6 +40,18 @@ class DgdCrdMissing(PrefectNemoError):
 # API calls
 
 
+def dgd_access(version: str = "v1alpha1") -> tuple[kube.Access, ...]:
+    """What deploy_dgd uses in the graphs' namespace, for RBAC: the DGDs (applied, owned by a
+    RayCluster, watched, deleted), their pods (watched for readiness) and the frontend's
+    Service proxy (the HTTP probe)."""
+    return (
+        kube.Access(dgd_kind(version), ("get", "list", "watch", "create", "patch", "delete")),
+        kube.Access(kube.POD, ("list", "watch")),
+        kube.Access(kube.SERVICE, ("get",), subresource="proxy"),
+    )
+
+
+
 def check_crd_installed(
     api: kube.KubeApi, version: str = "v1alpha1", namespace: str | None = None
 ) -> bool:
@@ -197,7 +209,7 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
         return False
     for cond in status.get("conditions") or []:
         if cond.get("type") == "Ready":
-            return cond.get("status") == "True"
+            return bool(cond.get("status") == "True")
     containers = status.get("containerStatuses") or []
     return bool(containers) and all(c.get("ready") for c in containers)
 
@@ -224,7 +236,7 @@ def wait_dgd_ready(
     port: int = FRONTEND_PORT,
     probe_interval_s: float = 1.0,
     on_change: Callable[[DgdReadiness], None] | None = None,
-    interrupted: Callable[[], bool] | None = None,
+    interrupted: Callable[[], str | bool | None] | None = None,
 ) -> DgdReadiness:
     """Wait until the DGD serves: state successful, every DGD pod Ready, frontend answers.
 

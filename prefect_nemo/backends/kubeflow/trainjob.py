@@ -50,7 +50,6 @@ The job id is at most 50 characters, not 63: JobSet gives every pod the hostname
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
 from collections.abc import AsyncGenerator
@@ -61,6 +60,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from prefect_nemo.backends._kube_job import KubeJobBackend
 from prefect_nemo.backends._kube_objects import (
     check_labels,
+    code_configmaps,
+    code_plan,
     flow_run_of,
     job_object,
     parse_time,
@@ -95,13 +96,13 @@ from prefect_nemo.kube import (
     PVC,
     SECRET,
     TRAIN_JOB,
+    Access,
     AlreadyExists,
     Invalid,
     Kind,
     KubeApi,
     KubeError,
     apply_or_attach,
-    managed_labels,
 )
 from prefect_nemo.names import is_dns1035_label
 
@@ -236,7 +237,8 @@ def owned_objects(spec: JobSpec, job_id: str, plan: TransportPlan | None) -> dic
 
 
 def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any] | None:
-    for cond in (obj.get("status") or {}).get("conditions") or []:
+    conditions: list[dict[str, Any]] = (obj.get("status") or {}).get("conditions") or []
+    for cond in conditions:
         if cond.get("type") == type_ and cond.get("status") == "True":
             return cond
     return None
@@ -356,6 +358,29 @@ class KubeflowTrainerBackend(KubeJobBackend[TrainerConfig]):
         urls = [self.config.pip_index_url, *self.config.pip_extra_index_urls]
         return [*self.api.secrets, *(u for u in urls if u)]
 
+    def access(self) -> tuple[Access, ...]:
+        """In the jobs' namespace: the TrainJobs, the runtime (created, stamped, removed when
+        unused), the Secret and code ConfigMaps each job owns, the PVCs of the mounts, the
+        pods and their logs. Removing an unused ClusterTrainingRuntime reads the TrainJobs of
+        every namespace (a submit goes on without it; `cleanup` needs it)."""
+        runtime = self.config.runtime_kind
+        needs = [
+            Access(TRAIN_JOB, ("get", "list", "watch", "create", "delete")),
+            Access(runtime, ("get", "list", "create", "patch", "delete")),
+            Access(SECRET, ("get", "create", "delete", "patch")),
+            Access(CONFIGMAP, ("get", "create", "delete", "patch")),
+            Access(POD, ("get", "list", "watch")),
+            Access(POD, ("get",), subresource="log"),
+        ]
+        if self.config.pvc_mounts:
+            needs.append(Access(PVC, ("get", "create")))
+        if not runtime.namespaced:
+            needs.append(Access(
+                TRAIN_JOB, ("list",), all_namespaces=True,
+                optional="removing ClusterTrainingRuntimes no TrainJob uses (cleanup)",
+            ))  # fmt: skip
+        return tuple(needs)
+
     def job_status(self, obj: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
         """The TrainJob's status from it and its pods (the table in the module docstring)."""
         return status_from_trainjob(obj, pods)
@@ -432,16 +457,8 @@ class KubeflowTrainerBackend(KubeJobBackend[TrainerConfig]):
     # -- helpers ----------------------------------------------------------------------------------
 
     def _plan(self, spec: JobSpec, job_id: str) -> TransportPlan:
-        """The ConfigMap transport of working_dir. build_archive reuses an unchanged tree's
-        archive (by content hash), so planning again at submit costs only the file walk."""
-        from prefect_nemo.packaging import build_archive, plan_for
-
-        assert spec.working_dir is not None
-        archive = build_archive(Path(spec.working_dir), exclude=tuple(spec.exclude))
-        return plan_for(
-            "kubernetes", archive, name=job_id,
-            chunk_bytes=self.chunk_bytes, max_bytes=self.max_code_bytes,
-        )  # fmt: skip
+        """The ConfigMap transport of working_dir, within this block's sizes."""
+        return code_plan(spec, job_id, chunk_bytes=self.chunk_bytes, max_bytes=self.max_code_bytes)
 
     def _documents(
         self, spec: JobSpec, job_id: str, metadata: dict[str, str]
@@ -459,13 +476,9 @@ class KubeflowTrainerBackend(KubeJobBackend[TrainerConfig]):
         owned: list[tuple[Kind, dict[str, Any]]] = []
         if secret is not None:
             owned.append((SECRET, secret))
-        for cm in plan.configmaps if plan is not None else []:
-            cm = copy.deepcopy(cm)
-            meta = cm.setdefault("metadata", {})
-            meta["namespace"] = self.namespace
-            meta["labels"] = {**(meta.get("labels") or {}), **managed_labels(flow_run_id)}
-            meta.pop("ownerReferences", None)
-            owned.append((CONFIGMAP, cm))
+        if plan is not None:
+            cms = code_configmaps(plan, namespace=self.namespace, flow_run_id=flow_run_id)
+            owned += [(CONFIGMAP, cm) for cm in cms]
         return manifest, owned
 
     def _shared_objects(self) -> list[dict[str, Any]]:

@@ -1,7 +1,15 @@
 """RayJob manifests, pure: the block's RayJob config (existing cluster XOR inline spec) and its
 checks, the checks of a JobSpec a RayJob can carry, and the documents a submit sends (the
-RayJob, and the Secret of its secret env values), built once for `submit` and `render` alike.
-No API call, no Prefect import.
+RayJob, the Secret of its secret env values, the ConfigMaps of its working_dir), built once for
+`submit` and `render` alike. No API call, no Prefect import.
+
+Local code (JobSpec.working_dir) on an inline cluster travels the way `ray job submit` ships a
+local working_dir: KubeRay's K8sJobMode submitter runs `ray job submit --runtime-env-json
+'<runtimeEnvYAML>' ...` (common/job.go BuildJobSubmitCommand), and Ray's CLI uploads a local
+`working_dir` of that runtime env to the cluster's GCS before it submits. So the RayJob gets a
+`submitterPodTemplate` whose init container unpacks the code from our ConfigMaps into an
+emptyDir that the submitter container (KubeRay fills its command in: it has none) mounts at
+`CODE_DIR`, and runtimeEnvYAML says `working_dir: CODE_DIR`.
 """
 
 from __future__ import annotations
@@ -11,13 +19,14 @@ import json
 import re
 import shlex
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import SecretStr
 
 from prefect_nemo.backends._kube_objects import (
     check_labels,
+    code_configmaps,
     flow_run_of,
     job_object,
     secret_manifest,
@@ -27,9 +36,12 @@ from prefect_nemo.backends.kuberay.raycluster import check_cluster_spec
 from prefect_nemo.backends.ray_jobs import OVERRIDE_RUNTIME_ENV
 from prefect_nemo.errors import InvalidJobSpec
 from prefect_nemo.jobs import JobSpec
-from prefect_nemo.kube import RAY_JOB, SECRET, Kind
+from prefect_nemo.kube import CONFIGMAP, RAY_JOB, SECRET, Kind
 from prefect_nemo.names import is_dns1035_label, is_dns1123_subdomain
 from prefect_nemo.placement.spec import to_ray_entrypoint
+
+if TYPE_CHECKING:
+    from prefect_nemo.packaging import TransportPlan
 
 SubmissionMode = Literal["K8sJobMode", "HTTPMode", "SidecarMode"]
 SUBMISSION_MODES: tuple[str, ...] = ("K8sJobMode", "HTTPMode", "SidecarMode")
@@ -37,6 +49,17 @@ MAX_RAYJOB_NAME = 47  # KubeRay's MaxRayJobNameLength
 # what the submitter's bash would take for itself wherever it stands, quoted or not (expansions,
 # globs, history, comments, line breaks): conservative, a false alarm only costs a `bash -c`
 _SHELL_ANYWHERE = re.compile(r"[$`~*?\[{!#\n\\]")
+# the submitter pod of an inline cluster with working_dir: KubeRay reads the status of the
+# container named SUBMITTER (utils.SubmitterContainerName) and fills its command in when it
+# has none (configureSubmitterContainer); the resources are GetDefaultSubmitterContainer's
+SUBMITTER = "ray-job-submitter"
+SUBMITTER_RESOURCES: dict[str, dict[str, str]] = {
+    "limits": {"cpu": "1", "memory": "1Gi"},
+    "requests": {"cpu": "500m", "memory": "200Mi"},
+}
+UNPACK = "prefect-nemo-unpack-code"  # the init container that unpacks the ConfigMaps
+CODE_VOLUME = "prefect-nemo-code-dir"  # the emptyDir it unpacks into
+CODE_DIR = "/prefect-nemo/code"  # where the submitter sees the code: runtimeEnvYAML working_dir
 
 # -------------------------------------------------------------------------------------------
 # Configuration and validation (pure: no API calls)
@@ -141,10 +164,7 @@ def check_spec(spec: JobSpec, config: RayJobConfig) -> None:
             "an inline ray_cluster_spec (prefect-nemo then creates and mounts the Secret)"
         )
     if spec.working_dir is not None and config.inline:
-        raise InvalidJobSpec(
-            "JobSpec.working_dir: working_dir with an inline rayClusterSpec needs the ConfigMap "
-            "transport (issue 4); use ray_cluster_name or bake the code into the image"
-        )
+        _check_code_submitter(config)
     try:
         yaml.safe_dump(spec.runtime_env)
         json.dumps(spec.runtime_env, allow_nan=False)
@@ -153,6 +173,29 @@ def check_spec(spec: JobSpec, config: RayJobConfig) -> None:
             f"JobSpec.runtime_env: must be plain data (it travels as YAML in the RayJob): {exc}"
         ) from None
     check_labels(spec.labels)
+
+
+def _check_code_submitter(config: RayJobConfig) -> None:
+    """working_dir on an inline cluster rides on the K8sJobMode submitter pod (module doc)."""
+    mode = config.submission_mode
+    if mode != "K8sJobMode":
+        why = {
+            "HTTPMode": "the operator posts the job to Ray itself, with no pod to carry files",
+            "SidecarMode": "KubeRay refuses a submitterPodTemplate in SidecarMode",
+        }.get(mode, "only K8sJobMode runs a submitter pod")
+        raise InvalidJobSpec(
+            f"JobSpec.working_dir: with an inline ray_cluster_spec the code travels in the "
+            f"K8sJobMode submitter pod, which KubeRayCluster.submission_mode='{mode}' has not "
+            f"({why}): use submission_mode='K8sJobMode', run on an existing cluster "
+            "(ray_cluster_name), or bake the code into the image"
+        )
+    head_pod = (config.ray_cluster_spec or {})["headGroupSpec"]["template"]["spec"]
+    if not head_pod["containers"][0].get("image"):
+        raise InvalidJobSpec(
+            "KubeRayCluster.ray_cluster_spec.headGroupSpec.template.spec.containers[0].image: "
+            "needed with working_dir (the submitter pod that uploads the code runs the head's "
+            "image): set the Ray image there"
+        )
 
 
 def check_job_id(job_id: str) -> None:
@@ -200,15 +243,20 @@ def rayjob_manifest(
     *,
     namespace: str,
     working_dir_uri: str | None = None,
+    plan: TransportPlan | None = None,
 ) -> dict[str, Any]:
-    """The RayJob for a job: everything but secret env values, which go to `secret_manifest`."""
+    """The RayJob for a job: everything but secret env values, which go to `secret_manifest`.
+    working_dir: on an existing cluster the gcs:// URI of the uploaded package
+    (`working_dir_uri`), on an inline one the submitter pod that unpacks `plan` (module doc)."""
     runtime_env: dict[str, Any] = dict(spec.runtime_env)
     plain = {k: v for k, v in spec.env.items() if isinstance(v, str)}  # secrets: the Secret
     runtime_env["env_vars"] = {**plain, **OVERRIDE_RUNTIME_ENV}
     if working_dir_uri is not None:
         runtime_env["working_dir"] = working_dir_uri
+    if plan is not None:
+        runtime_env["working_dir"] = CODE_DIR  # a local path of the submitter: Ray uploads it
     body: dict[str, Any] = {
-        "entrypoint": submitted_entrypoint(spec.entrypoint, config.submission_mode),
+        "entrypoint": submitted_entrypoint(spec.entrypoint or "", config.submission_mode),
         "jobId": job_id,
         "metadata": {**spec.metadata, **metadata},
         "runtimeEnvYAML": yaml.safe_dump(runtime_env, sort_keys=True),
@@ -234,16 +282,53 @@ def rayjob_manifest(
         if spec.secret_values():
             _mount_secret(cluster_spec, secret_name(job_id))
         body["rayClusterSpec"] = cluster_spec
+        if plan is not None:
+            body["submitterPodTemplate"] = submitter_template(config.ray_cluster_spec, plan)
         body["shutdownAfterJobFinishes"] = config.shutdown_after_job_finishes
         if config.shutdown_after_job_finishes:
             body["ttlSecondsAfterFinished"] = config.ttl_seconds_after_finished
     else:
         body["clusterSelector"] = {"ray.io/cluster": str(config.ray_cluster_name)}
+    owned: dict[str, list[str]] = {}
+    if spec.secret_values():
+        owned["secrets"] = [secret_name(job_id)]
+    if plan is not None:
+        owned["configmaps"] = [cm["metadata"]["name"] for cm in plan.configmaps]
     return job_object(
-        RAY_JOB, job_id, spec, metadata, body, namespace=namespace,
-        owned={"secrets": [secret_name(job_id)]} if spec.secret_values() else None,
+        RAY_JOB, job_id, spec, metadata, body, namespace=namespace, owned=owned or None,
         shrink="JobSpec.entrypoint/env/runtime_env/metadata or ray_cluster_spec",
     )  # fmt: skip
+
+
+def submitter_template(cluster_spec: dict[str, Any], plan: TransportPlan) -> dict[str, Any]:
+    """The K8sJobMode submitter pod for an inline cluster with working_dir: an init container
+    unpacks the ConfigMaps (checking their sha256) into an emptyDir, which KubeRay's submitter
+    container mounts at CODE_DIR. Both run the head's image (KubeRay's default submitter
+    does too: its Ray version matches the cluster's, and it has python3, sh and tar)."""
+    head_pod = cluster_spec["headGroupSpec"]["template"]["spec"]
+    image = head_pod["containers"][0]["image"]
+    unpack = {
+        "name": UNPACK,
+        "image": image,
+        "command": ["sh", "-c", plan.setup_command(CODE_DIR)],
+        "volumeMounts": [*plan.volume_mounts, {"name": CODE_VOLUME, "mountPath": CODE_DIR}],
+        "resources": copy.deepcopy(SUBMITTER_RESOURCES),
+    }
+    submitter = {
+        "name": SUBMITTER,
+        "image": image,
+        "resources": copy.deepcopy(SUBMITTER_RESOURCES),
+        "volumeMounts": [{"name": CODE_VOLUME, "mountPath": CODE_DIR, "readOnly": True}],
+    }
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",  # as KubeRay's default: the Job retries with a new pod
+        "volumes": [*copy.deepcopy(plan.volumes), {"name": CODE_VOLUME, "emptyDir": {}}],
+        "initContainers": [unpack],
+        "containers": [submitter],
+    }
+    if pull := head_pod.get("imagePullSecrets"):  # the same image, from the same registry
+        pod["imagePullSecrets"] = copy.deepcopy(pull)
+    return {"spec": pod}
 
 
 def _mount_secret(cluster_spec: dict[str, Any], name: str) -> None:
@@ -262,11 +347,19 @@ def rayjob_documents(
     *,
     namespace: str,
     working_dir_uri: str | None = None,
+    plan: TransportPlan | None = None,
 ) -> tuple[dict[str, Any], list[tuple[Kind, dict[str, Any]]]]:
     """What a submit sends, built once for `submit` and `render`: the RayJob and the objects
-    it owns, created before it (the Secret of the secret env values, when there are any)."""
+    it owns, created before it (the Secret of the secret env values, when there are any, and
+    the ConfigMaps of working_dir on an inline cluster)."""
     manifest = rayjob_manifest(
-        spec, job_id, metadata, config, namespace=namespace, working_dir_uri=working_dir_uri
-    )
-    secret = secret_manifest(spec, job_id, namespace=namespace, flow_run_id=flow_run_of(metadata))
-    return manifest, [(SECRET, secret)] if secret is not None else []
+        spec, job_id, metadata, config, namespace=namespace, working_dir_uri=working_dir_uri,
+        plan=plan,
+    )  # fmt: skip
+    flow_run_id = flow_run_of(metadata)
+    secret = secret_manifest(spec, job_id, namespace=namespace, flow_run_id=flow_run_id)
+    owned: list[tuple[Kind, dict[str, Any]]] = [(SECRET, secret)] if secret is not None else []
+    if plan is not None:
+        cms = code_configmaps(plan, namespace=namespace, flow_run_id=flow_run_id)
+        owned += [(CONFIGMAP, cm) for cm in cms]
+    return manifest, owned

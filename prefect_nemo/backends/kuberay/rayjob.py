@@ -39,6 +39,12 @@ Logs and stop go to the Ray Jobs API of the job's cluster through the API server
 proxy (`raycluster.ray_jobs_backend`). Secret env values (SecretStr in JobSpec.env) never go into
 the RayJob: with an inline cluster they go into a Secret we own and the head and worker
 containers read it with ``envFrom``; with an existing cluster they are refused.
+
+Local code (JobSpec.working_dir): on an existing cluster we upload it to the cluster's GCS with
+Ray's own uploader (through the proxy) and the RayJob names the gcs:// package; an inline
+cluster does not exist yet at submit, so the code goes into ConfigMaps we own, unpacked by an
+init container of the K8sJobMode submitter pod, whose `ray job submit` uploads it
+(`manifests.submitter_template`).
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ from collections.abc import AsyncGenerator
 from typing import Any, ClassVar
 
 from prefect_nemo.backends._kube_job import KubeJobBackend
-from prefect_nemo.backends._kube_objects import parse_time, reserved_metadata
+from prefect_nemo.backends._kube_objects import code_plan, parse_time, reserved_metadata
 from prefect_nemo.backends.kuberay.manifests import (
     MAX_RAYJOB_NAME,
     RayJobConfig,
@@ -65,8 +71,17 @@ from prefect_nemo.backends.kuberay.raycluster import DASHBOARD_PORT, head_servic
 from prefect_nemo.backends.ray_jobs import RayJobsBackend
 from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec
 from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus, refuse_launcher
-from prefect_nemo.kube import RAY_CLUSTER, RAY_JOB, KubeApi
-from prefect_nemo.packaging import collect_source, stage_source
+from prefect_nemo.kube import (
+    CONFIGMAP,
+    POD,
+    RAY_CLUSTER,
+    RAY_JOB,
+    SECRET,
+    SERVICE,
+    Access,
+    KubeApi,
+)
+from prefect_nemo.packaging import TransportPlan, collect_source, stage_source
 
 STOP_ESCALATE_S = 10.0  # a Ray stop not confirmed by then is escalated to deleting the RayJob
 
@@ -181,14 +196,39 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
         """The RayJob's status (the table in the module docstring); pods are not read."""
         return status_from_rayjob(obj)
 
+    def access(self) -> tuple[Access, ...]:
+        """In the RayJobs' namespace: the RayJobs, their RayClusters (read), the Secret of
+        secret env values, the ConfigMaps of an inline cluster's working_dir, the pods and
+        their logs, and the head Service's proxy (Ray's Jobs API: logs, stop, working_dir
+        upload)."""
+        return (
+            Access(RAY_JOB, ("get", "list", "watch", "create", "delete", "patch")),
+            Access(RAY_CLUSTER, ("get", "list", "watch")),
+            Access(SECRET, ("get", "create", "delete", "patch")),
+            Access(CONFIGMAP, ("get", "create", "delete", "patch")),
+            Access(POD, ("get", "list", "watch")),
+            Access(POD, ("get",), subresource="log"),
+            Access(SERVICE, ("get", "create"), subresource="proxy"),
+        )
+
+    def ray_api(self, cluster_name: str) -> RayJobsBackend:
+        """The Ray Jobs API of one of its RayClusters, through the API server's service proxy
+        (logs and stop go this way; `prefect-nemo doctor` asks it for Ray's version)."""
+        return self._ray(cluster_name)
+
     # -- Backend protocol -----------------------------------------------------------------------
 
     def validate(self, spec: JobSpec) -> None:
         """Everything we can check without the API server (names, sizes, secrets, code)."""
         refuse_launcher(spec, self.kind)
         check_spec(spec, self.config)
-        # a dry build with the longest name catches sizes (annotations, the ~1 MB object limit)
-        rayjob_manifest(spec, "j" * MAX_RAYJOB_NAME, {}, self.config, namespace=self.namespace)
+        # a dry build with the longest name catches sizes (annotations, the ~1 MB object limit,
+        # the code archive over what ConfigMaps may carry)
+        longest = "j" * MAX_RAYJOB_NAME
+        rayjob_manifest(
+            spec, longest, {}, self.config, namespace=self.namespace,
+            plan=self._plan(spec, longest),
+        )  # fmt: skip
 
     def check_access(self) -> None:
         """Reach the API server, prove we may list RayJobs (KubeRay installed), and that the
@@ -202,26 +242,32 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
             )
 
     def submit(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> JobHandle:
-        """Create the RayJob (and its Secret); JobAlreadyExists if the name is taken."""
+        """Create the RayJob (and its Secret and code ConfigMaps, which it then owns);
+        JobAlreadyExists if the name is taken."""
         check_job_id(job_id)
         check_spec(spec, self.config)
-        uri = self._working_dir_uri(spec, upload=True) if spec.working_dir is not None else None
+        plan = self._plan(spec, job_id)
+        uri = self._working_dir_uri(spec, upload=True) if self._uploads(spec) else None
         manifest, owned = rayjob_documents(
-            spec, job_id, metadata, self.config, namespace=self.namespace, working_dir_uri=uri
-        )
+            spec, job_id, metadata, self.config, namespace=self.namespace, working_dir_uri=uri,
+            plan=plan,
+        )  # fmt: skip
         fix = "Check KubeRayCluster.ray_cluster_spec and the JobSpec fields it names"
         self.create_job(manifest, owned, fix=fix)
         return self.handle(job_id)
 
     def render(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> list[dict[str, Any]]:
-        """What `submit` sends, in its order (the Secret, then the RayJob), without a request:
-        working_dir gets the gcs:// URI Ray's uploader would give the staged code."""
+        """What `submit` sends, in its order (the Secret, the code ConfigMaps, then the RayJob),
+        without a request: on an existing cluster working_dir gets the gcs:// URI Ray's
+        uploader would give the staged code."""
         check_job_id(job_id)
         check_spec(spec, self.config)
-        uri = self._working_dir_uri(spec, upload=False) if spec.working_dir is not None else None
+        plan = self._plan(spec, job_id)
+        uri = self._working_dir_uri(spec, upload=False) if self._uploads(spec) else None
         manifest, owned = rayjob_documents(
-            spec, job_id, metadata, self.config, namespace=self.namespace, working_dir_uri=uri
-        )
+            spec, job_id, metadata, self.config, namespace=self.namespace, working_dir_uri=uri,
+            plan=plan,
+        )  # fmt: skip
         return [obj for _, obj in owned] + [manifest]
 
     def request_stop(self, job_id: str) -> None:
@@ -286,6 +332,17 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
     def _ray(self, cluster_name: str) -> RayJobsBackend:
         """The Ray Jobs API of a RayCluster, through the API server's service proxy."""
         return ray_jobs_backend(self.api, cluster_name, self.namespace, ray_token=self._ray_token)
+
+    def _uploads(self, spec: JobSpec) -> bool:
+        """working_dir goes to an existing cluster's GCS from here (not in ConfigMaps)."""
+        return spec.working_dir is not None and not self.config.inline
+
+    def _plan(self, spec: JobSpec, job_id: str) -> TransportPlan | None:
+        """The ConfigMaps of working_dir for an inline cluster (None otherwise); sizes are
+        checked here, before anything is sent (TransportTooLarge)."""
+        if spec.working_dir is None or not self.config.inline:
+            return None
+        return code_plan(spec, job_id)
 
     def _working_dir_uri(self, spec: JobSpec, *, upload: bool) -> str:
         """Package working_dir; with `upload`, put it in the target cluster's GCS with Ray's own

@@ -183,7 +183,8 @@ class NemoRunBackend(ABC):
 
     def _read_entry(self, job_id: str) -> dict[str, Any] | None:
         try:
-            return json.loads(self._entry(job_id).read_text() or "{}")
+            entry: dict[str, Any] = json.loads(self._entry(job_id).read_text() or "{}")
+            return entry
         except FileNotFoundError:
             return None
         except ValueError:
@@ -332,7 +333,10 @@ class NemoRunBackend(ABC):
             meta = {**spec.metadata, **metadata}
             executor, _, _, dryrun_info = self.dry_run(spec, job_id, meta, Path(scratch))
             documents = self.documents(spec, job_id, executor, dryrun_info)
-        return relocated(documents, scratch, str(self.local_experiment_dir(job_id)))
+        moved: list[dict[str, Any]] = relocated(
+            documents, scratch, str(self.local_experiment_dir(job_id))
+        )
+        return moved
 
     def documents(
         self, spec: JobSpec, job_id: str, executor: Any, dryrun_info: Any

@@ -70,7 +70,8 @@ class Recorder:
 
     def respond(self, request: requests.PreparedRequest) -> requests.Response:
         method, path = str(request.method), urlsplit(str(request.url)).path
-        body = request.body.decode() if isinstance(request.body, bytes) else request.body
+        # the request's text, then (when it parses) its JSON document
+        body: Any = request.body.decode() if isinstance(request.body, bytes) else request.body
         with contextlib.suppress(TypeError, ValueError):
             body = json.loads(body) if body else None
         if self.keep(method, path):
@@ -140,7 +141,9 @@ class _Adapter(BaseAdapter):
         super().__init__()
         self.recorder = recorder
 
-    def send(self, request: requests.PreparedRequest, **kwargs: Any) -> requests.Response:
+    def send(
+        self, request: requests.PreparedRequest, *args: Any, **kwargs: Any
+    ) -> requests.Response:
         return self.recorder.respond(request)
 
     def close(self) -> None:
@@ -235,10 +238,11 @@ def _install() -> None:
                 "run.ray.lepton",
             )
         )
+        # names of NeMo-Run's modules, which mypy sees only as ModuleType
         for module in (dgx, dgx_ray):
-            module.requests = _Requests()  # type: ignore[assignment]
+            module.requests = _Requests()  # type: ignore[attr-defined]
         for module in (lepton, lepton_ray):
-            module.APIClient = _Client(module.APIClient)  # type: ignore[assignment]
+            module.APIClient = _Client(module.APIClient)  # type: ignore[attr-defined]
         for module in (dgx, dgx_ray, lepton, lepton_ray):
-            module.time = _Time()  # type: ignore[assignment]
+            module.time = _Time()  # type: ignore[attr-defined]
         _installed = True

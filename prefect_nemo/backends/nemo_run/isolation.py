@@ -55,8 +55,9 @@ def nemo_run() -> ModuleType:
             import nemo_run.run.torchx_backend.launcher
             import nemo_run.run.torchx_backend.packaging
             import nemo_run.run.torchx_backend.runner
-        _module = nemo_run
-        return nemo_run
+        module: ModuleType = nemo_run
+        _module = module
+        return module
 
 
 @contextlib.contextmanager

@@ -41,7 +41,6 @@ from prefect_nemo.backends.nemo_run.dgx_cloud import (
     DGXCloudBackend,
     _handle,
     _quiet,
-    workload_document,
 )
 from prefect_nemo.backends.nemo_run.dry_run import Sent, recording
 from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
@@ -51,6 +50,7 @@ from prefect_nemo.backends.nemo_run.lepton import (
     dry_run_client_args,
     lepton_answer,
 )
+from prefect_nemo.backends.nemo_run.runai import workload_document
 from prefect_nemo.backends.ray_jobs import RayJobsBackend
 from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec
 from prefect_nemo.jobs import META_FLOW_RUN, JobHandle, JobSpec, JobState, JobStatus, OwnedJob
@@ -414,7 +414,7 @@ class DGXCloudRayBackend(DGXCloudBackend):
     def _command(self, spec: JobSpec, plan: TransportPlan | None, job_id: str) -> str:
         """What the bootstrap runs on the head once Ray is up: unpack the code, run."""
         if plan is None:
-            return spec.entrypoint
+            return spec.entrypoint or ""
         # Only the head runs it, so it unpacks alone: no rank gate needed.
         dest = f"{self.config.pvc_nemo_run_dir}/code/{job_id}"
         return f"{plan.setup_command(dest)} && cd {shlex.quote(dest)} && {spec.entrypoint}"

@@ -148,7 +148,8 @@ class RunaiClient:
         response = self.request(
             "GET", "/workloads", params={"filterBy": f"name=^{job_id}-", "limit": "500"}
         )
-        for item in _json(response).get("workloads") or []:
+        workloads: list[dict[str, Any]] = _json(response).get("workloads") or []
+        for item in workloads:
             rest = str(item.get("name", ""))[len(job_id) + 1 :]
             # the suffix run:ai adds has no '-'; '<job_id>-r1-<suffix>' is another attempt
             if rest and "-" not in rest and item.get("type") in KINDS:

@@ -128,7 +128,10 @@ class ServiceBackend(NemoRunBackend):
         ):
             self.launch_app(spec, job_id, {**spec.metadata, **metadata}, Path(scratch))
             documents = self.sent_documents(job_id, Path(scratch), recorder.sent)
-        return relocated(documents, scratch, str(self.local_experiment_dir(job_id)))
+        moved: list[dict[str, Any]] = relocated(
+            documents, scratch, str(self.local_experiment_dir(job_id))
+        )
+        return moved
 
     def submit(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> JobHandle:
         """Launch job_id unless the service has it already: JobAlreadyExists then."""

@@ -3,9 +3,14 @@
 It registers one Node, binds the unbound pods of the namespaces it serves to it (there is no
 kube-scheduler), and runs each container of a bound pod as a local process in its own session:
 `command` + `args` with the container's env, the image ignored (this venv's `ray`/`python` come
-first on PATH). Each pod gets its own address on `lo` (PodNetwork); Services of the served
-namespaces resolve to the address of a Ready pod their selector matches. Pod status goes
-Pending -> Running (podIP, Ready once its readiness probe passes) -> Succeeded/Failed with exit
+first on PATH). Init containers run first, one after another, each to a clean exit (a failed
+one is restarted, or with `restartPolicy: Never` fails the pod). Volumes are files under the
+pod's own root: configMap, secret and projected ones written as the kubelet writes them,
+emptyDir a fresh directory, and every mount path in a container's command, args and env values
+is mapped there (`operators/_pod_files`), so the pods' processes share no path by accident.
+Each pod gets its own address on `lo` (PodNetwork); Services of the served namespaces resolve
+to the address of a Ready pod their selector matches. Pod status goes Pending (init containers
+running) -> Running (podIP, Ready once its readiness probe passes) -> Succeeded/Failed with exit
 codes; a deleted pod's processes are killed and its address released, and the pod is removed
 (the kubelet's final delete). Each container's output is its log, served to `pods/log` from
 the Node's kubelet endpoint (SimNode.serve_logs, as the simulators' nodes serve theirs). Only
@@ -41,6 +46,7 @@ from kubernetes import client, config
 
 from prefect_nemo.testing.control_plane.pod_network import PodNetwork, service_names
 from prefect_nemo.testing.operators._node import SimNode
+from prefect_nemo.testing.operators._pod_files import PathMapper, mounted_volumes
 
 NODE_NAME = "prefect-nemo-node"
 # every process of a pod carries its uid in its environment (our stand-in for a cgroup): what
@@ -78,10 +84,23 @@ class _Pod:
     dir: Path
     labels: dict[str, str]
     restart_policy: str
+    mapper: PathMapper
     containers: list[_Container] = field(default_factory=list)
+    init: list[_Container] = field(default_factory=list)  # run in order before `containers`
     reported: tuple[Any, ...] = ()
 
+    def initialized(self) -> bool:
+        return all(c.exit_code == 0 for c in self.init)
+
+    def init_failed(self) -> bool:
+        """An init container failed and will not run again: the pod fails, nothing else runs."""
+        return self.restart_policy == "Never" and any(
+            c.exit_code not in (None, 0) and c.proc is None for c in self.init
+        )
+
     def done(self) -> bool:
+        if self.init_failed():
+            return True
         return all(c.exit_code is not None for c in self.containers) and not any(
             c.proc for c in self.containers
         )
@@ -193,23 +212,34 @@ class NodeAgent:
 
     def _start_pod(self, obj: dict[str, Any]) -> None:
         meta, spec = obj["metadata"], obj["spec"]
-        ip = self.network.allocate()
         folder = self.workdir / meta["uid"][:8]
         (folder / "tmp").mkdir(parents=True, exist_ok=True)
+        init, containers = spec.get("initContainers") or [], spec["containers"]
+        mapper = PathMapper(folder / "fs", [m["mountPath"] for c in [*init, *containers]
+                                            for m in c.get("volumeMounts") or []])  # fmt: skip
+        try:
+            mounted_volumes(self.core, meta["namespace"], spec, [*init, *containers], mapper,
+                            pvc_root=self.workdir / "pvcs")  # fmt: skip
+        except (client.ApiException, RuntimeError) as exc:
+            # as the kubelet: the pod stays Pending (ContainerCreating) and is tried again
+            log.warning("pod %s/%s volumes: %s", meta["namespace"], meta["name"], exc)
+            return
+        ip = self.network.allocate()
         pod = _Pod(meta["namespace"], meta["name"], meta["uid"], ip, folder,
-                   meta.get("labels") or {}, spec.get("restartPolicy", "Always"),
-                   [_Container(c) for c in spec["containers"]])  # fmt: skip
+                   meta.get("labels") or {}, spec.get("restartPolicy", "Always"), mapper,
+                   [_Container(c) for c in containers], [_Container(c) for c in init])  # fmt: skip
         self.pods[pod.uid] = pod
         obj.setdefault("status", {}).update(podIP=ip, hostIP="127.0.0.1")
-        for container in pod.containers:
+        for container in pod.init[:1] or pod.containers:
             self._spawn(pod, container, obj)
         log.info("pod %s/%s on %s", pod.namespace, pod.name, ip)
 
     def _spawn(self, pod: _Pod, container: _Container, obj: dict[str, Any]) -> None:
         spec = container.spec
         try:
-            env = self._env(pod, spec, obj)
-            argv = [_expand(a, env) for a in [*spec.get("command", []), *spec.get("args", [])]]
+            env = {k: pod.mapper(v) for k, v in self._env(pod, spec, obj).items()}
+            argv = [pod.mapper(_expand(a, env))
+                    for a in [*spec.get("command", []), *spec.get("args", [])]]  # fmt: skip
             if not argv:
                 raise ValueError("no command: the agent cannot run an image's entrypoint")
             # A pod has its own network namespace, so two pods may bind the same fixed port on
@@ -278,6 +308,9 @@ class NodeAgent:
             return {}
 
     def _watch_containers(self, pod: _Pod) -> None:
+        if not pod.initialized():
+            self._watch_init(pod)
+            return
         for container in pod.containers:
             if container.proc is not None and (code := container.proc.poll()) is not None:
                 container.proc, container.exit_code = None, code
@@ -299,27 +332,49 @@ class NodeAgent:
                 # and a period over 1 s only slows the tests down
                 container.next_probe = time.monotonic() + min(probe.get("periodSeconds", 1), 1)
 
+    def _watch_init(self, pod: _Pod) -> None:
+        """Run the init containers in order: the next once one exits 0, the pod's containers
+        after the last; a failed one again (restartPolicy OnFailure/Always) or never."""
+        current = next(c for c in pod.init if c.exit_code != 0 or c.proc is not None)
+        if current.proc is None or (code := current.proc.poll()) is None:
+            return
+        current.proc, current.exit_code, current.finished_at = None, code, _now()
+        if code != 0:
+            if pod.restart_policy != "Never":
+                current.restarts += 1
+                self._spawn(pod, current, self._pod_object(pod))
+            return
+        obj = self._pod_object(pod)
+        following = next((c for c in pod.init if c.exit_code is None), None)
+        for container in [following] if following else pod.containers:
+            self._spawn(pod, container, obj)
+
     def _pod_object(self, pod: _Pod) -> dict[str, Any]:
         obj = self.core.read_namespaced_pod(pod.name, pod.namespace)
         return self.core.api_client.sanitize_for_serialization(obj)  # type: ignore[no-any-return]
 
     def _report(self, pod: _Pod) -> None:
         """Patch the pod's status when it changed since the last report."""
-        statuses = [_container_status(c) for c in pod.containers]
-        ready = all(c.ready for c in pod.containers)
-        phase = "Running"
+        initialized = pod.initialized()
+        statuses = [_container_status(c, started=initialized) for c in pod.containers]
+        ready = initialized and all(c.ready for c in pod.containers)
+        phase = "Running" if initialized else "Pending"
         if pod.done():
-            phase = "Succeeded" if all(c.exit_code == 0 for c in pod.containers) else "Failed"
-        key = (phase, ready, tuple((c.exit_code, c.restarts, c.ready) for c in pod.containers))
+            failed = pod.init_failed() or any(c.exit_code != 0 for c in pod.containers)
+            phase = "Failed" if failed else "Succeeded"
+        key = (phase, ready, tuple((c.exit_code, c.restarts, c.ready)
+                                   for c in [*pod.init, *pod.containers]))  # fmt: skip
         if key == pod.reported:
             return
         flag = "True" if ready and phase == "Running" else "False"
         conditions = [{"type": t, "status": s, "lastTransitionTime": _now()} for t, s in [
-            ("PodScheduled", "True"), ("Initialized", "True"), ("ContainersReady", flag),
-            ("Ready", flag)]]  # fmt: skip
+            ("PodScheduled", "True"), ("Initialized", "True" if initialized else "False"),
+            ("ContainersReady", flag), ("Ready", flag)]]  # fmt: skip
         status = {"phase": phase, "podIP": pod.ip, "podIPs": [{"ip": pod.ip}],
                   "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}],
                   "conditions": conditions, "containerStatuses": statuses}  # fmt: skip
+        if pod.init:
+            status["initContainerStatuses"] = [_container_status(c) for c in pod.init]
         if not pod.reported:
             status["startTime"] = _now()
         try:
@@ -359,10 +414,12 @@ class NodeAgent:
 # -- helpers -----------------------------------------------------------------------------------
 
 
-def _container_status(c: _Container) -> dict[str, Any]:
-    if c.proc is not None:
-        state: dict[str, Any] = {"running": {"startedAt": c.started_at}, "terminated": None,
-                                 "waiting": None}  # fmt: skip
+def _container_status(c: _Container, *, started: bool = True) -> dict[str, Any]:
+    if not started:  # behind the init containers
+        state: dict[str, Any] = {"running": None, "terminated": None,
+                                 "waiting": {"reason": "PodInitializing"}}  # fmt: skip
+    elif c.proc is not None:
+        state = {"running": {"startedAt": c.started_at}, "terminated": None, "waiting": None}
     else:
         state = {"running": None, "waiting": None, "terminated": {
             "exitCode": c.exit_code, "reason": "Completed" if c.exit_code == 0 else "Error",
@@ -397,7 +454,7 @@ def _probe(probe: dict[str, Any] | None, ip: str) -> bool:
 def _kill(pods: list[_Pod]) -> None:
     """SIGTERM every process of the pods, SIGKILL what is left after a grace period."""
     uids = {pod.uid for pod in pods}
-    procs = [c for pod in pods for c in pod.containers if c.proc is not None]
+    procs = [c for pod in pods for c in [*pod.init, *pod.containers] if c.proc is not None]
     for sig, wait_s in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 2.0)):
         for c in procs:
             if c.proc is not None:

@@ -5,7 +5,10 @@ RayClusters get head/worker Pods (made Running/Ready through /status after a del
 head Service, whose dashboard port the loopback server proxies to the real Ray dashboard;
 RayJobs walk KubeRay's state machine (Initializing → Running → Complete/Failed, Suspending →
 Suspended, ValidationFailed) and their entrypoints run as real Ray jobs. Every simulated
-cluster shares the one Ray behind it, so "deleting a cluster" stops the Ray jobs it ran.
+cluster shares the one Ray behind it, so "deleting a cluster" stops the Ray jobs it ran. A
+K8sJobMode RayJob's `submitterPodTemplate` is honoured (its volumes and init containers run
+locally before the submit, its local working_dir is uploaded), and the driver gets the head
+container's env (`_kuberay_pods`).
 
 On a real API server (no `set_service_proxy`) the simulator is also the kubelet of a Node of its
 own (`_node.SimNode`): pods are bound to it, each running pod gets a pod address, the head pod
@@ -20,8 +23,11 @@ import contextlib
 import json
 import logging
 import random
+import shutil
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import requests
@@ -49,6 +55,12 @@ from prefect_nemo.testing.operators._controller import (
     running_pod_status,
     set_condition,
     set_pod_status,
+)
+from prefect_nemo.testing.operators._kuberay_pods import (
+    SubmitterFailed,
+    map_runtime_env,
+    run_submitter_pod,
+    with_head_env,
 )
 from prefect_nemo.testing.operators._node import SimNode
 from prefect_nemo.testing.operators.fake_ray import FakeRay
@@ -128,6 +140,8 @@ def validate_rayjob(rj: Obj) -> None:
             raise _Invalid(
                 "The RayJob spec is invalid: BackoffLimit is incompatible with ClusterSelector mode"
             )
+    if mode == "SidecarMode" and spec.get("submitterPodTemplate"):
+        raise _Invalid("Currently, SidecarMode doesn't support SubmitterPodTemplate")
     try:
         runtime_env = yaml.safe_load(spec.get("runtimeEnvYAML") or "") or {}
         if not isinstance(runtime_env, dict):
@@ -206,6 +220,8 @@ class KubeRaySimulator(Controller):
         self._state_lock = threading.Lock()
         self._wake = threading.Event()
         self._poller = threading.Thread(target=self._poll, daemon=True, name="kuberay-sim-poll")
+        # submitter pods' files and heads' env files (0700: the env may hold Secret values)
+        self.workdir = Path(tempfile.mkdtemp(prefix="kuberay-sim-"))
 
         self.watch(RAYJOBS)
         self.watch(RAYCLUSTERS, map_to=self._cluster_event_keys)
@@ -240,6 +256,7 @@ class KubeRaySimulator(Controller):
             self._unproxy(ns, svc)
         if self.node:
             self.node.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> KubeRaySimulator:
         return self.start()
@@ -352,6 +369,10 @@ class KubeRaySimulator(Controller):
             for job_id in job_ids:
                 self._stop_ray_job(job_id)
             self._unproxy(ns, f"{name}-head-svc")
+            self._head_env_file(ns, name).unlink(missing_ok=True)
+
+    def _head_env_file(self, ns: str, cluster: str) -> Path:
+        return self.workdir / "heads" / ns / f"{cluster}.env"
 
     def _unproxy(self, ns: str, svc: str) -> None:
         if (ns, svc) in self._proxied:
@@ -799,7 +820,7 @@ class KubeRaySimulator(Controller):
         if mode == "InteractiveMode":
             new["jobDeploymentStatus"] = "Waiting"
             return 0.0
-        error = self._submit(rj, new["jobId"], (ns, cluster_name))
+        error = self._submit(rj, new["jobId"], (ns, cluster_name), rc)
         if error is not None:
             new.update(jobDeploymentStatus="Failed", reason="SubmissionFailed", message=error)
             return 0.0
@@ -837,9 +858,12 @@ class KubeRaySimulator(Controller):
                 raise
             return self._get("rayclusters", ns, cluster_name) or body
 
-    def _submit(self, rj: Obj, job_id: str, cluster: tuple[str, str]) -> str | None:
+    def _submit(
+        self, rj: Obj, job_id: str, cluster: tuple[str, str], rc: Obj | None = None
+    ) -> str | None:
         """Submit the entrypoint as Ray job job_id, or attach if it exists; an error text if
-        the submitter would have failed."""
+        the submitter would have failed. K8sJobMode: the submitterPodTemplate's init
+        containers run first, and its local working_dir is what Ray's client uploads."""
         key: Key = ("rayjobs", rj["metadata"]["namespace"], rj["metadata"]["name"])
         spec = rj["spec"]
         try:
@@ -853,10 +877,24 @@ class KubeRaySimulator(Controller):
         if not entrypoint:
             # The K8sJobMode submitter runs `ray job submit -- <entrypoint>`, which fails.
             return "Failed to submit the Ray job: the entrypoint is empty"
+        runtime_env = yaml.safe_load(spec.get("runtimeEnvYAML") or "") or None
+        template = spec.get("submitterPodTemplate")
+        pod_root = self.workdir / "submitters" / cluster[0] / job_id
+        if template and (spec.get("submissionMode") or "K8sJobMode") == "K8sJobMode":
+            try:
+                mapper = run_submitter_pod(self._core, cluster[0], template, pod_root,
+                                           pvc_root=self.workdir / "pvcs")  # fmt: skip
+            except SubmitterFailed as exc:
+                shutil.rmtree(pod_root, ignore_errors=True)
+                return str(exc)
+            runtime_env = map_runtime_env(runtime_env, mapper)
+        if self.fake_ray is None:
+            entrypoint = with_head_env(self._core, cluster[0], rc, entrypoint,
+                                       self._head_env_file(*cluster))  # fmt: skip
         kwargs: dict[str, Any] = {
             "entrypoint": entrypoint,
             "submission_id": job_id,
-            "runtime_env": yaml.safe_load(spec.get("runtimeEnvYAML") or "") or None,
+            "runtime_env": runtime_env,
             "metadata": spec.get("metadata") or None,
         }
         if spec.get("entrypointNumCpus"):
@@ -873,6 +911,8 @@ class KubeRaySimulator(Controller):
                 if "status code 4" in text:
                     return f"Failed to submit the Ray job: {text.splitlines()[0][:500]}"
                 raise  # Ray unreachable or erroring: retry like the submitter's backoff
+        finally:  # uploaded (or to be unpacked again by the next try, as a new pod would)
+            shutil.rmtree(pod_root, ignore_errors=True)
         self._watch_job(job_id, key, cluster)
         return None
 

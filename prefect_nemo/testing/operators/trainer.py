@@ -32,14 +32,12 @@ the Job fails at its first failed container), and one replicatedJob (`node`) onl
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import copy
 import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -73,6 +71,7 @@ from prefect_nemo.testing.operators._controller import (
     set_pod_status,
 )
 from prefect_nemo.testing.operators._node import SimNode
+from prefect_nemo.testing.operators._pod_files import PathMapper, env_value, mounted_volumes
 
 log = logging.getLogger(__name__)
 
@@ -564,13 +563,8 @@ class TrainJobSimulator(Controller):
         spec = pod["spec"]
         container = next(c for c in spec.get("containers") or [] if c.get("name") == NODE)
         mounts = {m["name"]: m for m in container.get("volumeMounts") or []}
-        mapper = _PathMapper(
-            root, [*self.path_prefixes, *(m["mountPath"] for m in mounts.values())]
-        )
-        for volume in spec.get("volumes") or []:
-            mount = mounts.get(volume["name"])
-            if mount is not None:
-                self._materialise(ns, volume, Path(mapper(mount["mountPath"])))
+        mapper = PathMapper(root, [*self.path_prefixes, *(m["mountPath"] for m in mounts.values())])
+        mounted_volumes(self._core, ns, spec, [container], mapper, pvc_root=self.workdir / "pvcs")
         with self._lock:
             port = self._ports.setdefault(key, free_port())
         env = {
@@ -585,7 +579,7 @@ class TrainJobSimulator(Controller):
             "HOSTNAME": spec.get("hostname", name),
         }
         for item in container.get("env") or []:
-            env[item["name"]] = mapper(self._env_value(ns, pod, item))
+            env[item["name"]] = mapper(env_value(self._core, ns, pod, item))
         if "PET_MASTER_ADDR" in env:
             env["PET_MASTER_ADDR"], env["PET_MASTER_PORT"] = "127.0.0.1", str(port)
         argv = [mapper(a) for a in [*(container.get("command") or []),
@@ -610,68 +604,6 @@ class TrainJobSimulator(Controller):
             self.enqueue(key)
 
         threading.Thread(target=wait, daemon=True, name=f"trainer-sim-{name}").start()
-
-    def _materialise(self, ns: str, volume: Obj, target: Path) -> None:
-        """Make a volume's content appear at target (a path under the pod's root)."""
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if "configMap" in volume or "secret" in volume:
-            self._write_source(ns, volume, target)
-        elif "projected" in volume:
-            for source in volume["projected"].get("sources") or []:
-                self._write_source(ns, source, target)
-        elif "persistentVolumeClaim" in volume:
-            claim = volume["persistentVolumeClaim"]["claimName"]
-            shared = self.workdir / "pvcs" / ns / claim
-            shared.mkdir(parents=True, exist_ok=True)
-            if not target.exists():
-                target.symlink_to(shared, target_is_directory=True)
-        else:  # emptyDir and anything else: a fresh directory
-            target.mkdir(parents=True, exist_ok=True)
-
-    def _write_source(self, ns: str, source: Obj, target: Path) -> None:
-        """Write a configMap or secret volume (source) as files under target, as the kubelet."""
-        if "configMap" in source:
-            ref = source["configMap"]
-            obj = self._core.read_namespaced_config_map(ref["name"], ns)
-            data = {k: v.encode() for k, v in (obj.data or {}).items()}
-            data.update({k: base64.b64decode(v) for k, v in (obj.binary_data or {}).items()})
-        elif "secret" in source:
-            ref = source["secret"]
-            obj = self._core.read_namespaced_secret(ref.get("secretName") or ref["name"], ns)
-            data = {k: base64.b64decode(v) for k, v in (obj.data or {}).items()}
-        else:
-            raise RuntimeError(f"volume source {sorted(source)} is not simulated")
-        items = ref.get("items")
-        paths = {i["key"]: i["path"] for i in items} if items else {k: k for k in data}
-        target.mkdir(parents=True, exist_ok=True)
-        for k, rel in paths.items():
-            if k not in data:
-                raise RuntimeError(f"volume source {ref.get('name')}: key {k!r} is missing")
-            dest = target / rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_bytes(data[k])
-
-    def _env_value(self, ns: str, pod: Obj, item: Obj) -> str:
-        if "value" in item or "valueFrom" not in item:
-            return str(item.get("value", ""))
-        source = item["valueFrom"]
-        if "secretKeyRef" in source:
-            ref = source["secretKeyRef"]
-            secret = self._core.read_namespaced_secret(ref["name"], ns)
-            return base64.b64decode((secret.data or {})[ref["key"]]).decode()
-        if "configMapKeyRef" in source:
-            ref = source["configMapKeyRef"]
-            return (self._core.read_namespaced_config_map(ref["name"], ns).data or {})[ref["key"]]
-        if "fieldRef" in source:
-            path = source["fieldRef"]["fieldPath"]
-            match = re.fullmatch(r"metadata\.(annotations|labels)\['(.+)'\]", path)
-            if match:
-                return str((pod["metadata"].get(match.group(1)) or {}).get(match.group(2), ""))
-            if path == "metadata.name":
-                return pod["metadata"]["name"]
-            if path == "metadata.namespace":
-                return ns
-        return ""
 
     def _kill(self, proc: _Process) -> None:
         proc.killed = True
@@ -735,23 +667,6 @@ class TrainJobSimulator(Controller):
             ns, label_selector=f"{JOBSET_NAME}={trainjob}", _preload_content=False
         )
         return json.loads(resp.data).get("items") or []
-
-
-class _PathMapper:
-    """Rewrites absolute container paths (under the given roots) to lie under a local root."""
-
-    def __init__(self, root: Path, prefixes: list[str]) -> None:
-        self.root = root
-        roots = sorted({p.rstrip("/") for p in prefixes if p.rstrip("/")}, key=len, reverse=True)
-        alternatives = "|".join(re.escape(p) for p in roots)
-        self._pattern = (
-            re.compile(rf"(?<![\w./-])({alternatives})(?=$|[/\s\"';:)&|>])") if roots else None
-        )
-
-    def __call__(self, text: str) -> str:
-        if self._pattern is None:
-            return text
-        return self._pattern.sub(lambda m: f"{self.root}{m.group(1)}", text)
 
 
 def _merge_pod(pod: Obj, patch: Obj) -> None:

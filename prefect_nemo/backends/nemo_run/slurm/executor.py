@@ -460,7 +460,10 @@ class SlurmBackend(SlurmJobRegistry, NemoRunBackend):
 
     def request_stop(self, job_id: str) -> None:
         """scancel the job (pending or running); its secret file goes with it."""
-        sid = self._slurm_id(job_id) or (self._lookup([job_id]) or self._slurm_id(job_id))
+        sid = self._slurm_id(job_id)
+        if not sid:
+            self._lookup([job_id])
+            sid = self._slurm_id(job_id)
         if sid:
             secret = shlex.quote(f"{self.remote_dir(job_id)}/{SECRET_ENV_FILE}")
             self.run(f"scancel {sid}; rm -f {secret}", warn=True)
@@ -471,7 +474,10 @@ class SlurmBackend(SlurmJobRegistry, NemoRunBackend):
 
     def _log_from(self, job_id: str, offset: int) -> str:
         """The job's output from byte `offset` on (only the new part crosses the network)."""
-        sid = self._slurm_id(job_id) or (self._lookup([job_id]) or self._slurm_id(job_id))
+        sid = self._slurm_id(job_id)
+        if not sid:
+            self._lookup([job_id])
+            sid = self._slurm_id(job_id)
         if not sid:
             return ""
         d = shlex.quote(f"{self.remote_dir(job_id)}/{job_id}")
@@ -480,7 +486,8 @@ class SlurmBackend(SlurmJobRegistry, NemoRunBackend):
             f"{{ ls {d}/log-{j}_{sid}_*.out >/dev/null 2>&1 && cat {d}/log-{j}_{sid}_*.out "
             f"|| cat {d}/sbatch_{j}_{sid}.out 2>/dev/null; }} | tail -c +{offset + 1}; true"
         )
-        return self.run(command, warn=True).stdout
+        output: str = self.run(command, warn=True).stdout
+        return output
 
     def close(self) -> None:
         """Nothing to stop: this backend starts no threads. The SSH connection is not closed

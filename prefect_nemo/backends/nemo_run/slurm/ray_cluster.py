@@ -88,7 +88,7 @@ class SlurmRay:
         from nemo_run.run.ray.slurm import SlurmRayRequest
 
         cluster = self._ray_cluster()
-        return SlurmRayRequest(
+        script: str = SlurmRayRequest(
             name=self.name,
             cluster_dir=self.cluster_dir,
             template_name="ray.sub.j2",
@@ -96,6 +96,7 @@ class SlurmRay:
             pre_ray_start_commands=self.pre_ray_start_commands or None,
             launch_cmd=["sbatch", "--parsable"],
         ).materialize()
+        return script
 
     def start(self, *, poll_s: float = 1.0) -> str:
         """`submit`, then wait until every node has joined Ray; returns its head's dashboard

@@ -44,8 +44,11 @@ class SlurmJobRegistry:
     """Claim, record and find jobs in the remote job dir (mixed into `SlurmBackend`)."""
 
     if TYPE_CHECKING:  # what the backend provides
-        cluster: str
-        address: str
+
+        @property
+        def cluster(self) -> str: ...
+        @property
+        def address(self) -> str: ...
 
         def run(self, command: str, *, warn: bool = False) -> Any: ...
         def remote_root(self) -> str: ...
