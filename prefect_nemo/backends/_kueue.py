@@ -30,7 +30,8 @@ GROUP, VERSION = "kueue.x-k8s.io", "v1beta2"
 WORKLOAD = Kind(GROUP, VERSION, "Workload", "workloads")
 LOCAL_QUEUE = Kind(GROUP, VERSION, "LocalQueue", "localqueues")
 VISIBILITY = Kind(f"visibility.{GROUP}", VERSION, "LocalQueue", "localqueues",
-                  status_subresource=False)  # fmt: skip
+                  status_subresource=False, aggregated=True)  # fmt: skip
+KUEUE_FIX = "install Kueue (its CRDs and controller manager) in the cluster"
 POSITIONS_TTL_S = 2.0  # a LocalQueue's positions are asked at most this often
 # a label value: at most 63 characters of [A-Za-z0-9._-], alphanumeric at both ends
 _LABEL_VALUE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
