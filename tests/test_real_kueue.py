@@ -11,8 +11,12 @@ positions. `-s` prints each observed Workload condition as a `kueue-fact` line.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import re
+import shlex
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +24,10 @@ from typing import Any
 
 import pytest
 from kubernetes import client
+from prefect import flow
 
+from prefect_nemo import JobResult, JobSpec, JobState, QueueTimedOut, run_job
+from prefect_nemo.blocks import KubeflowTrainerCluster, KubeRayCluster, KubernetesCluster
 from prefect_nemo.testing.control_plane.controllers import TRAINER_NAMESPACE
 from prefect_nemo.testing.control_plane.kueue import QUEUE_LABEL, QueueSet, make_queues
 from prefect_nemo.testing.control_plane.run import OPERATOR_NAMESPACE
@@ -389,3 +396,177 @@ def test_a_job_without_a_queue_label_is_left_alone(plane: Any, objects: Any, run
             f"?labelSelector=kueue.x-k8s.io/job-uid={stored['metadata']['uid']}")  # fmt: skip
     assert json.loads(plane.request("GET", path))["items"] == []
 
+
+
+# -- prefect-nemo's run_job on Kueue ----------------------------------------------------------
+
+
+@flow
+def one_job(block: Any, spec: JobSpec) -> JobResult:
+    return run_job(spec, cluster=block, stream_logs=False)
+
+
+def kube_block(plane: Any, namespace: str) -> KubernetesCluster:
+    return KubernetesCluster(kubeconfig=plane.kubeconfig(namespace, "real"), namespace=namespace)
+
+
+def our_rayjob_block(plane: Any, queues: QueueSet) -> KubeRayCluster:
+    """Our KubeRay block queueing in `queues`' LocalQueue, its cluster the smoke test's head."""
+    spec = rayjob("unused", queues, 0)["spec"]["rayClusterSpec"]
+    return KubeRayCluster(kubernetes=kube_block(plane, OPERATOR_NAMESPACE), ray_cluster_spec=spec,
+                          ttl_seconds_after_finished=0, queue_name=queues.local_queue)  # fmt: skip
+
+
+def our_trainjob_block(plane: Any, queues: QueueSet) -> KubeflowTrainerCluster:
+    """Our Trainer block asking 1 CPU per node, queueing in `queues`' LocalQueue."""
+    return KubeflowTrainerCluster(
+        kubernetes=kube_block(plane, TRAINER_NAMESPACE), image="python:3.11-slim",
+        torchrun=False, cpus_per_node="1", queue_name=queues.local_queue,
+    )  # fmt: skip
+
+
+def test_run_job_rayjob_waits_queued_behind_another_then_runs(
+    plane: Any, objects: Any, prefect_api: str
+) -> None:
+    """Kueue docs, "Run A RayJob": the queue-name label sends it to the LocalQueue and Kueue
+    "controls the spec.suspend field" (created suspended, unsuspended once admitted). With quota
+    for one RayJob, ours (run_job, our block's queue_name) waits suspended behind another: it
+    reads QUEUED, not STOPPED (the task does not end), runs once the first ends, and succeeds;
+    the wait is reported."""
+    with make_queues(plane, OPERATOR_NAMESPACE, cpu="2", memory="4Gi") as queues:
+        first = f"kq-hold-{uuid.uuid4().hex[:6]}"
+        objects.create_namespaced_custom_object(*RAY[:2], OPERATOR_NAMESPACE, RAY[2],
+                                                rayjob(first, queues, 10))  # fmt: skip
+        job = get(objects, RAY, OPERATOR_NAMESPACE, first)
+        assert wait_until(lambda: is_true(workload_of(queues, job), "Admitted"), 60)
+        result = one_job(our_rayjob_block(plane, queues),
+                         JobSpec(entrypoint='python -c "print(1)"', name="queued"))  # fmt: skip
+        assert result.state is JobState.SUCCEEDED, result
+        assert result.queue_wait_s and result.queue_wait_s > 0, result
+        assert get(objects, RAY, OPERATOR_NAMESPACE, first)["status"]["jobStatus"] == "SUCCEEDED"
+
+
+def test_run_job_trainjob_waits_longer_than_its_timeout_and_the_timeout_does_not_fire(
+    plane: Any, objects: Any, runtime: str, prefect_api: str
+) -> None:
+    """Kueue docs, "Run A TrainJob": Kueue "will set suspend to true ... and unsuspend it when
+    the TrainJob is admitted"; issue 28: "JobSpec.timeout_s counts from RUNNING". Quota for one
+    TrainJob; ours (timeout_s=8) waits ~15 s behind another, then runs and succeeds."""
+    with make_queues(plane, TRAINER_NAMESPACE, cpu="1", memory="4Gi") as queues:
+        first = f"kq-hold-{uuid.uuid4().hex[:6]}"
+        objects.create_namespaced_custom_object(*TRAIN[:2], TRAINER_NAMESPACE, TRAIN[2], trainjob(
+            first, runtime, queues.labels(), "import time; time.sleep(15)"))  # fmt: skip
+        job = train_status(objects, first)
+        assert wait_until(lambda: is_true(workload_of(queues, job), "Admitted"), 60)
+        spec = JobSpec(entrypoint="python -c 'print(1)'", name="queued", timeout_s=8)
+        result = one_job(our_trainjob_block(plane, queues), spec)
+        assert result.state is JobState.SUCCEEDED, result
+        assert result.queue_wait_s and result.queue_wait_s > spec.timeout_s, result  # type: ignore[operator]
+
+
+def test_queue_timeout_removes_the_queued_trainjob_and_its_workload(
+    plane: Any, objects: Any, runtime: str, prefect_api: str
+) -> None:
+    """Issue 28: "when it expires the queued job is removed (workload deleted ...) and the error
+    names the queue and the scheduler's reason"; Kubernetes garbage collection: the Workload
+    (owned by the TrainJob, Kueue's jobframework) goes with it. Nothing is left in the
+    LocalQueue."""
+    from prefect_nemo.kube import TRAIN_JOB, KubeApi
+
+    with make_queues(plane, TRAINER_NAMESPACE, cpu="1", memory="4Gi") as queues:
+        first = f"kq-hold-{uuid.uuid4().hex[:6]}"
+        objects.create_namespaced_custom_object(*TRAIN[:2], TRAINER_NAMESPACE, TRAIN[2], trainjob(
+            first, runtime, queues.labels(), "import time; time.sleep(60)"))  # fmt: skip
+        job = train_status(objects, first)
+        assert wait_until(lambda: is_true(workload_of(queues, job), "Admitted"), 60)
+        spec = JobSpec(entrypoint="python -c 'print(1)'", name="impatient", queue_timeout_s=6)
+        with pytest.raises(QueueTimedOut, match=rf"in {queues.local_queue} \(Pending: "):
+            one_job(our_trainjob_block(plane, queues), spec)
+        kube = KubeApi(plane.api_client(), namespace=TRAINER_NAMESPACE)
+        ours = [t for t in kube.list(TRAIN_JOB)[0] if t["metadata"]["name"] != first
+                and queues.local_queue in str(t["metadata"].get("labels"))]  # fmt: skip
+        assert ours == []
+        assert wait_until(lambda: queues.local_queue_status().get("pendingWorkloads") == 0, 30)
+
+
+def test_a_preempted_run_job_trainjob_goes_back_to_queued_and_completes(
+    plane: Any, objects: Any, runtime: str, prefect_api: str, tmp_path: Path
+) -> None:
+    """Kueue docs, "Preemption": a lower-priority admitted Workload is evicted (Evicted,
+    reason Preempted) for a higher one in its ClusterQueue, and Kueue suspends its job;
+    "Run A TrainJob": priority by the kueue.x-k8s.io/priority-class label. Ours (low, run_job)
+    runs, is preempted by a high TrainJob, reads QUEUED again (no JobStopped), is admitted again
+    once the high one ends, and completes: preemptions == 1."""
+    marker = tmp_path / "go"
+    program = f"import os, time\nwhile not os.path.exists({str(marker)!r}): time.sleep(0.2)"
+    with make_queues(plane, TRAINER_NAMESPACE, cpu="1", memory="4Gi") as queues:
+        block = our_trainjob_block(plane, queues)
+        spec = JobSpec(entrypoint=f"python -c {shlex.quote(program)}", name="low",
+                       priority=queues.priorities["low"])  # fmt: skip
+        results: list[Any] = []
+        context = contextvars.copy_context()
+        thread = threading.Thread(target=context.run, daemon=True, args=(
+            lambda: results.append(one_job(block, spec, return_state=True)),))  # fmt: skip
+        thread.start()
+        core = client.CoreV1Api(plane.api_client())
+
+        def ours_running() -> bool:  # our TrainJob's pod (the other jobs here are kq-...)
+            pods = core.list_namespaced_pod(TRAINER_NAMESPACE,
+                                            label_selector="jobset.sigs.k8s.io/jobset-name").items
+            return any(p.status.phase == "Running" and not p.metadata.name.startswith("kq-")
+                       for p in pods)  # fmt: skip
+
+        assert wait_until(ours_running, 120), plane.log("node_agent")[-3000:]
+        time.sleep(2)  # the watcher sees RUNNING (its poll), so the preemption is counted
+        high = f"kq-high-{uuid.uuid4().hex[:6]}"
+        objects.create_namespaced_custom_object(*TRAIN[:2], TRAINER_NAMESPACE, TRAIN[2], trainjob(
+            high, runtime, queues.labels("high"), "print('urgent')"))  # fmt: skip
+        why = lambda: plane.log("kueue")[-3000:]  # noqa: E731
+        assert wait_until(lambda: is_true(train_status(objects, high), "Complete"), 120), why()
+        marker.write_text("")
+        thread.join(180)
+        assert not thread.is_alive(), why()
+        state = results[0]
+        assert state.is_completed(), state
+        result = state.result()
+        assert result.state is JobState.SUCCEEDED and result.preemptions == 1, result
+
+
+def test_cancelling_a_flow_run_whose_trainjob_is_queued_leaves_nothing_queued(
+    plane: Any, objects: Any, runtime: str, prefect_api: str
+) -> None:
+    """Issue 28: "Our own stops (cancel, timeout, failure hooks, the sweeper) still remove
+    queued jobs"; Kubernetes garbage collection takes the Workload with its TrainJob. Our
+    TrainJob waits behind another; the flow run is cancelled through the API: the TrainJob is
+    deleted and the LocalQueue has nothing pending."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    from prefect_nemo.kube import FLOW_RUN_LABEL, TRAIN_JOB, KubeApi
+
+    with make_queues(plane, TRAINER_NAMESPACE, cpu="1", memory="4Gi") as queues:
+        first = f"kq-hold-{uuid.uuid4().hex[:6]}"
+        objects.create_namespaced_custom_object(*TRAIN[:2], TRAINER_NAMESPACE, TRAIN[2], trainjob(
+            first, runtime, queues.labels(), "import time; time.sleep(60)"))  # fmt: skip
+        job = train_status(objects, first)
+        assert wait_until(lambda: is_true(workload_of(queues, job), "Admitted"), 60)
+        block = our_trainjob_block(plane, queues)
+        context = contextvars.copy_context()
+        thread = threading.Thread(target=context.run, daemon=True, args=(lambda: one_job(
+            block, JobSpec(entrypoint="true", name="cancelled"), return_state=True),))  # fmt: skip
+        thread.start()
+        kube = KubeApi(plane.api_client(), namespace=TRAINER_NAMESPACE)
+
+        def ours() -> list[dict[str, Any]]:
+            return [t for t in kube.list(TRAIN_JOB)[0]
+                    if (t["metadata"].get("labels") or {}).get(FLOW_RUN_LABEL)]  # fmt: skip
+
+        assert wait_until(lambda: queues.local_queue_status().get("pendingWorkloads") == 1, 60)
+        (queued,) = ours()
+        with get_client(sync_client=True) as prefect:
+            prefect.set_flow_run_state(queued["metadata"]["labels"][FLOW_RUN_LABEL],
+                                       Cancelling(), force=True)  # fmt: skip
+        thread.join(60)
+        assert not thread.is_alive(), "the flow must end once its queued job is removed"
+        assert wait_until(lambda: not ours(), 30), ours()
+        assert wait_until(lambda: queues.local_queue_status().get("pendingWorkloads") == 0, 30)

@@ -441,10 +441,13 @@ class KubeJobBackend(Generic[ConfigT]):
             if not self._informers:
                 return ()
             for informer in self._informers:
-                informer.raise_rejected()
+                if informer.kind is not WORKLOAD:
+                    informer.raise_rejected()
             informers = self._ensure_informers(replace_failed=False)
         for informer in informers:
-            if informer.error is not None:
+            # the Workloads only add detail: without them (no Kueue, no RBAC) a held job reads
+            # QUEUED by its label, and its Workload is asked for (`_workload_of`)
+            if informer.error is not None and informer.kind is not WORKLOAD:
                 raise BackendUnavailable(
                     f"watch of {informer.kind.plural} in {self.namespace} on {self.api.host} "
                     f"broke: {informer.error}"
@@ -464,6 +467,8 @@ class KubeJobBackend(Generic[ConfigT]):
         for kind, selector, on_change in wanted:
             old = current.get(kind)
             rejected = old is not None and isinstance(old.error, AuthenticationFailed)
+            if kind is WORKLOAD:  # a dead one (Kueue not served?) is retried on subscribe only
+                rejected = True
             if old is None or (old.dead and (replace_failed or not rejected)):
                 if old is not None:
                     old.stop()
@@ -485,7 +490,7 @@ class KubeJobBackend(Generic[ConfigT]):
         """These jobs by name (those the cache has) and their pods by job from the informers,
         once they have listed: a lookup per job, so asking about a few costs little."""
         informers = self.informers
-        if not informers or not all(i.synced.is_set() for i in informers):
+        if not informers or not all(i.synced.is_set() for i in informers if i.kind is not WORKLOAD):
             return None
         pod_informer = self._informer(POD)
         pods = pod_informer.items() if pod_informer is not None else []
