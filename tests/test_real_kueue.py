@@ -425,6 +425,7 @@ def our_trainjob_block(plane: Any, queues: QueueSet) -> KubeflowTrainerCluster:
     )  # fmt: skip
 
 
+@pytest.mark.timeout(600)  # a control plane's start and two jobs on 2 busy cores
 def test_run_job_rayjob_waits_queued_behind_another_then_runs(
     plane: Any, objects: Any, prefect_api: str
 ) -> None:
@@ -446,6 +447,7 @@ def test_run_job_rayjob_waits_queued_behind_another_then_runs(
         assert get(objects, RAY, OPERATOR_NAMESPACE, first)["status"]["jobStatus"] == "SUCCEEDED"
 
 
+@pytest.mark.timeout(600)  # a control plane's start and two jobs on 2 busy cores
 def test_run_job_trainjob_waits_longer_than_its_timeout_and_the_timeout_does_not_fire(
     plane: Any, objects: Any, runtime: str, prefect_api: str
 ) -> None:
@@ -464,6 +466,7 @@ def test_run_job_trainjob_waits_longer_than_its_timeout_and_the_timeout_does_not
         assert result.queue_wait_s and result.queue_wait_s > spec.timeout_s, result  # type: ignore[operator]
 
 
+@pytest.mark.timeout(600)  # a control plane's start and two jobs on 2 busy cores
 def test_queue_timeout_removes_the_queued_trainjob_and_its_workload(
     plane: Any, objects: Any, runtime: str, prefect_api: str
 ) -> None:
@@ -489,6 +492,7 @@ def test_queue_timeout_removes_the_queued_trainjob_and_its_workload(
         assert wait_until(lambda: queues.local_queue_status().get("pendingWorkloads") == 0, 30)
 
 
+@pytest.mark.timeout(600)  # a control plane's start and two jobs on 2 busy cores
 def test_a_preempted_run_job_trainjob_goes_back_to_queued_and_completes(
     plane: Any, objects: Any, runtime: str, prefect_api: str, tmp_path: Path
 ) -> None:
@@ -532,6 +536,7 @@ def test_a_preempted_run_job_trainjob_goes_back_to_queued_and_completes(
         assert result.state is JobState.SUCCEEDED and result.preemptions == 1, result
 
 
+@pytest.mark.timeout(600)  # a control plane's start and two jobs on 2 busy cores
 def test_cancelling_a_flow_run_whose_trainjob_is_queued_leaves_nothing_queued(
     plane: Any, objects: Any, runtime: str, prefect_api: str
 ) -> None:
