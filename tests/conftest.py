@@ -76,6 +76,7 @@ ONE_CONTROL_PLANE = (
     "tests/test_real_rl_dynamo_flow.py",
     "tests/test_real_sft_kubeflow_flow.py",
     "tests/test_real_doctor.py",
+    "tests/test_real_kueue.py",
 )
 
 
@@ -234,10 +235,11 @@ _planes: list[Any] = []  # the running control plane of this process, if any
 
 @pytest.fixture(scope="module")
 def control_plane() -> Any:
-    """The real control plane (etcd, kube-apiserver, kube-controller-manager, KubeRay operator)
-    built from Go modules; the one `make control-plane up` left running is reused. Started for
-    the first test that asks, stopped after the last ONE_CONTROL_PLANE test of this process
-    (`pytest_runtest_teardown`; idle, it takes ~4% of a core) or at the session's end."""
+    """The real control plane (etcd, kube-apiserver, kube-controller-manager, KubeRay operator,
+    and once built the Trainer, JobSet and Kueue managers) built from Go modules; the one `make
+    control-plane up` left running is reused. Started for the first test that asks, stopped
+    after the last ONE_CONTROL_PLANE test of this process (`pytest_runtest_teardown`; idle, it
+    takes ~4% of a core) or at the session's end."""
     from prefect_nemo.testing.control_plane import ControlPlane, build
 
     if not _planes:

@@ -368,7 +368,9 @@ def test_block_fields_and_backend(server):
 def _tj(*conditions: tuple[str, str], **meta: Any) -> dict[str, Any]:
     conds = [{"type": t, "status": "True", "reason": r, "message": f"{t} message",
               "lastTransitionTime": "2026-01-01T00:00:05Z"} for t, r in conditions]  # fmt: skip
-    return {"metadata": {"name": "tj", **meta}, "status": {"conditions": conds}}
+    suspended = any(t == "Suspended" for t, _ in conditions)  # the spec says so too
+    return {"metadata": {"name": "tj", **meta}, "spec": {"suspend": suspended},
+            "status": {"conditions": conds}}  # fmt: skip
 
 
 def _pod(phase: str, index: int = 0, exit_code: int | None = None) -> dict[str, Any]:

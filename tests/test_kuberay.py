@@ -127,7 +127,8 @@ def test_selector_manifest_has_no_shutdown():
 def _rj(deployment: str = "", job: str = "", **status: Any) -> dict[str, Any]:
     return {
         "metadata": {"name": "rj", "annotations": {"prefect-nemo.io/key": "k"}},
-        "spec": {"metadata": {"owner": "me"}},
+        # a suspended RayJob says so in its spec too (unsuspended, KubeRay resumes it: PENDING)
+        "spec": {"metadata": {"owner": "me"}, "suspend": deployment.startswith("Suspend")},
         "status": {"jobDeploymentStatus": deployment, "jobStatus": job, **status},
     }
 

@@ -76,8 +76,9 @@ def test_wheel_ships_the_testing_kits_crds_with_their_sources(wheel: Path):
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
     shipped = {n for n in names if n.startswith(f"{CRDS}/")}
-    local = {f"{CRDS}/{p.name}" for p in (ROOT / CRDS).iterdir()}
-    assert shipped == local and f"{CRDS}/SOURCES.md" in shipped and len(shipped) >= 8
+    local = {f"{CRDS}/{p.relative_to(ROOT / CRDS).as_posix()}"
+             for p in (ROOT / CRDS).rglob("*") if p.is_file()}  # fmt: skip
+    assert shipped == local and f"{CRDS}/SOURCES.md" in shipped and len(shipped) >= 19
 
 
 @pytest.mark.slow

@@ -4,7 +4,9 @@ A job is one object named after the job id, labelled as ours. `KubeJobBackend` o
 not depend on the kind; a subclass adds its manifests, status mapping, stop and log source.
 
 Waiting is served by informers (`kube.Informer`): the job kind, plus the pods of the jobs when
-the kind reads them. They follow these rules:
+the kind reads them, plus Kueue's Workloads of the namespace once a job of ours may queue there
+(`_kueue.py`: a suspended job Kueue holds reads QUEUED with its Workload's reason, never
+STOPPED). They follow these rules:
 
 - created when a watcher subscribes, one set per backend instance; stopped on the last
   unsubscribe and by `close()`. An instance nobody subscribed to starts no thread: `statuses()`
@@ -27,9 +29,22 @@ import json
 import threading
 from collections import deque
 from collections.abc import Callable, Collection
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from prefect_nemo.backends._kube_objects import OWNED_ANNOTATION, JobMemory, parse_time
+from prefect_nemo.backends._kueue import (
+    JOB_UID_LABEL,
+    LOCAL_QUEUE,
+    QUEUE_LABEL,
+    VISIBILITY,
+    WORKLOAD,
+    KueueTarget,
+    Positions,
+    kueue_holds,
+    kueue_target,
+    queued_status,
+    workload_owner,
+)
 from prefect_nemo.errors import (
     AuthenticationFailed,
     BackendClosed,
@@ -37,7 +52,7 @@ from prefect_nemo.errors import (
     InvalidJobSpec,
     JobAlreadyExists,
 )
-from prefect_nemo.jobs import JobHandle, JobState, JobStatus, OwnedJob
+from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus, OwnedJob
 from prefect_nemo.kube import (
     CONFIGMAP,
     FLOW_RUN_LABEL,
@@ -46,10 +61,12 @@ from prefect_nemo.kube import (
     SECRET,
     Access,
     AlreadyExists,
+    Forbidden,
     Informer,
     Invalid,
     Kind,
     KubeApi,
+    KubeError,
     NotFound,
     add_owner_reference,
     wait_for,
@@ -57,7 +74,19 @@ from prefect_nemo.kube import (
 from prefect_nemo.names import check_namespace
 
 MANAGED = f"{MANAGED_BY}=prefect-nemo"
-ConfigT = TypeVar("ConfigT")
+
+
+class QueueConfig(Protocol):
+    """What every job kind's config says about Kueue: its block's LocalQueue and priority."""
+
+    @property
+    def queue_name(self) -> str | None: ...
+
+    @property
+    def priority_class(self) -> str | None: ...
+
+
+ConfigT = TypeVar("ConfigT", bound=QueueConfig)
 INFORMER_STOP_WAIT_S = 5.0  # how long stopping waits for each informer thread to end
 CHANGE_LOG = 8192  # job changes kept for changed_since(); an older version gets "ask all"
 
@@ -80,6 +109,7 @@ class KubeJobBackend(Generic[ConfigT]):
     job_kind: ClassVar[Kind]  # the job's object (RayJob, TrainJob)
     crd_fix: ClassVar[str]  # what to install when the API server does not serve job_kind
     deleted_message: ClassVar[str]  # the STOPPED message of a job we deleted to stop it
+    block: ClassVar[str]  # the block's class name, for messages naming its fields
     pod_job_label: ClassVar[str | None] = None  # a label naming the job on its pods: watch them
     # how delete_to_stop deletes: Foreground, so the object is gone only after its dependents
     stop_propagation: ClassVar[str] = "Foreground"
@@ -104,6 +134,10 @@ class KubeJobBackend(Generic[ConfigT]):
         self._version = 0
         self._changes: deque[tuple[int, str]] = deque(maxlen=CHANGE_LOG)
         self._all_since = 0  # the version after which any job may have changed (ask all)
+        # Kueue: watch Workloads once a job of ours may queue (a queue on the block, a submit
+        # with JobSpec.queue, a queue-labelled job seen); positions asked per LocalQueue
+        self._kueue = config.queue_name is not None
+        self._positions = Positions(api, self.namespace)
 
     # -- to implement ---------------------------------------------------------------------------
 
@@ -119,6 +153,23 @@ class KubeJobBackend(Generic[ConfigT]):
         """The verbs this backend uses on each resource, for RBAC (the one list: the README's
         permissions and `prefect-nemo doctor` read it)."""
         raise NotImplementedError
+
+    def kueue_access(self) -> tuple[Access, ...]:
+        """With a Kueue queue on the block: read the Workloads (why a job waits, its
+        preemptions) and the LocalQueue, and the visibility API's positions (optional)."""
+        if self.config.queue_name is None:
+            return ()
+        return (
+            Access(WORKLOAD, ("get", "list", "watch")),
+            Access(LOCAL_QUEUE, ("get",)),
+            Access(VISIBILITY, ("get",), subresource="pendingworkloads",
+                   optional="a queued job's position in its LocalQueue"),
+        )  # fmt: skip
+
+    def kueue_target(self, spec: JobSpec) -> KueueTarget | None:
+        """The LocalQueue (and priority) of a job: JobSpec.queue/priority over the block's;
+        InvalidJobSpec for a value Kueue's labels cannot carry."""
+        return kueue_target(spec, self.config.queue_name, self.config.priority_class, self.block)
 
     # -- identity ------------------------------------------------------------------------------
 
@@ -175,13 +226,14 @@ class KubeJobBackend(Generic[ConfigT]):
             pods, _ = self.api.list(
                 POD, self.namespace, label_selector=f"{self.pod_job_label}={job_id}"
             )
-        return self.job_status(obj, pods)
+        return self._status(obj, pods, None)
 
     def statuses(self, job_ids: Collection[str]) -> dict[str, JobStatus]:
         """From the informers' caches while a watcher is subscribed, else from one list; one GET
         only for an id neither has (gone, or not labelled as ours)."""
         cached = self._cached(job_ids) if self._checked_informers() else None
         objects, pods = cached or self._listed()
+        workloads = self._cached_workloads()
         out: dict[str, JobStatus] = {}
         parsed = self._parsed
         if len(parsed) > CHANGE_LOG:  # forget jobs nobody asks about any more
@@ -193,11 +245,13 @@ class KubeJobBackend(Generic[ConfigT]):
                 status = self.find(job_id)
             else:  # a thousand watched jobs: map only the objects that changed since last time
                 job_pods = pods.get(job_id, [])
-                versions = tuple(o["metadata"].get("resourceVersion", "") for o in [obj, *job_pods])
+                workload = (workloads or {}).get(job_id)
+                seen = [obj, *job_pods, *([workload] if workload else [])]
+                versions = tuple(o["metadata"].get("resourceVersion", "") for o in seen)
                 known = self._parsed.get(job_id)
                 status = known[1] if known and known[0] == versions else None
                 if status is None:
-                    status = self.job_status(obj, job_pods)
+                    status = self._status(obj, job_pods, workloads)
                 parsed[job_id] = (versions, status)
             if status is not None:
                 out[job_id] = status
@@ -230,7 +284,7 @@ class KubeJobBackend(Generic[ConfigT]):
         items, _ = self.api.list(self.job_kind, self.namespace, label_selector=MANAGED)
         owned = []
         for obj in items:
-            state = self.job_status(obj, []).state
+            state = self._status(obj, [], None).state
             if state.is_terminal():
                 continue
             meta = obj.get("metadata") or {}
@@ -302,8 +356,17 @@ class KubeJobBackend(Generic[ConfigT]):
         """From the informers' cache when they run and have the job (no request), else find()."""
         objects, pods = self._cached([job_id]) or ({}, {})
         if job_id in objects:
-            return self.job_status(objects[job_id], pods.get(job_id, []))
+            return self._status(objects[job_id], pods.get(job_id, []), self._cached_workloads())
         return self.find(job_id)
+
+    def use_kueue(self) -> None:
+        """A job of ours may queue in Kueue: watch Workloads too (from now, if watching)."""
+        with self._lock:
+            if self._kueue:
+                return
+            self._kueue = True
+            if self._informers and not self._closed:
+                self._ensure_informers(replace_failed=False)
 
     def create_job(
         self,
@@ -378,10 +441,13 @@ class KubeJobBackend(Generic[ConfigT]):
             if not self._informers:
                 return ()
             for informer in self._informers:
-                informer.raise_rejected()
+                if informer.kind is not WORKLOAD:
+                    informer.raise_rejected()
             informers = self._ensure_informers(replace_failed=False)
         for informer in informers:
-            if informer.error is not None:
+            # the Workloads only add detail: without them (no Kueue, no RBAC) a held job reads
+            # QUEUED by its label, and its Workload is asked for (`_workload_of`)
+            if informer.error is not None and informer.kind is not WORKLOAD:
                 raise BackendUnavailable(
                     f"watch of {informer.kind.plural} in {self.namespace} on {self.api.host} "
                     f"broke: {informer.error}"
@@ -391,25 +457,32 @@ class KubeJobBackend(Generic[ConfigT]):
     def _ensure_informers(self, *, replace_failed: bool) -> tuple[Informer, ...]:
         """Start the informers, replacing any whose thread died (and, with replace_failed, any
         that credentials rejected: they may have been fixed). Call with the lock held."""
-        wanted = [(self.job_kind, MANAGED)]
+        wanted: list[tuple[Kind, str | None, Callable[[str, dict[str, Any]], None]]] = [
+            (self.job_kind, MANAGED, self._job_changed)]  # fmt: skip
         if self.pod_job_label:
-            wanted.append((POD, f"{MANAGED},{self.pod_job_label}"))
-        current: list[Informer | None] = [*self._informers] or [None] * len(wanted)
-        for i, (kind, selector) in enumerate(wanted):
-            old = current[i]
+            wanted.append((POD, f"{MANAGED},{self.pod_job_label}", self._pod_changed))
+        if self._kueue:  # Kueue's Workloads carry no label of ours: all of the namespace
+            wanted.append((WORKLOAD, None, self._workload_changed))
+        current = {informer.kind: informer for informer in self._informers}
+        for kind, selector, on_change in wanted:
+            old = current.get(kind)
             rejected = old is not None and isinstance(old.error, AuthenticationFailed)
+            if kind is WORKLOAD:  # a dead one (Kueue not served?) is retried on subscribe only
+                rejected = True
             if old is None or (old.dead and (replace_failed or not rejected)):
                 if old is not None:
                     old.stop()
-                current[i] = Informer(
+                current[kind] = Informer(
                     self.api, kind, self.namespace, label_selector=selector,
-                    on_change=self._job_changed if i == 0 else self._pod_changed,
-                    on_error=self._wake_all,
+                    on_change=on_change, on_error=self._wake_all,
                 ).start()  # fmt: skip
                 self._version += 1
                 self._all_since = self._version  # a new cache: ask about every job once
-        self._informers = tuple(i for i in current if i is not None)
+        self._informers = tuple(current[kind] for kind, _, _ in wanted)
         return self._informers
+
+    def _informer(self, kind: Kind) -> Informer | None:
+        return next((i for i in self.informers if i.kind is kind), None)
 
     def _cached(
         self, job_ids: Collection[str]
@@ -417,11 +490,68 @@ class KubeJobBackend(Generic[ConfigT]):
         """These jobs by name (those the cache has) and their pods by job from the informers,
         once they have listed: a lookup per job, so asking about a few costs little."""
         informers = self.informers
-        if not informers or not all(i.synced.is_set() for i in informers):
+        if not informers or not all(i.synced.is_set() for i in informers if i.kind is not WORKLOAD):
             return None
-        pods = informers[1].items() if len(informers) > 1 else []
+        pod_informer = self._informer(POD)
+        pods = pod_informer.items() if pod_informer is not None else []
         found = ((job_id, informers[0].get(job_id)) for job_id in job_ids)
         return {j: o for j, o in found if o is not None}, self._pods_by_job(pods)
+
+    def _cached_workloads(self) -> dict[str, dict[str, Any]] | None:
+        """Kueue's Workloads of our jobs by job name from the Workload informer once it has
+        listed; None without it (then a held job's Workload is asked for)."""
+        informer = self._informer(WORKLOAD)
+        if informer is None or not informer.synced.is_set():
+            return None
+        by_job: dict[str, dict[str, Any]] = {}
+        for workload in informer.items():
+            if (owner := workload_owner(workload, self.job_kind)) is not None:
+                by_job[owner] = workload
+        return by_job
+
+    def _status(
+        self,
+        obj: dict[str, Any],
+        pods: list[dict[str, Any]],
+        workloads: dict[str, dict[str, Any]] | None,
+    ) -> JobStatus:
+        """The kind's status, QUEUED while Kueue holds the job (suspended for quota or after
+        a preemption: never STOPPED), with its Workload's reason and its queue position."""
+        status = self.job_status(obj, pods)
+        meta = obj.get("metadata") or {}
+        if (obj.get("spec") or {}).get("suspend") is not True or meta.get("deletionTimestamp"):
+            return status
+        labelled = QUEUE_LABEL in (meta.get("labels") or {})
+        if labelled and not self._kueue:
+            self.use_kueue()
+        if workloads is not None:
+            workload = workloads.get(meta.get("name", ""))
+            uid = ((workload or {}).get("metadata", {}).get("labels") or {}).get(JOB_UID_LABEL)
+            if uid not in (None, meta.get("uid")):  # a Workload of an earlier job of this name
+                workload = None
+        elif labelled or self._kueue:
+            workload = self._workload_of(meta.get("uid"))
+        else:
+            workload = None
+        if not kueue_holds(obj, workload):
+            return status
+        queue = (meta.get("labels") or {}).get(QUEUE_LABEL) or (
+            (workload or {}).get("spec") or {}).get("queueName")  # fmt: skip
+        name = (workload or {}).get("metadata", {}).get("name")
+        position, pending = self._positions.of(queue, name) if queue else (None, None)
+        return queued_status(status, obj, workload, position, pending)
+
+    def _workload_of(self, uid: str | None) -> dict[str, Any] | None:
+        """The job's Workload by Kueue's job-uid label (one list), None when there is none or
+        Kueue is not installed."""
+        if not uid:
+            return None
+        try:
+            items, _ = self.api.list(WORKLOAD, self.namespace,
+                                     label_selector=f"{JOB_UID_LABEL}={uid}")  # fmt: skip
+        except (KubeError, Forbidden):  # no Kueue, or no RBAC: the queue label tells
+            return None
+        return items[0] if items else None
 
     def _listed(self) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict[str, Any]]]]:
         """Our jobs by name (and their pods by job) from one list request each: no thread."""
@@ -481,6 +611,10 @@ class KubeJobBackend(Generic[ConfigT]):
 
     def _job_changed(self, _event: str, obj: dict[str, Any]) -> None:
         self._changed(obj["metadata"]["name"])
+
+    def _workload_changed(self, _event: str, workload: dict[str, Any]) -> None:
+        if (job_id := workload_owner(workload, self.job_kind)) is not None:
+            self._changed(job_id)
 
     def _pod_changed(self, _event: str, pod: dict[str, Any]) -> None:
         job_id = (pod["metadata"].get("labels") or {}).get(self.pod_job_label or "")

@@ -125,6 +125,17 @@ def sft():
         default="/workspace/code",
         description="Where the job's working_dir is unpacked on every node (the job runs there).",
     )
+    queue_name: str | None = Field(
+        default=None,
+        description="The Kueue LocalQueue its jobs queue in (the kueue.x-k8s.io/queue-name "
+        "label; jobs are then created suspended and Kueue starts them when quota allows); "
+        "JobSpec.queue overrides it.",
+    )
+    priority_class: str | None = Field(
+        default=None,
+        description="The Kueue WorkloadPriorityClass of its jobs (the "
+        "kueue.x-k8s.io/priority-class label; needs a queue); JobSpec.priority overrides it.",
+    )
     runtime_prefix: str = Field(
         default="prefect-nemo",
         description="Name prefix of the ClusterTrainingRuntimes this block creates.",
@@ -173,6 +184,8 @@ def sft():
             pip_index_url=self.pip_index_url.get_secret_value() if self.pip_index_url else None,
             pip_extra_index_urls=tuple(u.get_secret_value() for u in self.pip_extra_index_urls),
             pip_trusted_hosts=tuple(self.pip_trusted_hosts),
+            queue_name=self.queue_name,
+            priority_class=self.priority_class,
         )
 
     def target_namespace(self) -> str:

@@ -78,6 +78,17 @@ def train():
         description="KubeRay's own deadline for the whole RayJob; empty to rely on "
         "JobSpec.timeout_s, which prefect-nemo enforces.",
     )
+    queue_name: str | None = Field(
+        default=None,
+        description="The Kueue LocalQueue its jobs queue in (the kueue.x-k8s.io/queue-name "
+        "label; jobs are then created suspended and Kueue starts them when quota allows); "
+        "JobSpec.queue overrides it.",
+    )
+    priority_class: str | None = Field(
+        default=None,
+        description="The Kueue WorkloadPriorityClass of its jobs (the "
+        "kueue.x-k8s.io/priority-class label; needs a queue); JobSpec.priority overrides it.",
+    )
     ray_token: SecretStr | None = Field(
         default=None,
         description="The Ray cluster's auth token (Ray >= 2.59), sent in X-Ray-Authorization "
@@ -111,6 +122,8 @@ def train():
             ttl_seconds_after_finished=self.ttl_seconds_after_finished,
             submission_mode=self.submission_mode,
             active_deadline_seconds=self.active_deadline_seconds,
+            queue_name=self.queue_name,
+            priority_class=self.priority_class,
         )
 
     def target_namespace(self) -> str:

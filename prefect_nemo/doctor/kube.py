@@ -3,9 +3,9 @@ client: the credentials (SelfSubjectReview), the namespace, each CRD the backend
 and the versions it serves (ApiextensionsV1Api, else API discovery), and every verb of the
 backend's `access()` (SelfSubjectAccessReview, the API server's own RBAC answer). No Prefect.
 
-The order is the order of trouble: a row needs the ones above it. A queue check (Kueue's
-LocalQueue of a block, once blocks name one) goes after the RBAC rows in `kube_checks`: a CRD
-row for localqueues.kueue.x-k8s.io, an Access to read it, then the LocalQueue itself.
+The order is the order of trouble: a row needs the ones above it. A block with a Kueue queue
+gets CRD rows for Kueue's kinds and RBAC rows for them (its `access()`), then, after those, a
+row for its LocalQueue itself (`job_checks`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from prefect_nemo.backends._kueue import KUEUE_FIX, LOCAL_QUEUE, WORKLOAD
 from prefect_nemo.backends.dynamo import VERSIONS, dgd_access, dgd_kind
 from prefect_nemo.doctor.checks import Check, Status, ok
 from prefect_nemo.doctor.ray import ray_checks
@@ -43,6 +44,9 @@ def job_checks(backend: Any) -> list[Check]:
     name = getattr(backend.config, "ray_cluster_name", None)
     if name and not any(r.status is Status.FAIL for r in rows):
         rows += _ray_cluster(backend, name)
+    queue = getattr(backend.config, "queue_name", None)
+    if queue and not any(r.status is Status.FAIL for r in rows):
+        rows.append(_local_queue(backend, queue))
     return rows
 
 
@@ -75,8 +79,28 @@ def kube_checks(
     for kind in (a.kind for a in access):
         if kind.crd and kind.crd not in seen:
             seen.add(kind.crd)
-            rows.append(_crd(api, kind, crd_fix)[0])
+            rows.append(_crd(api, kind, KUEUE_FIX if kind.group == WORKLOAD.group else crd_fix)[0])
     return rows + _rbac(api, namespace, access, who.user)
+
+
+def _local_queue(backend: Any, name: str) -> Check:
+    """The block's Kueue LocalQueue exists in its namespace (jobs sent to a missing one wait
+    for ever: Kueue never admits them)."""
+    row = f"kueue localqueue {name}"
+    try:
+        found = backend.api.get(LOCAL_QUEUE, name, backend.namespace)
+    except PrefectNemoError as exc:
+        return Check(row, Status.FAIL, f"reading it failed: {exc}", "check the RBAC rows above")
+    if found is None:
+        return Check(
+            row, Status.FAIL,
+            f"no LocalQueue '{name}' in namespace '{backend.namespace}': Kueue would never "
+            "admit the block's jobs",
+            "create the LocalQueue (spec.clusterQueue: a ClusterQueue with quota) or fix "
+            "queue_name",
+        )  # fmt: skip
+    cluster_queue = (found.get("spec") or {}).get("clusterQueue", "?")
+    return ok(row, f"in namespace '{backend.namespace}', ClusterQueue '{cluster_queue}'")
 
 
 # -- credentials and namespace --------------------------------------------------------------------

@@ -396,6 +396,19 @@ class KubeApi:
             return 0, b""
         return resp.status, resp.data
 
+    def get_path(self, path: str, timeout_s: float = 5.0) -> dict[str, Any] | None:
+        """GET an API path that no Kind describes (an aggregated API's subresource): its JSON
+        body, or None when it is not served, not allowed or not reachable (callers fall back)."""
+        try:
+            resp = self._dyn.request(
+                "GET", path, serialize=False, _request_timeout=timeout_s,
+                header_params={"Accept": "application/json"},
+            )  # fmt: skip
+            body = json.loads(resp.data)
+        except (ApiException, DynamicApiError, ValueError, *_TRANSPORT_ERRORS):
+            return None
+        return body if isinstance(body, dict) else None
+
     # -- internals -------------------------------------------------------------------------------
 
     def _ns(

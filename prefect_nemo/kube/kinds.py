@@ -18,6 +18,7 @@ class Kind:
     plural: str
     namespaced: bool = True
     status_subresource: bool = True
+    aggregated: bool = False  # served by an aggregated API server (an APIService), not a CRD
 
     @property
     def api_version(self) -> str:
@@ -28,7 +29,7 @@ class Kind:
     def crd(self) -> str | None:
         """The name of the CustomResourceDefinition that serves this kind ("rayjobs.ray.io");
         None for the core group, which every API server serves."""
-        return f"{self.plural}.{self.group}" if self.group else None
+        return f"{self.plural}.{self.group}" if self.group and not self.aggregated else None
 
     def describe(self, name: str = "", namespace: str | None = None) -> str:
         """A human-readable reference for messages: "rayjobs.ray.io default/train-1"."""

@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import SecretStr
 
+from prefect_nemo.backends._kueue import check_block_labels
 from prefect_nemo.errors import InvalidJobSpec
 from prefect_nemo.kube import CLUSTER_TRAINING_RUNTIME, TRAINING_RUNTIME, Kind, managed_labels
 from prefect_nemo.names import is_dns1035_label, is_dns1123_subdomain, resource_name, stable_hash
@@ -67,6 +68,8 @@ class TrainerConfig:
     pip_index_url: str | None = None  # may hold credentials: travels in the job's Secret
     pip_extra_index_urls: tuple[str, ...] = ()
     pip_trusted_hosts: tuple[str, ...] = ()
+    queue_name: str | None = None  # Kueue LocalQueue (the queue-name label; not in the runtime)
+    priority_class: str | None = None  # Kueue WorkloadPriorityClass (the priority-class label)
 
     def __post_init__(self) -> None:
         check_config(self)
@@ -95,6 +98,7 @@ def _under(path: str, root: str) -> bool:
 def check_config(config: TrainerConfig) -> None:
     """Raise InvalidJobSpec naming the field and the fix for a config Trainer would reject."""
     where = "KubeflowTrainerCluster"
+    check_block_labels(config.queue_name, config.priority_class, where)
     if not isinstance(config.image, str) or not config.image.strip() or " " in config.image:
         raise InvalidJobSpec(
             f"{where}.image: set the container image every node runs, e.g. "

@@ -33,7 +33,9 @@ TrainJob / pods                      JobState (message)
 condition Complete=True              SUCCEEDED
 condition Failed=True                FAILED ("<reason>: <message> (node <i> exited with code
                                      <c>)"; exit code of the node that failed first)
-condition Suspended=True             STOPPED
+condition Suspended=True             STOPPED while spec.suspend; QUEUED while Kueue holds it
+                                     (a queue-name label or its Workload); PENDING once
+                                     unsuspended (Kueue admitted it: Trainer resumes it)
 no condition, a pod Running          RUNNING (Trainer has no Running condition)
 no condition, pods ended             RUNNING (the JobSet is about to say how it ended)
 no condition, no pod read,           RUNNING (the TrainJob alone, as `owned_jobs` reads it:
@@ -69,6 +71,7 @@ from prefect_nemo.backends._kube_objects import (
     secret_manifest,
     secret_name,
 )
+from prefect_nemo.backends._kueue import kueue_target, queue_for_kueue
 from prefect_nemo.backends.kubeflow.cleanup import IDLE_S, remove_unused_runtimes, touch_runtime
 from prefect_nemo.backends.kubeflow.nodes import (
     PET_ENV,
@@ -111,6 +114,7 @@ if TYPE_CHECKING:
 
 # JobSet names each pod's hostname <trainjob>-node-0-<index>: keep it a DNS label up to 10^4 nodes
 MAX_TRAINJOB_NAME = 50
+BLOCK = "KubeflowTrainerCluster"
 METADATA_ANNOTATION = "prefect-nemo.io/metadata"
 REPLICATED_JOB = "jobset.sigs.k8s.io/replicatedjob-name"
 JOB_INDEX = "jobset.sigs.k8s.io/job-index"
@@ -164,6 +168,7 @@ def check_spec(spec: JobSpec, config: TrainerConfig) -> None:
             "(its webhook rejects them): drop them"
         )
     check_labels(spec.labels)
+    kueue_target(spec, config.queue_name, config.priority_class, BLOCK)
     if spec.working_dir is not None and not Path(spec.working_dir).is_dir():
         raise InvalidJobSpec(
             f"JobSpec.working_dir: {spec.working_dir} is not a directory on this machine"
@@ -216,10 +221,13 @@ def trainjob_manifest(
         patches.append(placed)
     if patches:
         body["runtimePatches"] = patches
-    return job_object(
+    manifest = job_object(
         TRAIN_JOB, job_id, spec, metadata, body, namespace=namespace, annotations=annotations,
         owned=owned_objects(spec, job_id, plan), shrink="JobSpec.entrypoint/env/metadata",
     )  # fmt: skip
+    return queue_for_kueue(
+        manifest, kueue_target(spec, config.queue_name, config.priority_class, BLOCK)
+    )
 
 
 def owned_objects(spec: JobSpec, job_id: str, plan: TransportPlan | None) -> dict[str, list[str]]:
@@ -287,10 +295,12 @@ def status_from_trainjob(obj: dict[str, Any], pods: list[dict[str, Any]]) -> Job
             exit_code = failed[1]
             message += f" (node {failed[0]} exited with code {failed[1]})"
         end = parse_time(cond.get("lastTransitionTime"))
-    elif cond := _condition(obj, "Suspended"):
+    elif (cond := _condition(obj, "Suspended")) and (obj.get("spec") or {}).get("suspend"):
         state = JobState.STOPPED
         message = cond.get("message") or f"TrainJob {name} is suspended"
         end = parse_time(cond.get("lastTransitionTime"))
+    elif cond:  # unsuspended (Kueue admitted it) and the Trainer has not caught up: starting
+        state, message = JobState.PENDING, ""
     elif "Running" in phases or any(ph in ("Succeeded", "Failed") for ph in phases):
         state, message = JobState.RUNNING, ""
     elif not pods and any(j.get("ready") for j in child_jobs):
@@ -330,6 +340,7 @@ class KubeflowTrainerBackend(KubeJobBackend[TrainerConfig]):
     job_kind = TRAIN_JOB
     crd_fix = "install Kubeflow Trainer (v2.3+) in the cluster"
     deleted_message = "stopped: the TrainJob and its pods were deleted"
+    block = BLOCK
     pod_job_label = JOBSET_NAME
     # Background, not Foreground: Trainer v2.3.0's Reconcile does not look at a TrainJob's
     # deletionTimestamp and re-applies the JobSet of an unfinished TrainJob, so a TrainJob held
@@ -379,7 +390,7 @@ class KubeflowTrainerBackend(KubeJobBackend[TrainerConfig]):
                 TRAIN_JOB, ("list",), all_namespaces=True,
                 optional="removing ClusterTrainingRuntimes no TrainJob uses (cleanup)",
             ))  # fmt: skip
-        return tuple(needs)
+        return (*needs, *self.kueue_access())
 
     def job_status(self, obj: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
         """The TrainJob's status from it and its pods (the table in the module docstring)."""
@@ -401,6 +412,8 @@ class KubeflowTrainerBackend(KubeJobBackend[TrainerConfig]):
         check_job_id(job_id)
         check_spec(spec, self.config)
         manifest, owned = self._documents(spec, job_id, metadata)
+        if self.kueue_target(spec) is not None:
+            self.use_kueue()
         fix = "Check the KubeflowTrainerCluster fields and the JobSpec fields it names"
         self.create_job(manifest, owned, fix=fix, prepare=self._prepare)
         return self.handle(job_id)

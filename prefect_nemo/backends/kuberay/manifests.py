@@ -32,6 +32,7 @@ from prefect_nemo.backends._kube_objects import (
     secret_manifest,
     secret_name,
 )
+from prefect_nemo.backends._kueue import check_block_labels, kueue_target, queue_for_kueue
 from prefect_nemo.backends.kuberay.raycluster import check_cluster_spec
 from prefect_nemo.backends.ray_jobs import OVERRIDE_RUNTIME_ENV
 from prefect_nemo.errors import InvalidJobSpec
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 SubmissionMode = Literal["K8sJobMode", "HTTPMode", "SidecarMode"]
 SUBMISSION_MODES: tuple[str, ...] = ("K8sJobMode", "HTTPMode", "SidecarMode")
 MAX_RAYJOB_NAME = 47  # KubeRay's MaxRayJobNameLength
+BLOCK = "KubeRayCluster"
 # what the submitter's bash would take for itself wherever it stands, quoted or not (expansions,
 # globs, history, comments, line breaks): conservative, a false alarm only costs a `bash -c`
 _SHELL_ANYWHERE = re.compile(r"[$`~*?\[{!#\n\\]")
@@ -75,6 +77,8 @@ class RayJobConfig:
     ttl_seconds_after_finished: int = 60
     submission_mode: str = "K8sJobMode"
     active_deadline_seconds: int | None = None
+    queue_name: str | None = None  # Kueue LocalQueue (the queue-name label)
+    priority_class: str | None = None  # Kueue WorkloadPriorityClass (the priority-class label)
 
     def __post_init__(self) -> None:
         check_config(self)
@@ -121,6 +125,29 @@ def check_config(config: RayJobConfig) -> None:
         )
     if config.ray_cluster_spec is not None:
         check_cluster_spec(config.ray_cluster_spec)
+    check_block_labels(config.queue_name, config.priority_class, BLOCK)
+    _check_kueue(config, "KubeRayCluster.queue_name" if config.queue_name else None)
+
+
+def _check_kueue(config: RayJobConfig, queue_field: str | None) -> None:
+    """Kueue docs, "Run A RayJob", limitations: "A Kueue managed RayJob cannot use an existing
+    RayCluster" and "The RayCluster should be deleted at the end of the job execution,
+    spec.ShutdownAfterJobFinishes should be true"."""
+    if queue_field is None:
+        return
+    if config.ray_cluster_name is not None:
+        raise InvalidJobSpec(
+            f"{queue_field}: Kueue cannot queue a RayJob that runs on an existing RayCluster "
+            f"(KubeRayCluster.ray_cluster_name='{config.ray_cluster_name}'; Kueue docs, RayJob "
+            "limitations): give the block a ray_cluster_spec (each job brings its own cluster), "
+            "or drop the queue"
+        )
+    if not config.shutdown_after_job_finishes:
+        raise InvalidJobSpec(
+            f"{queue_field}: a RayJob queued by Kueue must delete its cluster when it ends "
+            "(Kueue docs, RayJob limitations: shutdownAfterJobFinishes true): set "
+            "KubeRayCluster.shutdown_after_job_finishes=True, or drop the queue"
+        )
 
 
 def check_spec(spec: JobSpec, config: RayJobConfig) -> None:
@@ -173,6 +200,9 @@ def check_spec(spec: JobSpec, config: RayJobConfig) -> None:
             f"JobSpec.runtime_env: must be plain data (it travels as YAML in the RayJob): {exc}"
         ) from None
     check_labels(spec.labels)
+    target = kueue_target(spec, config.queue_name, config.priority_class, BLOCK)
+    if target is not None:
+        _check_kueue(config, "JobSpec.queue" if spec.queue else f"{BLOCK}.queue_name")
 
 
 def _check_code_submitter(config: RayJobConfig) -> None:
@@ -294,10 +324,13 @@ def rayjob_manifest(
         owned["secrets"] = [secret_name(job_id)]
     if plan is not None:
         owned["configmaps"] = [cm["metadata"]["name"] for cm in plan.configmaps]
-    return job_object(
+    manifest = job_object(
         RAY_JOB, job_id, spec, metadata, body, namespace=namespace, owned=owned or None,
         shrink="JobSpec.entrypoint/env/runtime_env/metadata or ray_cluster_spec",
     )  # fmt: skip
+    return queue_for_kueue(
+        manifest, kueue_target(spec, config.queue_name, config.priority_class, BLOCK)
+    )
 
 
 def submitter_template(cluster_spec: dict[str, Any], plan: TransportPlan) -> dict[str, Any]:

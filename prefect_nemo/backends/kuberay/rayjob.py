@@ -23,7 +23,9 @@ Failed                 anything else                   FAILED ("<reason>: <messa
                                                        DeadlineExceeded, AppFailed)
 Complete               SUCCEEDED / FAILED / STOPPED    the same
 Complete               not terminal                    FAILED (KubeRay ended it unfinished)
-Suspended, Suspending  any                             STOPPED
+Suspended, Suspending  any, spec.suspend true          STOPPED; QUEUED while Kueue holds it
+                                                       (a queue-name label or its Workload)
+Suspended, Suspending  any, spec.suspend false         PENDING (unsuspended: KubeRay resumes it)
 Running                SUCCEEDED / FAILED / STOPPED    the same (the Ray job ended; KubeRay will
                                                        say Complete next, maybe after the logs
                                                        are gone)
@@ -120,8 +122,10 @@ def status_from_rayjob(obj: dict[str, Any]) -> JobStatus:
         if state is JobState.FAILED and not message:
             message = f"KubeRay completed the RayJob with Ray job status '{job_status}'"
     elif deployment in ("Suspended", "Suspending"):
-        state = JobState.STOPPED
-        message = message or f"RayJob {name} is {deployment.lower()}"
+        # Kueue unsuspends an admitted job: until KubeRay moves on it is starting, not stopped
+        resuming = (obj.get("spec") or {}).get("suspend") is not True
+        state = JobState.PENDING if resuming else JobState.STOPPED
+        message = "" if resuming else message or f"RayJob {name} is {deployment.lower()}"
     elif deployment == "Running":
         state = _terminal(job_status) or (
             JobState.RUNNING if job_status == "RUNNING" else JobState.PENDING
@@ -160,6 +164,7 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
     job_kind = RAY_JOB
     crd_fix = "install the KubeRay operator (its CRDs) in the cluster"
     deleted_message = "stopped by deleting its RayJob (and the RayCluster it brought up)"
+    block = "KubeRayCluster"
     log_errors = (BackendUnavailable, RuntimeError)
 
     def __init__(
@@ -200,7 +205,10 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
         """In the RayJobs' namespace: the RayJobs, their RayClusters (read), the Secret of
         secret env values, the ConfigMaps of an inline cluster's working_dir, the pods and
         their logs, and the head Service's proxy (Ray's Jobs API: logs, stop, working_dir
-        upload)."""
+        upload); with a Kueue queue, its Workloads and LocalQueue (read)."""
+        return (*self._access(), *self.kueue_access())
+
+    def _access(self) -> tuple[Access, ...]:
         return (
             Access(RAY_JOB, ("get", "list", "watch", "create", "delete", "patch")),
             Access(RAY_CLUSTER, ("get", "list", "watch")),
@@ -247,6 +255,8 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
         check_job_id(job_id)
         check_spec(spec, self.config)
         plan = self._plan(spec, job_id)
+        if self.kueue_target(spec) is not None:
+            self.use_kueue()
         uri = self._working_dir_uri(spec, upload=True) if self._uploads(spec) else None
         manifest, owned = rayjob_documents(
             spec, job_id, metadata, self.config, namespace=self.namespace, working_dir_uri=uri,
@@ -284,7 +294,10 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
             return
         status = obj.get("status") or {}
         ray_job_id, cluster = status.get("jobId"), status.get("rayClusterName")
-        submitted = bool(ray_job_id and cluster and status.get("jobStatus"))
+        # a suspended job (queued in Kueue, or preempted) has no cluster to ask: delete it,
+        # its Workload goes with it (owned), so nothing of it is left in the queue
+        suspended = (obj.get("spec") or {}).get("suspend") is True
+        submitted = bool(ray_job_id and cluster and status.get("jobStatus")) and not suspended
         with _stops_lock:
             first_stop = _stops.setdefault((self.cluster, job_id), time.monotonic())
         patient = time.monotonic() - first_stop < STOP_ESCALATE_S

@@ -22,6 +22,7 @@ def main(argv: list[str]) -> int:
         build.build()
         build.build_trainer()  # the real Kubeflow Trainer controller (test_real_dynamo_trainer)
         build.build_jobset()  # ... and the JobSet controller that runs the Trainer's JobSets
+        build.build_kueue()  # Kueue: queues and quotas for RayJobs and TrainJobs
         print(f"control-plane binaries: {build.cache_dir()}")
         return 0
     if command == "up":
@@ -34,7 +35,11 @@ def main(argv: list[str]) -> int:
         plane.save_state()
         print(f"control plane up at {plane.url} in {time.monotonic() - t0:.1f}s; "
               f"kubeconfig {plane.workdir / 'admin.kubeconfig'}; pids {plane.pids}")  # fmt: skip
-        for why in (plane.agent_unavailable, plane.controllers_unavailable):
+        for why in (
+            plane.agent_unavailable,
+            plane.controllers_unavailable,
+            plane.kueue_unavailable,
+        ):
             if why:
                 print(f"not started: {why}")
         return 0

@@ -39,7 +39,9 @@ def cache_dir() -> Path:
 
 
 def _component_dir(folder: str) -> Path:
-    version = {"kubernetes": KUBERNETES, "etcd": ETCD, "kuberay": KUBERAY}[folder]
+    # "-stamped": Kubernetes built with its version stamped in (_build_kubernetes); the folder
+    # of an earlier build without it stays as it was
+    version = {"kubernetes": f"{KUBERNETES}-stamped", "etcd": ETCD, "kuberay": KUBERAY}[folder]
     return cache_dir() / f"{folder}-{version}"
 
 
@@ -101,7 +103,14 @@ def _build_kubernetes(src: Path, out: Path, env: dict[str, str]) -> None:
         f"k8s.io/kubernetes/cmd/{name}" for name in ("kube-apiserver", "kube-controller-manager")
     ]
     _go(["get", *(f"{c}@{KUBERNETES}" for c in cmds)], src, env)
-    _go(["build", "-o", f"{out}/", *cmds], src, env)
+    # the version as Kubernetes' own build stamps it (hack/lib/version.sh): unstamped, /version
+    # says "v0.0.0-master+$Format:%H$", which Kueue's manager cannot parse and refuses to start
+    pkg = "k8s.io/component-base/version"
+    major, minor = KUBERNETES.lstrip("v").split(".")[:2]
+    stamp = " ".join(f"-X {pkg}.{key}={value}" for key, value in (
+        ("gitVersion", KUBERNETES), ("gitMajor", major), ("gitMinor", minor),
+        ("gitTreeState", "clean")))  # fmt: skip
+    _go(["build", f"-ldflags={stamp}", "-o", f"{out}/", *cmds], src, env)
 
 
 def _build_etcd(src: Path, out: Path, env: dict[str, str]) -> None:
@@ -177,9 +186,9 @@ def _module_dir(module: str, env: dict[str, str]) -> Path:
     return Path(json.loads(out.stdout)["Dir"])
 
 
-def _build_in_module(module: str, package: str, out: Path) -> None:
+def _build_in_module(module: str, package: str, out: Path, ldflags: str = "") -> Path:
     """Build `package` of `module` (name@version, downloaded into the module cache) to `out`,
-    printing the build time."""
+    printing the build time; the module's source folder."""
     go = go_binary()
     if go is None:
         raise RuntimeError(f"cannot build {module}: {GO_HINT}")
@@ -187,8 +196,10 @@ def _build_in_module(module: str, package: str, out: Path) -> None:
     env = dict(os.environ, GO=go, GOFLAGS="-mod=mod -buildvcs=false")
     out.parent.mkdir(parents=True, exist_ok=True)
     source = _module_dir(module, env)
-    _go(["build", "-o", str(out), package], source, dict(env, GOFLAGS="-buildvcs=false"))
+    flags = [f"-ldflags={ldflags}"] if ldflags else []
+    _go(["build", *flags, "-o", str(out), package], source, dict(env, GOFLAGS="-buildvcs=false"))
     print(f"control-plane build {out.parent.parent.name}: {time.monotonic() - t0:.0f}s", flush=True)
+    return source
 
 
 def build_trainer() -> None:
@@ -212,3 +223,48 @@ def build_jobset() -> None:
     the module's main package is its root, so it is built in the downloaded module."""
     if not jobset_binary().is_file():
         _build_in_module(f"sigs.k8s.io/jobset@{JOBSET}", ".", jobset_binary())
+
+
+# -- Kueue (`build_kueue()`): queues, quotas and preemption for RayJobs and TrainJobs ------------
+
+# the kit's Kueue CRDs (testing/crds/kueue) are this module's own
+KUEUE = "v0.17.0"
+# what Kueue's own manifests say about the manager, kept beside the binary (read when it starts):
+# its ClusterRole, the metrics/delegated-auth role, its Secrets role in its own namespace, and its
+# webhook configurations
+KUEUE_CONFIG = {
+    "role.yaml": "config/components/rbac/role.yaml",
+    "metrics_auth_role.yaml": "config/components/rbac/metrics_auth_role.yaml",
+    "manager_secrets_role.yaml": "config/components/rbac/manager_secrets_role.yaml",
+    "webhooks.yaml": "config/components/webhook/manifests.yaml",
+}
+
+
+def kueue_binary() -> Path:
+    """Kueue's manager (`cmd/kueue`) built from `sigs.k8s.io/kueue` at KUEUE."""
+    return cache_dir() / f"kueue-{KUEUE}" / "bin" / "kueue"
+
+
+def kueue_config(name: str) -> Path:
+    """One of KUEUE_CONFIG's files, copied from the module when Kueue was built."""
+    return cache_dir() / f"kueue-{KUEUE}" / "config" / name
+
+
+def build_kueue() -> None:
+    """Build Kueue's manager (once) in the downloaded module, as its Makefile does (`go build
+    cmd/kueue`, the version stamped into pkg/version), printing the build time; copy its RBAC
+    and webhook manifests beside it."""
+    module = f"sigs.k8s.io/kueue@{KUEUE}"
+    if kueue_binary().is_file():
+        if all(kueue_config(name).is_file() for name in KUEUE_CONFIG):
+            return
+        go = go_binary()
+        if go is None:
+            raise RuntimeError(f"cannot read {module}: {GO_HINT}")
+        source = _module_dir(module, dict(os.environ, GO=go, GOFLAGS="-mod=mod"))
+    else:
+        stamp = f"-X sigs.k8s.io/kueue/pkg/version.GitVersion={KUEUE}"
+        source = _build_in_module(module, "./cmd/kueue", kueue_binary(), ldflags=stamp)
+    for name, path in KUEUE_CONFIG.items():
+        kueue_config(name).parent.mkdir(parents=True, exist_ok=True)
+        kueue_config(name).write_bytes((source / path).read_bytes())

@@ -1,13 +1,14 @@
 """Start the real control plane on loopback: etcd, kube-apiserver, kube-controller-manager, the
 kit's CRDs (testing/crds), the KubeRay operator, and (when built) the Kubeflow Trainer and JobSet
-controllers (controllers.py); stop every process by pid.
+controllers (controllers.py) and Kueue (kueue.py); stop every process by pid.
 
 Generated per start: a CA and the API server's certificate, the ServiceAccount signing key and
 an admin token (static token file, group system:masters); authorization is RBAC only, so a
-ServiceAccount token gets exactly what its Roles grant. No scheduler and no kubelet: with the
-operator comes our node agent (node_agent.py), which binds and runs the pods of the operator's
-namespace and of the Trainer's (controllers.TRAINER_NAMESPACE) as local processes; it needs the
-pod network (root), else `agent_unavailable` says why.
+ServiceAccount token gets exactly what its Roles grant. The aggregation layer is on (a front-proxy
+CA and client certificate): Kueue's visibility API is an aggregated API. No scheduler and no
+kubelet: with the operator comes our node agent (node_agent.py), which binds and runs the pods of
+the operator's namespace and of the Trainer's (controllers.TRAINER_NAMESPACE) as local processes;
+it needs the pod network (root), else `agent_unavailable` says why.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from prefect_nemo.local_ray import free_ports
-from prefect_nemo.testing.control_plane import build, controllers, pod_network
+from prefect_nemo.testing.control_plane import build, controllers, kueue, pod_network
 from prefect_nemo.testing.kube_api.client_config import TokenClientConfig
 from prefect_nemo.testing.kube_api.tls import server_cert_pems
 
@@ -81,12 +82,14 @@ class ControlPlane(TokenClientConfig):
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="prefect-nemo-control-plane-"))
         self.token = secrets.token_urlsafe(24)
         self._controllers_token = secrets.token_urlsafe(24)  # controllers.USER's
+        self._kueue_token = secrets.token_urlsafe(24)  # kueue.USER's
         self.ca_pem: bytes | None = None
         self.url = ""
         self.pids: dict[str, int] = {}
         self.started_s = 0.0
         self.agent_unavailable: str | None = None  # why no node agent runs the pods
         self.controllers_unavailable: str | None = None  # why no Trainer + JobSet controllers
+        self.kueue_unavailable: str | None = None  # why no Kueue
         self._owned = True  # False when attached to one started by another process
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -129,11 +132,26 @@ class ControlPlane(TokenClientConfig):
                 # as kubeadm sets it: pods/log dials a node's InternalIP first (our nodes' names
                 # resolve nowhere)
                 "--kubelet-preferred-address-types=InternalIP,ExternalIP,Hostname",
+                # the aggregation layer, as kubeadm sets it up (Kueue's visibility API); a
+                # client CA too, which aggregated servers expect in the ConfigMap they read
+                # (nothing here signs client certificates with it)
+                f"--client-ca-file={files['ca']}",
+                f"--requestheader-client-ca-file={files['front_proxy_ca']}",
+                f"--requestheader-allowed-names={kueue.FRONT_PROXY_CLIENT}",
+                "--requestheader-username-headers=X-Remote-User",
+                "--requestheader-group-headers=X-Remote-Group",
+                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+                f"--proxy-client-cert-file={files['front_proxy_cert']}",
+                f"--proxy-client-key-file={files['front_proxy_key']}",
             ])  # fmt: skip
             self._wait_ready(START_TIMEOUT_S)
+            self.kueue_unavailable = (kueue.unavailable_reason() if self.operator
+                                      else "started without operators")  # fmt: skip
             # before the garbage collector discovers what it watches (a CRD added later waits
-            # for its next discovery, ~30 s, before its objects' dependents are collected)
-            self.install_crds()
+            # for its next discovery, ~30 s, before its objects' dependents are collected);
+            # Kueue's only when it runs (the workloads CRD alone is 1.4 MB)
+            extra = [] if self.kueue_unavailable else kueue.crd_documents()
+            self.install_crds([*_kit_crds(), *extra])
             self._spawn("kube-controller-manager", [
                 str(binary("kube-controller-manager")), f"--kubeconfig={files['kubeconfig']}",
                 f"--authentication-kubeconfig={files['kubeconfig']}",
@@ -169,21 +187,28 @@ class ControlPlane(TokenClientConfig):
 
     def _start_controllers(self) -> None:
         """The Trainer + JobSet controllers (when built) as controllers.USER, with its RBAC and
-        JobSet's webhooks; returns once both answer their readiness probe."""
+        JobSet's webhooks, and Kueue (when built) as kueue.USER; returns once all answer their
+        readiness probe (started together: their start-ups overlap), then registers Kueue's
+        webhooks and visibility API."""
+        started: list[controllers.Controller] = []
         self.controllers_unavailable = controllers.unavailable_reason()
-        if self.controllers_unavailable is not None:
-            return
-        namespace = {"metadata": {"name": controllers.TRAINER_NAMESPACE}}
-        for path, body in [("/api/v1/namespaces", namespace), *controllers.rbac()]:
-            self.request("POST", path, body)
-        kubeconfig = self.workdir / "controllers.kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump(self.kubeconfig(
-            context="controllers", token=self._controllers_token)))  # fmt: skip
-        kubeconfig.chmod(0o600)
-        started, webhooks = controllers.prepare(self.workdir / "controllers", kubeconfig)
-        for webhook in webhooks:
-            plural = webhook["kind"].lower() + "s"
-            self.request("POST", f"/apis/admissionregistration.k8s.io/v1/{plural}", webhook)
+        if self.controllers_unavailable is None:
+            namespace = {"metadata": {"name": controllers.TRAINER_NAMESPACE}}
+            for path, body in [("/api/v1/namespaces", namespace), *controllers.rbac()]:
+                self.request("POST", path, body)
+            kubeconfig = self._write_kubeconfig("controllers", self._controllers_token)
+            started, webhooks = controllers.prepare(self.workdir / "controllers", kubeconfig)
+            for webhook in webhooks:
+                plural = webhook["kind"].lower() + "s"
+                self.request("POST", f"/apis/admissionregistration.k8s.io/v1/{plural}", webhook)
+        setup = None
+        if self.kueue_unavailable is None:
+            for path, body in kueue.rbac():
+                self.request("POST", path, body)
+            kubeconfig = self._write_kubeconfig("kueue", self._kueue_token)
+            namespaces = (OPERATOR_NAMESPACE, controllers.TRAINER_NAMESPACE)
+            setup = kueue.prepare(self.workdir / "kueue", kubeconfig, namespaces)
+            started = [*started, setup.controller]
         for controller in started:
             self._spawn(controller.name, controller.argv, controller.env)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -193,6 +218,16 @@ class ControlPlane(TokenClientConfig):
                     log = self.log(controller.name)[-3000:]
                     raise RuntimeError(f"{controller.name} did not get ready: {log}")
                 time.sleep(0.2)
+        # only now: Kueue's webhooks fail closed, and an APIService nobody serves fails the
+        # discovery of the namespace controller and the garbage collector
+        for path, body in setup.objects if setup else []:
+            self.request("POST", path, body)
+
+    def _write_kubeconfig(self, name: str, token: str) -> Path:
+        kubeconfig = self.workdir / f"{name}.kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump(self.kubeconfig(context=name, token=token)))
+        kubeconfig.chmod(0o600)
+        return kubeconfig
 
     def stop(self) -> None:
         """Stop every process (by pid, newest first) and remove the work folder; nothing for
@@ -243,6 +278,11 @@ class ControlPlane(TokenClientConfig):
                 "the control plane left running has no Trainer + JobSet controllers: "
                 "`make control-plane CP=down`, then `make control-plane CP=up`"
             )
+        if "kueue" not in plane.pids:
+            plane.kueue_unavailable = (
+                "the control plane left running has no Kueue: `make control-plane`, then "
+                "`make control-plane CP=down` and `make control-plane CP=up`"
+            )
         try:
             plane._wait_ready(2.0)
         except TimeoutError:
@@ -256,11 +296,8 @@ class ControlPlane(TokenClientConfig):
         wait until served; one already there is kept."""
         from kubernetes import client
 
-        from prefect_nemo.testing.kube_api import crd_dir
-        from prefect_nemo.testing.kube_api.schema import read_crd_documents
-
         if docs is None:
-            docs = [*read_crd_documents([crd_dir()]), _RAYSERVICE_STANDIN]
+            docs = _kit_crds()
         api = client.ApiextensionsV1Api(self.api_client())
         names = []
         for doc in docs:
@@ -330,7 +367,12 @@ class ControlPlane(TokenClientConfig):
         files["tokens"].write_text(
             f'{self.token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n'
             f"{self._controllers_token},{controllers.USER},{controllers.USER}\n"
+            f"{self._kueue_token},{kueue.USER},{kueue.USER}\n"
         )
+        for name, pem in zip(("front_proxy_ca", "front_proxy_cert", "front_proxy_key"),
+                             kueue.front_proxy_pems(), strict=True):  # fmt: skip
+            files[name] = self.workdir / name
+            files[name].write_bytes(pem)
         files["kubeconfig"] = self.workdir / "admin.kubeconfig"
         files["kubeconfig"].write_text(yaml.safe_dump(self.kubeconfig(context="control-plane")))
         for path in files.values():
@@ -359,6 +401,14 @@ class ControlPlane(TokenClientConfig):
                 last = exc
             time.sleep(0.2)
         raise TimeoutError(f"kube-apiserver at {self.url} not ready in {timeout_s:.0f} s: {last}")
+
+
+def _kit_crds() -> list[dict[str, Any]]:
+    """The kit's CRDs (crd_dir(): KubeRay, Trainer, JobSet, Dynamo) and the RayService stand-in."""
+    from prefect_nemo.testing.kube_api import crd_dir
+    from prefect_nemo.testing.kube_api.schema import read_crd_documents
+
+    return [*read_crd_documents([crd_dir()]), _RAYSERVICE_STANDIN]
 
 
 def _alive(pid: int) -> bool:

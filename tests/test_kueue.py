@@ -1,0 +1,179 @@
+"""Kueue on the KubeRay and Kubeflow Trainer backends, fast: where a job queues (labels,
+suspended), bad input refused before anything is sent, and how a job Kueue holds reads (QUEUED,
+never STOPPED), on the loopback API server. The real Kueue is in test_real_kueue.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from prefect_nemo import InvalidJobSpec, JobSpec, JobState
+from prefect_nemo.backends._kueue import PRIORITY_LABEL, QUEUE_LABEL, queue_reason
+from prefect_nemo.backends.kubeflow.trainjob import status_from_trainjob
+from prefect_nemo.backends.kuberay import RayJobConfig, rayjob_manifest, status_from_rayjob
+from prefect_nemo.blocks import KubeRayCluster
+from prefect_nemo.blocks.kubeflow import KubeflowTrainerCluster
+from prefect_nemo.blocks.kubernetes import KubernetesCluster
+from prefect_nemo.kube import RAY_JOB
+from tests.test_kuberay import META, cluster_spec
+
+QUEUED = RayJobConfig(ray_cluster_spec=cluster_spec(), queue_name="team-a", priority_class="low")
+
+
+def test_a_queue_becomes_kueues_labels_and_the_job_is_created_suspended() -> None:
+    """Kueue docs, "Run A RayJob": "The target local queue should be specified in the
+    metadata.labels section of the RayJob configuration" (kueue.x-k8s.io/queue-name), the
+    priority by kueue.x-k8s.io/priority-class; Kueue "controls the spec.suspend field": the job
+    is created suspended and started once admitted. JobSpec.queue/priority override the block."""
+    m = rayjob_manifest(JobSpec(entrypoint="true"), "j-1", META, QUEUED, namespace="ns")
+    assert m["metadata"]["labels"][QUEUE_LABEL] == "team-a"
+    assert m["metadata"]["labels"][PRIORITY_LABEL] == "low"
+    assert m["spec"]["suspend"] is True and m["spec"]["shutdownAfterJobFinishes"] is True
+    spec = JobSpec(entrypoint="true", queue="team-b", priority="high")
+    m = rayjob_manifest(spec, "j-1", META, QUEUED, namespace="ns")
+    assert (m["metadata"]["labels"][QUEUE_LABEL], m["metadata"]["labels"][PRIORITY_LABEL]) == (
+        "team-b", "high")  # fmt: skip
+    plain = RayJobConfig(ray_cluster_spec=cluster_spec())
+    m = rayjob_manifest(JobSpec(entrypoint="true"), "j-1", META, plain, namespace="ns")
+    assert QUEUE_LABEL not in m["metadata"]["labels"] and "suspend" not in m["spec"]
+
+
+def test_a_trainjob_gets_the_same_labels_and_suspend(kube_server: Any) -> None:
+    kube = KubernetesCluster(kubeconfig=kube_server.kubeconfig())
+    block = KubeflowTrainerCluster(kubernetes=kube, image="python:3.11-slim", queue_name="q1")
+    docs = block.backend().render(JobSpec(entrypoint="true", priority="p"), "tj-1", META)
+    train = docs[-1]
+    assert train["kind"] == "TrainJob" and train["spec"]["suspend"] is True
+    assert train["metadata"]["labels"][QUEUE_LABEL] == "q1"
+    assert train["metadata"]["labels"][PRIORITY_LABEL] == "p"
+    # the runtime's name (a hash of its spec) does not change with the queue
+    plain = KubeflowTrainerCluster(kubernetes=kube, image="python:3.11-slim").backend()
+    runtime = plain.render(JobSpec(entrypoint="true"), "tj-1", META)[-2]
+    assert runtime["kind"] == "ClusterTrainingRuntime"
+    assert runtime["metadata"]["name"] == docs[-2]["metadata"]["name"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"ray_cluster_name": "shared"}, "queue_name: Kueue cannot queue a RayJob that runs on"),
+        ({"ray_cluster_spec": cluster_spec(), "shutdown_after_job_finishes": False},
+         "shutdownAfterJobFinishes true"),
+        ({"ray_cluster_spec": cluster_spec(), "queue_name": "a/b"}, "queue_name: 'a/b' cannot"),
+        ({"ray_cluster_spec": cluster_spec(), "queue_name": "q" * 64}, "at most 63"),
+        ({"ray_cluster_spec": cluster_spec(), "queue_name": "-q"}, "starting and ending"),
+        ({"ray_cluster_spec": cluster_spec(), "queue_name": None, "priority_class": "hi"},
+         "priority_class: 'hi' is a Kueue WorkloadPriorityClass"),
+    ],
+)  # fmt: skip
+def test_a_kuberay_block_kueue_cannot_take_is_refused(
+    fields: dict[str, Any], match: str, kube_server: Any
+) -> None:
+    """Kueue docs, "Run A RayJob", limitations: "A Kueue managed RayJob cannot use an existing
+    RayCluster"; "spec.ShutdownAfterJobFinishes should be true"; Kubernetes label values: at
+    most 63 characters of [A-Za-z0-9._-], alphanumeric at both ends."""
+    kube = KubernetesCluster(kubeconfig=kube_server.kubeconfig())
+    before = len(kube_server.requests.entries)
+    with pytest.raises(ValidationError, match=match):
+        KubeRayCluster(kubernetes=kube, **{"queue_name": "team-a", **fields})
+    assert len(kube_server.requests.entries) == before
+
+
+@pytest.mark.parametrize(
+    ("block", "spec", "match"),
+    [
+        ({"ray_cluster_name": "shared"}, {"queue": "team-a"},
+         "JobSpec.queue: Kueue cannot queue a RayJob that runs on an existing RayCluster"),
+        ({"ray_cluster_spec": cluster_spec(), "shutdown_after_job_finishes": False},
+         {"queue": "team-a"}, "JobSpec.queue: a RayJob queued by Kueue must delete its cluster"),
+        ({"ray_cluster_spec": cluster_spec()}, {"queue": "no queue"}, "JobSpec.queue: 'no queue'"),
+        ({"ray_cluster_spec": cluster_spec()}, {"priority": "high"},
+         "JobSpec.priority: 'high' is a Kueue WorkloadPriorityClass"),
+    ],
+)  # fmt: skip
+def test_a_jobspec_queue_kueue_cannot_take_is_refused_before_anything_is_sent(
+    block: dict[str, Any], spec: dict[str, Any], match: str, kube_server: Any
+) -> None:
+    kube = KubernetesCluster(kubeconfig=kube_server.kubeconfig())
+    backend = KubeRayCluster(kubernetes=kube, **block).backend()
+    job = JobSpec(entrypoint="true", **spec)
+    before = kube_server.requests.count("POST")
+    with pytest.raises(InvalidJobSpec, match=match):
+        backend.validate(job)
+    with pytest.raises(InvalidJobSpec, match=match):
+        backend.submit(job, "j-bad", META)
+    assert kube_server.requests.count("POST") == before
+
+
+def test_a_trainjob_queue_name_must_be_a_label_value(kube_server: Any) -> None:
+    kube = KubernetesCluster(kubeconfig=kube_server.kubeconfig())
+    with pytest.raises(ValidationError, match=r"KubeflowTrainerCluster\.queue_name: 'a b'"):
+        KubeflowTrainerCluster(kubernetes=kube, image="python:3.11-slim", queue_name="a b")
+    backend = KubeflowTrainerCluster(kubernetes=kube, image="python:3.11-slim").backend()
+    before = kube_server.requests.count("POST")
+    with pytest.raises(InvalidJobSpec, match=r"JobSpec\.queue: '_q'"):
+        backend.submit(JobSpec(entrypoint="true", queue="_q"), "tj-bad", META)
+    assert kube_server.requests.count("POST") == before
+
+
+def test_unsuspended_by_kueue_reads_starting_not_stopped() -> None:
+    """Kueue unsuspends an admitted job; until KubeRay / the Trainer catch up, the job still
+    says Suspended: that is a start, not a stop."""
+    rayjob = {"metadata": {"name": "r"}, "spec": {"suspend": False},
+              "status": {"jobDeploymentStatus": "Suspended"}}  # fmt: skip
+    assert status_from_rayjob(rayjob).state is JobState.PENDING
+    rayjob["spec"]["suspend"] = True
+    assert status_from_rayjob(rayjob).state is JobState.STOPPED  # a user's suspension
+    suspended = {"type": "Suspended", "status": "True", "reason": "Suspended"}
+    trainjob = {"metadata": {"name": "t"}, "spec": {}, "status": {"conditions": [suspended]}}
+    assert status_from_trainjob(trainjob, []).state is JobState.PENDING
+    trainjob["spec"]["suspend"] = True
+    assert status_from_trainjob(trainjob, []).state is JobState.STOPPED
+
+
+def test_kueues_reason_comes_from_the_workloads_conditions() -> None:
+    """Kueue docs, "Workload": QuotaReserved / Admitted, and "Preemption": "The Evicted
+    condition indicates that the Workload was evicted with a reason Preempted"."""
+
+    def workload(*conditions: dict[str, str]) -> dict[str, Any]:
+        return {"status": {"conditions": list(conditions)}}
+
+    pending = {"type": "QuotaReserved", "status": "False", "reason": "Pending",
+               "message": "couldn't assign flavors: insufficient unused quota"}  # fmt: skip
+    assert queue_reason(workload(pending)) == (
+        "Pending: couldn't assign flavors: insufficient unused quota", False)  # fmt: skip
+    evicted = {"type": "Evicted", "status": "True", "reason": "Preempted",
+               "message": "Preempted to accommodate a workload"}  # fmt: skip
+    reason, preempted = queue_reason(workload(evicted, pending))
+    assert preempted and reason.startswith("Evicted: Preempted")
+    assert queue_reason(None) == ("waiting for Kueue to create its Workload", False)
+
+
+def test_a_suspended_job_with_a_queue_label_is_queued_never_stopped(kube_server: Any) -> None:
+    """A RayJob Kueue holds (suspended, queue-name label) reads QUEUED with its LocalQueue, from
+    find() and from the informers alike; here no Kueue serves Workloads, so the label tells."""
+    kube = KubernetesCluster(kubeconfig=kube_server.kubeconfig())
+    backend = KubeRayCluster(kubernetes=kube, ray_cluster_spec=cluster_spec(),
+                             queue_name="team-a").backend()  # fmt: skip
+    manifest = rayjob_manifest(JobSpec(entrypoint="true"), "held-1", META, backend.config,
+                               namespace="default")  # fmt: skip
+    backend.api.create(RAY_JOB, manifest, "default")
+    try:
+        backend.api.patch(RAY_JOB, "held-1", {"status": {"jobDeploymentStatus": "Suspended"}},
+                          "default", subresource="status")  # fmt: skip
+        status = backend.find("held-1")
+        assert status is not None and status.state is JobState.QUEUED, status
+        assert status.queue is not None and status.queue.queue == "team-a"
+        assert not status.queue.preempted
+        assert [o.state for o in backend.owned_jobs()] == [JobState.QUEUED]
+        unsubscribe = backend.subscribe(lambda: None)
+        try:
+            names = [i.kind.plural for i in backend.informers]
+            assert names == ["rayjobs", "workloads"]
+            assert backend.statuses(["held-1"])["held-1"].state is JobState.QUEUED
+        finally:
+            unsubscribe()
+    finally:
+        backend.api.delete(RAY_JOB, "held-1", "default")
