@@ -66,7 +66,9 @@ def ours_until(watcher: ClusterWatcher, job_id: str, state: JobState, seen_at: d
         seen_at[job_id] = time.monotonic()
 
 
-def raw_until_running(api: CustomObjectsApi, names: set[str], seen_at: dict, stop: Callable) -> None:
+def raw_until_running(
+    api: CustomObjectsApi, names: set[str], seen_at: dict, stop: Callable[[], bool]
+) -> None:
     """A plain kubernetes watch of the RayJobs: the first moment each reads Running."""
     stream = watch.Watch()
     for event in stream.stream(
