@@ -556,15 +556,17 @@ def test_cancelling_a_flow_run_whose_trainjob_is_queued_leaves_nothing_queued(
         job = train_status(objects, first)
         assert wait_until(lambda: is_true(workload_of(queues, job), "Admitted"), 60)
         block = our_trainjob_block(plane, queues)
+        name = f"cancelled-{uuid.uuid4().hex[:6]}"  # other tests' TrainJobs of ours stay
         context = contextvars.copy_context()
         thread = threading.Thread(target=context.run, daemon=True, args=(lambda: one_job(
-            block, JobSpec(entrypoint="true", name="cancelled"), return_state=True),))  # fmt: skip
+            block, JobSpec(entrypoint="true", name=name), return_state=True),))  # fmt: skip
         thread.start()
         kube = KubeApi(plane.api_client(), namespace=TRAINER_NAMESPACE)
 
         def ours() -> list[dict[str, Any]]:
             return [t for t in kube.list(TRAIN_JOB)[0]
-                    if (t["metadata"].get("labels") or {}).get(FLOW_RUN_LABEL)]  # fmt: skip
+                    if (t["metadata"].get("labels") or {}).get(FLOW_RUN_LABEL)
+                    and f"-{name}-" in t["metadata"]["name"]]  # fmt: skip
 
         assert wait_until(lambda: queues.local_queue_status().get("pendingWorkloads") == 1, 60)
         (queued,) = ours()

@@ -499,8 +499,12 @@ class KubeJobBackend(Generic[ConfigT]):
 
     def _cached_workloads(self) -> dict[str, dict[str, Any]] | None:
         """Kueue's Workloads of our jobs by job name from the Workload informer once it has
-        listed; None without it (then a held job's Workload is asked for)."""
+        listed; None while it lists or without one (then a held job's Workload is asked for);
+        none at all once it has died (Kueue not served, no RBAC): asking per job would cost a
+        request per status for nothing, and the queue label tells QUEUED alone."""
         informer = self._informer(WORKLOAD)
+        if informer is not None and informer.dead:
+            return {}
         if informer is None or not informer.synced.is_set():
             return None
         by_job: dict[str, dict[str, Any]] = {}
