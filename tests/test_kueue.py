@@ -177,3 +177,43 @@ def test_a_suspended_job_with_a_queue_label_is_queued_never_stopped(kube_server:
             unsubscribe()
     finally:
         backend.api.delete(RAY_JOB, "held-1", "default")
+
+
+@pytest.mark.parametrize("ending", ["failure", "timeout"])
+def test_a_flow_run_that_fails_or_times_out_removes_its_queued_job(
+    kube_server: Any, prefect_api: str, ending: str
+) -> None:
+    """Issue 28: "Our own stops (cancel, timeout, failure hooks, the sweeper) still remove
+    queued jobs". A RayJob held in its LocalQueue (suspended: nobody admits it here) is
+    deleted when its flow run fails (another task raised) or times out (`timeout_seconds`):
+    nothing of it is left queued."""
+    import uuid
+
+    from prefect import flow
+
+    from prefect_nemo import run_job
+    from tests.conftest import wait_until
+
+    kube = KubernetesCluster(kubeconfig=kube_server.kubeconfig())
+    block = KubeRayCluster(kubernetes=kube, ray_cluster_spec=cluster_spec(),
+                           queue_name="team-a")  # fmt: skip
+    spec = JobSpec(entrypoint="true", name=f"held-{uuid.uuid4().hex[:6]}")
+    api = block.backend().api
+
+    def ours() -> list[str]:
+        items, _ = api.list(RAY_JOB, "default")
+        return [o["metadata"]["name"] for o in items if f"-{spec.name}-" in o["metadata"]["name"]]
+
+    @flow
+    def fails() -> None:
+        run_job.submit(spec, block)  # waits QUEUED in its own task run
+        assert wait_until(ours, 30), "the job is in its queue"
+        raise RuntimeError("another step failed")
+
+    @flow(timeout_seconds=4)
+    def times_out() -> None:
+        run_job(spec, block)  # waits QUEUED: nobody admits it
+
+    state = (fails if ending == "failure" else times_out)(return_state=True)
+    assert state.is_failed(), state
+    assert ours() == [], "the queued RayJob was deleted"
