@@ -41,7 +41,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from prefect_nemo.testing.kube_api.schema import Cause
+from prefect_nemo.testing.kube_api.cause import Cause
 
 log = logging.getLogger(__name__)
 

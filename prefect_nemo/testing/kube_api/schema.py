@@ -19,19 +19,9 @@ from typing import Any
 import jsonschema
 import yaml
 
+from prefect_nemo.testing.kube_api.cause import Cause
+
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-@dataclass
-class Cause:
-    """One field error, as in Status.details.causes."""
-
-    reason: str
-    field: str
-    message: str
-
-    def text(self) -> str:
-        return f"{self.field}: {self.message}" if self.field else self.message
 
 
 @dataclass
@@ -129,7 +119,8 @@ class Schema:
     def rules(self) -> Any:
         """The CEL rule tree (`rules.Node`), None when the schema has no rule."""
         if self._rules is _UNCOMPILED:
-            from prefect_nemo.testing.kube_api import rules  # it imports Cause from here
+            # the CEL library is imported only when a schema has rules
+            from prefect_nemo.testing.kube_api import rules
 
             self._rules = rules.compile_schema(self.raw)
         return self._rules
