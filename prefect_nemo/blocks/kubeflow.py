@@ -6,7 +6,12 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from prefect_nemo.backends.kubeflow import KubeflowTrainerBackend, PvcMount, TrainerConfig
 from prefect_nemo.blocks.base import ClusterBlock
-from prefect_nemo.blocks.kubernetes import KubernetesCluster, Namespace
+from prefect_nemo.blocks.kubernetes import (
+    KubernetesCluster,
+    KueuePriorityClass,
+    KueueQueueName,
+    Namespace,
+)
 from prefect_nemo.errors import InvalidJobSpec
 
 
@@ -125,17 +130,8 @@ def sft():
         default="/workspace/code",
         description="Where the job's working_dir is unpacked on every node (the job runs there).",
     )
-    queue_name: str | None = Field(
-        default=None,
-        description="The Kueue LocalQueue its jobs queue in (the kueue.x-k8s.io/queue-name "
-        "label; jobs are then created suspended and Kueue starts them when quota allows); "
-        "JobSpec.queue overrides it.",
-    )
-    priority_class: str | None = Field(
-        default=None,
-        description="The Kueue WorkloadPriorityClass of its jobs (the "
-        "kueue.x-k8s.io/priority-class label; needs a queue); JobSpec.priority overrides it.",
-    )
+    queue_name: KueueQueueName = None
+    priority_class: KueuePriorityClass = None
     runtime_prefix: str = Field(
         default="prefect-nemo",
         description="Name prefix of the ClusterTrainingRuntimes this block creates.",

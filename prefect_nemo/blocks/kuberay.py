@@ -14,7 +14,12 @@ from prefect_nemo.backends.kuberay import (
     tls_verify,
 )
 from prefect_nemo.blocks.base import ClusterBlock
-from prefect_nemo.blocks.kubernetes import KubernetesCluster, Namespace
+from prefect_nemo.blocks.kubernetes import (
+    KubernetesCluster,
+    KueuePriorityClass,
+    KueueQueueName,
+    Namespace,
+)
 from prefect_nemo.blocks.ray_jobs import RayJobsCluster
 from prefect_nemo.errors import InvalidJobSpec
 
@@ -78,17 +83,8 @@ def train():
         description="KubeRay's own deadline for the whole RayJob; empty to rely on "
         "JobSpec.timeout_s, which prefect-nemo enforces.",
     )
-    queue_name: str | None = Field(
-        default=None,
-        description="The Kueue LocalQueue its jobs queue in (the kueue.x-k8s.io/queue-name "
-        "label; jobs are then created suspended and Kueue starts them when quota allows); "
-        "JobSpec.queue overrides it.",
-    )
-    priority_class: str | None = Field(
-        default=None,
-        description="The Kueue WorkloadPriorityClass of its jobs (the "
-        "kueue.x-k8s.io/priority-class label; needs a queue); JobSpec.priority overrides it.",
-    )
+    queue_name: KueueQueueName = None
+    priority_class: KueuePriorityClass = None
     ray_token: SecretStr | None = Field(
         default=None,
         description="The Ray cluster's auth token (Ray >= 2.59), sent in X-Ray-Authorization "

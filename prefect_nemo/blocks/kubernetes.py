@@ -24,6 +24,16 @@ from prefect_nemo.names import check_namespace, stable_hash
 
 #: A namespace field: refused when Kubernetes could not name a namespace so.
 Namespace = Annotated[str, AfterValidator(check_namespace)]
+# where a Kubernetes job kind's jobs queue in Kueue (KubeRay and Kubeflow Trainer blocks alike)
+KueueQueueName = Annotated[str | None, Field(
+    description="The Kueue LocalQueue its jobs queue in (the kueue.x-k8s.io/queue-name "
+    "label; jobs are then created suspended and Kueue starts them when quota allows); "
+    "JobSpec.queue overrides it.",
+)]  # fmt: skip
+KueuePriorityClass = Annotated[str | None, Field(
+    description="The Kueue WorkloadPriorityClass of its jobs (the "
+    "kueue.x-k8s.io/priority-class label; needs a queue); JobSpec.priority overrides it.",
+)]  # fmt: skip
 
 # kubeconfig fields whose base64 data the client would write to temp files
 _DATA_FIELDS = {
