@@ -340,9 +340,9 @@ class KubeApi:
         core = CoreV1Api(self.api_client)
         try:
             # with _preload_content=False the client returns the raw HTTP response, not the str
-            # its annotation names
+            # its annotation names; a string, since urllib3 1.26 (the nemo-run set) lacks the name
             resp = cast(
-                urllib3.BaseHTTPResponse,
+                "urllib3.BaseHTTPResponse",
                 core.read_namespaced_pod_log(
                     name, self._namespace(namespace), container=container,
                     _request_timeout=self.request_timeout_s, _preload_content=False,
