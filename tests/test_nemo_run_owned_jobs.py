@@ -110,7 +110,9 @@ def test_slurm_lists_our_live_jobs_from_squeue_with_their_owners(slurm, job_root
         hand_sbatch(slurm, "-J", mimic, f"--comment=prefect_nemo.flow_run_id={owner}"),
     ]
     try:
-        wait_rows(slurm, quick.name, "COMPLETED")
+        # the default partition is shared with the other worker's Slurm tests: a busy CI
+        # machine has kept `quick` PENDING past 30 s
+        wait_rows(slurm, quick.name, "COMPLETED", timeout_s=120)
         jobs = backend.owned_jobs()
         ids = {held.name, plain.name, quick.name, hand, mimic}
         assert owners(jobs, ids) == {held.name: owner, plain.name: None}
@@ -177,7 +179,10 @@ def test_slurm_comment_is_ours_to_write() -> None:
 
 @pytest.fixture
 def lepton() -> Any:
-    with LeptonServer(token=TOKEN, start_s=0.1, running_s=0.4) as server:
+    # four nodes: the tests hold two jobs while a third runs to its end
+    with LeptonServer(
+        token=TOKEN, start_s=0.1, running_s=0.4, node_groups={"nemo-nodes": 4}
+    ) as server:
         yield server
 
 

@@ -109,7 +109,9 @@ def wait_rows(slurm, name: str, state: str, timeout_s: float = 30) -> list[dict[
         if rows and all(r["State"].startswith(state) for r in rows):
             return rows
         time.sleep(0.3)
-    raise AssertionError(f"{name} not {state} in sacct: {rows}")
+    # what squeue says of every job (reason, node) tells a full partition from a slow scheduler
+    queue = slurm.run(["squeue", "-a", "-o", "%i %j %P %T %r %N"], check=False).stdout
+    raise AssertionError(f"{name} not {state} in sacct: {rows}\nsqueue:\n{queue}")
 
 
 def test_success_streams_logs_and_honours_cpu_only(block, slurm, job_root, caplog):
