@@ -217,3 +217,74 @@ def test_a_flow_run_that_fails_or_times_out_removes_its_queued_job(
     state = (fails if ending == "failure" else times_out)(return_state=True)
     assert state.is_failed(), state
     assert ours() == [], "the queued RayJob was deleted"
+
+
+# the flow process the kill -9 test kills: one RayJob on a saved block, held in its LocalQueue
+KILLED_SCRIPT = """
+import sys
+from prefect import flow
+from prefect_nemo import JobSpec, run_job
+
+@flow
+def queued():
+    run_job(JobSpec(entrypoint="echo must not run", name="q"), sys.argv[1])
+
+queued()
+"""
+
+
+@pytest.mark.slow
+def test_kill_9_then_the_sweeper_removes_the_queued_rayjob(
+    kube_server: Any, prefect_api: str, tmp_path: Any
+) -> None:
+    """Issue 28: "Cancel, timeout, failure and kill -9 + sweeper of a run whose jobs are queued
+    leave nothing queued". The flow process is killed with SIGKILL while its RayJob waits in its
+    LocalQueue (suspended: nobody admits it here); the sweeper finds the job by our labels
+    (issue 17), reads it QUEUED (live, not stopped) and deletes it: nothing is left queued."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import uuid
+
+    from prefect_nemo.tasks.sweeper import sweep
+    from tests.conftest import subprocess_env, wait_until
+
+    kube = KubernetesCluster(kubeconfig=kube_server.kubeconfig())
+    block = KubeRayCluster(kubernetes=kube, ray_cluster_spec=cluster_spec(), queue_name="team-a",
+                           sweep_grace_s=1)  # fmt: skip
+    saved = f"kueue-killed-{uuid.uuid4().hex[:6]}"
+    block.save(saved)
+    key = f"killed-{uuid.uuid4().hex[:6]}"
+    api = block.backend().api
+
+    def ours() -> list[dict[str, Any]]:
+        items, _ = api.list(RAY_JOB, "default")
+        return [o for o in items if o["metadata"]["name"].startswith(f"{key}-")]
+
+    env = subprocess_env(prefect_api, PREFECT_NEMO_RUN_KEY=key, PREFECT_NEMO_HEARTBEAT_S="1")
+    log = tmp_path / "killed.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", KILLED_SCRIPT, f"kube-ray-cluster/{saved}"],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)  # fmt: skip
+    try:
+
+        def queued() -> list[dict[str, Any]]:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            return [o for o in ours() if o["spec"].get("suspend")]
+
+        (job,) = wait_until(queued, 180) or [None]
+        assert job is not None, log.read_text()[-3000:]
+        assert job["metadata"]["labels"][QUEUE_LABEL] == "team-a"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    name = job["metadata"]["name"]
+    assert block.backend().find(name).state is JobState.QUEUED  # type: ignore[union-attr]
+
+    def swept() -> Any:
+        return [v for v in sweep([block], lease_s=4) if v.job_id == name and v.stop]
+
+    verdicts = wait_until(swept, 90)
+    assert [v.outcome for v in verdicts] == ["STOPPED"], verdicts
+    assert wait_until(lambda: not ours(), 30), "nothing left queued"
