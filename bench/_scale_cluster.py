@@ -5,19 +5,23 @@ process per job) and one ready RayCluster 'shared'. Kept out of the measured pro
 RSS and threads are the flow's alone. Driven over stdin/stdout, one JSON line each way:
 `{"cmd": "requests", "since": t}` (requests by anyone but the simulator since t),
 `{"cmd": "completed"}` (when the simulator last wrote each RayJob's status: for an ended job,
-when it ended), `{"cmd": "running"}` (jobs still running on the fake Ray), `{"cmd": "quit"}`.
+when it ended), `{"cmd": "running"}` (jobs still running on the fake Ray), `{"cmd": "quota"}`
+(what the Kueue admitter did), `{"cmd": "quit"}`. With `$SCALE_QUOTA` = `QUEUE:N`, Kueue's
+admission by quota is played too (`QuotaAdmitter`: N RayJobs of LocalQueue QUEUE at once).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 import time
 
 from prefect_nemo.backends.kuberay import ensure_ray_cluster, wait_ray_cluster_ready
 from prefect_nemo.kube import KubeApi
 from prefect_nemo.testing.kube_api import LoopbackKubeServer, crd_dir
-from prefect_nemo.testing.operators import FakeRay, KubeRaySimulator
+from prefect_nemo.testing.operators import FakeRay, KubeRaySimulator, QuotaAdmitter
 
 SIM_AGENT = "kuberay-sim"
 IMAGE = "rayproject/ray:2.60.0"
@@ -35,7 +39,12 @@ def main() -> None:
     with LoopbackKubeServer(crds=[crd_dir()]) as server:
         sim = KubeRaySimulator(server, fake, None)
         sim.api_client.user_agent = SIM_AGENT
-        with sim:
+        quota = os.environ.get("SCALE_QUOTA")
+        with sim, contextlib.ExitStack() as stack:
+            kueue = None
+            if quota:
+                queue, room = quota.split(":")
+                kueue = stack.enter_context(QuotaAdmitter(sim.api_client, queue, int(room)))
             api = KubeApi(server.api_client())
             ensure_ray_cluster(api, CLUSTER_SPEC, "shared")
             wait_ray_cluster_ready(api, "shared", timeout_s=60)
@@ -65,6 +74,8 @@ def main() -> None:
                         if e.agent == SIM_AGENT and e.method == "PATCH" and parts[-1] == "status":
                             if parts[-3] == "rayjobs":
                                 out["completed"][parts[-2]] = e.time
+                elif cmd["cmd"] == "quota":
+                    out = {"peak": kueue.peak, "admitted": kueue.admitted} if kueue else {}
                 elif cmd["cmd"] == "running":
                     out = {"running": len(fake.running()), "jobs": len(fake.list_jobs())}
                 else:

@@ -132,12 +132,15 @@ class PrefectRequestCounter:
 class SimulatedCluster:
     """The `_scale_cluster` process: start, ask, stop."""
 
-    def __init__(self) -> None:
+    def __init__(self, quota: str | None = None) -> None:
+        """`quota`: `QUEUE:N`, Kueue's admission by quota played there (`$SCALE_QUOTA`)."""
+        env = dict(os.environ, SCALE_QUOTA=quota) if quota else None
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bench._scale_cluster"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            env=env,
         )
         assert self.proc.stdout is not None
         first = self.proc.stdout.readline()

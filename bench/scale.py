@@ -24,13 +24,18 @@ them; the same requests one after another are logged too), scale_kube_leaks_1000
 + fds the run left over its start); then the real engines at N = 200 (`bench/_scale_engines.py`):
 scale_ray_ratio_200, scale_ray_rss_mb_200, scale_ray_threads_200, scale_slurm_ratio_200 (and
 their raw figures); then the 1,000-job run on SQLite and on PostgreSQL (`bench/_scale_db.py`):
-scale_prefect_db_ratio and the UI page latency on each. The last results are kept in
-`bench/.last-scale.txt` for `make bench`.
+scale_prefect_db_ratio and the UI page latency on each; then 1,000 RayJobs on a Kueue quota
+(issue 28, 5: a LocalQueue with room for 100, admitted by `QuotaAdmitter`, each RayJob with its
+own RayCluster as Kueue requires): scale_quota_wall_ratio_1000 (ours / raw: the same RayJobs
+created labelled and suspended, then one watch), scale_quota_peak_admitted_1000 (<= 100),
+scale_quota_kube_api_requests_per_job_1000 (ours: a job waiting in the queue costs no request).
+The last results are kept in `bench/.last-scale.txt` for `make bench`.
 
     .venv/bin/python -m bench.scale            # everything
     .venv/bin/python -m bench.scale 100        # only N = 100 (Kubernetes path)
     .venv/bin/python -m bench.scale ray slurm  # only the real engines (bench/_scale_engines.py)
     .venv/bin/python -m bench.scale db         # only SQLite vs PostgreSQL (bench/_scale_db.py)
+    .venv/bin/python -m bench.scale quota      # only 1,000 RayJobs on a Kueue quota of 100
     .venv/bin/python -m bench.scale before 100 # the way before run_jobs: N run_job.submit
 """
 
@@ -51,6 +56,8 @@ JOB_S = 5.0
 # real engines, ENGINE_N jobs each (bench._scale_engines); db: SQLite vs PostgreSQL (_scale_db)
 ENGINES = ("ray", "slurm", "db")
 ENGINE_N = int(os.environ.get("SCALE_ENGINE_N", "200"))  # a smaller N: a quick check
+QUOTA_QUEUE, QUOTA = "bench-quota", 100  # the Kueue run: its LocalQueue and its room
+QUOTA_N = int(os.environ.get("SCALE_QUOTA_N", "1000"))  # a smaller N: a quick check
 
 
 def log(message: str) -> None:
@@ -69,10 +76,11 @@ def child(kind: str, n: int, kubeconfig_path: str) -> dict[str, Any]:
     before = (threading.active_count(), open_fds())
     cpu0 = cpu_s()
     with Sampler() as sampler:
-        if kind == "raw":
-            out = _raw(n, kubeconfig)
+        queue = QUOTA_QUEUE if kind.startswith("quota") else None
+        if kind in ("raw", "quota-raw"):
+            out = _raw(n, kubeconfig, queue)
         else:
-            out = _ours(n, kubeconfig, submit=kind == "submit")
+            out = _ours(n, kubeconfig, submit=kind == "submit", queue=queue)
     cpu = cpu_s() - cpu0
     time.sleep(2.0)  # threads that end with the run get to end
     after = (threading.active_count(), open_fds())
@@ -93,8 +101,11 @@ def _specs(n: int) -> list[Any]:
     return [JobSpec(entrypoint=f"sleep {JOB_S:g}", name=f"s{i:04d}") for i in range(n)]
 
 
-def _ours(n: int, kubeconfig: dict[str, Any], *, submit: bool = False) -> dict[str, Any]:
-    """run_jobs in one flow run (`submit`: the way before it, N run_job.submit calls)."""
+def _ours(
+    n: int, kubeconfig: dict[str, Any], *, submit: bool = False, queue: str | None = None
+) -> dict[str, Any]:
+    """run_jobs in one flow run (`submit`: the way before it, N run_job.submit calls; `queue`:
+    each job in that Kueue LocalQueue, on a RayCluster of its own)."""
     from prefect import flow
     from prefect.futures import wait as wait_futures
     from prefect.settings import PREFECT_API_URL
@@ -123,8 +134,13 @@ def _ours(n: int, kubeconfig: dict[str, Any], *, submit: bool = False) -> dict[s
 
     lifecycle.wait_until_terminal_async = timed_wait  # type: ignore[assignment]
     lifecycle.wait_until_terminal = timed_wait_sync  # type: ignore[assignment]
-    block = KubeRayCluster(
-        kubernetes=KubernetesCluster(kubeconfig=kubeconfig), ray_cluster_name="shared"
+    from bench._scale_cluster import CLUSTER_SPEC
+
+    kubernetes = KubernetesCluster(kubeconfig=kubeconfig)
+    block = (
+        KubeRayCluster(kubernetes=kubernetes, ray_cluster_spec=CLUSTER_SPEC, queue_name=queue)
+        if queue
+        else KubeRayCluster(kubernetes=kubernetes, ray_cluster_name="shared")
     )
     specs = _specs(n)
 
@@ -153,15 +169,20 @@ def _ours(n: int, kubeconfig: dict[str, Any], *, submit: bool = False) -> dict[s
     }
 
 
-def _raw(n: int, kubeconfig: dict[str, Any]) -> dict[str, Any]:
+def _raw(n: int, kubeconfig: dict[str, Any], queue: str | None = None) -> dict[str, Any]:
     from kubernetes import config, watch
     from kubernetes.client import CustomObjectsApi
 
+    from bench._scale_cluster import CLUSTER_SPEC
     from prefect_nemo.backends.kuberay import RayJobConfig
     from prefect_nemo.backends.kuberay.manifests import rayjob_documents
 
     custom = CustomObjectsApi(config.new_client_from_config_dict(kubeconfig))
-    cfg = RayJobConfig(ray_cluster_name="shared")
+    cfg = (  # our manifests: with a queue, labelled and created suspended, as Kueue asks
+        RayJobConfig(ray_cluster_spec=CLUSTER_SPEC, queue_name=queue)
+        if queue
+        else RayJobConfig(ray_cluster_name="shared")
+    )
     manifests = [
         rayjob_documents(s, f"raw-{s.name}", {}, cfg, namespace="default")[0] for s in _specs(n)
     ]
@@ -190,7 +211,8 @@ def measure(kind: str, n: int, api_url: str | None, ui: list[float] | None) -> d
     """One measurement: a fresh simulated cluster, a fresh measured process."""
     from bench._scale_probe import SimulatedCluster, server_cpu_s
 
-    with SimulatedCluster() as cluster:
+    quota = f"{QUOTA_QUEUE}:{QUOTA}" if kind.startswith("quota") else None
+    with SimulatedCluster(quota) as cluster:
         path = Path(f"/tmp/prefect-nemo-scale-{os.getpid()}.json")
         path.write_text(json.dumps(cluster.kubeconfig))
         since = time.time()
@@ -224,6 +246,7 @@ def measure(kind: str, n: int, api_url: str | None, ui: list[float] | None) -> d
         out["server_cpu_s"] = server_cpu_s() - server_cpu0
         out["kube"] = cluster.ask("requests", since=since)
         completed = cluster.ask("completed")["completed"]
+        out["quota"] = cluster.ask("quota")
     detect = [
         t - completed[name] for name, t in out["seen"].items() if name in completed
     ]  # fmt: skip
@@ -351,7 +374,9 @@ def before(n: int) -> int:
     return 0
 
 
-def main(sizes: tuple[int, ...] = SIZES, engines: tuple[str, ...] = ENGINES) -> int:
+def main(
+    sizes: tuple[int, ...] = SIZES, engines: tuple[str, ...] = ENGINES, quota: bool = True
+) -> int:
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
@@ -370,6 +395,8 @@ def main(sizes: tuple[int, ...] = SIZES, engines: tuple[str, ...] = ENGINES) -> 
         for engine in engines:
             if engine != "db":
                 _engine(engine, api_url, report)
+        if quota:
+            _quota(api_url, report)
     if "db" in engines:  # each database behind its own `prefect server start`
         from bench._scale_db import measure_db
 
@@ -421,6 +448,26 @@ def _kube(sizes: tuple[int, ...], api_url: str, report: Any) -> None:
         report(f"scale_kube_per_job_overhead_s_{n}", overhead[n])
     if 100 in overhead and 1000 in overhead and overhead[100] > 0:
         report("scale_kube_per_job_cost_growth", overhead[1000] / overhead[100])
+
+
+def _quota(api_url: str, report: Any) -> None:
+    """QUOTA_N RayJobs on a Kueue quota of QUOTA, ours next to the raw client."""
+    n = QUOTA_N
+    log(f"quota: raw kubernetes client, N={n}, room for {QUOTA}")
+    raw = measure("quota-raw", n, None, None)
+    log(f"quota raw: {raw['wall_s']:.1f}s, Kueue admitted {raw['quota']}")
+    log(f"quota: run_jobs in one flow run, N={n}")
+    ours = measure("quota", n, api_url, None)
+    log(f"quota ours: {ours['wall_s']:.1f}s {ours['states']}, Kueue admitted {ours['quota']}")
+    report(f"scale_quota_wall_s_{n}", ours["wall_s"])
+    report(f"scale_quota_wall_s_raw_{n}", raw["wall_s"])
+    report(f"scale_quota_wall_ratio_{n}", ours["wall_s"] / raw["wall_s"])
+    report(f"scale_quota_states_{n}", ",".join(f"{k}:{v}" for k, v in ours["states"].items()))
+    report(f"scale_quota_peak_admitted_{n}", ours["quota"]["peak"])
+    report(f"scale_quota_kube_api_requests_per_job_{n}", ours["kube"]["requests"] / n)
+    report(f"scale_quota_kube_api_requests_per_job_raw_{n}", raw["kube"]["requests"] / n)
+    report(f"scale_quota_cpu_s_{n}", ours["cpu_s"])
+    report(f"scale_quota_cpu_s_raw_{n}", raw["cpu_s"])
 
 
 def _engine(engine: str, api_url: str, report: Any) -> None:
@@ -503,4 +550,4 @@ if __name__ == "__main__":
         args = sys.argv[1:]
         picked = tuple(a for a in args if a in ENGINES)
         sizes = tuple(int(a) for a in args if a.isdigit())
-        sys.exit(main(sizes, picked) if args else main())
+        sys.exit(main(sizes, picked, "quota" in args) if args else main())
