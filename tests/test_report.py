@@ -230,3 +230,46 @@ def test_stall_fields_leave_the_fingerprint_alone():
     plain = JobSpec(entrypoint="true")
     watched = JobSpec(entrypoint="true", stall_after_s=60, stop_on_stall=True)
     assert plain.fingerprint() == watched.fingerprint()
+
+
+# -- the reporter's rate limit (no server: its emitter and log are caught) ----------------------
+
+
+def test_the_reporter_rate_limits_events_and_sends_the_newest_at_the_end(monkeypatch):
+    import logging
+
+    from prefect_nemo.jobs import JobHandle, JobStatus
+    from prefect_nemo.redaction import Redactor
+    from prefect_nemo.tasks import reporting
+    from prefect_nemo.tasks._run import RunContext
+
+    events: list[tuple[str, dict[str, Any]]] = []
+    lines: list[str] = []
+    monkeypatch.setattr(reporting, "emit", lambda name, resource, payload: events.append(
+        (name, payload)))  # fmt: skip
+    monkeypatch.setattr(reporting, "say", lambda run, level, message: lines.append(message))
+    run = RunContext(None, "", None, None, None, None, logging.getLogger("test"))
+    reporter = reporting.JobReporter(run, Redactor(["hush-hush-1234"]))
+    handle = JobHandle(job_id="j-1", backend="ray-jobs", cluster="c")
+    for step in range(1, 1001):
+        reporter.progress(handle, Report(step, 1000, {"loss": 1 / step, "x hush-hush-1234": 1.0}))
+    progress_events = [p for name, p in events if name.endswith(".progress")]
+    assert [p["step"] for p in progress_events] == [1], "one event per PROGRESS_EVENT_S"
+    reporter.changed(handle, JobStatus(job_id="j-1", state=JobState.SUCCEEDED), None)
+    names = [name.rsplit(".", 1)[1] for name, _ in events]
+    assert names == ["progress", "progress", "succeeded"], "the newest report before the end"
+    last = events[1][1]
+    assert last["step"] == 1000 and last["percent"] == 100.0
+    assert set(last["metrics"]) == {"loss", "x **********"}
+    reporter.ended(handle)
+    assert len(events) == 3, "nothing left to send at the end"
+    assert not any("hush-hush-1234" in line for line in lines)
+    assert sum("step 1000/1000" in line for line in lines) == 1
+
+
+def test_a_stall_watch_needs_the_log_streamed():
+    from prefect_nemo.tasks.jobs import wait_policy
+
+    spec = JobSpec(entrypoint="true", stall_after_s=60)
+    with pytest.raises(InvalidJobSpec, match="stream_logs=True"):
+        wait_policy(None, timeout_s=None, queue_timeout_s=None, stream_logs=False, spec=spec)

@@ -63,6 +63,11 @@ def wait_policy(
     """How a job on this block is waited for: the job's timeouts, the block's limits.
     InvalidJobSpec for a timeout that is no number of seconds > 0 (a JobSpec checks its own;
     wait_for_job's arrive here unchecked). A spec brings its stall watch."""
+    if spec is not None and spec.stall_after_s is not None and not stream_logs:
+        raise InvalidJobSpec(
+            "JobSpec.stall_after_s: a stall is a silent log, and this job's log is not "
+            "streamed: pass stream_logs=True (run_jobs streams none unless asked)"
+        )
     for name, value in (("timeout_s", timeout_s), ("queue_timeout_s", queue_timeout_s)):
         if value is not None and not (
             isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf

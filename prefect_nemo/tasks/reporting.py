@@ -205,16 +205,22 @@ class JobCharts(_CoalescedWrites):
         self.progress = JobProgress()
 
     def take(self, report: Report) -> None:
-        """Add a report and have the artifacts it changes rewritten."""
-        if self.run.flow_run_id is None:
-            return
+        """Add a report and have the artifacts it changes rewritten (in a flow run)."""
         with self._lock:
             self.progress.take(report, time.monotonic())
+            if self.run.flow_run_id is None:
+                return
             if self.progress.percent() is not None:
                 self._changed("progress")
             if report.metrics:
                 self._changed("table")
                 self._changed("markdown")
+
+    def summary(self) -> tuple[dict[str, Any], str]:
+        """The event payload and the one-line summary of the reports so far."""
+        with self._lock:
+            text = f"{self.progress.describe()}; {self.progress.metrics_text()}".rstrip("; ")
+            return self.progress.payload(), text
 
     def _owner(self, key: str) -> tuple[str, str | None]:
         assert self.run.flow_run_id is not None  # take() writes nothing outside a flow run
@@ -307,6 +313,7 @@ class JobReporter:
             return
         self._last_state[handle.job_id] = status.state
         if status.state.is_terminal():
+            self._last_progress(handle)  # its whole log was read: the last report goes first
             self.run.release(handle)
         message = self.redact(status.message)[:MESSAGE_CHARS]
         line = f"job {handle.job_id} is {status.state.value}"
@@ -354,7 +361,11 @@ class JobReporter:
     def progress(self, handle: JobHandle, report: Report) -> None:
         """A report of the job: into its artifacts; a `progress` event and a summary line in
         the task's log unless one went less than PROGRESS_EVENT_S ago (then the next report
-        after that, or the job's end, carries it)."""
+        after that, or the job's end, carries it). Metric names are redacted first: a secret
+        escaped into JSON or HTML would no longer match the redactor (numbers cannot hold
+        one; the outputs are redacted once more anyway)."""
+        names = {self.redact(name): value for name, value in report.metrics.items()}
+        report = Report(report.step, report.total, names)
         with self._progress_lock:
             charts = self._charts.get(handle.job_id)
             if charts is None:
@@ -371,11 +382,18 @@ class JobReporter:
             self._progress_event(handle, charts)
 
     def _progress_event(self, handle: JobHandle, charts: JobCharts) -> None:
-        with charts._lock:
-            payload = charts.progress.payload()
-            text = f"{charts.progress.describe()}; {charts.progress.metrics_text()}".rstrip("; ")
+        payload, text = charts.summary()
         say(self.run, logging.INFO, self.redact(f"job {handle.job_id}: {text}"))
         self._context.copy().run(self._emit, handle, "progress", self.redact.deep(payload))
+
+    def _last_progress(self, handle: JobHandle) -> None:
+        """The newest report, if no event carried it yet (the job ended: nothing follows)."""
+        with self._progress_lock:
+            due = handle.job_id in self._progress_due
+            self._progress_due.discard(handle.job_id)
+            charts = self._charts.get(handle.job_id)
+        if due and charts is not None:
+            self._progress_event(handle, charts)
 
     def stalled(self, handle: JobHandle, silent_s: float, last: Report | None) -> None:
         """Said as a warning and emitted as `prefect-nemo.job.stalled` (with the last report)."""
@@ -398,12 +416,7 @@ class JobReporter:
         """The wait is over: nothing to stop on the run's behalf any more; what was reported
         reaches the API before the task hands its result to Prefect (the newest progress
         event too; the artifacts' last writes by the flow run's end at the latest)."""
-        with self._progress_lock:
-            due = handle.job_id in self._progress_due
-            self._progress_due.discard(handle.job_id)
-            charts = self._charts.get(handle.job_id)
-        if due and charts is not None:
-            self._progress_event(handle, charts)
+        self._last_progress(handle)
         self.run.untrack(_work_key(handle))
         if self.settle and self.run.flow_run_id is not None:
             # Prefect's own state change that follows (the task run's end) gives up after about
