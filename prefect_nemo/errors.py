@@ -58,6 +58,12 @@ class QueueTimedOut(JobTimedOut):
     the message names the queue and the scheduler's reason."""
 
 
+class JobStalled(JobStopped):
+    """The job ran but said nothing (no report, no log line) for its `stall_after_s`, and
+    `stop_on_stall` asked for it to be stopped; the message names the job, how long it was
+    silent and its last report."""
+
+
 class JobAlreadyExists(PrefectNemoError):
     """Submit found the job id taken (a concurrent submitter won the race): attach instead."""
 

@@ -136,7 +136,7 @@ class JobSpec(_Model):
 
     Fields: entrypoint, task, name, env, working_dir, exclude, resources, label_selector,
     placement, runtime_env, labels, metadata, timeout_s, queue, priority, queue_timeout_s,
-    launcher.
+    stall_after_s, stop_on_stall, launcher.
     """
 
     entrypoint: StrictStr | None = Field(
@@ -217,6 +217,18 @@ class JobSpec(_Model):
         description="Seconds the job may wait in its scheduler's queue before it is removed "
         "from it (and the task fails naming the queue and the scheduler's reason); each wait "
         "counts anew after a preemption. None = wait as long as it takes.",
+    )
+    stall_after_s: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds a RUNNING job may go without a log line or a report before it "
+        "counts as stalled (a hung collective prints nothing): a `prefect-nemo.job.stalled` "
+        "event, once per stall; None = never.",
+    )
+    stop_on_stall: bool = Field(
+        False,
+        description="Stop a stalled job (see stall_after_s) and fail the task with JobStalled.",
     )
     launcher: Literal["torchrun"] | None = Field(
         None,
@@ -346,7 +358,9 @@ class JobSpec(_Model):
 
         Secret values are left out (a hash of a short secret could be brute-forced).
         """
-        data = self.model_dump(mode="json", exclude={"timeout_s", "queue_timeout_s"})
+        # how the job is watched is not what it does: a changed limit attaches to the same job
+        watching = {"timeout_s", "queue_timeout_s", "stall_after_s", "stop_on_stall"}
+        data = self.model_dump(mode="json", exclude=watching)
         for absent in ("placement", "task", "launcher", "queue", "priority"):  # absent, not
             # null: older specs keep their fingerprints
             if data[absent] is None:

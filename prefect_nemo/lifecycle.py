@@ -24,6 +24,7 @@ from prefect_nemo.errors import (
     JobAlreadyExists,
     JobFailed,
     JobInterrupted,
+    JobStalled,
     JobStopped,
     JobTimedOut,
     PrefectNemoError,
@@ -43,7 +44,8 @@ from prefect_nemo.jobs import (
 )
 from prefect_nemo.logs import LogFollower, log_pump
 from prefect_nemo.redaction import Redactor
-from prefect_nemo.watcher import ClusterWatcher, JobClock, _never, watcher_for
+from prefect_nemo.report import Report, parse
+from prefect_nemo.watcher import ClusterWatcher, JobClock, Silence, _never, watcher_for
 from prefect_nemo.watcher import wait_until_terminal as wait_until_terminal  # where callers look
 from prefect_nemo.watcher import wait_until_terminal_async as wait_until_terminal_async
 
@@ -82,6 +84,8 @@ class WaitPolicy:
     max_poll_interval_s: float = 2.0
     unreachable_budget_s: float = 120.0
     stop_timeout_s: float = 60.0
+    stall_after_s: float | None = None
+    stop_on_stall: bool = False
 
 
 class JobObserver(Protocol):
@@ -99,7 +103,13 @@ class JobObserver(Protocol):
         time went while we watched (None for a status outside a wait, e.g. a stop's)."""
 
     def log(self, handle: JobHandle, line: str) -> None:
-        """One line of the job's own log."""
+        """One line of the job's own log (report lines go to `progress` instead)."""
+
+    def progress(self, handle: JobHandle, report: Report) -> None:
+        """A report line of the job (prefect_nemo.report), parsed; not redacted yet."""
+
+    def stalled(self, handle: JobHandle, silent_s: float, last: Report | None) -> None:
+        """The running job said nothing for its stall_after_s (once per stall)."""
 
     def ended(self, handle: JobHandle) -> None:
         """The wait is over: nobody needs to stop the job on the caller's behalf any more."""
@@ -122,6 +132,12 @@ class QuietObserver:
         """Nothing."""
 
     def log(self, handle: JobHandle, line: str) -> None:
+        """Nothing."""
+
+    def progress(self, handle: JobHandle, report: Report) -> None:
+        """Nothing."""
+
+    def stalled(self, handle: JobHandle, silent_s: float, last: Report | None) -> None:
         """Nothing."""
 
     def ended(self, handle: JobHandle) -> None:
@@ -198,10 +214,13 @@ class Supervisor:
                 on_change=on_change,
                 interrupted=self.interrupted,
                 clock=clock,
+                silence=logs.silence,
             )
-        except (JobTimedOut, JobInterrupted) as exc:
+        except (JobTimedOut, JobInterrupted, JobStalled) as exc:
             final, stopped = self._stop(handle), True
-            raise self._stopped_error(handle, final, attached, exc, clock) from None
+            raise self._stopped_error(
+                handle, final, attached, exc, clock, logs.last_report
+            ) from None
         finally:
             logs.close()
             if final is None and not stopped:  # cancelled, crashed or lost the cluster
@@ -233,12 +252,15 @@ class Supervisor:
                 on_change=on_change,
                 interrupted=self.interrupted,
                 clock=clock,
+                silence=logs.silence,
             )
             await asyncio.to_thread(logs.update, final)
             self.observer.changed(handle, final, clock)
-        except (JobTimedOut, JobInterrupted) as exc:
+        except (JobTimedOut, JobInterrupted, JobStalled) as exc:
             final, stopped = await asyncio.to_thread(self._stop, handle), True
-            raise self._stopped_error(handle, final, attached, exc, clock) from None
+            raise self._stopped_error(
+                handle, final, attached, exc, clock, logs.last_report
+            ) from None
         finally:
             await asyncio.to_thread(logs.close)
             if final is None and not stopped:  # cancelled, crashed or lost the cluster
@@ -298,11 +320,16 @@ class Supervisor:
         handle: JobHandle,
         final: JobStatus | None,
         attached: bool,
-        why: JobTimedOut | JobInterrupted,
+        why: JobTimedOut | JobInterrupted | JobStalled,
         clock: JobClock,
+        last: Report | None = None,
     ) -> JobStopped:
-        """What a wait we ended (timeout, interruption) raises, once the job was stopped."""
+        """What a wait we ended (timeout, interruption, stall) raises, once the job was
+        stopped; a stall names the job's last report."""
         result = self._result(handle, final, attached, clock=clock)
+        if isinstance(why, JobStalled):
+            said = f"; its last report: {describe(last)}" if last else "; it never reported"
+            return JobStalled(self.redact(f"{why}{said}"), result)
         if isinstance(why, JobTimedOut):  # QueueTimedOut stays one
             return type(why)(self.redact(str(why)), result)
         return JobStopped(f"job {handle.job_id} {result.state.value}: {why.reason}", result)
@@ -391,9 +418,29 @@ class _LogStream:
         self._handle = handle
         self._follower: LogFollower | None = None
         self.whole: str | None = None  # the whole log, read once when the job ended
+        self.last_report: Report | None = None
+        policy = supervisor.policy
+        self.silence = (
+            Silence(policy.stall_after_s, self._stalled, stop=policy.stop_on_stall)
+            if policy.stall_after_s is not None and policy.stream_logs
+            else None
+        )  # a job whose log is not followed cannot be heard: no stall watch
 
     def _sink(self, line: str) -> None:
-        self._supervisor.observer.log(self._handle, line)
+        """Each line of the job's log: a report line goes to `progress` (and not into the
+        log: the artifacts and events carry it), any other line to `log`; either ends a
+        silence."""
+        if self.silence is not None:
+            self.silence.heard()
+        report = parse(line)
+        if report is None:
+            self._supervisor.observer.log(self._handle, line)
+            return
+        self.last_report = report
+        self._supervisor.observer.progress(self._handle, report)
+
+    def _stalled(self, silent_s: float) -> None:
+        self._supervisor.observer.stalled(self._handle, silent_s, self.last_report)
 
     def update(self, status: JobStatus) -> None:
         if not self._supervisor.policy.stream_logs:
@@ -415,6 +462,15 @@ class _LogStream:
         if self._follower is not None:
             self._follower.finish()
             self._follower = None
+
+
+def describe(report: Report) -> str:
+    """A report in a few words: `step 120/1000 loss=0.31 lr=2e-05`."""
+    words = []
+    if report.step is not None:
+        words.append(f"step {report.step}" + (f"/{report.total}" if report.total else ""))
+    words += [f"{name}={value:.4g}" for name, value in list(report.metrics.items())[:8]]
+    return " ".join(words) or "an empty report"
 
 
 # -------------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from prefect_nemo.errors import (
     BackendClosed,
     BackendUnavailable,
     JobInterrupted,
+    JobStalled,
     JobTimedOut,
     QueueTimedOut,
 )
@@ -385,6 +386,46 @@ class JobClock:
         return self._current(now) if self._state is JobState.QUEUED else None
 
 
+class Silence:
+    """How long a RUNNING job has said nothing (no log line, no report), checked on each tick
+    of its wait: past `after_s` it is stalled, `on_stall(silent_s)` is told once, and with
+    `stop` JobStalled is raised (the caller stops the job). A line ends the stall. The clock
+    lives in the wait, which ticks every second anyway: no thread of its own. Silence counts
+    only while the job runs: queued or starting, a job has nothing to say."""
+
+    def __init__(
+        self, after_s: float, on_stall: Callable[[float], None], *, stop: bool = False
+    ) -> None:
+        self.after_s, self.on_stall, self.stop = after_s, on_stall, stop
+        self._last = time.monotonic()
+        self.stalled = False
+
+    def heard(self) -> None:
+        """A line of the job's log (any thread): the silence, and any stall, ends."""
+        self._last = time.monotonic()
+        self.stalled = False
+
+    def silent_s(self) -> float:
+        """Seconds since the last line (or since the job was first seen running)."""
+        return time.monotonic() - self._last
+
+    def check(self, job_id: str, state: JobState | None) -> None:
+        """One tick of the wait: tell a new stall; raise JobStalled when asked to stop."""
+        if state is not JobState.RUNNING:
+            self._last = time.monotonic()
+            return
+        silent = self.silent_s()
+        if silent <= self.after_s or self.stalled:
+            return
+        self.stalled = True
+        self.on_stall(silent)
+        if self.stop:
+            raise JobStalled(
+                f"job '{job_id}' said nothing for {silent:.1f}s, past its stall_after_s of "
+                f"{self.after_s:g}s: stopping it"
+            )
+
+
 class _TerminalWait:
     """The rules of waiting for one job, whoever waits (a thread or a coroutine): each new
     status is passed on once, a terminal one ends the wait, `interrupted()` and the timeouts
@@ -400,10 +441,12 @@ class _TerminalWait:
         interrupted: Callable[[], str | bool | None],
         queue_timeout_s: float | None = None,
         clock: JobClock | None = None,
+        silence: Silence | None = None,
     ) -> None:
         self.handle, self.timeout_s, self.queue_timeout_s = handle, timeout_s, queue_timeout_s
         self.on_change, self.interrupted = on_change, interrupted
         self.clock = clock or JobClock()
+        self.silence = silence
         self.seen: JobStatus | None = None
 
     def step(self, status: JobStatus | None) -> JobStatus | None:
@@ -419,6 +462,8 @@ class _TerminalWait:
                 self.handle.job_id,
                 reason if isinstance(reason, str) else "the flow run is being cancelled",
             )
+        if self.silence is not None:
+            self.silence.check(self.handle.job_id, self.seen.state if self.seen else None)
         now = datetime.now(UTC)
         if self.timeout_s is not None and self.clock.active_s(now) > self.timeout_s:
             raise JobTimedOut(
@@ -448,17 +493,21 @@ def wait_until_terminal(
     interrupted: Callable[[], str | bool | None] = _never,
     tick_s: float = 1.0,
     clock: JobClock | None = None,
+    silence: Silence | None = None,
 ) -> JobStatus:
     """Block until the job is terminal, calling on_change once per observed change.
 
     `timeout_s` counts the time the job is active, not queued (from its start on the cluster
     when first seen running, so re-attaching after a crash does not extend it);
     `queue_timeout_s` each wait in its scheduler's queue; `clock` (optional) keeps the
-    account. Raises JobTimedOut / QueueTimedOut (the caller stops the job), JobInterrupted when
+    account; `silence` (optional) watches a running job for stalls. Raises JobTimedOut /
+    QueueTimedOut / JobStalled (the caller stops the job), JobInterrupted when
     `interrupted()` gives a reason (or True: the run is being cancelled), or
     BackendUnavailable.
     """
-    waiting = _TerminalWait(handle, timeout_s, on_change, interrupted, queue_timeout_s, clock)
+    waiting = _TerminalWait(
+        handle, timeout_s, on_change, interrupted, queue_timeout_s, clock, silence
+    )
     with watcher.watching(handle.job_id):
         while True:
             # Bounded waits keep the thread responsive to signals (Prefect's cancellation).
@@ -477,9 +526,12 @@ async def wait_until_terminal_async(
     interrupted: Callable[[], str | bool | None] = _never,
     tick_s: float = 1.0,
     clock: JobClock | None = None,
+    silence: Silence | None = None,
 ) -> JobStatus:
     """`wait_until_terminal` on an event loop: the wait holds no thread."""
-    waiting = _TerminalWait(handle, timeout_s, on_change, interrupted, queue_timeout_s, clock)
+    waiting = _TerminalWait(
+        handle, timeout_s, on_change, interrupted, queue_timeout_s, clock, silence
+    )
     with watcher.watching(handle.job_id):
         while True:
             status = await watcher.next_status_async(handle.job_id, waiting.seen, tick_s)

@@ -16,6 +16,8 @@ ENGINE = [
     "prefect_nemo.lifecycle",
     "prefect_nemo.watcher",
     "prefect_nemo.logs",
+    "prefect_nemo.report",
+    "prefect_nemo.progress",
     "prefect_nemo.kube",
     "prefect_nemo.packaging",
     "prefect_nemo.placement",

@@ -204,7 +204,7 @@ class _Batch:
         spec = self.specs[index]
         policy = wait_policy(
             self.block, timeout_s=spec.timeout_s, queue_timeout_s=spec.queue_timeout_s,
-            stream_logs=self.stream_logs,
+            stream_logs=self.stream_logs, spec=spec,
         )  # fmt: skip
         reporter = _BatchReporter(self, run, self.redact)
         supervisor = Supervisor(self.backend, policy, reporter, run.interrupted, self.redact)

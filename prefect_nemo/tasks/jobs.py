@@ -58,10 +58,16 @@ def wait_policy(
     timeout_s: float | None,
     queue_timeout_s: float | None,
     stream_logs: bool,
+    spec: JobSpec | None = None,
 ) -> WaitPolicy:
     """How a job on this block is waited for: the job's timeouts, the block's limits.
     InvalidJobSpec for a timeout that is no number of seconds > 0 (a JobSpec checks its own;
-    wait_for_job's arrive here unchecked)."""
+    wait_for_job's arrive here unchecked). A spec brings its stall watch."""
+    if spec is not None and spec.stall_after_s is not None and not stream_logs:
+        raise InvalidJobSpec(
+            "JobSpec.stall_after_s: a stall is a silent log, and this job's log is not "
+            "streamed: pass stream_logs=True (run_jobs streams none unless asked)"
+        )
     for name, value in (("timeout_s", timeout_s), ("queue_timeout_s", queue_timeout_s)):
         if value is not None and not (
             isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf
@@ -76,6 +82,8 @@ def wait_policy(
         max_poll_interval_s=block.max_poll_interval_s,
         unreachable_budget_s=block.unreachable_budget_s,
         stop_timeout_s=block.stop_timeout_s,
+        stall_after_s=spec.stall_after_s if spec is not None else None,
+        stop_on_stall=spec.stop_on_stall if spec is not None else False,
     )
 
 
@@ -107,6 +115,7 @@ def _supervisor(
         timeout_s=spec.timeout_s if spec is not None else timeout_s,
         queue_timeout_s=spec.queue_timeout_s if spec is not None else queue_timeout_s,
         stream_logs=stream_logs,
+        spec=spec,
     )
     supervisor = Supervisor(backend, policy, JobReporter(run, redact), run.interrupted, redact)
     return block, run, supervisor

@@ -8,8 +8,10 @@ outbox (`_outbox.py`), which keeps them in order until the API takes them.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -21,13 +23,19 @@ from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate, LogCr
 from prefect.events import Event
 
 from prefect_nemo.jobs import DryRun, JobHandle, JobState, JobStatus, QueueInfo
+from prefect_nemo.lifecycle import describe
+from prefect_nemo.progress import JobProgress
 from prefect_nemo.redaction import Redactor
+from prefect_nemo.report import Report, encode_number
 from prefect_nemo.tasks._outbox import outbox
 from prefect_nemo.tasks._run import RunContext, api_outage_budget_s
 from prefect_nemo.watcher import JobClock
 
 JOB_EVENT_PREFIX = "prefect-nemo.job"
 MESSAGE_CHARS = 300
+# A job's `progress` event (and its summary line in the task's log) at most this often; the
+# newest report goes out when the job ends. Automations see a report within this delay.
+PROGRESS_EVENT_S = 5.0
 
 
 def emit(
@@ -67,49 +75,56 @@ def say(run: RunContext, level: int, message: str) -> None:
 
 
 class _CoalescedWrites:
-    """One artifact per flow run, rewritten in place. A write is queued only when none is
-    waiting already, at most one every MIN_WRITE_S per run, and it serializes the state
-    current when it is sent: a thousand changes between two sends cost one write (a thousand
-    rows rewritten per job would compete with the UI for the API), and the last state is
-    always the one written (the run's end flushes the outbox)."""
+    """One artifact per key (a flow run, or a job's artifact kind), rewritten in place. A write
+    is queued only when none is waiting already, at most one every MIN_WRITE_S per key, and it
+    serializes the state current when it is sent: a thousand changes between two sends cost
+    one write (a thousand rows rewritten per job would compete with the UI for the API), and
+    the last state is always the one written (the run's end flushes the outbox)."""
 
     MIN_WRITE_S = 1.5
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: set[str] = set()  # flow runs with a write waiting in the outbox
+        self._pending: set[str] = set()  # keys with a write waiting in the outbox
         self._artifacts: dict[str, UUID] = {}
         self._written: dict[str, float] = {}  # flow run -> when its last write was sent
 
-    def _changed(self, flow_run_id: str) -> None:
-        """Queue a write of the run's artifact unless one is waiting. Call with _lock held."""
-        if flow_run_id in self._pending:
+    def _changed(self, key: str) -> None:
+        """Queue a write of the key's artifact unless one is waiting. Call with _lock held."""
+        if key in self._pending:
             return
-        self._pending.add(flow_run_id)
-        since = time.monotonic() - self._written.get(flow_run_id, -self.MIN_WRITE_S)
-        outbox.call(
-            lambda client: self._write(client, flow_run_id), after_s=self.MIN_WRITE_S - since
-        )
+        self._pending.add(key)
+        since = time.monotonic() - self._written.get(key, -self.MIN_WRITE_S)
+        outbox.call(lambda client: self._write(client, key), after_s=self.MIN_WRITE_S - since)
 
-    def _data(self, flow_run_id: str) -> tuple[str, Any, str]:
+    def _data(self, key: str) -> tuple[str, Any, str]:
         """(artifact type, data, description) as they are now. Called with _lock held."""
         raise NotImplementedError
 
-    def _write(self, client: Any, flow_run_id: str) -> None:
-        """Create the run's artifact, or rewrite it (the outbox runs writes in order)."""
+    def _owner(self, key: str) -> tuple[str, str | None]:
+        """The flow run and task run the key's artifact belongs to: here the key is the flow
+        run (the flow run's artifact, not one task's: it covers everything of the run)."""
+        return key, None
+
+    def _write(self, client: Any, key: str) -> None:
+        """Create the key's artifact, or rewrite it (the outbox runs writes in order)."""
         with self._lock:
-            self._pending.discard(flow_run_id)
-            self._written[flow_run_id] = time.monotonic()
-            kind, data, description = self._data(flow_run_id)
-        artifact_id = self._artifacts.get(flow_run_id)
+            self._pending.discard(key)
+            self._written[key] = time.monotonic()
+            kind, data, description = self._data(key)
+        artifact_id = self._artifacts.get(key)
         if artifact_id is None:
-            # the flow run's artifact, not one task's: it covers everything of the run
+            flow_run_id, task_run_id = self._owner(key)
             artifact = client.create_artifact(
                 ArtifactCreate(
-                    type=kind, data=data, description=description, flow_run_id=UUID(flow_run_id)
+                    type=kind,
+                    data=data,
+                    description=description,
+                    flow_run_id=UUID(flow_run_id),
+                    task_run_id=UUID(task_run_id) if task_run_id else None,
                 )
             )
-            self._artifacts[flow_run_id] = artifact.id
+            self._artifacts[key] = artifact.id
         else:
             client.update_artifact(
                 artifact_id, ArtifactUpdate(data=data, description=description)
@@ -176,6 +191,54 @@ class RunProgress(_CoalescedWrites):
         return "progress", percent, f"{done}/{total} {self.what}{others} (prefect-nemo)"
 
 
+class JobCharts(_CoalescedWrites):
+    """What a job's reports show in Prefect: a progress artifact (percent done; step rate and
+    ETA in its description), a table of the latest metrics and a markdown chart of each
+    metric over steps, all of the job's task run, each rewritten in place at most every
+    MIN_WRITE_S (a job reporting 200 times a second costs one write of each per period)."""
+
+    MIN_WRITE_S = 5.0
+
+    def __init__(self, handle: JobHandle, run: RunContext, redact: Redactor) -> None:
+        super().__init__()
+        self.handle, self.run, self.redact = handle, run, redact
+        self.progress = JobProgress()
+
+    def take(self, report: Report) -> None:
+        """Add a report and have the artifacts it changes rewritten (in a flow run)."""
+        with self._lock:
+            self.progress.take(report, time.monotonic())
+            if self.run.flow_run_id is None:
+                return
+            if self.progress.percent() is not None:
+                self._changed("progress")
+            if report.metrics:
+                self._changed("table")
+                self._changed("markdown")
+
+    def summary(self) -> tuple[dict[str, Any], str]:
+        """The event payload and the one-line summary of the reports so far."""
+        with self._lock:
+            text = f"{self.progress.describe()}; {self.progress.metrics_text()}".rstrip("; ")
+            return self.progress.payload(), text
+
+    def _owner(self, key: str) -> tuple[str, str | None]:
+        assert self.run.flow_run_id is not None  # take() writes nothing outside a flow run
+        return self.run.flow_run_id, self.run.task_run_id
+
+    def _data(self, key: str) -> tuple[str, Any, str]:
+        job, progress = self.handle.job_id, self.progress
+        if key == "progress":
+            return "progress", progress.percent() or 0.0, self.redact(
+                f"job {job}: {progress.describe()} (prefect-nemo)"
+            )
+        if key == "table":
+            table = json.dumps(progress.table())
+            return "table", self.redact(table), f"Latest metrics of job {job} (prefect-nemo)"
+        chart = progress.chart(f"Metrics of job `{job}`")
+        return "markdown", self.redact(chart), f"Metrics of job {job} over steps (prefect-nemo)"
+
+
 # ---------------------------------------------------------------------------------------------
 # Jobs
 
@@ -204,7 +267,9 @@ class JobReporter:
     One log line and one `prefect-nemo.job.<state>` event per state change (`queued` carries
     the queue, the scheduler's reason and place; `preempted` and `admitted` mark the ways into
     and out of the queue, with the wait), a row per job in the run's job table, the job's log
-    lines in the task's log, and its teardown tracked by the run while it is live.
+    lines in the task's log, and its teardown tracked by the run while it is live. The job's
+    reports (prefect_nemo.report) become its JobCharts artifacts and `progress` events (at
+    most one every PROGRESS_EVENT_S, the newest at the end), a stall a `stalled` event.
     """
 
     def __init__(self, run: RunContext, redact: Redactor, *, settle: bool = True) -> None:
@@ -212,6 +277,13 @@ class JobReporter:
         self.redact = redact
         self.settle = settle  # off: the caller settles the outbox itself (run_jobs, once for many)
         self._last_state: dict[str, JobState] = {}
+        # reports arrive on the log pump's thread: events made there carry this run's related
+        # resources (flow run, task run, deployment) from the context the task made us in
+        self._context = contextvars.copy_context()
+        self._charts: dict[str, JobCharts] = {}
+        self._progress_lock = threading.Lock()
+        self._progress_sent: dict[str, float] = {}  # job -> when its last progress event went
+        self._progress_due: set[str] = set()  # jobs whose newest report no event carried yet
 
     def submitted(self, handle: JobHandle, *, attached: bool, drift: str | None) -> None:
         """Log, emit `submitted`/`attached`, add the job's row."""
@@ -241,6 +313,7 @@ class JobReporter:
             return
         self._last_state[handle.job_id] = status.state
         if status.state.is_terminal():
+            self._last_progress(handle)  # its whole log was read: the last report goes first
             self.run.release(handle)
         message = self.redact(status.message)[:MESSAGE_CHARS]
         line = f"job {handle.job_id} is {status.state.value}"
@@ -285,9 +358,65 @@ class JobReporter:
         """One line of the job's log, into the task's log."""
         say(self.run, logging.INFO, self.redact(f"[{handle.job_id}] {line}"))
 
+    def progress(self, handle: JobHandle, report: Report) -> None:
+        """A report of the job: into its artifacts; a `progress` event and a summary line in
+        the task's log unless one went less than PROGRESS_EVENT_S ago (then the next report
+        after that, or the job's end, carries it). Metric names are redacted first: a secret
+        escaped into JSON or HTML would no longer match the redactor (numbers cannot hold
+        one; the outputs are redacted once more anyway)."""
+        names = {self.redact(name): value for name, value in report.metrics.items()}
+        report = Report(report.step, report.total, names)
+        with self._progress_lock:
+            charts = self._charts.get(handle.job_id)
+            if charts is None:
+                charts = self._charts[handle.job_id] = JobCharts(handle, self.run, self.redact)
+            now = time.monotonic()
+            due = now - self._progress_sent.get(handle.job_id, -math.inf) >= PROGRESS_EVENT_S
+            if due:
+                self._progress_sent[handle.job_id] = now
+                self._progress_due.discard(handle.job_id)
+            else:
+                self._progress_due.add(handle.job_id)
+        charts.take(report)
+        if due:
+            self._progress_event(handle, charts)
+
+    def _progress_event(self, handle: JobHandle, charts: JobCharts) -> None:
+        payload, text = charts.summary()
+        say(self.run, logging.INFO, self.redact(f"job {handle.job_id}: {text}"))
+        self._context.copy().run(self._emit, handle, "progress", self.redact.deep(payload))
+
+    def _last_progress(self, handle: JobHandle) -> None:
+        """The newest report, if no event carried it yet (the job ended: nothing follows)."""
+        with self._progress_lock:
+            due = handle.job_id in self._progress_due
+            self._progress_due.discard(handle.job_id)
+            charts = self._charts.get(handle.job_id)
+        if due and charts is not None:
+            self._progress_event(handle, charts)
+
+    def stalled(self, handle: JobHandle, silent_s: float, last: Report | None) -> None:
+        """Said as a warning and emitted as `prefect-nemo.job.stalled` (with the last report)."""
+        said = f"its last report: {describe(last)}" if last else "it never reported"
+        say(
+            self.run,
+            logging.WARNING,
+            self.redact(f"job {handle.job_id} said nothing for {silent_s:.0f}s: stalled; {said}"),
+        )
+        last_report = None
+        if last is not None:
+            metrics = {name: encode_number(value) for name, value in last.metrics.items()}
+            last_report = {"step": last.step, "total": last.total, "metrics": metrics}
+        self._emit(
+            handle, "stalled",
+            {"silent_s": round(silent_s, 1), "last_report": self.redact.deep(last_report)},
+        )  # fmt: skip
+
     def ended(self, handle: JobHandle) -> None:
         """The wait is over: nothing to stop on the run's behalf any more; what was reported
-        reaches the API before the task hands its result to Prefect."""
+        reaches the API before the task hands its result to Prefect (the newest progress
+        event too; the artifacts' last writes by the flow run's end at the latest)."""
+        self._last_progress(handle)
         self.run.untrack(_work_key(handle))
         if self.settle and self.run.flow_run_id is not None:
             # Prefect's own state change that follows (the task run's end) gives up after about

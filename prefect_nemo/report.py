@@ -1,0 +1,199 @@
+"""Report progress and metrics from inside a job, to the Prefect flow that runs it.
+
+Standard library only (no Prefect, nothing to install): a job imports it from the installed
+package, or ships this one file with its code. Each call prints one line to stdout, which
+every backend's log already carries to the flow (Ray Jobs, KubeRay, Kubeflow Trainer, Slurm,
+Lepton, DGX Cloud, local); there the line becomes a progress artifact, a metrics table, a
+chart per metric and rate-limited `prefect-nemo.job.progress` events.
+
+    from prefect_nemo.report import progress
+    progress(step=120, total=1000, loss=0.31, lr=2e-5)
+
+prints `@@prefect-nemo.report {"step": 120, "total": 1000, "metrics": {"loss": 0.31, ...}}`.
+Metrics are numbers; NaN and infinities travel as the strings "nan", "inf", "-inf" (the JSON
+stays valid, and an automation can match a NaN loss). For PyTorch Lightning and NeMo, add
+`progress_callback()` to the trainer's callbacks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+PREFIX = "@@prefect-nemo.report "
+MAX_NAME_CHARS = 64  # a metric name longer than this is cut (it names a table row and a chart)
+MAX_LINE_CHARS = 8192  # a longer line is not read as a report (a log line, not a payload)
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+@dataclass(frozen=True)
+class Report:
+    """One report of a job: its step (of total, when known) and metric values."""
+
+    step: int | None = None
+    total: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def encode_number(value: float) -> float | str:
+    """A metric value as JSON takes it: NaN and infinities as "nan", "inf", "-inf"."""
+    if math.isfinite(value):
+        return value
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+def format_line(step: int | None = None, total: int | None = None, **metrics: Any) -> str:
+    """The report line `progress` prints (without its newline). TypeError for a metric that
+    is no number, ValueError for a negative step or a total < 1."""
+    data: dict[str, Any] = {}
+    if step is not None:
+        data["step"] = _count("step", step, least=0)
+    if total is not None:
+        data["total"] = _count("total", total, least=1)
+    data["metrics"] = {name: encode_number(_number(name, value)) for name, value in metrics.items()}
+    return PREFIX + json.dumps(data, separators=(",", ":"))
+
+
+def progress(step: int | None = None, total: int | None = None, **metrics: Any) -> None:
+    """Report the job's step (of `total`) and metrics: one line on stdout, flushed at once.
+
+    Metrics are numbers (int, float, or anything `float()` takes, e.g. a 0-d tensor); `step`
+    and `total` are no metric names."""
+    sys.stdout.write(format_line(step, total, **metrics) + "\n")
+    sys.stdout.flush()
+
+
+def parse(line: str) -> Report | None:
+    """The report a log line carries, or None for any other line (also a garbled report: a
+    job's log is never an error). The marker may follow a launcher's prefix (torchrun's
+    `[default0]:`, Slurm's task labels)."""
+    at = line.find(PREFIX)
+    if at < 0 or len(line) > MAX_LINE_CHARS:
+        return None
+    try:
+        data = json.loads(line[at + len(PREFIX) :])
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    step, total, metrics = data.get("step"), data.get("total"), data.get("metrics") or {}
+    if not isinstance(metrics, dict):
+        return None
+    values: dict[str, float] = {}
+    for name, value in metrics.items():
+        number = _decode(value)
+        if number is not None and isinstance(name, str) and name:
+            values[name[:MAX_NAME_CHARS]] = number
+    return Report(step=_at_least(step, 0), total=_at_least(total, 1), metrics=values)
+
+
+def _decode(value: Any) -> float | None:
+    if isinstance(value, str):
+        return _NON_FINITE.get(value)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _at_least(value: Any, least: int) -> int | None:
+    """A whole number >= least read from a report, else None."""
+    return int(value) if _is_int(value) and value >= least else None
+
+
+def _count(name: str, value: Any, *, least: int) -> int:
+    if not _is_int(value):
+        try:
+            value = int(value)  # a numpy or tensor integer
+        except (TypeError, ValueError):
+            raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
+    if value < least:
+        raise ValueError(f"{name} must be >= {least}, got {value}")
+    return int(value)
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool | str | bytes):
+        raise TypeError(f"metric {name!r} must be a number, got {type(value).__name__}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"metric {name!r} must be a number, got {type(value).__name__}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch Lightning / NeMo
+
+
+class ProgressCallback:
+    """Reports a Lightning (or NeMo) trainer's step, max_steps and logged metrics every
+    `every_n_steps` training steps, after each validation, and once when training ends.
+
+    Duck-typed on `trainer.global_step`, `trainer.max_steps`, `trainer.callback_metrics` and
+    `trainer.is_global_zero` (only rank 0 reports): this module imports no Lightning. Give a
+    Trainer `progress_callback()`, which also derives from Lightning's `Callback` when
+    Lightning is installed (the Trainer checks callbacks' types).
+    """
+
+    def __init__(self, every_n_steps: int = 50) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self._reported_step: int | None = None
+
+    def report(self, trainer: Any) -> None:
+        """Report the trainer's state now (rank 0 only)."""
+        if not getattr(trainer, "is_global_zero", True):
+            return
+        step = int(getattr(trainer, "global_step", 0) or 0)
+        max_steps = getattr(trainer, "max_steps", None)
+        total = int(max_steps) if isinstance(max_steps, int) and max_steps > 0 else None
+        metrics: dict[str, float] = {}
+        for name, value in dict(getattr(trainer, "callback_metrics", None) or {}).items():
+            if name in ("step", "total"):  # progress' own arguments, not metrics here
+                continue
+            try:  # a tensor of one value reports; anything else is left out, never raised
+                metrics[str(name)] = float(value)
+            except (TypeError, ValueError, RuntimeError):
+                continue
+        progress(step, total, **metrics)
+        self._reported_step = step
+
+    def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+        """Lightning hook: every `every_n_steps` optimizer steps."""
+        step = int(getattr(trainer, "global_step", 0) or 0)
+        if step % self.every_n_steps == 0 and step != self._reported_step:
+            self.report(trainer)
+
+    def on_validation_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+        """Lightning hook: the validation metrics, as soon as they are known."""
+        if not getattr(trainer, "sanity_checking", False):
+            self.report(trainer)
+
+    def on_train_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+        """Lightning hook: the last step and metrics."""
+        self.report(trainer)
+
+
+def progress_callback(every_n_steps: int = 50) -> ProgressCallback:
+    """A ProgressCallback for `Trainer(callbacks=[...])`: also a Lightning `Callback` when
+    `lightning` (or `pytorch_lightning`) is installed; imported here, not at module import."""
+    base: type | None = None
+    for module in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            base = importlib.import_module(module).Callback
+            break
+        except ImportError:
+            continue
+    if base is None:
+        return ProgressCallback(every_n_steps)
+    cls = type("LightningProgressCallback", (ProgressCallback, base), {})
+    callback: ProgressCallback = cls(every_n_steps)
+    return callback
