@@ -102,7 +102,12 @@ def test_slurm_lists_our_live_jobs_from_squeue_with_their_owners(slurm, job_root
     quick = JobSpec(entrypoint="true", name=unique("quick"))
     script = backend.render(held, held.name, meta(held, owner))[0]["script"]
     assert f"#SBATCH --comment=prefect_nemo.flow_run_id={owner}\n" in script
-    for spec, who in ((held, owner), (plain, None), (quick, owner)):
+    # `quick` ends first: the debug partition runs only two one-CPU jobs at once on 2 cores
+    # (squeue shows its OverSubscribe=FORCE:4 sharing no core beside the kit's preemption
+    # settings), and the four held jobs below kept it PENDING for Resources
+    backend.submit(quick, quick.name, meta(quick, owner))
+    wait_rows(slurm, quick.name, "COMPLETED", timeout_s=120)
+    for spec, who in ((held, owner), (plain, None)):
         backend.submit(spec, spec.name, meta(spec, who))
     hand, mimic = unique("hand"), unique("mimic")
     by_hand = [
@@ -110,9 +115,6 @@ def test_slurm_lists_our_live_jobs_from_squeue_with_their_owners(slurm, job_root
         hand_sbatch(slurm, "-J", mimic, f"--comment=prefect_nemo.flow_run_id={owner}"),
     ]
     try:
-        # the default partition is shared with the other worker's Slurm tests: a busy CI
-        # machine has kept `quick` PENDING past 30 s
-        wait_rows(slurm, quick.name, "COMPLETED", timeout_s=120)
         jobs = backend.owned_jobs()
         ids = {held.name, plain.name, quick.name, hand, mimic}
         assert owners(jobs, ids) == {held.name: owner, plain.name: None}
