@@ -66,4 +66,4 @@ def test_run_jobs_on_a_quota_waits_in_the_queue_not_in_a_loop_of_ours(
         for e in entries
     )  # fmt: skip
     assert len(entries) < 2 * jobs, f"{len(entries)} requests of ours for {jobs} jobs: {kinds}"
-    print(f"quota run: {len(entries)} requests of ours for {jobs} jobs, peak {kueue.peak}")
+    print(f"quota run: {len(entries)} requests of ours for {jobs} jobs, peak {kueue.peak}: {kinds}")

@@ -234,6 +234,12 @@ class KubeJobBackend(Generic[ConfigT]):
         cached = self._cached(job_ids) if self._checked_informers() else None
         objects, pods = cached or self._listed()
         workloads = self._cached_workloads()
+        if workloads is None and cached is not None:
+            # the Workload informer still lists (or was just replaced): a held job reads QUEUED
+            # by its label meanwhile, and the informer's first list wakes every job it finds a
+            # Workload for; asking per job here cost a request per status while it listed (101
+            # for 120 queued jobs on a loaded machine)
+            workloads = {}
         out: dict[str, JobStatus] = {}
         parsed = self._parsed
         if len(parsed) > CHANGE_LOG:  # forget jobs nobody asks about any more
