@@ -328,7 +328,7 @@ class Supervisor:
         stopped; a stall names the job's last report."""
         result = self._result(handle, final, attached, clock=clock)
         if isinstance(why, JobStalled):
-            said = f"; its last report: {describe(last)}" if last else "; it never reported"
+            said = f"; its last report: {last.describe()}" if last else "; it never reported"
             return JobStalled(self.redact(f"{why}{said}"), result)
         if isinstance(why, JobTimedOut):  # QueueTimedOut stays one
             return type(why)(self.redact(str(why)), result)
@@ -462,15 +462,6 @@ class _LogStream:
         if self._follower is not None:
             self._follower.finish()
             self._follower = None
-
-
-def describe(report: Report) -> str:
-    """A report in a few words: `step 120/1000 loss=0.31 lr=2e-05`."""
-    words = []
-    if report.step is not None:
-        words.append(f"step {report.step}" + (f"/{report.total}" if report.total else ""))
-    words += [f"{name}={value:.4g}" for name, value in list(report.metrics.items())[:8]]
-    return " ".join(words) or "an empty report"
 
 
 # -------------------------------------------------------------------------------------------------

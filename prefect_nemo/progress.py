@@ -12,7 +12,7 @@ from collections import deque
 from html import escape
 from typing import Any
 
-from prefect_nemo.report import Report, encode_number
+from prefect_nemo.report import Report, encode_number, metrics_text
 
 MAX_POINTS = 256  # per metric: a chart 480 px wide shows no more
 MAX_METRICS = 32  # metrics kept per job; later names are counted, not kept
@@ -130,8 +130,7 @@ class JobProgress:
 
     def metrics_text(self, limit: int = 8) -> str:
         """The latest metrics as `name=value` pairs (the first `limit`)."""
-        pairs = [f"{name}={value:.4g}" for name, value in list(self.metrics.items())[:limit]]
-        return " ".join(pairs)
+        return metrics_text(self.metrics, limit)
 
     def payload(self) -> dict[str, Any]:
         """The event payload: step, total, percent, rate, ETA, metrics (JSON-safe numbers)."""

@@ -38,6 +38,30 @@ class Report:
     total: int | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
+    def as_json(self) -> dict[str, Any]:
+        """What the report line carries: step and total when known, metrics JSON-safe."""
+        data: dict[str, Any] = {}
+        if self.step is not None:
+            data["step"] = self.step
+        if self.total is not None:
+            data["total"] = self.total
+        data["metrics"] = {name: encode_number(value) for name, value in self.metrics.items()}
+        return data
+
+    def describe(self) -> str:
+        """The report in a few words: `step 120/1000 loss=0.31 lr=2e-05`."""
+        words = []
+        if self.step is not None:
+            words.append(f"step {self.step}" + (f"/{self.total}" if self.total else ""))
+        if self.metrics:
+            words.append(metrics_text(self.metrics))
+        return " ".join(words) or "an empty report"
+
+
+def metrics_text(metrics: dict[str, float], limit: int = 8) -> str:
+    """The first `limit` metrics as `name=value` pairs."""
+    return " ".join(f"{name}={value:.4g}" for name, value in list(metrics.items())[:limit])
+
 
 def encode_number(value: float) -> float | str:
     """A metric value as JSON takes it: NaN and infinities as "nan", "inf", "-inf"."""
@@ -49,13 +73,12 @@ def encode_number(value: float) -> float | str:
 def format_line(step: int | None = None, total: int | None = None, **metrics: Any) -> str:
     """The report line `progress` prints (without its newline). TypeError for a metric that
     is no number, ValueError for a negative step or a total < 1."""
-    data: dict[str, Any] = {}
-    if step is not None:
-        data["step"] = _count("step", step, least=0)
-    if total is not None:
-        data["total"] = _count("total", total, least=1)
-    data["metrics"] = {name: encode_number(_number(name, value)) for name, value in metrics.items()}
-    return PREFIX + json.dumps(data, separators=(",", ":"))
+    report = Report(
+        step=None if step is None else _count("step", step, least=0),
+        total=None if total is None else _count("total", total, least=1),
+        metrics={name: _number(name, value) for name, value in metrics.items()},
+    )
+    return PREFIX + json.dumps(report.as_json(), separators=(",", ":"))
 
 
 def progress(step: int | None = None, total: int | None = None, **metrics: Any) -> None:

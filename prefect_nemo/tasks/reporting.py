@@ -23,10 +23,9 @@ from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate, LogCr
 from prefect.events import Event
 
 from prefect_nemo.jobs import DryRun, JobHandle, JobState, JobStatus, QueueInfo
-from prefect_nemo.lifecycle import describe
 from prefect_nemo.progress import JobProgress
 from prefect_nemo.redaction import Redactor
-from prefect_nemo.report import Report, encode_number
+from prefect_nemo.report import Report
 from prefect_nemo.tasks._outbox import outbox
 from prefect_nemo.tasks._run import RunContext, api_outage_budget_s
 from prefect_nemo.watcher import JobClock
@@ -87,7 +86,7 @@ class _CoalescedWrites:
         self._lock = threading.Lock()
         self._pending: set[str] = set()  # keys with a write waiting in the outbox
         self._artifacts: dict[str, UUID] = {}
-        self._written: dict[str, float] = {}  # flow run -> when its last write was sent
+        self._written: dict[str, float] = {}  # key -> when its last write was sent
 
     def _changed(self, key: str) -> None:
         """Queue a write of the key's artifact unless one is waiting. Call with _lock held."""
@@ -397,16 +396,15 @@ class JobReporter:
 
     def stalled(self, handle: JobHandle, silent_s: float, last: Report | None) -> None:
         """Said as a warning and emitted as `prefect-nemo.job.stalled` (with the last report)."""
-        said = f"its last report: {describe(last)}" if last else "it never reported"
+        said = f"its last report: {last.describe()}" if last else "it never reported"
         say(
             self.run,
             logging.WARNING,
             self.redact(f"job {handle.job_id} said nothing for {silent_s:.0f}s: stalled; {said}"),
         )
         last_report = None
-        if last is not None:
-            metrics = {name: encode_number(value) for name, value in last.metrics.items()}
-            last_report = {"step": last.step, "total": last.total, "metrics": metrics}
+        if last is not None:  # step and total as null when unknown, as the payload always said
+            last_report = {"step": last.step, "total": last.total, **last.as_json()}
         self._emit(
             handle, "stalled",
             {"silent_s": round(silent_s, 1), "last_report": self.redact.deep(last_report)},

@@ -66,12 +66,11 @@ class QuotaAdmitter:
             (o for o in items if o["spec"].get("suspend") and phase(o) == "Suspended"),
             key=lambda o: (o["metadata"]["creationTimestamp"], o["metadata"]["name"]),
         )
-        self.peak = max(self.peak, len(live))
-        for obj in held[: max(0, self.quota - len(live))]:
+        admit = held[: max(0, self.quota - len(live))]
+        for obj in admit:
             self.api.patch_namespaced_custom_object(
                 "ray.io", "v1", self.namespace, "rayjobs", obj["metadata"]["name"],
                 {"spec": {"suspend": False}},
             )  # fmt: skip
-            self.admitted += 1
-            self.peak = max(self.peak, len(live) + 1)
-            live.append(obj)
+        self.admitted += len(admit)
+        self.peak = max(self.peak, len(live) + len(admit))
