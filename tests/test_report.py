@@ -235,10 +235,10 @@ def test_stall_fields_leave_the_fingerprint_alone():
 # -- the reporter's rate limit (no server: its emitter and log are caught) ----------------------
 
 
-def test_the_reporter_rate_limits_events_and_sends_the_newest_at_the_end(monkeypatch):
+def _reporter(monkeypatch) -> tuple[Any, list[tuple[str, dict[str, Any]]], list[str]]:
+    """A JobReporter whose events and log lines land in two lists."""
     import logging
 
-    from prefect_nemo.jobs import JobHandle, JobStatus
     from prefect_nemo.redaction import Redactor
     from prefect_nemo.tasks import reporting
     from prefect_nemo.tasks._run import RunContext
@@ -249,7 +249,13 @@ def test_the_reporter_rate_limits_events_and_sends_the_newest_at_the_end(monkeyp
         (name, payload)))  # fmt: skip
     monkeypatch.setattr(reporting, "say", lambda run, level, message: lines.append(message))
     run = RunContext(None, "", None, None, None, None, logging.getLogger("test"))
-    reporter = reporting.JobReporter(run, Redactor(["hush-hush-1234"]))
+    return reporting.JobReporter(run, Redactor(["hush-hush-1234"])), events, lines
+
+
+def test_the_reporter_rate_limits_events_and_sends_the_newest_at_the_end(monkeypatch):
+    from prefect_nemo.jobs import JobHandle, JobStatus
+
+    reporter, events, lines = _reporter(monkeypatch)
     handle = JobHandle(job_id="j-1", backend="ray-jobs", cluster="c")
     for step in range(1, 1001):
         reporter.progress(handle, Report(step, 1000, {"loss": 1 / step, "x hush-hush-1234": 1.0}))
@@ -265,6 +271,34 @@ def test_the_reporter_rate_limits_events_and_sends_the_newest_at_the_end(monkeyp
     assert len(events) == 3, "nothing left to send at the end"
     assert not any("hush-hush-1234" in line for line in lines)
     assert sum("step 1000/1000" in line for line in lines) == 1
+
+
+@pytest.mark.parametrize(
+    ("seen", "end", "exit_code", "expected"),
+    [
+        ("QUEUED", "SUCCEEDED", 0, ["queued", "running", "admitted", "succeeded"]),
+        ("PENDING", "FAILED", 1, ["pending", "running", "failed"]),
+        ("QUEUED", "STOPPED", None, ["queued", "stopped"]),  # removed from its queue: never ran
+        ("PENDING", "FAILED", None, ["pending", "failed"]),  # e.g. its runtime env failed
+        (None, "SUCCEEDED", 0, ["succeeded"]),  # attached after the end: its run said RUNNING
+    ],
+)
+def test_a_job_that_ran_between_two_polls_still_says_running(
+    monkeypatch, seen, end, exit_code, expected
+):
+    """CI saw a Ray job go PENDING -> SUCCEEDED between two polls (`sleep 1`): an automation on
+    `prefect-nemo.job.running` must still hear of every job that ran, and of no job that did not."""
+    from prefect_nemo.jobs import JobHandle, JobStatus
+
+    reporter, events, _ = _reporter(monkeypatch)
+    handle = JobHandle(job_id="j-1", backend="ray-jobs", cluster="c")
+    if seen:
+        reporter.changed(handle, JobStatus(job_id="j-1", state=JobState(seen)), None)
+    ended = JobStatus(job_id="j-1", state=JobState(end), exit_code=exit_code)
+    reporter.changed(handle, ended, None)
+    assert [name.rsplit(".", 1)[1] for name, _ in events] == expected
+    running = [p for name, p in events if name.endswith(".running")]
+    assert all(p["exit_code"] is None for p in running), "the running event carries no ending"
 
 
 def test_a_stall_watch_needs_the_log_streamed():

@@ -310,6 +310,14 @@ class JobReporter:
             if status.state is JobState.QUEUED and queue is not None:
                 self._row(handle, _queue_fields(queue, clock))
             return
+        if previous is not None and previous.is_waiting() and _it_ran(status):
+            # seen waiting, then ended: it ran between two polls. Say RUNNING (and admitted)
+            # first, so an automation on `running` sees every job that ran
+            ran = status.model_copy(
+                update={"state": JobState.RUNNING, "message": "ran between two polls",
+                        "end_time": None, "exit_code": None}
+            )  # fmt: skip
+            self.changed(handle, ran, clock)
         self._last_state[handle.job_id] = status.state
         if status.state.is_terminal():
             self._last_progress(handle)  # its whole log was read: the last report goes first
@@ -451,6 +459,14 @@ class JobReporter:
                 "message": "",
             },
         )
+
+
+def _it_ran(status: JobStatus) -> bool:
+    """An ended job ran if it succeeded or its entrypoint exited (a start time alone does not
+    tell: Ray sets it on submission)."""
+    return status.state is JobState.SUCCEEDED or (
+        status.state is JobState.FAILED and status.exit_code is not None
+    )
 
 
 def _queue_fields(queue: QueueInfo, clock: JobClock | None) -> dict[str, Any]:
