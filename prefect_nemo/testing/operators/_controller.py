@@ -276,9 +276,9 @@ class Controller:
                 keys = [(kind.plural, meta.get("namespace", ""), meta["name"])]
             else:
                 keys = map_to(obj)
+            self.on_event(kind, old, new)  # first: a reconcile must find what the event told
             for key in keys:
                 self.enqueue(key)
-            self.on_event(kind, old, new)
 
         self._informers[kind.plural] = _Informer(self, kind, label_selector, on_change)
 
@@ -370,6 +370,58 @@ def set_condition(
     if old is None:
         return [*conditions, new]
     return [new if c is old else c for c in conditions]  # in place: a stable order compares equal
+
+
+class PodIndex:
+    """Pods grouped by one label's value, kept from the informer's events plus this controller's
+    own writes its cache has not seen yet (controller-runtime reads its cache the same way, with
+    "expectations" for its own creates and deletes). A list per reconcile instead costs the API
+    server a scan of every pod: quadratic with 1,000 clusters."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self._groups: dict[tuple[str, str], dict[str, Obj]] = {}  # (namespace, value) → pods
+        self._deleting: set[tuple[str, str]] = set()  # deleted by us, still in the cache
+        self._lock = threading.Lock()
+
+    def seen(self, old: Obj | None, new: Obj | None) -> None:
+        """An informer event (or our own write: `seen(None, pod)`)."""
+        obj = new if new is not None else old
+        assert obj is not None
+        meta = obj["metadata"]
+        value = (meta.get("labels") or {}).get(self.label)
+        if value is None:
+            return
+        ns, name = meta.get("namespace", ""), meta["name"]
+        with self._lock:
+            group = self._groups.setdefault((ns, value), {})
+            if new is None:
+                group.pop(name, None)
+                self._deleting.discard((ns, name))
+                if not group:
+                    del self._groups[(ns, value)]
+            elif not _older(new, group.get(name)):
+                group[name] = new
+
+    def deleting(self, pod: Obj) -> None:
+        """We asked to delete pod: leave it out until the informer sees it gone."""
+        with self._lock:
+            self._deleting.add((pod["metadata"]["namespace"], pod["metadata"]["name"]))
+
+    def pods(self, namespace: str, value: str) -> list[Obj]:
+        """Copies of the group's pods (a caller may set their status without touching the
+        cache)."""
+        with self._lock:
+            group = self._groups.get((namespace, value)) or {}
+            return [dict(p) for n, p in group.items() if (namespace, n) not in self._deleting]
+
+
+def _older(new: Obj, known: Obj | None) -> bool:
+    """True when new is an older version than known (a late event after our own write)."""
+    if known is None:
+        return False
+    a, b = new["metadata"].get("resourceVersion", ""), known["metadata"].get("resourceVersion", "")
+    return a.isdigit() and b.isdigit() and int(a) < int(b)
 
 
 class PodIPs:

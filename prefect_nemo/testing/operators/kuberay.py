@@ -45,6 +45,7 @@ from prefect_nemo.testing.operators._controller import (
     Key,
     Kind,
     Obj,
+    PodIndex,
     PodIPs,
     is_not_found,
     live,
@@ -216,6 +217,7 @@ class KubeRaySimulator(Controller):
         self.node = None if hasattr(server, "set_service_proxy") else SimNode(self._core, SIM_NODE)
         self._created: dict[tuple[str, str], float] = {}  # pod → monotonic creation time
         self._proxied: set[tuple[str, str]] = set()  # (namespace, head service)
+        self._pods = PodIndex("ray.io/cluster")
         self._logged_pods: set[tuple[str, str]] = set()
         self._cluster_jobs: dict[tuple[str, str], list[str]] = {}  # cluster → Ray job ids
         self._live_jobs: dict[str, Key] = {}  # Ray job id → RayJob key, while not terminal
@@ -354,6 +356,8 @@ class KubeRaySimulator(Controller):
         return keys
 
     def on_event(self, kind: Kind, old: Obj | None, new: Obj | None) -> None:
+        if kind == PODS:
+            self._pods.seen(old, new)
         if self.node is not None and kind == PODS:  # as the kubelet of our Node
             if new is None and old is not None:
                 self.node.forget(old["metadata"]["namespace"], old["metadata"]["name"])
@@ -411,7 +415,7 @@ class KubeRaySimulator(Controller):
                 )
             self._proxied.add((ns, svc["metadata"]["name"]))
 
-        pods = live(self._list_pods(ns, f"ray.io/cluster={name}"))
+        pods = live(self._pods.pods(ns, name))
         suspended = bool(spec.get("suspend"))
         again: float | None = None
         if suspended:
@@ -546,11 +550,13 @@ class KubeRaySimulator(Controller):
         )
         pod = json.loads(created.data)
         self._created[(ns, pod["metadata"]["name"])] = time.monotonic()
+        self._pods.seen(None, pod)
         return pod
 
     def _delete_pod(self, pod: Obj) -> None:
         meta = pod["metadata"]
         self._created.pop((meta["namespace"], meta["name"]), None)
+        self._pods.deleting(pod)
         with contextlib.suppress(ApiException):
             self._core.delete_namespaced_pod(meta["name"], meta["namespace"])
 
@@ -571,6 +577,7 @@ class KubeRaySimulator(Controller):
             status = running_pod_status(pod, ip, ready=ready)
             set_pod_status(self._core, pod, status)
             pod["status"] = status
+            self._pods.seen(None, pod)
             if self.node and pod["metadata"]["labels"].get("ray.io/node-type") == "head":
                 self.node.serve(pod, DEFAULT_PORTS["dashboard"], self._dashboard)
         return again
@@ -1031,10 +1038,6 @@ class KubeRaySimulator(Controller):
             if is_not_found(exc):
                 return None
             raise
-
-    def _list_pods(self, ns: str, selector: str) -> list[Obj]:
-        resp = self._core.list_namespaced_pod(ns, label_selector=selector, _preload_content=False)
-        return json.loads(resp.data).get("items") or []
 
     def _patch_status(self, plural: str, obj: Obj, status: Obj) -> None:
         meta = obj["metadata"]
