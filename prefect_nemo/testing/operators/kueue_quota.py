@@ -15,62 +15,65 @@ import threading
 from typing import Any
 
 from prefect_nemo.backends._kueue import QUEUE_LABEL
+from prefect_nemo.testing.operators._controller import Controller, Key, Obj
+from prefect_nemo.testing.operators.kuberay import GROUP, RAYJOBS, VERSION
 
 _ENDED = ("Complete", "Failed")
 
 
-class QuotaAdmitter:
+class QuotaAdmitter(Controller):
     """Admits the held RayJobs of LocalQueue `queue` in `namespace`, at most `quota` at once,
-    checking every `interval_s`; its requests go through `api_client` (give it a user agent of
-    its own to tell them from the flow's). `peak`: the most admitted at once; `admitted`: how
-    many it admitted. A context manager: its thread runs inside the `with`."""
+    on each change its watch sees (as Kueue does: a list per pass made the loopback server copy
+    every RayJob, quadratic at 1,000); its requests go through `api_client` (give it a user
+    agent of its own to tell them from the flow's). `peak`: the most admitted at once;
+    `admitted`: how many it admitted. A context manager: its threads run inside the `with`."""
 
     def __init__(
-        self, api_client: Any, queue: str, quota: int, *, namespace: str = "default",
-        interval_s: float = 0.2,
-    ) -> None:  # fmt: skip
+        self, api_client: Any, queue: str, quota: int, *, namespace: str = "default"
+    ) -> None:
         from kubernetes import client
 
+        super().__init__(api_client, namespace=namespace, name="kueue-quota")
         self.api = client.CustomObjectsApi(api_client)
-        self.queue, self.quota, self.namespace = queue, quota, namespace
-        self.interval_s = interval_s
+        self.queue, self.quota = queue, quota
         self.peak = 0
         self.admitted = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kueue-quota", daemon=True)
+        self._key: Key = ("localqueues", namespace, queue)
+        self._unsuspended: set[str] = set()  # admitted by us; the cache has not seen it yet
+        self._lock = threading.Lock()
+        self.watch(RAYJOBS, label_selector=f"{QUEUE_LABEL}={queue}", map_to=lambda _: [self._key])
 
     def __enter__(self) -> QuotaAdmitter:
-        self._thread.start()
+        self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
+        self.stop()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.admit_once()
+    def reconcile(self, key: Key) -> float | None:
+        """Unsuspend the oldest held RayJobs that fit, from the watch's cache."""
+        items = self.cached_all("rayjobs")
 
-    def admit_once(self) -> None:
-        """One pass: read the queue's RayJobs and unsuspend the oldest held ones that fit."""
-        items = self.api.list_namespaced_custom_object(
-            "ray.io", "v1", self.namespace, "rayjobs",
-            label_selector=f"{QUEUE_LABEL}={self.queue}",
-        )["items"]  # fmt: skip
-
-        def phase(o: dict[str, Any]) -> Any:
+        def phase(o: Obj) -> Any:
             return (o.get("status") or {}).get("jobDeploymentStatus")
 
-        live = [o for o in items if not o["spec"].get("suspend") and phase(o) not in _ENDED]
-        held = sorted(
-            (o for o in items if o["spec"].get("suspend") and phase(o) == "Suspended"),
-            key=lambda o: (o["metadata"]["creationTimestamp"], o["metadata"]["name"]),
-        )
-        admit = held[: max(0, self.quota - len(live))]
+        def held(o: Obj) -> bool:
+            return bool(o["spec"].get("suspend")) and o["metadata"]["name"] not in self._unsuspended
+
+        with self._lock:
+            self._unsuspended &= {o["metadata"]["name"] for o in items if o["spec"].get("suspend")}
+            live = [o for o in items if not held(o) and phase(o) not in _ENDED]
+            waiting = sorted(
+                (o for o in items if held(o) and phase(o) == "Suspended"),
+                key=lambda o: (o["metadata"]["creationTimestamp"], o["metadata"]["name"]),
+            )
+            admit = waiting[: max(0, self.quota - len(live))]
+            self._unsuspended.update(o["metadata"]["name"] for o in admit)
+            self.admitted += len(admit)
+            self.peak = max(self.peak, len(live) + len(admit))
         for obj in admit:
             self.api.patch_namespaced_custom_object(
-                "ray.io", "v1", self.namespace, "rayjobs", obj["metadata"]["name"],
+                GROUP, VERSION, self.namespace or "default", "rayjobs", obj["metadata"]["name"],
                 {"spec": {"suspend": False}},
             )  # fmt: skip
-        self.admitted += len(admit)
-        self.peak = max(self.peak, len(live) + len(admit))
+        return None
