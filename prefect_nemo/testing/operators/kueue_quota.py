@@ -11,6 +11,7 @@ quota (tests/test_run_jobs_quota.py, `bench.scale quota`) cost no Go process.
 
 from __future__ import annotations
 
+import heapq
 import threading
 from typing import Any
 
@@ -51,26 +52,30 @@ class QuotaAdmitter(Controller):
         self.stop()
 
     def reconcile(self, key: Key) -> float | None:
-        """Unsuspend the oldest held RayJobs that fit, from the watch's cache."""
-        items = self.cached_all("rayjobs")
-
-        def phase(o: Obj) -> Any:
-            return (o.get("status") or {}).get("jobDeploymentStatus")
-
-        def held(o: Obj) -> bool:
-            return bool(o["spec"].get("suspend")) and o["metadata"]["name"] not in self._unsuspended
-
+        """Unsuspend the oldest held RayJobs that fit, from the watch's cache (one pass: it
+        runs on every change of any of them)."""
+        live, waiting, suspended = 0, list[Obj](), set[str]()
         with self._lock:
-            self._unsuspended &= {o["metadata"]["name"] for o in items if o["spec"].get("suspend")}
-            live = [o for o in items if not held(o) and phase(o) not in _ENDED]
-            waiting = sorted(
-                (o for o in items if held(o) and phase(o) == "Suspended"),
+            for obj in self.cached_all("rayjobs"):
+                name = obj["metadata"]["name"]
+                phase = (obj.get("status") or {}).get("jobDeploymentStatus")
+                if obj["spec"].get("suspend"):
+                    suspended.add(name)
+                    if name not in self._unsuspended:
+                        if phase == "Suspended":
+                            waiting.append(obj)
+                        continue
+                if phase not in _ENDED:
+                    live += 1
+            self._unsuspended &= suspended  # the cache saw the rest unsuspended
+            room = max(0, self.quota - live)
+            admit = heapq.nsmallest(
+                room, waiting,
                 key=lambda o: (o["metadata"]["creationTimestamp"], o["metadata"]["name"]),
-            )
-            admit = waiting[: max(0, self.quota - len(live))]
+            )  # fmt: skip
             self._unsuspended.update(o["metadata"]["name"] for o in admit)
             self.admitted += len(admit)
-            self.peak = max(self.peak, len(live) + len(admit))
+            self.peak = max(self.peak, live + len(admit))
         for obj in admit:
             self.api.patch_namespaced_custom_object(
                 GROUP, VERSION, self.namespace or "default", "rayjobs", obj["metadata"]["name"],
