@@ -218,8 +218,9 @@ def test_two_nodes_reassemble_the_code(env: dict[str, Any], tmp_path: Any) -> No
     (code / "sft.py").write_text(
         "import hashlib, os, pathlib\n"
         "blob = pathlib.Path('sftlib/blob.bin').read_bytes()\n"
-        "print('node', os.environ['PET_NODE_RANK'], 'rank', os.environ['RANK'], 'of',"
-        " os.environ['WORLD_SIZE'], 'blob', hashlib.sha256(blob).hexdigest()[:12], flush=True)\n"
+        # One write per line: the node's ranks share the pod's stdout, unbuffered.
+        "os.write(1, f\"node {os.environ['PET_NODE_RANK']} rank {os.environ['RANK']} of"
+        " {os.environ['WORLD_SIZE']} blob {hashlib.sha256(blob).hexdigest()[:12]}\\n\".encode())\n"
     )
     digest = hashlib.sha256((code / "sftlib" / "blob.bin").read_bytes()).hexdigest()[:12]
     out = sft_kubeflow(cluster=block(env, num_nodes=2, procs_per_node=2, code_chunk_bytes=16_000),
