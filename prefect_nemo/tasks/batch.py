@@ -42,6 +42,7 @@ from prefect_nemo.redaction import Redactor
 from prefect_nemo.tasks._blocks import ClusterLike, resolve_cluster
 from prefect_nemo.tasks._outbox import outbox
 from prefect_nemo.tasks._run import RunContext, api_outage_budget_s, current_run
+from prefect_nemo.tasks.artifacts import RunProgress
 from prefect_nemo.tasks.jobs import (
     Upstream,
     _after,
@@ -51,7 +52,7 @@ from prefect_nemo.tasks.jobs import (
     job_spec,
     wait_policy,
 )
-from prefect_nemo.tasks.reporting import JobReporter, RunProgress, say
+from prefect_nemo.tasks.reporting import JobReporter, say
 from prefect_nemo.watcher import JobClock
 
 T = TypeVar("T")

@@ -31,7 +31,8 @@ from prefect_nemo.redaction import Redactor
 from prefect_nemo.tasks._blocks import KubeLike, resolve_kube
 from prefect_nemo.tasks._live import fallback_logger, live_work
 from prefect_nemo.tasks._run import RunContext, current_run
-from prefect_nemo.tasks.reporting import RunTable, emit
+from prefect_nemo.tasks.artifacts import RunTable
+from prefect_nemo.tasks.reporting import emit
 
 EVENT_PREFIX = "prefect-nemo.dgd"
 EXPERIMENT_LABEL = "prefect-nemo.io/experiment"

@@ -49,7 +49,8 @@ from prefect_nemo.placement.replicas import (
 from prefect_nemo.redaction import Redactor
 from prefect_nemo.tasks._live import live_work
 from prefect_nemo.tasks._run import RunContext, current_run
-from prefect_nemo.tasks.reporting import RunTable, dry_run_reported, emit
+from prefect_nemo.tasks.artifacts import RunTable
+from prefect_nemo.tasks.reporting import dry_run_reported, emit
 
 EVENT_PREFIX = "prefect-nemo.serve"
 

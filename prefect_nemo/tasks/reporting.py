@@ -1,5 +1,6 @@
-"""How work shows up in Prefect: one event emitter, one table artifact writer, and the job
-reporter that the lifecycle pushes each job's life to. Every text passes the redactor first.
+"""How work shows up in Prefect: one event emitter, the run's log, and the job reporter that
+the lifecycle pushes each job's life to (its artifacts are written by `artifacts.py`). Every
+text passes the redactor first.
 
 One failure policy for all of it: reporting never fails the work it reports on, and loses
 nothing to an API outage. Events, the job's log lines and artifact writes go through the one
@@ -9,7 +10,6 @@ outbox (`_outbox.py`), which keeps them in order until the API takes them.
 from __future__ import annotations
 
 import contextvars
-import json
 import logging
 import math
 import threading
@@ -19,15 +19,15 @@ from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
 
-from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate, LogCreate
+from prefect.client.schemas.actions import ArtifactCreate, LogCreate
 from prefect.events import Event
 
 from prefect_nemo.jobs import DryRun, JobHandle, JobState, JobStatus, QueueInfo
-from prefect_nemo.progress import JobProgress
 from prefect_nemo.redaction import Redactor
 from prefect_nemo.report import Report
 from prefect_nemo.tasks._outbox import outbox
 from prefect_nemo.tasks._run import RunContext, api_outage_budget_s
+from prefect_nemo.tasks.artifacts import JobCharts, RunTable
 from prefect_nemo.watcher import JobClock
 
 JOB_EVENT_PREFIX = "prefect-nemo.job"
@@ -71,171 +71,6 @@ def say(run: RunContext, level: int, message: str) -> None:
             task_run_id=UUID(run.task_run_id) if run.task_run_id else None,
         ).model_dump(mode="json")
     )
-
-
-class _CoalescedWrites:
-    """One artifact per key (a flow run, or a job's artifact kind), rewritten in place. A write
-    is queued only when none is waiting already, at most one every MIN_WRITE_S per key, and it
-    serializes the state current when it is sent: a thousand changes between two sends cost
-    one write (a thousand rows rewritten per job would compete with the UI for the API), and
-    the last state is always the one written (the run's end flushes the outbox)."""
-
-    MIN_WRITE_S = 1.5
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pending: set[str] = set()  # keys with a write waiting in the outbox
-        self._artifacts: dict[str, UUID] = {}
-        self._written: dict[str, float] = {}  # key -> when its last write was sent
-
-    def _changed(self, key: str) -> None:
-        """Queue a write of the key's artifact unless one is waiting. Call with _lock held."""
-        if key in self._pending:
-            return
-        self._pending.add(key)
-        since = time.monotonic() - self._written.get(key, -self.MIN_WRITE_S)
-        outbox.call(lambda client: self._write(client, key), after_s=self.MIN_WRITE_S - since)
-
-    def _data(self, key: str) -> tuple[str, Any, str]:
-        """(artifact type, data, description) as they are now. Called with _lock held."""
-        raise NotImplementedError
-
-    def _owner(self, key: str) -> tuple[str, str | None]:
-        """The flow run and task run the key's artifact belongs to: here the key is the flow
-        run (the flow run's artifact, not one task's: it covers everything of the run)."""
-        return key, None
-
-    def _write(self, client: Any, key: str) -> None:
-        """Create the key's artifact, or rewrite it (the outbox runs writes in order)."""
-        with self._lock:
-            self._pending.discard(key)
-            self._written[key] = time.monotonic()
-            kind, data, description = self._data(key)
-        artifact_id = self._artifacts.get(key)
-        if artifact_id is None:
-            flow_run_id, task_run_id = self._owner(key)
-            artifact = client.create_artifact(
-                ArtifactCreate(
-                    type=kind,
-                    data=data,
-                    description=description,
-                    flow_run_id=UUID(flow_run_id),
-                    task_run_id=UUID(task_run_id) if task_run_id else None,
-                )
-            )
-            self._artifacts[key] = artifact.id
-        else:
-            client.update_artifact(
-                artifact_id, ArtifactUpdate(data=data, description=description)
-            )
-
-
-class RunTable(_CoalescedWrites):
-    """One table artifact per flow run, rewritten in place as its rows change."""
-
-    def __init__(self, description: str) -> None:
-        super().__init__()
-        self.description = description
-        self._rows: dict[str, dict[str, dict[str, Any]]] = {}  # flow run -> row id -> row
-
-    def rows(self, flow_run_id: str) -> list[dict[str, Any]]:
-        """The rows recorded in this process for a flow run (for summaries and tests)."""
-        with self._lock:
-            return [dict(row) for row in self._rows.get(flow_run_id, {}).values()]
-
-    def update(
-        self,
-        flow_run_id: str | None,
-        changes: Mapping[str, Mapping[str, Any]],
-        *,
-        defaults: Callable[[], dict[str, Any]] = dict,
-    ) -> None:
-        """Merge each row's fields (by row id) into the table, a new row starting from
-        `defaults()`, and have the artifact rewritten. No-op outside a flow run."""
-        if flow_run_id is None:
-            return
-        with self._lock:
-            table = self._rows.setdefault(flow_run_id, {})
-            for row_id, fields in changes.items():
-                table.setdefault(row_id, defaults()).update(fields)
-            self._changed(flow_run_id)
-
-    def _data(self, flow_run_id: str) -> tuple[str, Any, str]:
-        rows = list(self._rows.get(flow_run_id, {}).values())
-        return "table", json.dumps(rows, default=str), self.description
-
-
-class RunProgress(_CoalescedWrites):
-    """One progress artifact per flow run (percent done), its description saying k/N and how
-    the rest are doing (e.g. "4 running, 984 queued")."""
-
-    def __init__(self, what: str) -> None:
-        super().__init__()
-        self.what = what
-        self._counts: dict[str, tuple[int, int, str]] = {}  # flow run -> (done, total, detail)
-
-    def update(self, flow_run_id: str | None, done: int, total: int, detail: str = "") -> None:
-        """Record k of N done (and a word on the others) and have the artifact rewritten.
-        No-op outside a flow run."""
-        if flow_run_id is None:
-            return
-        with self._lock:
-            self._counts[flow_run_id] = (done, total, detail)
-            self._changed(flow_run_id)
-
-    def _data(self, flow_run_id: str) -> tuple[str, Any, str]:
-        done, total, detail = self._counts[flow_run_id]
-        percent = 100.0 * done / total if total else 100.0
-        others = f"; {detail}" if detail else ""
-        return "progress", percent, f"{done}/{total} {self.what}{others} (prefect-nemo)"
-
-
-class JobCharts(_CoalescedWrites):
-    """What a job's reports show in Prefect: a progress artifact (percent done; step rate and
-    ETA in its description), a table of the latest metrics and a markdown chart of each
-    metric over steps, all of the job's task run, each rewritten in place at most every
-    MIN_WRITE_S (a job reporting 200 times a second costs one write of each per period)."""
-
-    MIN_WRITE_S = 5.0
-
-    def __init__(self, handle: JobHandle, run: RunContext, redact: Redactor) -> None:
-        super().__init__()
-        self.handle, self.run, self.redact = handle, run, redact
-        self.progress = JobProgress()
-
-    def take(self, report: Report) -> None:
-        """Add a report and have the artifacts it changes rewritten (in a flow run)."""
-        with self._lock:
-            self.progress.take(report, time.monotonic())
-            if self.run.flow_run_id is None:
-                return
-            if self.progress.percent() is not None:
-                self._changed("progress")
-            if report.metrics:
-                self._changed("table")
-                self._changed("markdown")
-
-    def summary(self) -> tuple[dict[str, Any], str]:
-        """The event payload and the one-line summary of the reports so far."""
-        with self._lock:
-            text = f"{self.progress.describe()}; {self.progress.metrics_text()}".rstrip("; ")
-            return self.progress.payload(), text
-
-    def _owner(self, key: str) -> tuple[str, str | None]:
-        assert self.run.flow_run_id is not None  # take() writes nothing outside a flow run
-        return self.run.flow_run_id, self.run.task_run_id
-
-    def _data(self, key: str) -> tuple[str, Any, str]:
-        job, progress = self.handle.job_id, self.progress
-        if key == "progress":
-            return "progress", progress.percent() or 0.0, self.redact(
-                f"job {job}: {progress.describe()} (prefect-nemo)"
-            )
-        if key == "table":
-            table = json.dumps(progress.table())
-            return "table", self.redact(table), f"Latest metrics of job {job} (prefect-nemo)"
-        chart = progress.chart(f"Metrics of job `{job}`")
-        return "markdown", self.redact(chart), f"Metrics of job {job} over steps (prefect-nemo)"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,7 +46,8 @@ from prefect_nemo.redaction import Redactor
 from prefect_nemo.tasks._blocks import cluster_block_types, resolve_block, saved_block_names
 from prefect_nemo.tasks._run import current_run
 from prefect_nemo.tasks._run_watch import HEARTBEAT_EVENT
-from prefect_nemo.tasks.reporting import RunTable, emit, job_resource, say
+from prefect_nemo.tasks.artifacts import RunTable
+from prefect_nemo.tasks.reporting import emit, job_resource, say
 
 # How long a sign of life that carries no lease of its own counts: a job's submission, Prefect's
 # own flow-run heartbeat (PREFECT_RUNNER_HEARTBEAT_FREQUENCY is at least 30 s).

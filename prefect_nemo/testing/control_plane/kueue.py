@@ -39,7 +39,7 @@ import time
 import urllib.error
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import yaml
 from cryptography import x509
@@ -52,8 +52,18 @@ from prefect_nemo.testing.control_plane import build
 from prefect_nemo.testing.control_plane.controllers import Controller, _write_cert
 from prefect_nemo.testing.kube_api.tls import server_cert_pems
 
-if TYPE_CHECKING:
-    from prefect_nemo.testing.control_plane.run import ControlPlane
+
+class AdminApi(Protocol):
+    """What Kueue's set-up needs of a ControlPlane (run.py, which starts Kueue from here):
+    admin requests to its API server."""
+
+    def request(self, method: str, path: str, body: dict | None = None) -> bytes: ...
+
+    def get(
+        self, kind_plural: str, namespace: str | None, name: str, group: str = "",
+        version: str = "v1",
+    ) -> dict | None: ...  # fmt: skip
+
 
 USER = "prefect-nemo-kueue"  # Kueue's identity in the static token file
 NAMESPACE = "kueue-system"  # Kueue's own namespace (its config `namespace`)
@@ -202,7 +212,7 @@ class QueueSet:
     """One test's ResourceFlavor, ClusterQueue, LocalQueue (in `namespace`) and
     WorkloadPriorityClasses; `delete()` (or the `with` block's end) removes them."""
 
-    plane: ControlPlane
+    plane: AdminApi
     namespace: str
     flavor: str
     cluster_queue: str
@@ -268,7 +278,7 @@ class QueueSet:
 
 
 def make_queues(
-    plane: ControlPlane,
+    plane: AdminApi,
     namespace: str,
     *,
     cpu: str = "1",
@@ -393,7 +403,7 @@ def _ensure_fixed_certs() -> None:
                 os.replace(tmp, folder / name)
 
 
-def _exists(plane: ControlPlane, path: str) -> bool:
+def _exists(plane: AdminApi, path: str) -> bool:
     try:
         plane.request("GET", path)
     except urllib.error.HTTPError as exc:

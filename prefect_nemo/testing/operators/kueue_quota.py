@@ -12,8 +12,9 @@ quota (tests/test_run_jobs_quota.py, `bench.scale quota`) cost no Go process.
 from __future__ import annotations
 
 import heapq
-import threading
 from typing import Any
+
+from kubernetes import client
 
 from prefect_nemo.backends._kueue import QUEUE_LABEL
 from prefect_nemo.testing.operators._controller import Controller, Key, Obj
@@ -32,8 +33,6 @@ class QuotaAdmitter(Controller):
     def __init__(
         self, api_client: Any, queue: str, quota: int, *, namespace: str = "default"
     ) -> None:
-        from kubernetes import client
-
         super().__init__(api_client, namespace=namespace, name="kueue-quota")
         self.api = client.CustomObjectsApi(api_client)
         self.queue, self.quota = queue, quota
@@ -41,7 +40,6 @@ class QuotaAdmitter(Controller):
         self.admitted = 0
         self._key: Key = ("localqueues", namespace, queue)
         self._unsuspended: set[str] = set()  # admitted by us; the cache has not seen it yet
-        self._lock = threading.Lock()
         self.watch(RAYJOBS, label_selector=f"{QUEUE_LABEL}={queue}", map_to=lambda _: [self._key])
 
     def __enter__(self) -> QuotaAdmitter:
@@ -53,32 +51,32 @@ class QuotaAdmitter(Controller):
 
     def reconcile(self, key: Key) -> float | None:
         """Unsuspend the oldest held RayJobs that fit, from the watch's cache (one pass: it
-        runs on every change of any of them)."""
+        runs on every change of any of them; only the controller's one worker calls it)."""
+        _, namespace, _ = key
         live, waiting, suspended = 0, list[Obj](), set[str]()
-        with self._lock:
-            for obj in self.cached_all("rayjobs"):
-                name = obj["metadata"]["name"]
-                phase = (obj.get("status") or {}).get("jobDeploymentStatus")
-                if obj["spec"].get("suspend"):
-                    suspended.add(name)
-                    if name not in self._unsuspended:
-                        if phase == "Suspended":
-                            waiting.append(obj)
-                        continue
-                if phase not in _ENDED:
-                    live += 1
-            self._unsuspended &= suspended  # the cache saw the rest unsuspended
-            room = max(0, self.quota - live)
-            admit = heapq.nsmallest(
-                room, waiting,
-                key=lambda o: (o["metadata"]["creationTimestamp"], o["metadata"]["name"]),
-            )  # fmt: skip
-            self._unsuspended.update(o["metadata"]["name"] for o in admit)
-            self.admitted += len(admit)
-            self.peak = max(self.peak, live + len(admit))
+        for obj in self.cached_all("rayjobs"):
+            name = obj["metadata"]["name"]
+            phase = (obj.get("status") or {}).get("jobDeploymentStatus")
+            if obj["spec"].get("suspend"):
+                suspended.add(name)
+                if name not in self._unsuspended:
+                    if phase == "Suspended":
+                        waiting.append(obj)
+                    continue
+            if phase not in _ENDED:
+                live += 1
+        self._unsuspended &= suspended  # the cache saw the rest unsuspended
+        room = max(0, self.quota - live)
+        admit = heapq.nsmallest(
+            room, waiting,
+            key=lambda o: (o["metadata"]["creationTimestamp"], o["metadata"]["name"]),
+        )  # fmt: skip
+        self._unsuspended.update(o["metadata"]["name"] for o in admit)
+        self.admitted += len(admit)
+        self.peak = max(self.peak, live + len(admit))
         for obj in admit:
             self.api.patch_namespaced_custom_object(
-                GROUP, VERSION, self.namespace or "default", "rayjobs", obj["metadata"]["name"],
+                GROUP, VERSION, namespace, "rayjobs", obj["metadata"]["name"],
                 {"spec": {"suspend": False}},
             )  # fmt: skip
         return None
