@@ -288,3 +288,39 @@ def test_kill_9_then_the_sweeper_removes_the_queued_rayjob(
     verdicts = wait_until(swept, 90)
     assert [v.outcome for v in verdicts] == ["STOPPED"], verdicts
     assert wait_until(lambda: not ours(), 30), "nothing left queued"
+
+
+def test_kueues_fixed_certificates_are_renewed_before_they_expire(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kueue reads its metrics and visibility certificates from fixed paths; ours last a week.
+    A pair good for more than a day is kept as it is (another control plane may be using it);
+    one expiring within the day, or half missing, is replaced by a fresh pair."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from prefect_nemo.testing.control_plane import kueue
+
+    fresh, expiring, half = tmp_path / "fresh", tmp_path / "expiring", tmp_path / "half"
+    monkeypatch.setattr(kueue, "FIXED_CERT_DIRS", (fresh, expiring, half))
+    kueue._ensure_fixed_certs()
+    kept = (fresh / "tls.crt").read_bytes()
+    now = datetime.datetime.now(datetime.UTC)
+    name = x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, "kueue")])
+    key = ec.generate_private_key(ec.SECP256R1())
+    hour = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(1).not_valid_before(now)
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .sign(key, hashes.SHA256()))  # fmt: skip
+    (expiring / "tls.crt").write_bytes(hour.public_bytes(serialization.Encoding.PEM))
+    (half / "tls.crt").unlink()
+
+    kueue._ensure_fixed_certs()
+    assert (fresh / "tls.crt").read_bytes() == kept
+    for folder in (expiring, half):
+        cert = x509.load_pem_x509_certificate((folder / "tls.crt").read_bytes())
+        assert cert.not_valid_after_utc > now + datetime.timedelta(days=6), folder
+        assert (folder / "tls.key").stat().st_mode & 0o777 == 0o600

@@ -385,15 +385,16 @@ def _visibility(port: int) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _ensure_fixed_certs() -> None:
-    """Kueue's metrics and visibility certificates at their fixed paths, written once (other
-    control planes of this machine may be using them: never replaced, never removed)."""
+    """Kueue's metrics and visibility certificates at their fixed paths, written when missing
+    or within a day of expiry (they last a week; other control planes of this machine may be
+    using them: never removed, replaced atomically, key first, then the certificate)."""
     for folder in FIXED_CERT_DIRS:
-        if (folder / "tls.crt").is_file() and (folder / "tls.key").is_file():
+        if _certs_fresh(folder):
             continue
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / ".lock", "w") as lock:  # two planes starting at once: one pair
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if (folder / "tls.crt").is_file() and (folder / "tls.key").is_file():
+            if _certs_fresh(folder):
                 continue
             _, cert_pem, key_pem = server_cert_pems("kueue")
             for name, data in (("tls.key", key_pem), ("tls.crt", cert_pem)):
@@ -401,6 +402,15 @@ def _ensure_fixed_certs() -> None:
                 tmp.write_bytes(data)
                 tmp.chmod(0o600)
                 os.replace(tmp, folder / name)
+
+
+def _certs_fresh(folder: Path) -> bool:
+    """A key and a certificate in `folder`, the certificate good for another day."""
+    if not (folder / "tls.key").is_file() or not (folder / "tls.crt").is_file():
+        return False
+    cert = x509.load_pem_x509_certificate((folder / "tls.crt").read_bytes())
+    left = cert.not_valid_after_utc - datetime.datetime.now(datetime.UTC)
+    return left > datetime.timedelta(days=1)
 
 
 def _exists(plane: AdminApi, path: str) -> bool:
