@@ -49,7 +49,7 @@ def log(message: str) -> None:
     print(f"[kube_watch] {message}", file=sys.stderr, flush=True)
 
 
-def set_status(api: kube.KubeApi, namespace: str, name: str, status: dict) -> None:
+def set_status(api: kube.KubeApi, namespace: str, name: str, status: dict[str, str]) -> None:
     api.patch(kube.RAY_JOB, name, {"status": status}, namespace, subresource="status")
 
 

@@ -60,7 +60,9 @@ def set_status(api: kube.KubeApi, name: str, status: dict[str, str]) -> None:
     api.patch(kube.RAY_JOB, name, {"status": status}, NAMESPACE, subresource="status")
 
 
-def ours_until(watcher: ClusterWatcher, job_id: str, state: JobState, seen_at: dict) -> None:
+def ours_until(
+    watcher: ClusterWatcher, job_id: str, state: JobState, seen_at: dict[str, float]
+) -> None:
     """Wait through our watcher until the job is `state`; note when."""
     with watcher.watching(job_id):
         seen = None
@@ -70,7 +72,7 @@ def ours_until(watcher: ClusterWatcher, job_id: str, state: JobState, seen_at: d
 
 
 def raw_until_running(
-    api: CustomObjectsApi, names: set[str], seen_at: dict, stop: Callable[[], bool]
+    api: CustomObjectsApi, names: set[str], seen_at: dict[str, float], stop: Callable[[], bool]
 ) -> None:
     """A plain kubernetes watch of the RayJobs: the first moment each reads Running."""
     stream = watch.Watch()

@@ -197,6 +197,7 @@ def run_raw_dag(client: JobSubmissionClient) -> DagRun:
         jobs = []
         for job_id, observed in seen.items():
             info = client.get_job_info(job_id)
+            assert info.start_time is not None and info.end_time is not None
             jobs.append(JobTiming(info.start_time / 1000, info.end_time / 1000, observed))
         result.append(Stage(begin, tuple(jobs)))
     return DagRun(tuple(result))

@@ -139,8 +139,8 @@ def _ours(
         seen[handle.job_id] = time.time()
         return status
 
-    lifecycle.wait_until_terminal_async = timed_wait  # type: ignore[assignment]
-    lifecycle.wait_until_terminal = timed_wait_sync  # type: ignore[assignment]
+    lifecycle.wait_until_terminal_async = timed_wait
+    lifecycle.wait_until_terminal = timed_wait_sync
     from bench._scale_cluster import CLUSTER_SPEC
 
     kubernetes = KubernetesCluster(kubeconfig=kubeconfig)
@@ -286,7 +286,7 @@ def measure(kind: str, n: int, api_url: str | None, ui: list[float] | None) -> d
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         if proc.returncode != 0 or not lines:
             raise RuntimeError(f"{kind} N={n} failed (exit {proc.returncode})")
-        out = json.loads(lines[-1])
+        out: dict[str, Any] = json.loads(lines[-1])
         out["server_cpu_s"] = server_cpu_s() - server_cpu0
         out["kube"] = cluster.ask("requests", since=since)
         completed = cluster.ask("completed")["completed"]
@@ -575,7 +575,8 @@ def engine_child(
         tail = log_path.read_text(errors="replace")[-3000:]
         raise RuntimeError(f"{side} {kind} N={n} failed (exit {proc.returncode}):\n{tail}")
     log_path.unlink(missing_ok=True)
-    return json.loads(lines[-1])
+    out: dict[str, Any] = json.loads(lines[-1])
+    return out
 
 
 def _keep(lines: dict[str, str]) -> None:

@@ -55,7 +55,7 @@ def log(message: str) -> None:
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.status == 200
+            return bool(resp.status == 200)
     except OSError:
         return False
 
@@ -98,7 +98,8 @@ def ray_worker_floor() -> float:
             return os.getpid()
 
     t0 = time.monotonic()
-    actors = [Trivial.options(num_gpus=1, num_cpus=1).remote() for _ in range(REPLICAS)]
+    options = Trivial.options  # type: ignore[attr-defined]  # ray.remote's class is untyped
+    actors = [options(num_gpus=1, num_cpus=1).remote() for _ in range(REPLICAS)]
     ray.get([a.ping.remote() for a in actors])
     took = time.monotonic() - t0
     for actor in actors:
