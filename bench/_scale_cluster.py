@@ -68,12 +68,13 @@ def main() -> None:
                         },
                     }
                 elif cmd["cmd"] == "completed":  # when the simulator last wrote each status
-                    out = {"completed": {}}
+                    completed: dict[str, float] = {}
+                    out = {"completed": completed}
                     for e in list(server.requests.entries):
                         parts = e.path.rstrip("/").split("/")
                         if e.agent == SIM_AGENT and e.method == "PATCH" and parts[-1] == "status":
                             if parts[-3] == "rayjobs":
-                                out["completed"][parts[-2]] = e.time
+                                completed[parts[-2]] = e.time
                 elif cmd["cmd"] == "quota":
                     out = {"peak": kueue.peak, "admitted": kueue.admitted} if kueue else {}
                 elif cmd["cmd"] == "running":

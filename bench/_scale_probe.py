@@ -115,9 +115,9 @@ class PrefectRequestCounter:
                 counter.events += 1
             await emit(client, event)
 
-        httpx.Client.send = send  # type: ignore[method-assign]
-        httpx.AsyncClient.send = asend  # type: ignore[method-assign]
-        PrefectEventsClient._emit = counted_emit  # type: ignore[method-assign]
+        httpx.Client.send = send  # type: ignore[method-assign,assignment]
+        httpx.AsyncClient.send = asend  # type: ignore[method-assign,assignment]
+        PrefectEventsClient._emit = counted_emit  # type: ignore[method-assign,assignment]
         return self
 
     def _count(self, request: httpx.Request) -> None:
@@ -152,7 +152,8 @@ class SimulatedCluster:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(json.dumps({"cmd": cmd, **kw}) + "\n")
         self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())
+        out: dict[str, Any] = json.loads(self.proc.stdout.readline())
+        return out
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -81,7 +81,8 @@ def _timed(name: str, scenario: Any, engines: Engines, **sizes: Any) -> dict[str
     print(f"[chaos] {name}: {time.monotonic() - started:.0f}s {sizes}", file=sys.stderr)
     if output := result.pop("output", ""):
         print(f"[chaos] {name} script output (tail):\n{output[-1500:]}", file=sys.stderr)
-    return result
+    out: dict[str, Any] = result
+    return out
 
 
 def main() -> None:

@@ -9,6 +9,8 @@ we time how long each waiter takes to notice.
 
 Figures: kube_requests_ours, kube_requests_polling, kube_request_ratio (polling / ours; goal
 >= 10), kube_detect_p50_s / _p95_s (ours; goal p50 <= 0.5), kube_detect_polling_p50_s.
+kube_request_ratio counts requests made in one shared window, not time: the load on the
+machine does not move it, so it is one window, not rounds (bench._rounds).
 No KubeRay operator runs: the bench drives RayJob status itself, since it measures waiting.
 It closes what it opens (the backend, then the server) and fails if a thread prefect-nemo
 started is still alive 2 s later (kube_threads_left; goal 0).
@@ -47,7 +49,7 @@ def log(message: str) -> None:
     print(f"[kube_watch] {message}", file=sys.stderr, flush=True)
 
 
-def set_status(api: kube.KubeApi, namespace: str, name: str, status: dict) -> None:
+def set_status(api: kube.KubeApi, namespace: str, name: str, status: dict[str, str]) -> None:
     api.patch(kube.RAY_JOB, name, {"status": status}, namespace, subresource="status")
 
 

@@ -5,14 +5,14 @@ The tree (generated deterministically under a temp dir) mixes compressible Pytho
 tokenizer files would. Each repetition packs into an empty cache (a cold pack) and times
 `tar -czf` (gzip level 6, its default; ours uses the same) over the same files right after.
 
-Figures: pack_vs_tar_ratio (median cold pack + Kubernetes plan / median tar; goal <= 1.2),
-repack_fraction (median re-plan of the unchanged tree / median cold pack; goal <= 0.05,
-through the content-hash cache), pack_s, tar_s, repack_s, archive_mb, tar_mb.
+Figures: pack_vs_tar_ratio (cold pack + Kubernetes plan / tar; goal <= 1.2), repack_fraction
+(re-plan of the unchanged tree / cold pack; goal <= 0.05, through the content-hash cache),
+each per round of ROUNDS interleaved rounds (bench._rounds), printed `median [min, max]`;
+pack_s, tar_s, repack_s (medians), archive_mb, tar_mb.
 
 The two headline figures are CPU-time ratios (our process's CPU; tar's and gzip's together,
 from RUSAGE_CHILDREN): on a shared machine wall time swings with the load, CPU time does
-not. The wall-clock ratios are reported too (`*_wall_*`). Repetitions alternate which side
-runs first.
+not. The wall-clock ratios are reported too (`*_wall_*`).
 """
 
 from __future__ import annotations
@@ -26,15 +26,18 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from itertools import count
 from pathlib import Path
+from typing import NamedTuple, TypeVar
 
-from prefect_nemo.packaging import build_archive, plan_for
+from bench._rounds import ROUNDS, Spread, interleaved
+from prefect_nemo.packaging import SourceArchive, TransportPlan, build_archive, plan_for
 
 Report = Callable[[str, object], None]
+T = TypeVar("T")
 
 TREE_BYTES = 50 * 1024 * 1024
 BINARY_FRACTION = 0.3
-REPEATS = 5
 SEED = 20261121
 _WORDS = (
     "def class return import self model config torch tensor batch loss optimizer step "
@@ -92,7 +95,7 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _time(fn: Callable[[], object]) -> tuple[float, float, object]:
+def _time(fn: Callable[[], T]) -> tuple[float, float, T]:
     """(wall s, CPU s of this process and of the children it waited for, result)."""
     wall, cpu, children = time.perf_counter(), time.process_time(), _children_cpu()
     result = fn()
@@ -100,8 +103,23 @@ def _time(fn: Callable[[], object]) -> tuple[float, float, object]:
     return time.perf_counter() - wall, cpu_used, result
 
 
+class Timed(NamedTuple):
+    """Wall and CPU seconds of one step."""
+
+    wall: float
+    cpu: float
+
+
+class Packed(NamedTuple):
+    """One round of ours: a cold pack into an empty cache, then a re-plan through it."""
+
+    pack: Timed
+    repack: Timed
+    archive_bytes: int
+
+
 def run(report: Report) -> None:
-    """Time cold packs, tar -czf and re-plans; report medians."""
+    """Time cold packs and re-plans against tar -czf in interleaved rounds."""
     if shutil.which("tar") is None:
         raise RuntimeError("tar is not on PATH")
     with tempfile.TemporaryDirectory(prefix="prefect-nemo-bench-pack-") as tmp:
@@ -111,7 +129,7 @@ def run(report: Report) -> None:
         log(f"generated {written / 1e6:.1f} MB under {project}")
         max_bytes = 200 * 1024 * 1024  # the bench tree is far over the 8 MiB ConfigMap default
 
-        def pack(cache: Path) -> object:
+        def pack(cache: Path) -> tuple[TransportPlan, SourceArchive]:
             archive = build_archive(project, cache_dir=cache)
             return plan_for("kubernetes", archive, name="bench", max_bytes=max_bytes), archive
 
@@ -126,39 +144,33 @@ def run(report: Report) -> None:
             )
 
         tar()  # warm the page cache for both sides
-        samples: dict[str, list[tuple[float, float]]] = {"pack": [], "tar": [], "repack": []}
-        archive_size = 0
-        for rep in range(REPEATS):
-            cache = base / f"cache{rep}"
-            if rep % 2:
-                samples["tar"].append(_time(tar)[:2])
-            wall, cpu, (plan, archive) = _time(lambda cache=cache: pack(cache))  # type: ignore[misc]
-            samples["pack"].append((wall, cpu))
-            archive_size = archive.size
-            if not rep % 2:
-                samples["tar"].append(_time(tar)[:2])
-            wall, cpu, (plan2, _) = _time(lambda cache=cache: pack(cache))  # type: ignore[misc]
-            samples["repack"].append((wall, cpu))
+        caches = count()
+
+        def ours() -> Packed:
+            cache = base / f"cache{next(caches)}"
+            wall, cpu, (plan, archive) = _time(lambda: pack(cache))
+            wall2, cpu2, (plan2, _) = _time(lambda: pack(cache))
             assert plan2.sha256 == plan.sha256 and plan2.chunks == plan.chunks
-            log(
-                f"rep {rep}: "
-                + ", ".join(
-                    f"{k} {v[-1][0]:.3f}s wall {v[-1][1]:.3f}s cpu" for k, v in samples.items()
-                )
-            )
-        wall = {k: statistics.median(w for w, _ in v) for k, v in samples.items()}
-        cpu = {k: statistics.median(c for _, c in v) for k, v in samples.items()}
-        report("pack_vs_tar_ratio", cpu["pack"] / cpu["tar"])
-        report("repack_fraction", cpu["repack"] / cpu["pack"])
-        report("pack_vs_tar_wall_ratio", wall["pack"] / wall["tar"])
-        report("repack_wall_fraction", wall["repack"] / wall["pack"])
-        report("pack_s", wall["pack"])
-        report("tar_s", wall["tar"])
-        report("repack_s", wall["repack"])
-        report("pack_cpu_s", cpu["pack"])
-        report("tar_cpu_s", cpu["tar"])
-        report("repack_cpu_s", cpu["repack"])
-        report("archive_mb", archive_size / 1e6)
+            log(f"pack {wall:.3f}s wall {cpu:.3f}s cpu, repack {wall2:.3f}s wall {cpu2:.3f}s cpu")
+            return Packed(Timed(wall, cpu), Timed(wall2, cpu2), archive.size)
+
+        def raw() -> Timed:
+            wall, cpu, _ = _time(tar)
+            log(f"tar {wall:.3f}s wall {cpu:.3f}s cpu")
+            return Timed(wall, cpu)
+
+        pairs = interleaved(ours, raw, ROUNDS)
+        report("pack_vs_tar_ratio", Spread.of(o.pack.cpu / r.cpu for o, r in pairs))
+        report("repack_fraction", Spread.of(o.repack.cpu / o.pack.cpu for o, _ in pairs))
+        report("pack_vs_tar_wall_ratio", Spread.of(o.pack.wall / r.wall for o, r in pairs))
+        report("repack_wall_fraction", Spread.of(o.repack.wall / o.pack.wall for o, _ in pairs))
+        report("pack_s", statistics.median(o.pack.wall for o, _ in pairs))
+        report("tar_s", statistics.median(r.wall for _, r in pairs))
+        report("repack_s", statistics.median(o.repack.wall for o, _ in pairs))
+        report("pack_cpu_s", statistics.median(o.pack.cpu for o, _ in pairs))
+        report("tar_cpu_s", statistics.median(r.cpu for _, r in pairs))
+        report("repack_cpu_s", statistics.median(o.repack.cpu for o, _ in pairs))
+        report("archive_mb", pairs[-1][0].archive_bytes / 1e6)
         report("tar_mb", tar_out.stat().st_size / 1e6)
 
 

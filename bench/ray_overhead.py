@@ -4,7 +4,8 @@ Figures (see `run`):
 
 - ray_overhead_ratio: makespan of a 1 -> 10 parallel -> 1 DAG of `sleep 0.5` jobs run by a
   prefect-nemo flow, over the same DAG run by a raw JobSubmissionClient loop polling every
-  50 ms (medians of REPS alternating repetitions, after one warm-up of each).
+  50 ms, per round: `median [min, max]` of ROUNDS interleaved rounds (bench._rounds), after
+  one warm-up round. ray_makespan_*_s are the medians of each side.
 - ray_detect_p50_s / ray_detect_p95_s: from a job's end (Ray's end_time) to the moment its
   run_job returned in the flow, over every job of the counted prefect-nemo runs.
 - ray_requests_per_s_{10,40}jobs: Ray API requests per second (connections through a counting
@@ -33,6 +34,7 @@ from prefect.futures import as_completed, wait
 from prefect.testing.utilities import prefect_test_harness
 from ray.job_submission import JobDetails, JobStatus, JobSubmissionClient
 
+from bench._rounds import ROUNDS, Spread, interleaved
 from prefect_nemo import JobResult, JobSpec, run_job
 from prefect_nemo.blocks import RayJobsCluster
 from prefect_nemo.lifecycle import META_KEY
@@ -45,7 +47,6 @@ Report = Callable[[str, object], None]
 ENTRYPOINT = "sleep 0.5"
 N_PARALLEL = 10
 RAW_POLL_S = 0.05
-REPS = 3
 WARMUPS = 1
 
 LOAD_SIZES = (10, 40)
@@ -196,6 +197,7 @@ def run_raw_dag(client: JobSubmissionClient) -> DagRun:
         jobs = []
         for job_id, observed in seen.items():
             info = client.get_job_info(job_id)
+            assert info.start_time is not None and info.end_time is not None
             jobs.append(JobTiming(info.start_time / 1000, info.end_time / 1000, observed))
         result.append(Stage(begin, tuple(jobs)))
     return DagRun(tuple(result))
@@ -389,22 +391,19 @@ def run(report: Report) -> None:
         block = cluster.block()
         run_dag = make_dag_flow(block)
 
-        raw_runs: list[DagRun] = []
-        flow_runs: list[DagRun] = []
-        for rep in range(WARMUPS + REPS):
-            counted = rep >= WARMUPS
-            label = f"rep {rep - WARMUPS + 1}/{REPS}" if counted else "warm-up"
-            raw = run_raw_dag(client)
-            log(f"{label}: raw makespan {raw.makespan_s:.3f}s")
+        def ours() -> DagRun:
             dag = run_dag(f"bench-dag-{uuid.uuid4().hex[:8]}")
-            log(
-                f"{label}: prefect-nemo makespan {dag.makespan_s:.3f}s "
-                f"(flow total {dag.total_s:.3f}s)"
-            )
-            if counted:
-                raw_runs.append(raw)
-                flow_runs.append(dag)
+            log(f"prefect-nemo makespan {dag.makespan_s:.3f}s (flow total {dag.total_s:.3f}s)")
+            return dag
 
+        def raw() -> DagRun:
+            dag = run_raw_dag(client)
+            log(f"raw makespan {dag.makespan_s:.3f}s")
+            return dag
+
+        pairs = interleaved(ours, raw, ROUNDS, warmups=WARMUPS)
+        flow_runs = [o for o, _ in pairs]
+        raw_runs = [r for _, r in pairs]
         _describe("raw", raw_runs)
         _describe("prefect-nemo", flow_runs)
         raw_span = statistics.median(r.makespan_s for r in raw_runs)
@@ -417,7 +416,7 @@ def run(report: Report) -> None:
         )
         report("ray_makespan_raw_s", raw_span)
         report("ray_makespan_prefect_s", flow_span)
-        report("ray_overhead_ratio", flow_span / raw_span)
+        report("ray_overhead_ratio", Spread.of(o.makespan_s / r.makespan_s for o, r in pairs))
         report("ray_flow_total_s", statistics.median(r.total_s or 0.0 for r in flow_runs))
         report("ray_detect_p50_s", percentile(detections, 50))
         report("ray_detect_p95_s", percentile(detections, 95))

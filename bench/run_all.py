@@ -23,7 +23,8 @@ Report = Callable[[str, object], None]
 
 
 def format_value(value: object) -> str:
-    """Floats to 3 decimals; everything else as str()."""
+    """Floats to 3 decimals; everything else as str() (a ratio over rounds, bench._rounds'
+    Spread, as `median [min, max]`)."""
     if isinstance(value, float):
         return f"{value:.3f}"
     return str(value)

@@ -13,8 +13,13 @@ scale_kube_wall_ratio_<N> (ours flow wall / raw wall), scale_kube_rss_mb_<N>,
 scale_kube_threads_<N> (peaks of the flow process), scale_kube_detect_p50_s_<N> (from the
 simulator's write of the final status to run_jobs' wait seeing it; raw: its watch seeing it),
 scale_kube_cpu_s_<N> (CPU seconds of the flow process; raw: of the raw script; load on the
-machine inflates wall time far more than CPU time), scale_prefect_server_cpu_s_<N> (of the
-Prefect server during the flow),
+machine inflates wall time far more than CPU time), scale_kube_cpu_ms_per_job_<N> (the flow's
+own CPU, from its call to its return, per job), scale_prefect_server_cpu_s_<N> (of the
+Prefect server during the flow); Prefect's own floor (issue 30, 2), in a fresh process on the
+same server: a flow of N async task runs that each only wait JOB_S, gathered as run_jobs
+gathers its task runs, no backend: scale_prefect_floor_s_<N> (its wall),
+scale_prefect_floor_cpu_ms_per_job_<N>, scale_prefect_floor_server_cpu_s_<N>, and
+scale_kube_over_floor_<N> (ours / max(raw, floor): what we add over the slower of the two);
 scale_kube_api_requests_per_job_<N>, scale_prefect_api_requests_per_job_<N> (HTTP; events on
 Prefect's websocket counted apart), scale_kube_per_job_cost_growth (per-job wall overhead over
 raw at 1,000 / at 100), scale_prefect_ui_page_s_max_1000 (the UI's flow-run page loaded every
@@ -79,6 +84,8 @@ def child(kind: str, n: int, kubeconfig_path: str) -> dict[str, Any]:
         queue = QUOTA_QUEUE if kind.startswith("quota") else None
         if kind in ("raw", "quota-raw"):
             out = _raw(n, kubeconfig, queue)
+        elif kind == "floor":
+            out = _floor(n)
         else:
             out = _ours(n, kubeconfig, submit=kind == "submit", queue=queue)
     cpu = cpu_s() - cpu0
@@ -111,7 +118,7 @@ def _ours(
     from prefect.settings import PREFECT_API_URL
 
     import prefect_nemo.lifecycle as lifecycle
-    from bench._scale_probe import PrefectRequestCounter
+    from bench._scale_probe import PrefectRequestCounter, cpu_s
     from prefect_nemo import run_job, run_jobs
     from prefect_nemo.blocks import KubeRayCluster
     from prefect_nemo.blocks.kubernetes import KubernetesCluster
@@ -132,8 +139,8 @@ def _ours(
         seen[handle.job_id] = time.time()
         return status
 
-    lifecycle.wait_until_terminal_async = timed_wait  # type: ignore[assignment]
-    lifecycle.wait_until_terminal = timed_wait_sync  # type: ignore[assignment]
+    lifecycle.wait_until_terminal_async = timed_wait
+    lifecycle.wait_until_terminal = timed_wait_sync
     from bench._scale_cluster import CLUSTER_SPEC
 
     kubernetes = KubernetesCluster(kubeconfig=kubeconfig)
@@ -156,16 +163,53 @@ def _ours(
             states = [r.state.value for r in results]
         return time.monotonic() - t0, {s: states.count(s) for s in set(states)}
 
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), cpu_s()
     jobs_wall, states = scale_bench()
     return {
         "wall_s": time.monotonic() - t0,
+        "flow_cpu_s": cpu_s() - cpu0,
         "jobs_wall_s": jobs_wall,
         "states": states,
         "seen": seen,
         "prefect_requests": counter.requests,
         "prefect_events": counter.events,
         "prefect_by_path": counter.by_path,
+    }
+
+
+def _floor(n: int) -> dict[str, Any]:
+    """Prefect's own floor: a flow of n async task runs that only wait as long as a job takes
+    (JOB_S), gathered on one loop with one client as run_jobs runs its task runs; no backend."""
+    import asyncio
+
+    from prefect import flow, task
+    from prefect.cache_policies import NO_CACHE
+    from prefect.context import AsyncClientContext
+
+    from bench._scale_probe import cpu_s
+
+    @task(name="run_job", cache_policy=NO_CACHE, task_run_name="{name}")
+    async def wait_job(name: str) -> str:
+        await asyncio.sleep(JOB_S)
+        return name
+
+    async def wait_all() -> list[str]:
+        async with AsyncClientContext.get_or_create():
+            return await asyncio.gather(*(wait_job(f"s{i:04d}") for i in range(n)))
+
+    @flow(name="scale-floor")
+    def scale_floor() -> float:
+        t0 = time.monotonic()
+        asyncio.run(wait_all())
+        return time.monotonic() - t0
+
+    t0, cpu0 = time.monotonic(), cpu_s()
+    jobs_wall = scale_floor()
+    return {
+        "wall_s": time.monotonic() - t0,
+        "flow_cpu_s": cpu_s() - cpu0,
+        "jobs_wall_s": jobs_wall,
+        "seen": {},
     }
 
 
@@ -242,7 +286,7 @@ def measure(kind: str, n: int, api_url: str | None, ui: list[float] | None) -> d
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         if proc.returncode != 0 or not lines:
             raise RuntimeError(f"{kind} N={n} failed (exit {proc.returncode})")
-        out = json.loads(lines[-1])
+        out: dict[str, Any] = json.loads(lines[-1])
         out["server_cpu_s"] = server_cpu_s() - server_cpu0
         out["kube"] = cluster.ask("requests", since=since)
         completed = cluster.ask("completed")["completed"]
@@ -419,6 +463,9 @@ def _kube(sizes: tuple[int, ...], api_url: str, report: Any) -> None:
         log(f"ours: Prefect API requests by path {ours['prefect_by_path']}")
         if ui:
             log("UI page seconds, one a second: " + " ".join(f"{s:.2f}" for s in ui))
+        log(f"Prefect's floor: {n} async task runs waiting {JOB_S:g}s each, no backend")
+        floor = measure("floor", n, api_url, None)
+        log(f"floor: {floor['wall_s']:.1f}s, flow CPU {floor['flow_cpu_s']:.1f}s")
         report(f"scale_kube_wall_s_{n}", ours["wall_s"])
         report(f"scale_kube_wall_s_raw_{n}", raw["wall_s"])
         report(f"scale_kube_wall_ratio_{n}", ours["wall_s"] / raw["wall_s"])
@@ -426,6 +473,14 @@ def _kube(sizes: tuple[int, ...], api_url: str, report: Any) -> None:
         report(f"scale_kube_cpu_s_{n}", ours["cpu_s"])
         report(f"scale_kube_cpu_s_raw_{n}", raw["cpu_s"])
         report(f"scale_prefect_server_cpu_s_{n}", ours["server_cpu_s"])
+        # the flow's own CPU, from its call to its return (imports and start-up left out)
+        report(f"scale_kube_cpu_ms_per_job_{n}", ours["flow_cpu_s"] * 1000 / n)
+        report(f"scale_prefect_floor_s_{n}", floor["wall_s"])
+        report(f"scale_prefect_floor_cpu_ms_per_job_{n}", floor["flow_cpu_s"] * 1000 / n)
+        report(f"scale_prefect_floor_server_cpu_s_{n}", floor["server_cpu_s"])
+        # over the slower of what the cluster needs (raw) and what Prefect needs (the floor)
+        over = ours["wall_s"] / max(raw["wall_s"], floor["wall_s"])
+        report(f"scale_kube_over_floor_{n}", over)
         report(f"scale_kube_rss_mb_{n}", ours["peak_rss_mb"])
         report(f"scale_kube_rss_mb_raw_{n}", raw["peak_rss_mb"])
         report(f"scale_kube_threads_{n}", ours["peak_threads"])
@@ -437,8 +492,7 @@ def _kube(sizes: tuple[int, ...], api_url: str, report: Any) -> None:
         report(f"scale_prefect_api_requests_per_job_{n}", ours["prefect_requests"] / n)
         report(f"scale_prefect_events_per_job_{n}", ours["prefect_events"] / n)
         leaks = (
-            f"threads:{ours['threads_left']},ours:{len(ours['ours_left'])},"
-            f"fds:{ours['fds_left']}"
+            f"threads:{ours['threads_left']},ours:{len(ours['ours_left'])},fds:{ours['fds_left']}"
         )
         report(f"scale_kube_leaks_{n}", leaks)
         if ui:
@@ -521,7 +575,8 @@ def engine_child(
         tail = log_path.read_text(errors="replace")[-3000:]
         raise RuntimeError(f"{side} {kind} N={n} failed (exit {proc.returncode}):\n{tail}")
     log_path.unlink(missing_ok=True)
-    return json.loads(lines[-1])
+    out: dict[str, Any] = json.loads(lines[-1])
+    return out
 
 
 def _keep(lines: dict[str, str]) -> None:

@@ -1,10 +1,11 @@
 """What serving on Ray placement groups costs over starting the same servers by hand.
 
-Figures (medians of REPS alternating repetitions after one warm-up of each):
+Figures (from ROUNDS interleaved rounds of both ways after a warm-up round, bench._rounds:
+the ratios per round as `median [min, max]`, the times as medians):
 
 - serve_startup_ratio: time from `serve_replicas` entry to all 4 replicas healthy (4 x tp=1 on a
   2-node logical-GPU cluster) over the time to start the same 4 servers with plain Popen and
-  see them healthy, in the same run. Also serve_startup_s and serve_popen_s.
+  see them healthy, in the same round. Also serve_startup_s and serve_popen_s.
 - serve_ray_worker_floor_s: 4 trivial Ray actors (1 logical GPU each) created and answering,
   in the same run: the part of serve_startup_s that is Ray starting a worker per replica.
 - serve_startup_ratio_floor: 1 + floor / Popen time, the ratio serving would have if it cost
@@ -31,9 +32,11 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import ray
 
+from bench._rounds import ROUNDS, Spread, interleaved
 from prefect_nemo.local_ray import free_port
 from prefect_nemo.tasks.replicas import poll_intervals, serve_replicas
 
@@ -41,7 +44,6 @@ Report = Callable[[str, object], None]
 
 SERVER = Path(__file__).resolve().parent.parent / "flows" / "serve_jobs" / "model_server.py"
 REPLICAS = 4
-REPS = 3
 STOP_BOUND_S = 2.0
 
 
@@ -53,7 +55,7 @@ def log(message: str) -> None:
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.status == 200
+            return bool(resp.status == 200)
     except OSError:
         return False
 
@@ -96,7 +98,8 @@ def ray_worker_floor() -> float:
             return os.getpid()
 
     t0 = time.monotonic()
-    actors = [Trivial.options(num_gpus=1, num_cpus=1).remote() for _ in range(REPLICAS)]
+    options = Trivial.options  # type: ignore[attr-defined]  # ray.remote's class is untyped
+    actors = [options(num_gpus=1, num_cpus=1).remote() for _ in range(REPLICAS)]
     ray.get([a.ping.remote() for a in actors])
     took = time.monotonic() - t0
     for actor in actors:
@@ -118,8 +121,16 @@ def serve_once(stubborn: bool = False) -> tuple[float, float]:
     return startup, time.monotonic() - t1
 
 
+class Served(NamedTuple):
+    """One round of serve_replicas, and the Ray worker floor measured right after it."""
+
+    startup_s: float
+    teardown_s: float
+    floor_s: float
+
+
 def run(report: Report) -> None:
-    """Start a 2-node logical cluster, alternate Popen and serve_replicas, report medians."""
+    """Start a 2-node logical cluster, run Popen and serve_replicas in interleaved rounds."""
     from ray.cluster_utils import Cluster
 
     if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
@@ -130,37 +141,32 @@ def run(report: Report) -> None:
     try:
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, namespace="prefect-nemo", log_to_driver=False)
-        popen_runs: list[float] = []
-        serve_runs: list[float] = []
-        floors: list[float] = []
-        teardowns: list[float] = []
-        for rep in range(1 + REPS):
-            label = "warm-up" if rep == 0 else f"rep {rep}/{REPS}"
-            direct = popen_startup()
-            startup, teardown = serve_once()
-            floor = ray_worker_floor()
+
+        def ours() -> Served:
+            served = Served(*serve_once(), ray_worker_floor())
             log(
-                f"{label}: popen {direct:.2f}s, serve {startup:.2f}s, teardown {teardown:.2f}s, "
-                f"4 trivial actors {floor:.2f}s (load average {os.getloadavg()[0]:.1f})"
+                f"serve {served.startup_s:.2f}s, teardown {served.teardown_s:.2f}s, "
+                f"4 trivial actors {served.floor_s:.2f}s (load average {os.getloadavg()[0]:.1f})"
             )
-            if rep:
-                popen_runs.append(direct)
-                serve_runs.append(startup)
-                floors.append(floor)
-                teardowns.append(teardown)
+            return served
+
+        def raw() -> float:
+            direct = popen_startup()
+            log(f"popen {direct:.2f}s (load average {os.getloadavg()[0]:.1f})")
+            return direct
+
+        pairs = interleaved(ours, raw, ROUNDS, warmups=1)
         stubborn = []
         for rep in range(2):
             _, teardown = serve_once(stubborn=True)
             log(f"stubborn rep {rep + 1}/2: teardown {teardown:.2f}s (bound {STOP_BOUND_S:g}s)")
             stubborn.append(teardown)
-        serve_s, popen_s = statistics.median(serve_runs), statistics.median(popen_runs)
-        report("serve_startup_s", serve_s)
-        report("serve_popen_s", popen_s)
-        report("serve_startup_ratio", serve_s / popen_s)
-        floor_s = statistics.median(floors)
-        report("serve_ray_worker_floor_s", floor_s)
-        report("serve_startup_ratio_floor", 1 + floor_s / popen_s)
-        report("serve_teardown_s", statistics.median(teardowns))
+        report("serve_startup_s", statistics.median(o.startup_s for o, _ in pairs))
+        report("serve_popen_s", statistics.median(r for _, r in pairs))
+        report("serve_startup_ratio", Spread.of(o.startup_s / r for o, r in pairs))
+        report("serve_ray_worker_floor_s", statistics.median(o.floor_s for o, _ in pairs))
+        report("serve_startup_ratio_floor", Spread.of(1 + o.floor_s / r for o, r in pairs))
+        report("serve_teardown_s", statistics.median(o.teardown_s for o, _ in pairs))
         report("serve_stop_bound_s", STOP_BOUND_S)
         report("serve_teardown_stubborn_s", max(stubborn))
     finally:

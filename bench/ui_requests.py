@@ -64,7 +64,8 @@ def record() -> list[dict[str, Any]]:
     text = json.dumps(seen)
     for name, value in ids.items():
         text = text.replace(value, "{" + name + "}")
-    return json.loads(_UUID.sub("{other_id}", text))
+    requests: list[dict[str, Any]] = json.loads(_UUID.sub("{other_id}", text))
+    return requests
 
 
 def _requests_of_the_page(url: str, ui_url: str, sync_playwright: Any) -> list[dict[str, Any]]:
