@@ -4,11 +4,10 @@ Figure (issue 31, goal <= 1.05):
 
 - report_overhead_ratio: the flow process's CPU time (user + system, every thread) for a job
   that calls `prefect_nemo.report.progress` 200 times a second, over the same job printing
-  the same payload as plain lines; median of ROUNDS interleaved rounds (the side going first
-  alternates), printed with its min and max. Both jobs print REPORTS lines of the same length
-  on the same local Ray cluster; the flow streams the log (run_job's default), so each plain
-  line becomes a Prefect log record and each report line becomes progress (artifacts and
-  rate-limited events).
+  the same payload as plain lines; median [min, max] of 5 interleaved rounds (bench._rounds).
+  Both jobs print REPORTS lines of about the same length on the same local Ray cluster; the
+  flow streams the log (run_job's default), so each plain line becomes a Prefect log record
+  and each report line becomes progress (artifacts and rate-limited events).
 - report_flow_cpu_s_plain / report_flow_cpu_s_report: the medians behind the ratio.
 
     .venv/bin/python -m bench.report_overhead
@@ -29,6 +28,7 @@ from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 from prefect.runtime import flow_run
 from prefect.testing.utilities import prefect_test_harness
 
+from bench._rounds import Spread, interleaved
 from prefect_nemo import JobResult, JobSpec, JobState, run_job
 from prefect_nemo.blocks import RayJobsCluster
 from prefect_nemo.local_ray import start_local_ray
@@ -37,7 +37,6 @@ Report = Callable[[str, object], None]
 
 RATE_HZ = 200
 REPORTS = 1000  # 5 s of reports at RATE_HZ
-ROUNDS = 5
 
 # One script, two ways of saying the same thing: `report` goes through the report module,
 # `plain` prints the very line it would print, without the prefix the log pump looks for.
@@ -96,26 +95,22 @@ def run(report: Report) -> None:
     log("starting a local Ray cluster and the Prefect test API")
     with start_local_ray(num_cpus=4) as cluster, prefect_test_harness(server_startup_timeout=180):
         one_job = make_flow(cluster.block())
-        cpu: dict[str, list[float]] = {"plain": [], "report": []}
-        for round_ in range(ROUNDS + 1):  # round 0 warms both up, uncounted
-            order = ("plain", "report") if round_ % 2 else ("report", "plain")
-            for kind in order:
-                before = cpu_s()
-                result, run_id = one_job(kind, f"bench-report-{uuid.uuid4().hex[:6]}")
-                spent = cpu_s() - before
-                if result.state is not JobState.SUCCEEDED:
-                    raise RuntimeError(f"the {kind} job ended {result.state}: {result.message}")
-                if (payload_lines_logged(run_id) > 0) != (kind == "plain"):
-                    raise RuntimeError(f"the {kind} job's lines were not read as {kind} lines")
-                log(f"round {round_}: {kind} job, flow CPU {spent:.2f}s")
-                if round_:
-                    cpu[kind].append(spent)
-        ratios = [r / p for r, p in zip(cpu["report"], cpu["plain"], strict=True)]
-        report("report_flow_cpu_s_plain", statistics.median(cpu["plain"]))
-        report("report_flow_cpu_s_report", statistics.median(cpu["report"]))
-        report("report_overhead_ratio", statistics.median(ratios))
-        report("report_overhead_ratio_min", min(ratios))
-        report("report_overhead_ratio_max", max(ratios))
+
+        def flow_cpu_s(kind: str) -> float:
+            before = cpu_s()
+            result, run_id = one_job(kind, f"bench-report-{uuid.uuid4().hex[:6]}")
+            spent = cpu_s() - before
+            if result.state is not JobState.SUCCEEDED:
+                raise RuntimeError(f"the {kind} job ended {result.state}: {result.message}")
+            if (payload_lines_logged(run_id) > 0) != (kind == "plain"):
+                raise RuntimeError(f"the {kind} job's lines were not read as {kind} lines")
+            log(f"{kind} job: flow CPU {spent:.2f}s")
+            return spent
+
+        pairs = interleaved(lambda: flow_cpu_s("report"), lambda: flow_cpu_s("plain"), warmups=1)
+        report("report_flow_cpu_s_plain", statistics.median(plain for _, plain in pairs))
+        report("report_flow_cpu_s_report", statistics.median(ours for ours, _ in pairs))
+        report("report_overhead_ratio", Spread.of(ours / plain for ours, plain in pairs))
 
 
 if __name__ == "__main__":
