@@ -50,6 +50,14 @@ class ClusterBlock(Block):
         "or stopped proving it is alive) before it stops the job: a retry of the run within "
         "this time attaches to the job instead.",
     )
+    gpu_hour_price: float | None = Field(
+        default=None,
+        ge=0,
+        allow_inf_nan=False,
+        description="What one GPU-hour on this cluster costs, in the currency your team bills "
+        "in (e.g. USD per GPU-hour): each job's cost is its GPU-hours times this price. Empty "
+        "for no cost (GPU-hours are reported either way).",
+    )
     max_poll_interval_s: float = Field(
         default=2.0,
         gt=0,
