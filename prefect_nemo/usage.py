@@ -34,12 +34,15 @@ class JobShape(BaseModel):
         return self.nodes * self.gpus_per_node
 
 
-def job_shape(spec: JobSpec) -> JobShape:
+def job_shape(spec: JobSpec, default: JobShape | None = None) -> JobShape:
     """The GPUs a spec asks for: its placement's nodes x GPUs per node, else its entrypoint's
-    GPUs on one node (`resources.gpus`), else none."""
+    GPUs on one node (`resources.gpus`), else the cluster's `default` (a Slurm, Lepton or DGX
+    Cloud block's nodes and GPUs per node), else none."""
     if spec.placement is not None:
         return JobShape(nodes=spec.placement.nodes, gpus_per_node=spec.placement.gpus_per_node)
-    return JobShape(gpus_per_node=spec.resources.gpus or 0.0)
+    if spec.resources.gpus is not None:
+        return JobShape(gpus_per_node=spec.resources.gpus)
+    return default or JobShape()
 
 
 def gpu_hours(shape: JobShape, run_s: float) -> float:

@@ -45,6 +45,19 @@ def test_a_spec_says_its_gpus_by_placement_or_by_its_entrypoint_resources():
     assert job_shape(JobSpec(entrypoint="x")).gpus == 0
 
 
+def test_a_job_without_placement_gets_the_nodes_and_gpus_of_its_slurm_block():
+    from prefect_nemo.blocks import SlurmCluster
+
+    ssh = {"host": "h", "user": "u", "job_dir": "/j", "account": "a", "identity": "/k"}
+    block = SlurmCluster(**ssh, nodes=2, gpus_per_node=8)
+    eight = block.default_shape()
+    assert eight == JobShape(nodes=2, gpus_per_node=8)
+    assert job_shape(JobSpec(entrypoint="x"), eight) == eight
+    one = PlacementSpec(gpus_per_node=1)
+    assert job_shape(JobSpec(entrypoint="x", placement=one), eight).gpus == 1, "placement wins"
+    assert SlurmCluster(**ssh).default_shape() == JobShape(nodes=1, gpus_per_node=0)
+
+
 def test_a_roll_up_is_the_sum_of_its_jobs_wasted_counted_apart_and_cost_is_hours_times_price():
     price = 3.0
     eight = JobShape(nodes=1, gpus_per_node=8)
@@ -67,11 +80,12 @@ def test_a_roll_up_is_the_sum_of_its_jobs_wasted_counted_apart_and_cost_is_hours
 def test_a_negative_gpu_hour_price_is_refused_naming_the_field():
     from prefect_nemo.blocks.ray_jobs import RayJobsCluster
 
+    url = "http://127.0.0.1:8265"
     with pytest.raises(ValueError, match="gpu_hour_price") as caught:
-        RayJobsCluster(address="http://127.0.0.1:8265", gpu_hour_price=-1.0)
+        RayJobsCluster(dashboard_url=url, gpu_hour_price=-1.0)
     assert "greater than or equal to 0" in str(caught.value)
-    assert RayJobsCluster(address="http://127.0.0.1:8265", gpu_hour_price=2.5).gpu_hour_price == 2.5
-    assert RayJobsCluster(address="http://127.0.0.1:8265").gpu_hour_price is None
+    assert RayJobsCluster(dashboard_url=url, gpu_hour_price=2.5).gpu_hour_price == 2.5
+    assert RayJobsCluster(dashboard_url=url).gpu_hour_price is None
 
 
 # -- the supervisor measures, the reporter carries ------------------------------------------------
@@ -157,7 +171,7 @@ def test_the_terminal_event_and_row_carry_the_usage_and_the_artifact_rolls_up(mo
     first, second = reporter("run-1"), reporter("run-2")
     for rep, job, state, usage in (
         (first, "train", JobState.SUCCEEDED, ok),
-        (first, f"eval-{secret}", JobState.FAILED, lost),
+        (first, "eval", JobState.FAILED, lost),
         (second, "train-again", JobState.STOPPED, lost),
     ):
         rep.changed(JobHandle(job_id=job, backend="ray-jobs", cluster="c"), _ended(state), None,
@@ -172,7 +186,8 @@ def test_the_terminal_event_and_row_carry_the_usage_and_the_artifact_rolls_up(mo
     of_run, of_experiment = reporting.usage_rolled_up("run-1")
     assert of_run.gpu_hours == pytest.approx(0.6) and of_run.wasted_gpu_hours == pytest.approx(0.2)
     assert of_experiment is not None, "both runs are experiment sft-..."
-    assert of_experiment == roll_up([ok, lost, lost]), "the sum of its jobs"
+    expected = roll_up([ok, lost, lost]).model_dump()
+    assert of_experiment.model_dump() == pytest.approx(expected), "the sum of its jobs"
     kind, markdown, _ = ledger._data("run-1")
     assert kind == "markdown"
     assert "| this flow run | 2 | 0.6000 | 0.2000 | 1.20 | 0.40 |" in markdown
@@ -191,11 +206,10 @@ def test_a_ray_job_carries_its_gpu_hours_in_result_event_row_and_artifact(
     from prefect_nemo.tasks import reporting
     from tests.test_progress_reports import _events
 
-    (tmp_path / "job.py").write_text("import time\ntime.sleep(2)\n")
+    (tmp_path / "job.py").write_text("import time\ntime.sleep(3)\n")
     spec = JobSpec(entrypoint="python job.py", name="gpu-hours", working_dir=tmp_path,
                    resources=Resources(gpus=1))  # fmt: skip
-    block = ray_head.block()
-    block.gpu_hour_price = 3.0
+    block = ray_head.block(gpu_hour_price=3.0)
     since = datetime.now(UTC).isoformat()
 
     @flow
@@ -210,7 +224,7 @@ def test_a_ray_job_carries_its_gpu_hours_in_result_event_row_and_artifact(
     assert result.state is JobState.SUCCEEDED and result.usage is not None
     usage: JobUsage = result.usage
     assert (usage.nodes, usage.gpus_per_node) == (1, 1)
-    assert 1.5 <= usage.run_s <= took, usage
+    assert 1.0 <= usage.run_s <= took, usage  # seen RUNNING: within a poll of the 3 s sleep
     assert result.gpu_hours == pytest.approx(usage.run_s / 3600)
     assert result.cost == pytest.approx(result.gpu_hours * 3.0)
 

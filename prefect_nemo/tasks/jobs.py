@@ -85,7 +85,7 @@ def wait_policy(
         stop_timeout_s=block.stop_timeout_s,
         stall_after_s=spec.stall_after_s if spec is not None else None,
         stop_on_stall=spec.stop_on_stall if spec is not None else False,
-        shape=job_shape(spec) if spec is not None else None,
+        shape=job_shape(spec, block.default_shape()) if spec is not None else None,
         gpu_hour_price=block.gpu_hour_price,
     )
 
