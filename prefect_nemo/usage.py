@@ -35,13 +35,15 @@ class JobShape(BaseModel):
 
 
 def job_shape(spec: JobSpec, default: JobShape | None = None) -> JobShape:
-    """The GPUs a spec asks for: its placement's nodes x GPUs per node, else its entrypoint's
-    GPUs on one node (`resources.gpus`), else the cluster's `default` (a Slurm, Lepton or DGX
-    Cloud block's nodes and GPUs per node), else none."""
+    """The GPUs a spec asks for: its placement's nodes x GPUs per node, else `resources.gpus`
+    on each of the cluster's `default` nodes (one node without a default), else the cluster's
+    `default` (a Slurm, Lepton, DGX Cloud or Kubeflow Trainer block's nodes and GPUs per
+    node), else none. Slurm, Lepton and DGX Cloud run `resources.gpus` on the block's nodes."""
     if spec.placement is not None:
         return JobShape(nodes=spec.placement.nodes, gpus_per_node=spec.placement.gpus_per_node)
     if spec.resources.gpus is not None:
-        return JobShape(gpus_per_node=spec.resources.gpus)
+        nodes = default.nodes if default is not None else 1
+        return JobShape(nodes=nodes, gpus_per_node=spec.resources.gpus)
     return default or JobShape()
 
 
@@ -82,10 +84,11 @@ def measure(
     wasted: bool = False,
 ) -> JobUsage:
     """The usage of one job of `shape` that waited `queue_wait_s` and ran `run_s` seconds."""
+    run_s = round(max(0.0, run_s), 3)  # GPU-hours from the run time reported, to agree with it
     hours = gpu_hours(shape, run_s)
     return JobUsage(
         queue_wait_s=round(max(0.0, queue_wait_s), 3),
-        run_s=round(max(0.0, run_s), 3),
+        run_s=run_s,
         nodes=shape.nodes,
         gpus_per_node=shape.gpus_per_node,
         gpu_hours=hours,

@@ -74,9 +74,9 @@ class ClusterBlock(Block):
         """Build the backend that talks to this cluster."""
 
     def default_shape(self) -> JobShape | None:
-        """The nodes x GPUs a job without placement or resources.gpus gets on this cluster
-        (Slurm, Lepton, DGX Cloud, Kubeflow Trainer: the block's defaults), for its GPU-hours;
-        None where the block sets none."""
+        """The nodes x GPUs a job without placement gets on this cluster (Slurm, Lepton, DGX
+        Cloud, Kubeflow Trainer: the block's nodes, and its GPUs per node unless the job's
+        resources.gpus says), for its GPU-hours; None where the block sets none."""
         if self._shape_fields is None:
             return None
         nodes, gpus = (getattr(self, name) for name in self._shape_fields)
