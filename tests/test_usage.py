@@ -58,6 +58,43 @@ def test_a_job_without_placement_gets_the_nodes_and_gpus_of_its_slurm_block():
     assert SlurmCluster(**ssh).default_shape() == JobShape(nodes=1, gpus_per_node=0)
 
 
+def test_a_job_without_placement_or_gpus_counts_its_slurm_or_kubeflow_blocks_nodes_x_gpus():
+    from prefect_nemo.blocks import KubeflowTrainerCluster, SlurmCluster
+    from prefect_nemo.blocks.kubernetes import KubernetesCluster
+    from prefect_nemo.blocks.ray_jobs import RayJobsCluster
+    from prefect_nemo.tasks.jobs import wait_policy
+
+    ssh = {"host": "h", "user": "u", "job_dir": "/j", "account": "a", "identity": "/k"}
+    slurm = SlurmCluster(**ssh, nodes=2, gpus_per_node=8, gpu_hour_price=2.0)
+    trainer = KubeflowTrainerCluster(
+        kubernetes=KubernetesCluster(), image="x", num_nodes=4, gpus_per_node=2
+    )
+    ray = RayJobsCluster(dashboard_url="http://127.0.0.1:8265")
+
+    def policy(block: Any, spec: JobSpec | None) -> WaitPolicy:
+        return wait_policy(block, timeout_s=None, queue_timeout_s=None, stream_logs=True,
+                           spec=spec)  # fmt: skip
+
+    bare = JobSpec(entrypoint="x")
+    assert trainer.default_shape() == JobShape(nodes=4, gpus_per_node=2)
+    assert policy(slurm, bare).shape == JobShape(nodes=2, gpus_per_node=8)
+    assert policy(trainer, bare).shape == JobShape(nodes=4, gpus_per_node=2)
+    assert ray.default_shape() is None and policy(ray, bare).shape == JobShape(gpus_per_node=0)
+    # resources.gpus is per node: Slurm runs it on each of the block's nodes, Ray on one
+    four = JobSpec(entrypoint="x", resources=Resources(gpus=4))
+    assert policy(slurm, four).shape == JobShape(nodes=2, gpus_per_node=4)
+    assert policy(ray, four).shape == JobShape(nodes=1, gpus_per_node=4)
+    assert policy(slurm, None).shape is None, "waited for without its spec: GPUs unknown"
+
+    t0 = datetime.now(UTC)  # 2 nodes x 8 GPUs for 90 s at the block's price: 0.4 GPU-h, 0.8
+    clock = JobClock(now=t0)
+    clock.observe(_ended(JobState.RUNNING), now=t0)
+    clock.observe(_ended(JobState.SUCCEEDED), now=t0 + timedelta(seconds=90))
+    usage = Supervisor(None, policy(slurm, bare))._usage(_ended(JobState.SUCCEEDED), clock)  # type: ignore[arg-type]
+    assert usage is not None and (usage.nodes, usage.gpus_per_node) == (2, 8)
+    assert usage.gpu_hours == pytest.approx(0.4, abs=0.01) and usage.cost == pytest.approx(0.8)
+
+
 def test_a_roll_up_is_the_sum_of_its_jobs_wasted_counted_apart_and_cost_is_hours_times_price():
     price = 3.0
     eight = JobShape(nodes=1, gpus_per_node=8)
