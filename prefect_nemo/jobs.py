@@ -29,6 +29,7 @@ from prefect_nemo import nemo_task
 from prefect_nemo.errors import InvalidJobSpec
 from prefect_nemo.nemo_task import NemoTask
 from prefect_nemo.placement.spec import PlacementSpec  # plain pydantic: no Ray, no Prefect
+from prefect_nemo.usage import JobShape, JobUsage
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Metadata keys we write on every job; users may not set them.
@@ -437,6 +438,12 @@ class JobStatus(BaseModel):
     end_time: datetime | None = None
     exit_code: int | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
+    shape: JobShape | None = Field(
+        None,
+        description="Nodes x GPUs the engine says the job holds, where it says (Kubeflow "
+        "Trainer: the TrainJob's numNodes and nvidia.com/gpu per node); elsewhere the spec's "
+        "count is used.",
+    )
 
 
 class JobResult(BaseModel):
@@ -456,6 +463,21 @@ class JobResult(BaseModel):
         None, description="Seconds it waited in its scheduler's queue while we watched it."
     )
     preemptions: int = Field(0, description="Times it was preempted back into the queue.")
+    usage: JobUsage | None = Field(
+        None,
+        description="Its queue wait, run time, nodes x GPUs, GPU-hours and cost (None when the "
+        "GPUs it held are unknown: waited for without its spec, or stopped by stop_job).",
+    )
+
+    @property
+    def gpu_hours(self) -> float | None:
+        """GPU-hours it used (usage.gpu_hours), None when unknown."""
+        return self.usage.gpu_hours if self.usage is not None else None
+
+    @property
+    def cost(self) -> float | None:
+        """What it cost at the block's gpu_hour_price (usage.cost), None without one."""
+        return self.usage.cost if self.usage is not None else None
 
     @property
     def duration_s(self) -> float | None:

@@ -45,6 +45,7 @@ from prefect_nemo.jobs import (
 from prefect_nemo.logs import LogFollower, log_pump
 from prefect_nemo.redaction import Redactor
 from prefect_nemo.report import Report, parse
+from prefect_nemo.usage import JobShape, JobUsage, measure
 from prefect_nemo.watcher import ClusterWatcher, JobClock, Silence, _never, watcher_for
 from prefect_nemo.watcher import wait_until_terminal as wait_until_terminal  # where callers look
 from prefect_nemo.watcher import wait_until_terminal_async as wait_until_terminal_async
@@ -86,6 +87,8 @@ class WaitPolicy:
     stop_timeout_s: float = 60.0
     stall_after_s: float | None = None
     stop_on_stall: bool = False
+    shape: JobShape | None = None  # the GPUs the job holds (its spec's); None: unknown
+    gpu_hour_price: float | None = None  # the block's, for the job's cost
 
 
 class JobObserver(Protocol):
@@ -98,9 +101,16 @@ class JobObserver(Protocol):
         """From now until `ended`, `stop()` must run if the caller goes away (it returns how
         the job ended and never raises)."""
 
-    def changed(self, handle: JobHandle, status: JobStatus, clock: JobClock | None) -> None:
+    def changed(
+        self,
+        handle: JobHandle,
+        status: JobStatus,
+        clock: JobClock | None,
+        usage: JobUsage | None = None,
+    ) -> None:
         """A new observation of the job (maybe the same state again); `clock` says where its
-        time went while we watched (None for a status outside a wait, e.g. a stop's)."""
+        time went while we watched (None for a status outside a wait, e.g. a stop's); a
+        terminal status of a job whose GPUs are known comes with its `usage`."""
 
     def log(self, handle: JobHandle, line: str) -> None:
         """One line of the job's own log (report lines go to `progress` instead)."""
@@ -128,7 +138,13 @@ class QuietObserver:
     def live(self, handle: JobHandle, stop: Callable[[], str]) -> None:
         """Nothing."""
 
-    def changed(self, handle: JobHandle, status: JobStatus, clock: JobClock | None) -> None:
+    def changed(
+        self,
+        handle: JobHandle,
+        status: JobStatus,
+        clock: JobClock | None,
+        usage: JobUsage | None = None,
+    ) -> None:
         """Nothing."""
 
     def log(self, handle: JobHandle, line: str) -> None:
@@ -203,7 +219,7 @@ class Supervisor:
 
         def on_change(status: JobStatus) -> None:
             logs.update(status)
-            self.observer.changed(handle, status, clock)
+            self.observer.changed(handle, status, clock, self._usage(status, clock))
 
         try:
             final = wait_until_terminal(
@@ -217,14 +233,14 @@ class Supervisor:
                 silence=logs.silence,
             )
         except (JobTimedOut, JobInterrupted, JobStalled) as exc:
-            final, stopped = self._stop(handle), True
+            final, stopped = self._stop(handle, clock), True
             raise self._stopped_error(
                 handle, final, attached, exc, clock, logs.last_report
             ) from None
         finally:
             logs.close()
             if final is None and not stopped:  # cancelled, crashed or lost the cluster
-                self._stop(handle)
+                self._stop(handle, clock)
             self.observer.ended(handle)
         return self._outcome(handle, final, attached, logs.whole, clock)
 
@@ -255,16 +271,16 @@ class Supervisor:
                 silence=logs.silence,
             )
             await asyncio.to_thread(logs.update, final)
-            self.observer.changed(handle, final, clock)
+            self.observer.changed(handle, final, clock, self._usage(final, clock))
         except (JobTimedOut, JobInterrupted, JobStalled) as exc:
-            final, stopped = await asyncio.to_thread(self._stop, handle), True
+            final, stopped = await asyncio.to_thread(self._stop, handle, clock), True
             raise self._stopped_error(
                 handle, final, attached, exc, clock, logs.last_report
             ) from None
         finally:
             await asyncio.to_thread(logs.close)
             if final is None and not stopped:  # cancelled, crashed or lost the cluster
-                await asyncio.to_thread(self._stop, handle)
+                await asyncio.to_thread(self._stop, handle, clock)
             self.observer.ended(handle)
         return await asyncio.to_thread(
             self._outcome, handle, final, attached, logs.whole, clock
@@ -301,7 +317,7 @@ class Supervisor:
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _stop(self, handle: JobHandle) -> JobStatus | None:
+    def _stop(self, handle: JobHandle, clock: JobClock | None = None) -> JobStatus | None:
         try:
             status = stop_and_confirm(
                 self.backend, handle.job_id, timeout_s=self.policy.stop_timeout_s
@@ -312,8 +328,33 @@ class Supervisor:
             )
             return None
         if status is not None:
-            self.observer.changed(handle, status, None)
+            if clock is not None:  # its run time ends with the stop
+                clock.observe(status)
+            self.observer.changed(handle, status, None, self._usage(status, clock))
         return status
+
+    def _usage(self, status: JobStatus | None, clock: JobClock | None) -> JobUsage | None:
+        """What an ended job used, when its GPUs are known (None before its end): the
+        engine's count where it says one, else the spec's."""
+        if clock is None or status is None or not status.state.is_terminal():
+            return None
+        shape = status.shape or self.policy.shape
+        if shape is None:
+            return None
+        run_s = clock.running_s()
+        ran = status.state is JobState.SUCCEEDED or status.exit_code is not None
+        if not run_s and ran and status.start_time and status.end_time:
+            # never seen RUNNING (it ran between two polls): the cluster's own span stands in.
+            # Seen running, our clock measures: engines mean different things by a start
+            # time (Ray: the submission; Slurm: the start after the queue)
+            run_s = (status.end_time - status.start_time).total_seconds()
+        return measure(
+            shape,
+            run_s=run_s,
+            queue_wait_s=clock.queued_s(),
+            price=self.policy.gpu_hour_price,
+            wasted=status.state in (JobState.FAILED, JobState.STOPPED),
+        )
 
     def _stopped_error(
         self,
@@ -405,6 +446,7 @@ class Supervisor:
             exit_code=status.exit_code,
             log_tail=log_tail,
             attached=attached,
+            usage=self._usage(status, clock),
             **waited,
         )
 

@@ -340,6 +340,7 @@ class JobClock:
         self._state: JobState | None = None  # None before the first status (counted active)
         self._closed_active_s = 0.0
         self._closed_queued_s = 0.0
+        self._closed_running_s = 0.0
         self.preemptions = 0  # RUNNING -> QUEUED transitions seen
         self.last_wait_s: float | None = None  # the last wait in the queue that ended
 
@@ -363,6 +364,8 @@ class JobClock:
             self.last_wait_s = spent
         elif self._state is None or not self._state.is_terminal():
             self._closed_active_s += spent
+            if self._state is JobState.RUNNING:
+                self._closed_running_s += spent
         if status.state is JobState.QUEUED and self._state is JobState.RUNNING:
             self.preemptions += 1
         self._state, self._since = status.state, now
@@ -375,6 +378,11 @@ class JobClock:
         live = self._state is None or not (self._state is JobState.QUEUED or
                                            self._state.is_terminal())  # fmt: skip
         return self._closed_active_s + (self._current(now) if live else 0.0)
+
+    def running_s(self, now: datetime | None = None) -> float:
+        """Seconds seen RUNNING so far (what holds GPUs), every run together."""
+        current = self._current(now) if self._state is JobState.RUNNING else 0.0
+        return self._closed_running_s + current
 
     def queued_s(self, now: datetime | None = None) -> float:
         """Seconds spent QUEUED so far, every wait together."""

@@ -35,6 +35,8 @@ COMPAT = {
     "tests/test_deployments.py::test_every_entrypoint_loads_and_every_parameter_is_accepted",
     "tests/test_deployments.py::test_deploy_is_idempotent_and_creates_the_work_pool",
     "tests/test_secrets.py::test_canaries_never_leak",
+    "tests/test_usage.py::test_a_two_node_8_gpu_job_that_ran_90s_used_0_4_gpu_hours",
+    "tests/test_usage.py::test_the_terminal_event_and_row_carry_the_usage_and_the_artifact_rolls_up",
 }
 
 
@@ -134,7 +136,9 @@ _shared_head = pytest.StashKey[LocalRayCluster]()
 
 
 def _ray_head() -> LocalRayCluster:
-    return start_local_ray(num_cpus=8, resources={"slot": 4})
+    # two logical GPUs (Ray needs no device for them): a GPU job's GPU-hours are measured on
+    # the real engine (tests/test_usage.py)
+    return start_local_ray(num_cpus=8, num_gpus=2, resources={"slot": 4})
 
 
 def pytest_configure(config: pytest.Config) -> None:

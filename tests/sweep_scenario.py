@@ -244,6 +244,10 @@ def assert_reported(swept: Swept, since: datetime) -> None:
     mine = [e for e in events if e["resource"]["prefect.resource.name"] in swept.killed]
     assert {e["payload"]["outcome"] for e in mine} == {"STOPPED"}
     assert {e["payload"]["owner"] for e in mine} == {stopped[swept.killed[0]]["owner"]}
+    # the time each ran for its dead run, where the cluster says its start and end (issue 31)
+    wasted = [e["payload"]["wasted_run_s"] for e in mine]
+    assert all(s is None or s > 0 for s in wasted), wasted
+    assert [stopped[e["resource"]["prefect.resource.name"]]["wasted_run_s"] for e in mine] == wasted
     for event in mine:
         runs = {r["prefect.resource.id"] for r in event.get("related") or []}
         assert f"prefect.flow-run.{swept.sweep_run_id}" in runs, event

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from abc import abstractmethod
+from typing import ClassVar
 
 from prefect.blocks.core import Block
 from pydantic import ConfigDict, Field
 
 from prefect_nemo.jobs import Backend
 from prefect_nemo.names import dns_label
+from prefect_nemo.usage import JobShape
 
 DOCS_URL = "https://github.com/prefect-nemo/prefect-nemo#readme"
 # Block logos ship in this repository (assets/block-logos), as Prefect ships its own: a file
@@ -25,6 +27,8 @@ class ClusterBlock(Block):
     # Block annotates _logo_url and _documentation_url as HttpUrl; a plain URL string works
     # the same (Prefect's API takes either), hence the ignores on them in every block
     _documentation_url = DOCS_URL  # type: ignore[assignment]
+    # the block's (nodes, GPUs per node) fields, where its jobs get them by default
+    _shape_fields: ClassVar[tuple[str, str] | None] = None
 
     max_concurrent_jobs: int | None = Field(
         default=None,
@@ -50,6 +54,14 @@ class ClusterBlock(Block):
         "or stopped proving it is alive) before it stops the job: a retry of the run within "
         "this time attaches to the job instead.",
     )
+    gpu_hour_price: float | None = Field(
+        default=None,
+        ge=0,
+        allow_inf_nan=False,
+        description="What one GPU-hour on this cluster costs, in the currency your team bills "
+        "in (e.g. USD per GPU-hour): each job's cost is its GPU-hours times this price. Empty "
+        "for no cost (GPU-hours are reported either way).",
+    )
     max_poll_interval_s: float = Field(
         default=2.0,
         gt=0,
@@ -60,6 +72,15 @@ class ClusterBlock(Block):
     @abstractmethod
     def backend(self) -> Backend:
         """Build the backend that talks to this cluster."""
+
+    def default_shape(self) -> JobShape | None:
+        """The nodes x GPUs a job without placement gets on this cluster (Slurm, Lepton, DGX
+        Cloud, Kubeflow Trainer: the block's nodes, and its GPUs per node unless the job's
+        resources.gpus says), for its GPU-hours; None where the block sets none."""
+        if self._shape_fields is None:
+            return None
+        nodes, gpus = (getattr(self, name) for name in self._shape_fields)
+        return JobShape(nodes=nodes, gpus_per_node=gpus or 0)
 
     def cleanup(self) -> list[str]:
         """Remove what prefect-nemo created on this cluster that no run needs any more (shared

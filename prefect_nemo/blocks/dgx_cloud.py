@@ -23,6 +23,7 @@ class DGXCloudCluster(ClusterBlock):
 
     _block_type_name = "DGX Cloud Cluster"
     _block_type_slug = "dgx-cloud-cluster"
+    _shape_fields = ("nodes", "gpus_per_node")
     _logo_url = "https://www.nvidia.com/favicon.ico"  # type: ignore[assignment]
     _description = (
         "A DGX Cloud (run:ai) cluster reached through its REST API with an application's "

@@ -50,6 +50,7 @@ class KubeflowTrainerCluster(ClusterBlock):
 
     _block_type_name = "Kubeflow Trainer Cluster"
     _block_type_slug = "kubeflow-trainer-cluster"
+    _shape_fields = ("num_nodes", "gpus_per_node")
     _logo_url = "https://www.kubeflow.org/favicon.ico"  # type: ignore[assignment]
     _description = (
         "Runs prefect-nemo jobs as Kubeflow Trainer TrainJobs: the local code shipped in "

@@ -23,6 +23,7 @@ class LeptonWorkspace(ClusterBlock):
 
     _block_type_name = "Lepton Workspace"
     _block_type_slug = "lepton-workspace"
+    _shape_fields = ("nodes", "gpus_per_node")
     _logo_url = "https://www.nvidia.com/favicon.ico"  # type: ignore[assignment]
     _description = (
         "A DGX Cloud Lepton workspace (id, API URL, token) with the dedicated node group, "

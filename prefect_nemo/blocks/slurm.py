@@ -21,6 +21,7 @@ class SlurmCluster(ClusterBlock):
 
     _block_type_name = "Slurm Cluster"
     _block_type_slug = "slurm-cluster"
+    _shape_fields = ("nodes", "gpus_per_node")
     _logo_url = "https://slurm.schedmd.com/favicon.ico"  # type: ignore[assignment]
     _description = (
         "A Slurm cluster reached over SSH (key only, never a password prompt): its login node, "

@@ -1,7 +1,7 @@
-"""The artifacts a run keeps up to date in Prefect: the run's tables and progress, and each
-job's progress, metrics table and charts. Each is one artifact rewritten in place, its writes
-coalesced and sent through the outbox (`_outbox.py`), so a burst of changes costs one write and
-an API outage loses none."""
+"""The artifacts a run keeps up to date in Prefect: the run's tables, progress and GPU-hours,
+and each job's progress, metrics table and charts. Each is one artifact rewritten in place, its
+writes coalesced and sent through the outbox (`_outbox.py`), so a burst of changes costs one
+write and an API outage loses none."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from prefect_nemo.redaction import Redactor
 from prefect_nemo.report import Report
 from prefect_nemo.tasks._outbox import outbox
 from prefect_nemo.tasks._run import RunContext
+from prefect_nemo.usage import JobUsage, RollUp, roll_up
 
 
 class _CoalescedWrites:
@@ -185,3 +186,76 @@ class JobCharts(_CoalescedWrites):
             return "table", self.redact(table), f"Latest metrics of job {job} (prefect-nemo)"
         chart = progress.chart(f"Metrics of job `{job}`")
         return "markdown", self.redact(chart), f"Metrics of job {job} over steps (prefect-nemo)"
+
+
+class RunUsage(_CoalescedWrites):
+    """One markdown artifact per flow run: each ended job's GPU-hours, and the roll-up of the
+    flow run and of its experiment (every flow run of that experiment this process saw: a
+    parent flow's subflows, a retry), wasted GPU-hours apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._jobs: dict[str, dict[str, tuple[str, JobUsage]]] = {}  # run -> job -> (state, use)
+        self._experiment: dict[str, str] = {}  # flow run -> its experiment
+
+    def add(
+        self, flow_run_id: str | None, experiment: str | None, job: str, state: str,
+        usage: JobUsage,
+    ) -> None:  # fmt: skip
+        """Record an ended job's usage (a job seen ending twice counts once) and have the
+        artifacts it changes rewritten. No-op outside a flow run."""
+        if flow_run_id is None:
+            return
+        with self._lock:
+            self._jobs.setdefault(flow_run_id, {})[job] = (state, usage)
+            if experiment:
+                self._experiment[flow_run_id] = experiment
+            for run in self._runs_of(experiment) | {flow_run_id}:
+                self._changed(run)
+
+    def rolled_up(self, flow_run_id: str) -> tuple[RollUp, RollUp | None]:
+        """(the flow run's roll-up, its experiment's or None), as recorded in this process."""
+        with self._lock:
+            experiment = self._experiment.get(flow_run_id)
+            of_experiment = self._sum(self._runs_of(experiment)) if experiment else None
+            return self._sum({flow_run_id}), of_experiment
+
+    def _runs_of(self, experiment: str | None) -> set[str]:
+        return {run for run, name in self._experiment.items() if experiment and name == experiment}
+
+    def _sum(self, runs: set[str]) -> RollUp:
+        return roll_up(usage for run in runs for _, usage in self._jobs.get(run, {}).values())
+
+    def _data(self, flow_run_id: str) -> tuple[str, Any, str]:
+        lines = [
+            "## GPU-hours of this flow run", "",
+            "| job | state | nodes x GPUs | queue wait s | run s | GPU-hours | cost | wasted |",
+            "|---|---|---|---|---|---|---|---|",
+        ]  # fmt: skip
+        for job, (state, u) in sorted(self._jobs.get(flow_run_id, {}).items()):
+            lines.append(
+                f"| `{job}` | {state} | {u.nodes} x {u.gpus_per_node:g} | {u.queue_wait_s:.1f} "
+                f"| {u.run_s:.1f} | {u.gpu_hours:.4f} | {_money(u.cost)} | "
+                f"{'yes' if u.wasted else ''} |"
+            )
+        rows = [("this flow run", self._sum({flow_run_id}))]
+        experiment = self._experiment.get(flow_run_id)
+        if experiment:
+            rows.append((f"experiment `{experiment}`", self._sum(self._runs_of(experiment))))
+        lines += [
+            "", "| roll-up | jobs | GPU-hours | of which wasted | cost | of which wasted |",
+            "|---|---|---|---|---|---|",
+        ]  # fmt: skip
+        for what, total in rows:
+            lines.append(
+                f"| {what} | {total.jobs} | {total.gpu_hours:.4f} | "
+                f"{total.wasted_gpu_hours:.4f} | {_money(total.cost)} | "
+                f"{_money(total.wasted_cost)} |"
+            )
+        lines += ["", "Wasted: GPU-hours of jobs that ended FAILED or STOPPED."]
+        description = "GPU-hours of this flow run's jobs (prefect-nemo)"
+        return "markdown", "\n".join(lines) + "\n", description
+
+
+def _money(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"

@@ -53,6 +53,7 @@ from prefect_nemo.tasks.jobs import (
     wait_policy,
 )
 from prefect_nemo.tasks.reporting import JobReporter, say
+from prefect_nemo.usage import JobUsage
 from prefect_nemo.watcher import JobClock
 
 T = TypeVar("T")
@@ -258,9 +259,15 @@ class _BatchReporter(JobReporter):
         super().__init__(run, redact, settle=False)  # the batch settles the outbox itself
         self.batch = batch
 
-    def changed(self, handle: JobHandle, status: JobStatus, clock: JobClock | None) -> None:
+    def changed(
+        self,
+        handle: JobHandle,
+        status: JobStatus,
+        clock: JobClock | None,
+        usage: JobUsage | None = None,
+    ) -> None:
         """Report it, and count it in the batch's progress."""
-        super().changed(handle, status, clock)
+        super().changed(handle, status, clock, usage)
         self.batch.changed(handle.job_id, status.state)
 
 

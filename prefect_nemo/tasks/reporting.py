@@ -27,7 +27,8 @@ from prefect_nemo.redaction import Redactor
 from prefect_nemo.report import Report
 from prefect_nemo.tasks._outbox import outbox
 from prefect_nemo.tasks._run import RunContext, api_outage_budget_s
-from prefect_nemo.tasks.artifacts import JobCharts, RunTable
+from prefect_nemo.tasks.artifacts import JobCharts, RunTable, RunUsage
+from prefect_nemo.usage import JobUsage, RollUp
 from prefect_nemo.watcher import JobClock
 
 JOB_EVENT_PREFIX = "prefect-nemo.job"
@@ -78,6 +79,13 @@ def say(run: RunContext, level: int, message: str) -> None:
 
 
 _job_table = RunTable("Jobs started by this flow run (prefect-nemo).")
+_usage = RunUsage()
+
+
+def usage_rolled_up(flow_run_id: str) -> tuple[RollUp, RollUp | None]:
+    """The GPU-hours of a flow run's ended jobs and of its experiment's, recorded in this
+    process: (the flow run's roll-up, its experiment's or None)."""
+    return _usage.rolled_up(flow_run_id)
 
 
 def job_rows(flow_run_id: str) -> list[dict[str, Any]]:
@@ -135,10 +143,17 @@ class JobReporter:
         self.run.track(_work_key(handle), stop)
         self.run.own(handle)
 
-    def changed(self, handle: JobHandle, status: JobStatus, clock: JobClock | None) -> None:
+    def changed(
+        self,
+        handle: JobHandle,
+        status: JobStatus,
+        clock: JobClock | None,
+        usage: JobUsage | None = None,
+    ) -> None:
         """Log and emit only when the state changed (a queued job's new place in its queue
         only updates its row); on the way into and out of a queue also `preempted` /
-        `admitted`; update the row."""
+        `admitted`; update the row. An ended job's usage goes into its event, its row and the
+        run's GPU-hours artifact."""
         previous = self._last_state.get(handle.job_id)
         queue = status.queue
         if previous is status.state:
@@ -172,6 +187,11 @@ class JobReporter:
             payload["queue"] = self._queue_payload(queue)
         if clock is not None and clock.queued_s():
             payload["queue_wait_s"] = round(clock.queued_s(), 3)
+        if usage is not None:
+            payload["usage"] = usage.model_dump(mode="json")
+            experiment = self.redact(self.run.experiment) if self.run.experiment else None
+            job, state = self.redact(handle.job_id), status.state.value
+            _usage.add(self.run.flow_run_id, experiment, job, state, usage)
         self._emit(handle, status.state.value.lower(), payload)
         if status.state is JobState.QUEUED and previous is JobState.RUNNING:
             self._emit(handle, "preempted", payload)
@@ -189,6 +209,11 @@ class JobReporter:
         if status.start_time is not None:
             end = status.end_time or datetime.now(UTC)
             fields["duration_s"] = round((end - status.start_time).total_seconds(), 2)
+        if usage is not None:
+            fields.update(
+                gpus=f"{usage.nodes} x {usage.gpus_per_node:g}", run_s=usage.run_s,
+                gpu_hours=round(usage.gpu_hours, 4), cost=usage.cost,
+            )  # fmt: skip
         self._row(handle, fields)
 
     def _queue_payload(self, queue: QueueInfo) -> dict[str, Any]:
@@ -292,6 +317,10 @@ class JobReporter:
                 "dashboard": handle.links.get("dashboard", ""),
                 "attached": False,
                 "message": "",
+                "gpus": "",  # nodes x GPUs per node, run time, GPU-hours, cost: once it ended
+                "run_s": None,
+                "gpu_hours": None,
+                "cost": None,
             },
         )
 

@@ -18,7 +18,9 @@ nobody vouches for it:
   grace attaches instead.
 
 What was stopped is reported: a table artifact of the sweep's run and a `prefect-nemo.job.swept`
-event per job. A job we did not submit is never listed, so never touched.
+event per job, with the time the job ran until the stop (`wasted_run_s`, where the cluster
+says its start and end: its GPUs worked for a run that was gone). A job we did not submit is
+never listed, so never touched.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class Verdict:
     stop: bool
     why: str
     outcome: str = ""
+    wasted_run_s: float | None = None  # from the job's start to its stop, stopped jobs only
 
 
 @dataclass(frozen=True)
@@ -278,14 +281,19 @@ def _stop(backend: Any, block: ClusterBlock, job: OwnedJob, verdict: Verdict) ->
         final = stop_and_confirm(backend, job.job_id, timeout_s=timeout_s)
         outcome = final.state.value if final else "gone"
     except PrefectNemoError as exc:
-        outcome = Redactor(backend.secrets)(f"stop not confirmed: {exc}")
+        final, outcome = None, Redactor(backend.secrets)(f"stop not confirmed: {exc}")
+    wasted_s = None
+    if final is not None and final.start_time and final.end_time:
+        # the cluster's start (Ray: its submission) to the stop: GPU time nobody used
+        wasted_s = round((final.end_time - final.start_time).total_seconds(), 3)
     handle: JobHandle = backend.handle(job.job_id)
     emit(
         SWEPT_EVENT,
         job_resource(handle),
-        {"job_id": job.job_id, "owner": job.flow_run_id, "why": verdict.why, "outcome": outcome},
-    )
-    return Verdict(**{**asdict(verdict), "outcome": outcome})
+        {"job_id": job.job_id, "owner": job.flow_run_id, "why": verdict.why, "outcome": outcome,
+         "wasted_run_s": wasted_s},
+    )  # fmt: skip
+    return Verdict(**{**asdict(verdict), "outcome": outcome, "wasted_run_s": wasted_s})
 
 
 _table = RunTable("Jobs the sweeper judged (prefect-nemo).")
@@ -294,8 +302,10 @@ _table = RunTable("Jobs the sweeper judged (prefect-nemo).")
 def _report(run: Any, verdicts: list[Verdict], dry_run: bool) -> None:
     stopped = [v for v in verdicts if v.stop]
     verb = "would stop" if dry_run else "stopped"
+    wasted = sum(v.wasted_run_s or 0.0 for v in stopped)
     say(run, logging.WARNING if stopped else logging.INFO,
         f"sweep: {len(verdicts)} live job(s) of ours, {verb} {len(stopped)}"
+        + (f" (they had run {wasted:.0f}s for dead runs)" if wasted else "")
         + "".join(f"\n  {v.job_id} on {v.block}: {v.why} -> {v.outcome or verb}"
                   for v in stopped))  # fmt: skip
     if verdicts:

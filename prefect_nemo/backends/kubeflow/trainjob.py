@@ -81,6 +81,7 @@ from prefect_nemo.backends.kubeflow.nodes import (
     trainer_env,
 )
 from prefect_nemo.backends.kubeflow.runtimes import (
+    GPU_RESOURCE,
     JOBSET_NAME,
     NODE,
     TrainerConfig,
@@ -108,6 +109,7 @@ from prefect_nemo.kube import (
     apply_or_attach,
 )
 from prefect_nemo.names import is_dns1035_label
+from prefect_nemo.usage import JobShape
 
 if TYPE_CHECKING:
     from prefect_nemo.packaging import TransportPlan
@@ -276,6 +278,20 @@ def _pod_index(pod: dict[str, Any]) -> int:
         return 0
 
 
+def _shape(obj: dict[str, Any]) -> JobShape | None:
+    """Nodes x GPUs the TrainJob asks for (its numNodes and nvidia.com/gpu per node: the
+    runtime's resources, which check_placement made agree with the spec's placement)."""
+    trainer = (obj.get("spec") or {}).get("trainer") or {}
+    if "numNodes" not in trainer:
+        return None
+    limits = (trainer.get("resourcesPerNode") or {}).get("limits") or {}
+    try:
+        gpus = float(limits.get(GPU_RESOURCE, 0))
+        return JobShape(nodes=int(trainer["numNodes"]), gpus_per_node=gpus)
+    except (TypeError, ValueError):  # not numbers: the spec's count stands in
+        return None
+
+
 def status_from_trainjob(obj: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
     """Our JobStatus from a TrainJob and its pods (the table in the module docstring)."""
     meta = obj.get("metadata") or {}
@@ -325,6 +341,7 @@ def status_from_trainjob(obj: dict[str, Any], pods: list[dict[str, Any]]) -> Job
         end_time=end,
         exit_code=exit_code,
         metadata=metadata,
+        shape=_shape(obj),
     )
 
 
