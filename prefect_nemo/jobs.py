@@ -354,6 +354,19 @@ class JobSpec(_Model):
         """Every secret value in this spec, so reporters can redact them."""
         return [v.get_secret_value() for v in self.env.values() if isinstance(v, SecretStr)]
 
+    def shape(self, default: JobShape | None = None) -> JobShape:
+        """The GPUs it asks for: its placement's nodes x GPUs per node, else `resources.gpus`
+        on each of the cluster's `default` nodes (one node without a default), else the
+        cluster's `default` (a Slurm, Lepton, DGX Cloud or Kubeflow Trainer block's nodes and
+        GPUs per node), else none. Slurm, Lepton and DGX Cloud run `resources.gpus` on the
+        block's nodes."""
+        if self.placement is not None:
+            return JobShape(nodes=self.placement.nodes, gpus_per_node=self.placement.gpus_per_node)
+        if self.resources.gpus is not None:
+            nodes = default.nodes if default is not None else 1
+            return JobShape(nodes=nodes, gpus_per_node=self.resources.gpus)
+        return default or JobShape()
+
     def fingerprint(self) -> str:
         """A short hash of what the job does, to spot drift when attaching to an existing job.
 

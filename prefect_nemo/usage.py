@@ -10,12 +10,8 @@ nothing: they are "wasted", counted in the totals and once more apart.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
-
-if TYPE_CHECKING:
-    from prefect_nemo.jobs import JobSpec
 
 SECONDS_PER_HOUR = 3600.0
 
@@ -32,19 +28,6 @@ class JobShape(BaseModel):
     def gpus(self) -> float:
         """GPUs over all nodes."""
         return self.nodes * self.gpus_per_node
-
-
-def job_shape(spec: JobSpec, default: JobShape | None = None) -> JobShape:
-    """The GPUs a spec asks for: its placement's nodes x GPUs per node, else `resources.gpus`
-    on each of the cluster's `default` nodes (one node without a default), else the cluster's
-    `default` (a Slurm, Lepton, DGX Cloud or Kubeflow Trainer block's nodes and GPUs per
-    node), else none. Slurm, Lepton and DGX Cloud run `resources.gpus` on the block's nodes."""
-    if spec.placement is not None:
-        return JobShape(nodes=spec.placement.nodes, gpus_per_node=spec.placement.gpus_per_node)
-    if spec.resources.gpus is not None:
-        nodes = default.nodes if default is not None else 1
-        return JobShape(nodes=nodes, gpus_per_node=spec.resources.gpus)
-    return default or JobShape()
 
 
 def gpu_hours(shape: JobShape, run_s: float) -> float:

@@ -20,7 +20,7 @@ from prefect_nemo.jobs import JobHandle, JobStatus, Resources
 from prefect_nemo.lifecycle import Supervisor, WaitPolicy
 from prefect_nemo.placement import PlacementSpec
 from prefect_nemo.redaction import Redactor
-from prefect_nemo.usage import JobShape, JobUsage, cost, gpu_hours, job_shape, measure, roll_up
+from prefect_nemo.usage import JobShape, JobUsage, cost, gpu_hours, measure, roll_up
 from prefect_nemo.watcher import JobClock
 
 # -- the arithmetic ------------------------------------------------------------------------------
@@ -37,12 +37,10 @@ def test_a_two_node_8_gpu_job_that_ran_90s_used_0_4_gpu_hours():
 
 def test_a_spec_says_its_gpus_by_placement_or_by_its_entrypoint_resources():
     spread = PlacementSpec(nodes=2, gpus_per_node=8, strategy="spread")
-    assert job_shape(JobSpec(entrypoint="x", placement=spread)) == JobShape(
-        nodes=2, gpus_per_node=8
-    )
-    one = job_shape(JobSpec(entrypoint="x", resources=Resources(gpus=0.5)))
+    assert JobSpec(entrypoint="x", placement=spread).shape() == JobShape(nodes=2, gpus_per_node=8)
+    one = JobSpec(entrypoint="x", resources=Resources(gpus=0.5)).shape()
     assert (one.nodes, one.gpus) == (1, 0.5)
-    assert job_shape(JobSpec(entrypoint="x")).gpus == 0
+    assert JobSpec(entrypoint="x").shape().gpus == 0
 
 
 def test_a_job_without_placement_gets_the_nodes_and_gpus_of_its_slurm_block():
@@ -52,9 +50,9 @@ def test_a_job_without_placement_gets_the_nodes_and_gpus_of_its_slurm_block():
     block = SlurmCluster(**ssh, nodes=2, gpus_per_node=8)
     eight = block.default_shape()
     assert eight == JobShape(nodes=2, gpus_per_node=8)
-    assert job_shape(JobSpec(entrypoint="x"), eight) == eight
+    assert JobSpec(entrypoint="x").shape(eight) == eight
     one = PlacementSpec(gpus_per_node=1)
-    assert job_shape(JobSpec(entrypoint="x", placement=one), eight).gpus == 1, "placement wins"
+    assert JobSpec(entrypoint="x", placement=one).shape(eight).gpus == 1, "placement wins"
     assert SlurmCluster(**ssh).default_shape() == JobShape(nodes=1, gpus_per_node=0)
 
 

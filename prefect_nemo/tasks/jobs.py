@@ -46,7 +46,6 @@ from prefect_nemo.tasks._blocks import ClusterLike, resolve_cluster
 from prefect_nemo.tasks._run import RunContext, current_run
 from prefect_nemo.tasks.experiments import Experiment
 from prefect_nemo.tasks.reporting import JobReporter, dry_run_reported
-from prefect_nemo.usage import job_shape
 
 #: What a job may wait for: a job (its handle, or its result once ended) or an upstream
 #: experiment (the Experiment that start_experiment returned: the jobs its upstreams ran).
@@ -85,7 +84,7 @@ def wait_policy(
         stop_timeout_s=block.stop_timeout_s,
         stall_after_s=spec.stall_after_s if spec is not None else None,
         stop_on_stall=spec.stop_on_stall if spec is not None else False,
-        shape=job_shape(spec, block.default_shape()) if spec is not None else None,
+        shape=spec.shape(block.default_shape()) if spec is not None else None,
         gpu_hour_price=block.gpu_hour_price,
     )
 
