@@ -10,6 +10,7 @@ called back for a decision.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +55,8 @@ from prefect_nemo.watcher import wait_until_terminal_async as wait_until_termina
 
 MAX_ATTEMPTS = 100
 LOG_TAIL_LINES = 40
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -467,7 +470,9 @@ class Supervisor:
 
 class _LogStream:
     """A job's log while it is waited on: followed once it runs, read whole once it ended
-    (its lines come before the line that says how it ended)."""
+    (its lines come before the line that says how it ended). Not streamed (run_jobs' default),
+    a job's log is still saved when the wait saves logs: read whole once, when it ended, into
+    the file alone."""
 
     def __init__(self, supervisor: Supervisor, handle: JobHandle) -> None:
         self._supervisor = supervisor
@@ -478,9 +483,10 @@ class _LogStream:
         policy = supervisor.policy
         self._file = (
             LogFile(policy.log_dir / f"{handle.job_id}.log", supervisor.redact)
-            if policy.log_dir is not None and policy.stream_logs
+            if policy.log_dir is not None
             else None
         )
+        self._ran = False  # seen running or ended: there is a log to read
         self.silence = (
             Silence(policy.stall_after_s, self._stalled, stop=policy.stop_on_stall)
             if policy.stall_after_s is not None and policy.stream_logs
@@ -506,7 +512,10 @@ class _LogStream:
         self._supervisor.observer.stalled(self._handle, silent_s, self.last_report)
 
     def update(self, status: JobStatus) -> None:
+        self._ran = self._ran or status.state is JobState.RUNNING or status.state.is_terminal()
         if not self._supervisor.policy.stream_logs:
+            if status.state.is_terminal():
+                self._save_unstreamed()
             return
         backend, job_id = self._supervisor.backend, self._handle.job_id
         if status.state.is_terminal():
@@ -528,6 +537,23 @@ class _LogStream:
         if self._follower is not None:
             self._follower.finish()
             self._follower = None
+        if not self._supervisor.policy.stream_logs:
+            self._save_unstreamed()  # a stopped job's log too, as a followed one's
+        self._saved()
+
+    def _save_unstreamed(self) -> None:
+        """Save the log of a job whose log was not followed: one full read, once, kept as
+        `whole` (a failed job's tail comes from it, not from a second read)."""
+        file = self._file
+        if file is None or not self._ran:
+            return
+        try:
+            self.whole = self._supervisor.backend.logs(self._handle.job_id)
+        except Exception as exc:  # the cluster may be gone: an earlier wait's file stays
+            log.debug("could not read the log of %s to save it: %s", self._handle.job_id, exc)
+        else:
+            for line in self.whole.splitlines():
+                file.write(line)
         self._saved()
 
     def _saved(self) -> None:

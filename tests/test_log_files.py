@@ -150,3 +150,51 @@ def test_without_a_log_dir_nothing_is_saved(tmp_path: Path) -> None:
     stream = _LogStream(supervisor, JobHandle(backend="fake", cluster="here", job_id="j"))
     stream.update(JobStatus(job_id="j", state=JobState.FAILED))
     assert seen.lines == ["a", "b"] and seen.saved == []
+
+
+def test_a_log_not_streamed_is_read_whole_once_it_ended_into_the_file_alone(
+    tmp_path: Path,
+) -> None:
+    """ "every job's whole log is saved": a wait that does not follow the log (run_jobs'
+    default) reads it once when the job ended, into the file, not the task log; that read is
+    `whole` (a failed job's tail needs no second read)."""
+    backend = _Counted(f"a\nuses {SECRET}\nlast")
+    seen = _Seen()
+    policy = WaitPolicy(log_dir=tmp_path, stream_logs=False)
+    supervisor = Supervisor(backend, policy, seen, redact=Redactor([SECRET]))  # type: ignore[arg-type]
+    stream = _LogStream(supervisor, JobHandle(backend="fake", cluster="here", job_id="j"))
+    stream.update(JobStatus(job_id="j", state=JobState.RUNNING))
+    assert backend.reads == 0, "not followed"
+    stream.update(JobStatus(job_id="j", state=JobState.FAILED))
+    stream.close()
+    assert backend.reads == 1 and stream.whole == backend.whole
+    assert seen.lines == [] and seen.saved == [tmp_path / "j.log"]
+    assert (tmp_path / "j.log").read_text() == f"a\nuses {MASK}\nlast\n"
+
+
+def test_a_stopped_job_not_streamed_is_saved_and_one_that_never_ran_reads_nothing(
+    tmp_path: Path,
+) -> None:
+    backend = _Counted("a\nb\n")
+    seen = _Seen()
+    supervisor = Supervisor(backend, WaitPolicy(log_dir=tmp_path, stream_logs=False), seen)  # type: ignore[arg-type]
+    never = _LogStream(supervisor, JobHandle(backend="fake", cluster="here", job_id="never"))
+    never.update(JobStatus(job_id="never", state=JobState.QUEUED))
+    never.close()  # e.g. its queue timeout stopped it
+    assert backend.reads == 0 and seen.saved == []
+    stopped = _LogStream(supervisor, JobHandle(backend="fake", cluster="here", job_id="stopped"))
+    stopped.update(JobStatus(job_id="stopped", state=JobState.RUNNING))
+    stopped.close()  # a timeout stopped it: its log is read as a followed one's would be
+    assert backend.reads == 1 and seen.saved == [tmp_path / "stopped.log"]
+    assert (tmp_path / "stopped.log").read_text() == "a\nb\n"
+
+
+class _Counted:
+    """A backend whose log is read whole only, counting the reads."""
+
+    def __init__(self, whole: str) -> None:
+        self.whole, self.reads = whole, 0
+
+    def logs(self, job_id: str) -> str:
+        self.reads += 1
+        return self.whole

@@ -10,6 +10,7 @@ outbox (`_outbox.py`), which keeps them in order until the API takes them.
 from __future__ import annotations
 
 import contextvars
+import inspect
 import logging
 import math
 import threading
@@ -24,6 +25,7 @@ from prefect.blocks.core import Block
 from prefect.client.schemas.actions import ArtifactCreate, LogCreate
 from prefect.events import Event
 from prefect.filesystems import WritableFileSystem
+from prefect.utilities.asyncutils import run_coro_as_sync
 
 from prefect_nemo.jobs import DryRun, JobHandle, JobState, JobStatus, QueueInfo
 from prefect_nemo.redaction import Redactor
@@ -363,12 +365,19 @@ class JobReporter:
 def store_log(storage: str, path: Path) -> str:
     """Copy a saved log file into a Prefect storage block (a WritableFileSystem, named
     '<block type>/<name>') as <flow run dir>/<file name>; returns where the copy is. The file is
-    already redacted; it is read whole once, at the job's end."""
-    block = Block.load(storage)
+    already redacted; it is read whole once, at the job's end. Called on a thread with no
+    event loop (the wait's), also from an async task (run_jobs)."""
+    block = _done(Block.load(storage))
     if not isinstance(block, WritableFileSystem):
         raise TypeError(f"{storage} is a {type(block).__name__}, not a writable file system")
-    where = block.write_path(f"{path.parent.name}/{path.name}", path.read_bytes())
+    where = _done(block.write_path(f"{path.parent.name}/{path.name}", path.read_bytes()))
     return str(where) if where else f"{storage}:{path.parent.name}/{path.name}"
+
+
+def _done(value: Any) -> Any:
+    """What a Prefect sync-or-async method gave: in an async task's context (run_jobs) it
+    returns a coroutine even on a thread with no event loop, which is run to its end here."""
+    return run_coro_as_sync(value) if inspect.iscoroutine(value) else value
 
 
 def _it_ran(status: JobStatus) -> bool:
