@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from prefect_nemo import log_files, redaction
 from prefect_nemo.jobs import JobHandle, JobState, JobStatus
 from prefect_nemo.lifecycle import QuietObserver, Supervisor, WaitPolicy, _LogStream
 from prefect_nemo.log_files import LOGS_DIR_ENV, NO_FLOW_RUN, LogFile, logs_dir
@@ -21,7 +22,9 @@ SECRET = "s3cr3t-token-9d41"
 
 def test_writing_10000_lines_keeps_memory_bounded(tmp_path: Path) -> None:
     """ "every job's whole log is saved as it streams (bounded memory ...)": lines are written
-    through, none kept: 10,000 lines of ~120 characters (1.2 MB) cost far less than the log."""
+    through, none kept: after 10,000 lines of ~120 characters (1.2 MB) what the saver and the
+    redactor still hold is far less than the log. Counted by where it was allocated: in a
+    session with a Prefect server and Ray alive, the process-wide peak counts their threads."""
     saved = LogFile(tmp_path / "j.log", Redactor([SECRET]))
     line = "x" * 110
     saved.write("warm-up")  # the file and its buffer exist before we measure
@@ -29,13 +32,14 @@ def test_writing_10000_lines_keeps_memory_bounded(tmp_path: Path) -> None:
     try:
         for n in range(10_000):
             saved.write(f"{n:06d} {line}")
-        _, peak = tracemalloc.get_traced_memory()
+        ours = [tracemalloc.Filter(True, m.__file__) for m in (log_files, redaction)]
+        held = sum(t.size for t in tracemalloc.take_snapshot().filter_traces(ours).traces)
     finally:
         tracemalloc.stop()
     saved.close()
     text = (tmp_path / "j.log").read_text()
     assert len(text) > 1_000_000
-    assert peak < 64 * 1024, f"peak {peak} bytes while writing {len(text)} bytes"
+    assert held < 64 * 1024, f"{held} bytes held after writing {len(text)} bytes"
     assert text.splitlines()[1:] == [f"{n:06d} {line}" for n in range(10_000)]
 
 
