@@ -10,10 +10,12 @@ called back for a decision.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Protocol
 
 from prefect_nemo import names
@@ -42,6 +44,7 @@ from prefect_nemo.jobs import (
     JobState,
     JobStatus,
 )
+from prefect_nemo.log_files import LogFile
 from prefect_nemo.logs import LogFollower, log_pump
 from prefect_nemo.redaction import Redactor
 from prefect_nemo.report import Report, parse
@@ -52,6 +55,8 @@ from prefect_nemo.watcher import wait_until_terminal_async as wait_until_termina
 
 MAX_ATTEMPTS = 100
 LOG_TAIL_LINES = 40
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,7 @@ class WaitPolicy:
     stop_on_stall: bool = False
     shape: JobShape | None = None  # the GPUs the job holds (its spec's); None: unknown
     gpu_hour_price: float | None = None  # the block's, for the job's cost
+    log_dir: Path | None = None  # each job's log is saved there as <job id>.log
 
 
 class JobObserver(Protocol):
@@ -120,6 +126,10 @@ class JobObserver(Protocol):
 
     def stalled(self, handle: JobHandle, silent_s: float, last: Report | None) -> None:
         """The running job said nothing for its stall_after_s (once per stall)."""
+
+    def log_saved(self, handle: JobHandle, path: Path) -> None:
+        """The job's log, read to its end, is saved in `path` (redacted): told once per wait,
+        before the job's terminal state, when the wait saves logs (`WaitPolicy.log_dir`)."""
 
     def ended(self, handle: JobHandle) -> None:
         """The wait is over: nobody needs to stop the job on the caller's behalf any more."""
@@ -154,6 +164,9 @@ class QuietObserver:
         """Nothing."""
 
     def stalled(self, handle: JobHandle, silent_s: float, last: Report | None) -> None:
+        """Nothing."""
+
+    def log_saved(self, handle: JobHandle, path: Path) -> None:
         """Nothing."""
 
     def ended(self, handle: JobHandle) -> None:
@@ -233,7 +246,7 @@ class Supervisor:
                 silence=logs.silence,
             )
         except (JobTimedOut, JobInterrupted, JobStalled) as exc:
-            final, stopped = self._stop(handle, clock), True
+            final, stopped = self._stop(handle, clock, logs), True
             raise self._stopped_error(
                 handle, final, attached, exc, clock, logs.last_report
             ) from None
@@ -273,7 +286,7 @@ class Supervisor:
             await asyncio.to_thread(logs.update, final)
             self.observer.changed(handle, final, clock, self._usage(final, clock))
         except (JobTimedOut, JobInterrupted, JobStalled) as exc:
-            final, stopped = await asyncio.to_thread(self._stop, handle, clock), True
+            final, stopped = await asyncio.to_thread(self._stop, handle, clock, logs), True
             raise self._stopped_error(
                 handle, final, attached, exc, clock, logs.last_report
             ) from None
@@ -282,9 +295,7 @@ class Supervisor:
             if final is None and not stopped:  # cancelled, crashed or lost the cluster
                 await asyncio.to_thread(self._stop, handle, clock)
             self.observer.ended(handle)
-        return await asyncio.to_thread(
-            self._outcome, handle, final, attached, logs.whole, clock
-        )
+        return await asyncio.to_thread(self._outcome, handle, final, attached, logs.whole, clock)
 
     def render(self, spec: JobSpec, identity: JobIdentity) -> DryRun:
         """What `run`/`submit` would send for this job (its first attempt), secrets masked;
@@ -317,7 +328,11 @@ class Supervisor:
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _stop(self, handle: JobHandle, clock: JobClock | None = None) -> JobStatus | None:
+    def _stop(
+        self, handle: JobHandle, clock: JobClock | None = None, logs: _LogStream | None = None
+    ) -> JobStatus | None:
+        """Stop the job; once it ended, its log is read to the end (`logs`) before its
+        terminal state is told, as on any other end."""
         try:
             status = stop_and_confirm(
                 self.backend, handle.job_id, timeout_s=self.policy.stop_timeout_s
@@ -327,6 +342,8 @@ class Supervisor:
                 handle, self.redact(f"could not stop job {handle.job_id}: {exc}")
             )
             return None
+        if logs is not None:
+            logs.close()
         if status is not None:
             if clock is not None:  # its run time ends with the stop
                 clock.observe(status)
@@ -453,7 +470,9 @@ class Supervisor:
 
 class _LogStream:
     """A job's log while it is waited on: followed once it runs, read whole once it ended
-    (its lines come before the line that says how it ended)."""
+    (its lines come before the line that says how it ended). Not streamed (run_jobs' default),
+    a job's log is still saved when the wait saves logs: read whole once, when it ended, into
+    the file alone."""
 
     def __init__(self, supervisor: Supervisor, handle: JobHandle) -> None:
         self._supervisor = supervisor
@@ -462,6 +481,12 @@ class _LogStream:
         self.whole: str | None = None  # the whole log, read once when the job ended
         self.last_report: Report | None = None
         policy = supervisor.policy
+        self._file = (
+            LogFile(policy.log_dir / f"{handle.job_id}.log", supervisor.redact)
+            if policy.log_dir is not None
+            else None
+        )
+        self._ran = False  # seen running or ended: there is a log to read
         self.silence = (
             Silence(policy.stall_after_s, self._stalled, stop=policy.stop_on_stall)
             if policy.stall_after_s is not None and policy.stream_logs
@@ -471,7 +496,9 @@ class _LogStream:
     def _sink(self, line: str) -> None:
         """Each line of the job's log: a report line goes to `progress` (and not into the
         log: the artifacts and events carry it), any other line to `log`; either ends a
-        silence."""
+        silence. Every line, reports too, goes to the saved log file."""
+        if self._file is not None:
+            self._file.write(line)
         if self.silence is not None:
             self.silence.heard()
         report = parse(line)
@@ -485,12 +512,18 @@ class _LogStream:
         self._supervisor.observer.stalled(self._handle, silent_s, self.last_report)
 
     def update(self, status: JobStatus) -> None:
+        self._ran = self._ran or status.state is JobState.RUNNING or status.state.is_terminal()
         if not self._supervisor.policy.stream_logs:
+            if status.state.is_terminal():
+                self._save_unstreamed()
             return
         backend, job_id = self._supervisor.backend, self._handle.job_id
         if status.state.is_terminal():
+            # the follower sent each line once; its finish sends the rest from one full read
+            # made after the end (the last lines before exit), or the whole log if none ran
             self.whole = (self._follower or LogFollower(backend, job_id, self._sink)).finish()
             self._follower = None
+            self._saved()
         elif self._follower is None and status.state is JobState.RUNNING:
             watcher = self._supervisor.watcher
             self._follower = log_pump.follow(
@@ -504,6 +537,34 @@ class _LogStream:
         if self._follower is not None:
             self._follower.finish()
             self._follower = None
+        if not self._supervisor.policy.stream_logs:
+            self._save_unstreamed()  # a stopped job's log too, as a followed one's
+        self._saved()
+
+    def _save_unstreamed(self) -> None:
+        """Save the log of a job whose log was not followed: one full read, once, kept as
+        `whole` (a failed job's tail comes from it, not from a second read)."""
+        file = self._file
+        if file is None or not self._ran:
+            return
+        try:
+            self.whole = self._supervisor.backend.logs(self._handle.job_id)
+        except Exception as exc:  # the cluster may be gone: an earlier wait's file stays
+            log.debug("could not read the log of %s to save it: %s", self._handle.job_id, exc)
+        else:
+            for line in self.whole.splitlines():
+                file.write(line)
+        self._saved()
+
+    def _saved(self) -> None:
+        """Close the log file once its log was read to the end and tell where it is (once;
+        an earlier wait's file counts when this one read nothing)."""
+        file, self._file = self._file, None
+        if file is None:
+            return
+        file.close()
+        if file.path.exists():
+            self._supervisor.observer.log_saved(self._handle, file.path)
 
 
 # -------------------------------------------------------------------------------------------------

@@ -116,6 +116,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             raise pytest.UsageError(f"tests/conftest.py COMPAT names tests that are gone: {gone}")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def saved_job_logs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Jobs' saved logs go to the session's temporary folder, not the checkout's
+    ./.prefect-nemo/logs (child processes inherit it); a test may move them again."""
+    from prefect_nemo.log_files import LOGS_DIR_ENV
+
+    before = os.environ.get(LOGS_DIR_ENV)
+    folder = os.environ[LOGS_DIR_ENV] = str(tmp_path_factory.mktemp("job-logs"))
+    yield Path(folder)
+    if before is None:
+        os.environ.pop(LOGS_DIR_ENV, None)
+    else:
+        os.environ[LOGS_DIR_ENV] = before
+
+
 @pytest.fixture(scope="session")
 def prefect_api() -> Iterator[str]:
     """A real Prefect server (temporary database) for the whole session; yields its API URL."""

@@ -117,9 +117,12 @@ def png_size(data: bytes) -> tuple[int, int]:
 
 
 def _register(prefect_api: str, module: str) -> subprocess.CompletedProcess[str]:
+    # the CLI imports the code under test (this checkout), not whatever checkout the venv's
+    # editable install points at: a worktree shares the main checkout's venv, and registering
+    # from that checkout tested its blocks, and failed while its files were mid-change
     return subprocess.run(
         [PREFECT, "block", "register", "-m", module],
-        env=subprocess_env(prefect_api),
+        env=subprocess_env(prefect_api, PYTHONPATH=str(ROOT)),
         capture_output=True,
         text=True,
         timeout=120,
@@ -132,6 +135,8 @@ def _assert_registered(result: subprocess.CompletedProcess[str]) -> None:
         assert cls.get_block_type_name() in result.stdout
         with get_client(sync_client=True) as client:
             block_type = client.read_block_type_by_slug(slug)
+            # the schema of this checkout's class was registered (its checksum covers its fields)
+            client.read_block_schema_by_checksum(cls._calculate_schema_checksum())
         assert block_type.name == cls.get_block_type_name()
         assert block_type.code_example and cls.__name__ in block_type.code_example
 

@@ -16,6 +16,7 @@ ENGINE = [
     "prefect_nemo.lifecycle",
     "prefect_nemo.watcher",
     "prefect_nemo.logs",
+    "prefect_nemo.log_files",
     "prefect_nemo.report",
     "prefect_nemo.progress",
     "prefect_nemo.kube",

@@ -24,6 +24,7 @@ from pydantic import SecretStr
 
 from prefect_nemo import JobFailed, JobSpec, run_job
 from prefect_nemo.packaging import default_cache_dir
+from prefect_nemo.tasks.reporting import job_rows
 
 pytestmark = pytest.mark.slow
 
@@ -88,6 +89,9 @@ def test_canaries_never_leak(ray_head, prefect_api, ray_client, caplog, capfd, t
     haystacks["staged files"] = "".join(
         p.read_text(errors="ignore") for p in Path(cache).rglob("*") if p.is_file()
     ) if Path(cache).exists() else ""
+    (row,) = [r for r in job_rows(str(flow_run_id)) if r["job_id"] == job_id]
+    haystacks["saved log"] = Path(row["log"]).read_text()  # the job's whole log, on disk
+    assert "value=**********" in haystacks["saved log"]
 
     assert "CLUSTER_CANARY: '**********'" in haystacks["artifacts"], "the dry run was written"
     assert "CLUSTER_CANARY: '**********'" in haystacks["caplog"]

@@ -62,6 +62,14 @@ class ClusterBlock(Block):
         "in (e.g. USD per GPU-hour): each job's cost is its GPU-hours times this price. Empty "
         "for no cost (GPU-hours are reported either way).",
     )
+    log_storage: str | None = Field(
+        default=None,
+        pattern=r"^[a-z0-9-]+/[^/]+$",
+        description="A Prefect storage block (a writable file system, as "
+        "'local-file-system/job-logs' or 'remote-file-system/s3-logs') that every job's "
+        "saved log is copied into when the job ends, as <flow run id>/<job id>.log; the job "
+        "table links the copy. Empty: the local file under ./.prefect-nemo/logs is the link.",
+    )
     max_poll_interval_s: float = Field(
         default=2.0,
         gt=0,

@@ -38,6 +38,7 @@ from prefect.context import AsyncClientContext
 from prefect_nemo.errors import InvalidJobSpec, JobFailed, JobStopped, Throttled
 from prefect_nemo.jobs import JobHandle, JobResult, JobSpec, JobState, JobStatus
 from prefect_nemo.lifecycle import JobIdentity, Submission, Supervisor
+from prefect_nemo.log_files import logs_dir
 from prefect_nemo.redaction import Redactor
 from prefect_nemo.tasks._blocks import ClusterLike, resolve_cluster
 from prefect_nemo.tasks._outbox import outbox
@@ -206,7 +207,7 @@ class _Batch:
         spec = self.specs[index]
         policy = wait_policy(
             self.block, timeout_s=spec.timeout_s, queue_timeout_s=spec.queue_timeout_s,
-            stream_logs=self.stream_logs, spec=spec,
+            stream_logs=self.stream_logs, spec=spec, log_dir=logs_dir(run.flow_run_id),
         )  # fmt: skip
         reporter = _BatchReporter(self, run, self.redact)
         supervisor = Supervisor(self.backend, policy, reporter, run.interrupted, self.redact)
@@ -256,7 +257,8 @@ class _BatchReporter(JobReporter):
     """A job's reporter that also tells its batch each new state (the progress' counts)."""
 
     def __init__(self, batch: _Batch, run: RunContext, redact: Redactor) -> None:
-        super().__init__(run, redact, settle=False)  # the batch settles the outbox itself
+        # the batch settles the outbox itself
+        super().__init__(run, redact, settle=False, log_storage=batch.block.log_storage)
         self.batch = batch
 
     def changed(

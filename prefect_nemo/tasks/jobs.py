@@ -14,6 +14,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from prefect import task
@@ -40,6 +41,7 @@ from prefect_nemo.jobs import (
     RunScopedCluster,
 )
 from prefect_nemo.lifecycle import META_FLOW_RUN, JobIdentity, Supervisor, WaitPolicy
+from prefect_nemo.log_files import logs_dir
 from prefect_nemo.nemo_task import home_dir, is_task_object
 from prefect_nemo.redaction import Redactor
 from prefect_nemo.tasks._blocks import ClusterLike, resolve_cluster
@@ -59,6 +61,7 @@ def wait_policy(
     queue_timeout_s: float | None,
     stream_logs: bool,
     spec: JobSpec | None = None,
+    log_dir: Path | None = None,
 ) -> WaitPolicy:
     """How a job on this block is waited for: the job's timeouts, the block's limits.
     InvalidJobSpec for a timeout that is no number of seconds > 0 (a JobSpec checks its own;
@@ -86,6 +89,7 @@ def wait_policy(
         stop_on_stall=spec.stop_on_stall if spec is not None else False,
         shape=spec.shape(block.default_shape()) if spec is not None else None,
         gpu_hour_price=block.gpu_hour_price,
+        log_dir=log_dir,
     )
 
 
@@ -118,8 +122,10 @@ def _supervisor(
         queue_timeout_s=spec.queue_timeout_s if spec is not None else queue_timeout_s,
         stream_logs=stream_logs,
         spec=spec,
+        log_dir=logs_dir(run.flow_run_id),
     )
-    supervisor = Supervisor(backend, policy, JobReporter(run, redact), run.interrupted, redact)
+    reporter = JobReporter(run, redact, log_storage=block.log_storage)
+    supervisor = Supervisor(backend, policy, reporter, run.interrupted, redact)
     return block, run, supervisor
 
 

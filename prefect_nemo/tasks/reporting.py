@@ -10,17 +10,22 @@ outbox (`_outbox.py`), which keeps them in order until the API takes them.
 from __future__ import annotations
 
 import contextvars
+import inspect
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 from uuid import UUID
 
+from prefect.blocks.core import Block
 from prefect.client.schemas.actions import ArtifactCreate, LogCreate
 from prefect.events import Event
+from prefect.filesystems import WritableFileSystem
+from prefect.utilities.asyncutils import run_coro_as_sync
 
 from prefect_nemo.jobs import DryRun, JobHandle, JobState, JobStatus, QueueInfo
 from prefect_nemo.redaction import Redactor
@@ -114,10 +119,19 @@ class JobReporter:
     most one every PROGRESS_EVENT_S, the newest at the end), a stall a `stalled` event.
     """
 
-    def __init__(self, run: RunContext, redact: Redactor, *, settle: bool = True) -> None:
+    def __init__(
+        self,
+        run: RunContext,
+        redact: Redactor,
+        *,
+        settle: bool = True,
+        log_storage: str | None = None,
+    ) -> None:
         self.run = run
         self.redact = redact
         self.settle = settle  # off: the caller settles the outbox itself (run_jobs, once for many)
+        self.log_storage = log_storage  # the storage block saved logs are copied into, if any
+        self._log_links: dict[str, str] = {}  # job -> where its saved log is
         self._last_state: dict[str, JobState] = {}
         # reports arrive on the log pump's thread: events made there carry this run's related
         # resources (flow run, task run, deployment) from the context the task made us in
@@ -185,6 +199,8 @@ class JobReporter:
         }  # fmt: skip
         if queue is not None:
             payload["queue"] = self._queue_payload(queue)
+        if status.state.is_terminal() and handle.job_id in self._log_links:
+            payload["log"] = self._log_links[handle.job_id]
         if clock is not None and clock.queued_s():
             payload["queue_wait_s"] = round(clock.queued_s(), 3)
         if usage is not None:
@@ -278,6 +294,26 @@ class JobReporter:
             {"silent_s": round(silent_s, 1), "last_report": self.redact.deep(last_report)},
         )  # fmt: skip
 
+    def log_saved(self, handle: JobHandle, path: Path) -> None:
+        """The job's log is saved (redacted) in `path`: copied into the log storage block if
+        the cluster block names one, and linked from the job's row and terminal event (the
+        copy, or the local file if there is none or the copy failed)."""
+        link = str(path)
+        if self.log_storage is not None:
+            try:
+                link = store_log(self.log_storage, path)
+            except Exception as exc:  # reporting never fails the work: the local file stays
+                say(
+                    self.run,
+                    logging.WARNING,
+                    self.redact(
+                        f"could not copy the log of job {handle.job_id} into storage block "
+                        f"{self.log_storage} ({exc}); it is kept in {path}"
+                    ),
+                )
+        self._log_links[handle.job_id] = link
+        self._row(handle, {"log": link})
+
     def ended(self, handle: JobHandle) -> None:
         """The wait is over: nothing to stop on the run's behalf any more; what was reported
         reaches the API before the task hands its result to Prefect (the newest progress
@@ -321,8 +357,27 @@ class JobReporter:
                 "run_s": None,
                 "gpu_hours": None,
                 "cost": None,
+                "log": "",
             },
         )
+
+
+def store_log(storage: str, path: Path) -> str:
+    """Copy a saved log file into a Prefect storage block (a WritableFileSystem, named
+    '<block type>/<name>') as <flow run dir>/<file name>; returns where the copy is. The file is
+    already redacted; it is read whole once, at the job's end. Called on a thread with no
+    event loop (the wait's), also from an async task (run_jobs)."""
+    block = _done(Block.load(storage))
+    if not isinstance(block, WritableFileSystem):
+        raise TypeError(f"{storage} is a {type(block).__name__}, not a writable file system")
+    where = _done(block.write_path(f"{path.parent.name}/{path.name}", path.read_bytes()))
+    return str(where) if where else f"{storage}:{path.parent.name}/{path.name}"
+
+
+def _done(value: Any) -> Any:
+    """What a Prefect sync-or-async method gave: in an async task's context (run_jobs) it
+    returns a coroutine even on a thread with no event loop, which is run to its end here."""
+    return run_coro_as_sync(value) if inspect.iscoroutine(value) else value
 
 
 def _it_ran(status: JobStatus) -> bool:
