@@ -471,8 +471,8 @@ class Supervisor:
 class _LogStream:
     """A job's log while it is waited on: followed once it runs, read whole once it ended
     (its lines come before the line that says how it ended). Not streamed (run_jobs' default),
-    a job's log is still saved when the wait saves logs: read whole once, when it ended, into
-    the file alone."""
+    the log of a job that failed or was stopped is still saved when the wait saves logs: read
+    whole once, when it ended, into the file alone."""
 
     def __init__(self, supervisor: Supervisor, handle: JobHandle) -> None:
         self._supervisor = supervisor
@@ -487,6 +487,7 @@ class _LogStream:
             else None
         )
         self._ran = False  # seen running or ended: there is a log to read
+        self._succeeded = False  # ended SUCCEEDED: an unstreamed log is not read
         self.silence = (
             Silence(policy.stall_after_s, self._stalled, stop=policy.stop_on_stall)
             if policy.stall_after_s is not None and policy.stream_logs
@@ -513,8 +514,11 @@ class _LogStream:
 
     def update(self, status: JobStatus) -> None:
         self._ran = self._ran or status.state is JobState.RUNNING or status.state.is_terminal()
+        self._succeeded = status.state is JobState.SUCCEEDED
         if not self._supervisor.policy.stream_logs:
-            if status.state.is_terminal():
+            # a failed job's log is read for its tail anyway: saved from that read; a succeeded
+            # one's is not read (a read per job is ~4 API requests on KubeRay: run_jobs' budget)
+            if status.state.is_terminal() and status.state is not JobState.SUCCEEDED:
                 self._save_unstreamed()
             return
         backend, job_id = self._supervisor.backend, self._handle.job_id
@@ -537,7 +541,7 @@ class _LogStream:
         if self._follower is not None:
             self._follower.finish()
             self._follower = None
-        if not self._supervisor.policy.stream_logs:
+        if not self._supervisor.policy.stream_logs and not self._succeeded:
             self._save_unstreamed()  # a stopped job's log too, as a followed one's
         self._saved()
 

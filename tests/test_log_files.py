@@ -202,3 +202,15 @@ class _Counted:
     def logs(self, job_id: str) -> str:
         self.reads += 1
         return self.whole
+
+
+def test_a_succeeded_job_not_streamed_is_not_read(tmp_path: Path) -> None:
+    """run_jobs' default: a job that succeeded costs no log read (its request budget)."""
+    backend = _Counted("a\n")
+    seen = _Seen()
+    supervisor = Supervisor(backend, WaitPolicy(log_dir=tmp_path, stream_logs=False), seen)  # type: ignore[arg-type]
+    stream = _LogStream(supervisor, JobHandle(backend="fake", cluster="here", job_id="ok"))
+    stream.update(JobStatus(job_id="ok", state=JobState.RUNNING))
+    stream.update(JobStatus(job_id="ok", state=JobState.SUCCEEDED))
+    stream.close()
+    assert backend.reads == 0 and seen.saved == [] and not (tmp_path / "ok.log").exists()

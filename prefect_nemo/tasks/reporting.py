@@ -207,7 +207,8 @@ class JobReporter:
             payload["usage"] = usage.model_dump(mode="json")
             experiment = self.redact(self.run.experiment) if self.run.experiment else None
             job, state = self.redact(handle.job_id), status.state.value
-            _usage.add(self.run.flow_run_id, experiment, job, state, usage)
+            if usage.nodes * usage.gpus_per_node > 0:  # a CPU job gets no GPU-hours table
+                _usage.add(self.run.flow_run_id, experiment, job, state, usage)
         self._emit(handle, status.state.value.lower(), payload)
         if status.state is JobState.QUEUED and previous is JobState.RUNNING:
             self._emit(handle, "preempted", payload)
