@@ -458,6 +458,13 @@ class JobStatus(BaseModel):
         "count is used.",
     )
 
+    @property
+    def duration_s(self) -> float | None:
+        """Seconds from start to end as the cluster recorded them (None until it says both)."""
+        if self.start_time and self.end_time:
+            return (self.end_time - self.start_time).total_seconds()
+        return None
+
 
 class JobResult(BaseModel):
     """How a job ended: returned by run_job / wait_for_job, attached to JobFailed errors."""

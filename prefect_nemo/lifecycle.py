@@ -360,11 +360,11 @@ class Supervisor:
             return None
         run_s = clock.running_s()
         ran = status.state is JobState.SUCCEEDED or status.exit_code is not None
-        if not run_s and ran and status.start_time and status.end_time:
+        if not run_s and ran and status.duration_s is not None:
             # never seen RUNNING (it ran between two polls): the cluster's own span stands in.
             # Seen running, our clock measures: engines mean different things by a start
             # time (Ray: the submission; Slurm: the start after the queue)
-            run_s = (status.end_time - status.start_time).total_seconds()
+            run_s = status.duration_s
         return measure(
             shape,
             run_s=run_s,

@@ -282,10 +282,9 @@ def _stop(backend: Any, block: ClusterBlock, job: OwnedJob, verdict: Verdict) ->
         outcome = final.state.value if final else "gone"
     except PrefectNemoError as exc:
         final, outcome = None, Redactor(backend.secrets)(f"stop not confirmed: {exc}")
-    wasted_s = None
-    if final is not None and final.start_time and final.end_time:
-        # the cluster's start (Ray: its submission) to the stop: GPU time nobody used
-        wasted_s = round((final.end_time - final.start_time).total_seconds(), 3)
+    # the cluster's start (Ray: its submission) to the stop: GPU time nobody used
+    span_s = final.duration_s if final is not None else None
+    wasted_s = round(span_s, 3) if span_s is not None else None
     handle: JobHandle = backend.handle(job.job_id)
     emit(
         SWEPT_EVENT,
