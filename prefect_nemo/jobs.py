@@ -70,6 +70,32 @@ class JobState(StrEnum):
         return self in (JobState.PENDING, JobState.QUEUED)
 
 
+class FailureClass(StrEnum):
+    """Why an attempt failed, which decides whether it is tried again (JobSpec.recovery)."""
+
+    PREEMPTED = "preempted"  # the scheduler took its resources back (Slurm PREEMPTED, a
+    # reclaimed spot or cloud node); Kueue's eviction puts a job back in its queue instead
+    INFRASTRUCTURE = "infrastructure"  # a node lost, a pod evicted, Slurm NODE_FAIL, NCCL or
+    # GPU Xid errors: the cluster's fault, not the job's
+    APPLICATION = "application"  # the job's own code: an exit code, a traceback, OOM
+    SPEC = "spec"  # what was asked cannot run: a bad image, entrypoint or manifest
+
+
+class Failure(BaseModel):
+    """An ended attempt's failure, classified: from what its engine says, else its log."""
+
+    model_config = ConfigDict(frozen=True)
+
+    kind: FailureClass
+    reason: str = Field(description="In the engine's words (a state, a condition, a log line).")
+    node: str | None = Field(None, description="The node it names (a lost node), if any.")
+
+    def describe(self) -> str:
+        """One line for logs, events and errors: 'infrastructure: NodeLost (node-2)'."""
+        node = f" (node {self.node})" if self.node else ""
+        return f"{self.kind.value}: {self.reason}{node}"
+
+
 _validating: ContextVar[bool] = ContextVar("prefect_nemo_validating", default=False)
 
 
@@ -104,6 +130,79 @@ def explain(exc: ValidationError, model: str) -> str:
         else:
             lines.append(f"{model}.{where}: {reason}")
     return "invalid job configuration:\n  " + "\n  ".join(lines)
+
+
+#: Log lines that say the cluster failed the job, not its code (RecoveryPolicy.infrastructure_logs)
+INFRASTRUCTURE_LOGS: tuple[str, ...] = (
+    r"NCCL (error|Error)|ncclSystemError|ncclRemoteError|ncclInternalError|ncclUnhandledCuda",
+    r"NCCL watchdog|Watchdog caught collective operation timeout",
+    r"\bXid\b.*\b(13|31|43|45|48|61|62|63|64|74|79|92|94|95|119|120)\b",
+    r"CUDA error: (an illegal memory access|uncorrectable ECC|unspecified launch failure)",
+    r"NodeDiedError|node .* has (died|been marked dead)|The node with node id \S+ .*has died",
+)
+
+
+class RecoveryPolicy(_Model):
+    """What to do when an attempt fails, by its class (FailureClass): the cluster's failures
+    (preempted, infrastructure) are resubmitted without using up the error budget; the job's
+    own (application) fail at once unless budgeted or their exit code is named; a spec error
+    is never retried. Each new attempt gets the next id (`-r1`, `-r2`, ...) and, in its
+    environment, PREFECT_NEMO_ATTEMPT and PREFECT_NEMO_PREVIOUS_JOB_ID, to resume from its
+    checkpoint. Budgets count the attempts of the job's name (a re-attach counts the earlier
+    ones), so a crash in the middle of a recovery resumes it, it does not restart it."""
+
+    max_restarts_on_preemption: int = Field(
+        10,
+        ge=0,
+        description="Resubmissions after the cluster's failures: preempted or infrastructure "
+        "(a node lost, NODE_FAIL, NCCL / Xid errors). 0: none.",
+    )
+    max_restarts_on_errors: int = Field(
+        0,
+        ge=0,
+        description="Resubmissions after the job's own failures (an application error: a "
+        "non-zero exit code). 0: fail at once, with the log tail.",
+    )
+    recover_on_exit_codes: tuple[int, ...] = Field(
+        (),
+        description="Exit codes that always resubmit (e.g. a known flaky collective's), "
+        "without counting against max_restarts_on_errors; still bounded by 100 attempts.",
+    )
+    backoff_s: float = Field(
+        1.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Seconds before the first resubmission; doubled each time after.",
+    )
+    max_backoff_s: float = Field(
+        60.0, ge=0, allow_inf_nan=False, description="The longest wait between attempts."
+    )
+    infrastructure_logs: tuple[str, ...] = Field(
+        INFRASTRUCTURE_LOGS,
+        description="Regular expressions: a failed attempt whose log tail matches one failed "
+        "for the cluster (infrastructure), whatever its exit code (NCCL errors, GPU Xid "
+        "errors, a Ray node's death by default).",
+    )
+
+    @field_validator("infrastructure_logs")
+    @classmethod
+    def _patterns_compile(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for pattern in value:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"{pattern!r} is not a regular expression: {exc}") from None
+        return value
+
+    @field_validator("recover_on_exit_codes")
+    @classmethod
+    def _exit_codes_ok(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        for code in value:
+            if not 1 <= code <= 255:
+                raise ValueError(
+                    f"{code} is no failing exit code: name codes from 1 to 255 (0 is success)"
+                )
+        return value
 
 
 class Resources(_Model):
@@ -230,6 +329,11 @@ class JobSpec(_Model):
     stop_on_stall: bool = Field(
         False,
         description="Stop a stalled job (see stall_after_s) and fail the task with JobStalled.",
+    )
+    recovery: RecoveryPolicy | None = Field(
+        None,
+        description="How a failed attempt is tried again, by its cause (RecoveryPolicy); None: "
+        "the cluster block's `recovery`.",
     )
     launcher: Literal["torchrun"] | None = Field(
         None,
@@ -373,7 +477,7 @@ class JobSpec(_Model):
         Secret values are left out (a hash of a short secret could be brute-forced).
         """
         # how the job is watched is not what it does: a changed limit attaches to the same job
-        watching = {"timeout_s", "queue_timeout_s", "stall_after_s", "stop_on_stall"}
+        watching = {"timeout_s", "queue_timeout_s", "stall_after_s", "stop_on_stall", "recovery"}
         data = self.model_dump(mode="json", exclude=watching)
         for absent in ("placement", "task", "launcher", "queue", "priority"):  # absent, not
             # null: older specs keep their fingerprints
@@ -457,6 +561,11 @@ class JobStatus(BaseModel):
         "Trainer: the TrainJob's numNodes and nvidia.com/gpu per node); elsewhere the spec's "
         "count is used.",
     )
+    failure: Failure | None = Field(
+        None,
+        description="Why it FAILED, where its engine says (a node lost, preempted, a bad "
+        "image); None: the lifecycle classifies it by its log tail and exit code.",
+    )
 
     @property
     def duration_s(self) -> float | None:
@@ -464,6 +573,19 @@ class JobStatus(BaseModel):
         if self.start_time and self.end_time:
             return (self.end_time - self.start_time).total_seconds()
         return None
+
+
+class Attempt(BaseModel):
+    """One earlier attempt of a job: its id, how it ended and why."""
+
+    model_config = ConfigDict(frozen=True)
+
+    job_id: str
+    state: JobState
+    failure: Failure | None = None
+    exit_code: int | None = None
+    start_time: datetime | None = None
+    end_time: datetime | None = None
 
 
 class JobResult(BaseModel):
@@ -487,6 +609,12 @@ class JobResult(BaseModel):
         None,
         description="Its queue wait, run time, nodes x GPUs, GPU-hours and cost (None when the "
         "GPUs it held are unknown: waited for without its spec, or stopped by stop_job).",
+    )
+    failure: Failure | None = Field(None, description="Why it failed (FAILED only).")
+    attempts: tuple[Attempt, ...] = Field(
+        (),
+        description="The earlier attempts of this job that failed and were resubmitted "
+        "(JobSpec.recovery), oldest first; this result is the last attempt's.",
     )
 
     @property

@@ -8,7 +8,7 @@ from typing import ClassVar
 from prefect.blocks.core import Block
 from pydantic import ConfigDict, Field
 
-from prefect_nemo.jobs import Backend
+from prefect_nemo.jobs import Backend, RecoveryPolicy
 from prefect_nemo.names import dns_label
 from prefect_nemo.usage import JobShape
 
@@ -69,6 +69,13 @@ class ClusterBlock(Block):
         "'local-file-system/job-logs' or 'remote-file-system/s3-logs') that every job's "
         "saved log is copied into when the job ends, as <flow run id>/<job id>.log; the job "
         "table links the copy. Empty: the local file under ./.prefect-nemo/logs is the link.",
+    )
+    recovery: RecoveryPolicy = Field(
+        default_factory=RecoveryPolicy,
+        description="How a failed job is tried again, by its cause, unless its spec says "
+        "(JobSpec.recovery): the cluster's failures (preemption, a lost node) are resubmitted "
+        "up to max_restarts_on_preemption times; the job's own errors fail at once unless "
+        "max_restarts_on_errors or recover_on_exit_codes say otherwise.",
     )
     max_poll_interval_s: float = Field(
         default=2.0,
