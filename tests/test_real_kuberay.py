@@ -335,3 +335,52 @@ if __name__ == "__main__":  # the flow process the kill -9 test kills
     block = block_for(json.loads(env["TEST_KUBECONFIG"]), env["TEST_RAY_TOKEN"],
                       env["TEST_RAY_SECRET"], ttl_s=60)  # fmt: skip
     step_flow(block, sys.argv[1], int(sys.argv[2]))
+
+
+def test_10000_lines_reach_the_task_log_and_the_saved_file_read_after_the_cluster_is_gone(
+    real_kuberay,
+    prefect_api,
+    run_logs,  # noqa: F811 - the fixture imported above
+    tmp_path,
+    monkeypatch,
+):
+    """Issue 29: "A job that prints 10,000 lines and exits at once: all 10,000 reach the task log
+    and the saved file, on ... KubeRay (real operator)" and "After a RayJob's cluster is torn
+    down, its saved log is readable from the job table's link". The RayJob's cluster goes 5 s
+    after the job ends (shutdownAfterJobFinishes with ttlSecondsAfterFinished)."""
+    from prefect_nemo.kube import RAY_CLUSTER, KubeApi
+    from prefect_nemo.log_files import LOGS_DIR_ENV
+    from prefect_nemo.tasks.reporting import job_rows
+    from tests.conftest import wait_until
+
+    plane, kubeconfig, ray_token, secret = real_kuberay
+    monkeypatch.setenv(LOGS_DIR_ENV, str(tmp_path / "logs"))
+    lines = 10_000
+    spec = JobSpec(entrypoint=f"seq -f 'line %05g' 0 {lines - 1}", name="ten-thousand-lines")
+    block = block_for(kubeconfig, ray_token, secret, ttl_s=5)
+
+    @flow
+    def printing_flow():
+        return run_job(spec, cluster=block)
+
+    state = printing_flow(return_state=True)
+    result = state.result()
+    assert result.state is JobState.SUCCEEDED
+    job_id, flow_run_id = result.handle.job_id, str(state.state_details.flow_run_id)
+    api = KubeApi(plane.api_client())
+    gone = wait_until(
+        lambda: not any(
+            o["metadata"]["name"].startswith(job_id) for o in api.list(RAY_CLUSTER, NAMESPACE)[0]
+        ),
+        120,
+    )
+    assert gone, "the RayJob's cluster was not torn down"
+
+    expected = [f"line {n:05d}" for n in range(lines)]
+    (row,) = job_rows(flow_run_id)
+    saved = [ln for ln in Path(row["log"]).read_text().splitlines() if ln.startswith("line ")]
+    assert saved == expected, f"{len(saved)} of {lines} lines in the file the row links"
+    in_task_log = [
+        m.removeprefix(f"[{job_id}] ") for m in run_logs if m.startswith(f"[{job_id}] line ")
+    ]
+    assert in_task_log == expected, f"{len(in_task_log)} of {lines} lines in the task log"

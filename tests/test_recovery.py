@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
+import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -41,6 +42,7 @@ from prefect_nemo.jobs import (
     JobStatus,
     RecoveryPolicy,
 )
+from prefect_nemo.lifecycle import META_KEY
 from prefect_nemo.local_ray import LocalRayCluster, free_ports, session_members, start_local_ray
 from prefect_nemo.recovery import Recovery, classify
 from tests.conftest import jobs_of_run, wait_until
@@ -257,6 +259,44 @@ def test_a_named_exit_code_and_an_nccl_error_resubmit_without_the_error_budget(
     retrying = _retrying(prefect_api, flow_run_id, since, count=2)
     classes = [e["payload"]["class"] for e in retrying]
     assert classes == ["application", "infrastructure"]
+
+
+@pytest.mark.slow
+def test_a_rerun_after_kill_9_in_the_middle_of_a_recovery_attaches_to_the_newest_attempt(
+    ray_head, prefect_api, ray_client, tmp_path
+):
+    """ "Re-attach after kill -9 in the middle of a recovery attaches to the newest attempt
+    (0 duplicates)": the flow process dies while the resubmitted attempt runs; a re-run of the
+    experiment attaches to that attempt, counts the one before it, and submits nothing."""
+    from tests.test_crash_safety import HERE, child_env
+
+    experiment = f"recover-{uuid.uuid4().hex[:6]}"
+    cmd = [sys.executable, str(HERE / "crash_flows.py"), "recovering", experiment, "15"]
+    env = child_env(ray_head, prefect_api)
+
+    def experiment_jobs() -> dict[str, str]:
+        prefix = f"experiment:{experiment}/"
+        return {
+            j.submission_id: j.status.value
+            for j in ray_client.list_jobs()
+            if (j.metadata or {}).get(META_KEY, "").startswith(prefix)
+        }
+
+    with open(tmp_path / "first.log", "w") as out:
+        first = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        running = wait_until(
+            lambda: next((j for j, s in experiment_jobs().items()
+                          if j.endswith("-r1") and s == "RUNNING"), None),
+            120,
+        )  # fmt: skip
+        assert running, (tmp_path / "first.log").read_text()[-3000:]
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(10)
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    original = running.removesuffix("-r1")
+    assert f"JOB={running} ATTACHED=True ATTEMPTS={original}" in second.stdout
+    assert experiment_jobs() == {original: "FAILED", running: "SUCCEEDED"}, "0 duplicates"
 
 
 # -- a worker node lost under a Ray Jobs job ------------------------------------------------------
