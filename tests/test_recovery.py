@@ -262,6 +262,31 @@ def test_a_named_exit_code_and_an_nccl_error_resubmit_without_the_error_budget(
 
 
 @pytest.mark.slow
+def test_run_jobs_recovers_each_job_on_its_own(ray_head, prefect_api, ray_client, tmp_path):
+    """run_jobs waits for its jobs on one event loop (Supervisor.run_async): a job whose first
+    attempt fails is resubmitted there, the others are not held back, and each result lists
+    its own attempts."""
+    from prefect_nemo import run_jobs
+
+    spec = _spec(tmp_path, "batch-flaky", [1], max_restarts_on_errors=1)
+    steady = JobSpec(entrypoint="true", name="batch-steady")
+
+    @flow
+    def batch():
+        return run_jobs([spec, steady], cluster=ray_head.block())
+
+    state = batch(return_state=True)
+    flaky, ok = state.result()
+    assert flaky.state is JobState.SUCCEEDED and ok.state is JobState.SUCCEEDED
+    first = flaky.attempts[0].job_id
+    assert flaky.handle.job_id == f"{first}-r1" and ok.attempts == ()
+    flow_run_id = state.state_details.flow_run_id
+    assert sorted(jobs_of_run(ray_client, flow_run_id)) == sorted(
+        [first, f"{first}-r1", ok.handle.job_id]
+    )
+
+
+@pytest.mark.slow
 def test_a_rerun_after_kill_9_in_the_middle_of_a_recovery_attaches_to_the_newest_attempt(
     ray_head, prefect_api, ray_client, tmp_path
 ):

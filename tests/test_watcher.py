@@ -4,12 +4,13 @@ often the watcher asks, not what a cluster answers)."""
 from __future__ import annotations
 
 import contextlib
+import statistics
 import threading
 import time
 from datetime import UTC, datetime
 
 from prefect_nemo.jobs import JobState, JobStatus
-from prefect_nemo.watcher import POLL_COST_FACTOR, ClusterWatcher
+from prefect_nemo.watcher import COSTLY_POLL_S, MIN_INTERVAL_S, POLL_COST_FACTOR, ClusterWatcher
 
 
 class SlowList:
@@ -43,6 +44,24 @@ def test_a_slow_poll_spaces_the_next_one_even_when_new_jobs_wake_the_watcher() -
     gaps = [b - a for a, b in zip(backend.polls, backend.polls[1:], strict=False)]
     assert len(backend.polls) < 40 / 2, f"about a poll per new job: {len(backend.polls)}"
     assert min(gaps) >= POLL_COST_FACTOR * 0.05 * 0.99, gaps
+
+
+def test_a_cheap_poll_is_spaced_by_the_shortest_interval_only() -> None:
+    """Issue 30: "Ray detection back to <= 0.2 s p50 with the list cost still bounded ...
+    pace by the list's cost only when it is large". A poll that takes 10 ms (a few jobs asked
+    one by one) is not held back 10x its cost, but new jobs' wake-ups still cannot make polls
+    come closer than MIN_INTERVAL_S."""
+    backend = SlowList(cost_s=COSTLY_POLL_S / 5)
+    watcher = ClusterWatcher(backend)  # type: ignore[arg-type]
+    with contextlib.ExitStack() as held:
+        for i in range(20):
+            held.enter_context(watcher.watching(f"job-{i}"))
+            time.sleep(0.02)
+        time.sleep(0.5)
+        watcher.close()
+    gaps = [b - a for a, b in zip(backend.polls, backend.polls[1:], strict=False)]
+    assert min(gaps) >= MIN_INTERVAL_S * 0.99, gaps
+    assert statistics.median(gaps) < 0.2, f"paced by cost, not by the age of the jobs: {gaps}"
 
 
 def test_a_close_does_not_wait_out_the_bound() -> None:
