@@ -17,6 +17,7 @@ from prefect_nemo import DryRun, InvalidJobSpec, JobSpec, PlacementSpec, lifecyc
 from prefect_nemo.blocks import KubeflowTrainerCluster, KubeRayCluster, RayJobsCluster
 from prefect_nemo.blocks.kubernetes import KubernetesCluster
 from prefect_nemo.kube import kind_for
+from prefect_nemo.lifecycle import with_attempt
 from prefect_nemo.redaction import MASK
 from prefect_nemo.tasks.jobs import run_job, submit_job
 
@@ -109,7 +110,7 @@ def test_nemo_run_local_dry_run_is_the_process_it_would_start(tmp_path) -> None:
     assert doc["env"]["PLAIN"] == "1" and doc["env"]["HF_TOKEN"] == MASK
     assert SECRET not in dry.yaml
     # The real submit runs the script the dry run showed.
-    backend.submit(spec, dry.job_id, {})
+    backend.submit(with_attempt(spec, 0, None), dry.job_id, {})  # as submit_or_attach
     try:
         script = Path(doc["command"][1]).read_text()
         assert script == doc["script"]
@@ -159,7 +160,7 @@ def test_slurm_dry_run_is_nemo_runs_sbatch_script_and_submits_nothing(slurm, tmp
     }
     assert SECRET not in dry.yaml
     # The real submit puts exactly that script on the cluster.
-    backend.submit(spec, dry.job_id, {})
+    backend.submit(with_attempt(spec, 0, None), dry.job_id, {})  # as submit_or_attach
     try:
         assert Path(script_doc["path"]).read_text() == script
         assert Path(job_script["path"]).read_text() == job_script["script"]
@@ -221,7 +222,7 @@ def test_lepton_dry_run_is_the_job_create_nemo_run_would_send(tmp_path) -> None:
 
         # The real submit sends exactly that request, and runs that launch script.
         backend = block.backend()
-        backend.submit(spec, dry.job_id, {})
+        backend.submit(with_attempt(spec, 0, None), dry.job_id, {})
         (post,) = [
             r
             for r in lepton.requests.find("POST", "/jobs")
@@ -284,7 +285,7 @@ def test_dgx_cloud_dry_run_is_the_workload_request_nemo_run_would_send(tmp_path)
 
         # The real submit posts exactly that request.
         backend = block.backend()
-        backend.submit(spec, dry.job_id, {})
+        backend.submit(with_attempt(spec, 0, None), dry.job_id, {})
         (post,) = runai.requests.find("POST", "/workloads/trainings")
         assert post.path == doc["path"]
         assert _as_rendered(post.body, _runai_ids(runai)) == request
@@ -321,7 +322,7 @@ def test_ray_on_dgx_cloud_dry_run_is_the_bootstrap_deploy_and_the_workload(tmp_p
         assert SECRET not in dry.yaml
 
         backend = ray_block.backend()
-        backend.submit(spec, dry.job_id, {})
+        backend.submit(with_attempt(spec, 0, None), dry.job_id, {})
         (sent_deploy,) = runai.requests.find("POST", "/workloads/workspaces")
         (sent_workload,) = runai.requests.find("POST", "/workloads/distributed")
         assert _as_rendered(sent_workload.body, _runai_ids(runai)) == workload["request"]
