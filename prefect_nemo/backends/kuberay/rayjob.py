@@ -72,7 +72,15 @@ from prefect_nemo.backends.kuberay.manifests import (
 from prefect_nemo.backends.kuberay.raycluster import DASHBOARD_PORT, head_service, ray_jobs_backend
 from prefect_nemo.backends.ray_jobs import RayJobsBackend
 from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec
-from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus, refuse_launcher
+from prefect_nemo.jobs import (
+    Failure,
+    FailureClass,
+    JobHandle,
+    JobSpec,
+    JobState,
+    JobStatus,
+    refuse_launcher,
+)
 from prefect_nemo.kube import (
     CONFIGMAP,
     POD,
@@ -88,6 +96,18 @@ from prefect_nemo.packaging import TransportPlan, collect_source, stage_source
 STOP_ESCALATE_S = 10.0  # a Ray stop not confirmed by then is escalated to deleting the RayJob
 
 _EXIT_CODE = re.compile(r"exit code (-?\d+)")
+# the Job controller's label on its pods (KubeRay names the K8sJobMode submitter Job after the
+# RayJob: common.RayJobK8sJobNamespacedName)
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+# RayJob status.reason (KubeRay v1.6 rayjob_types.go JobFailedReason) that alone say the class;
+# AppFailed and SubmissionFailed do not: its pods, then the log tail, tell
+_REASON_CLASS = {
+    "ValidationFailed": FailureClass.SPEC,  # the RayJob's spec was refused
+    "DeadlineExceeded": FailureClass.APPLICATION,  # ran past activeDeadlineSeconds
+    # never running within preRunningDeadlineSeconds: the cluster did not come up (a bad
+    # image shows in its pods first)
+    "PreRunningDeadlineExceeded": FailureClass.INFRASTRUCTURE,
+}
 
 
 # -------------------------------------------------------------------------------------------
@@ -132,9 +152,11 @@ def status_from_rayjob(obj: dict[str, Any]) -> JobStatus:
         )
     else:  # "", Initializing, Waiting, Retrying
         state = JobState.PENDING
-    exit_code = None
+    exit_code, failure = None, None
     if state is JobState.FAILED and (match := _EXIT_CODE.search(message)):
         exit_code = int(match.group(1))
+    if state is JobState.FAILED and deployment == "ValidationFailed":
+        failure = Failure(kind=FailureClass.SPEC, reason="ValidationFailed")
     spec_meta = (obj.get("spec") or {}).get("metadata") or {}
     metadata = reserved_metadata(meta.get("annotations") or {})
     metadata.update({str(k): str(v) for k, v in spec_meta.items()})
@@ -146,7 +168,15 @@ def status_from_rayjob(obj: dict[str, Any]) -> JobStatus:
         end_time=parse_time(status.get("endTime")),
         exit_code=exit_code,
         metadata=metadata,
+        failure=failure,
     )
+
+
+def rayjob_failure(obj: dict[str, Any]) -> Failure | None:
+    """The class a FAILED RayJob's status.reason alone says (_REASON_CLASS), else None."""
+    reason = (obj.get("status") or {}).get("reason") or ""
+    kind = _REASON_CLASS.get(reason)
+    return None if kind is None else Failure(kind=kind, reason=reason)
 
 
 # -------------------------------------------------------------------------------------------
@@ -200,6 +230,22 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
     def job_status(self, obj: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
         """The RayJob's status (the table in the module docstring); pods are not read."""
         return status_from_rayjob(obj)
+
+    def failure_pods(self, obj: dict[str, Any], pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """A FAILED RayJob's pods, listed once: its RayCluster's (head and workers) and its
+        K8sJobMode submitter Job's (the informers do not watch pods for RayJobs)."""
+        name = (obj.get("metadata") or {}).get("name", "")
+        selectors = [f"{JOB_NAME_LABEL}={name}"]
+        if cluster := (obj.get("status") or {}).get("rayClusterName"):
+            selectors.append(f"ray.io/cluster={cluster}")
+        found: list[dict[str, Any]] = []
+        for selector in selectors:
+            found += self.api.list(POD, self.namespace, label_selector=selector)[0]
+        return found
+
+    def object_failure(self, obj: dict[str, Any]) -> Failure | None:
+        """The class its status.reason says (ValidationFailed, the deadlines), else None."""
+        return rayjob_failure(obj)
 
     def access(self) -> tuple[Access, ...]:
         """In the RayJobs' namespace: the RayJobs, their RayClusters (read), the Secret of
