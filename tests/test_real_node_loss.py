@@ -1,0 +1,146 @@
+"""A node lost under a running job, on the real control plane (issue 29): the node agent cuts a
+node's power (`node_agent.lose_node`: its pods' processes SIGKILLed, its kubelet silent, the Node
+Ready Unknown and tainted unreachable as the node lifecycle controller leaves it), then the real
+kube-controller-manager's taint-eviction-controller and Job controller, and the real KubeRay
+operator or Kubeflow Trainer + JobSet controllers, fail the job their own way. The backend's
+FAILED status names the class, infrastructure, and the lost node.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from prefect_nemo import JobSpec, JobState
+from prefect_nemo.jobs import FailureClass, JobStatus
+from prefect_nemo.kube import POD, RAY_JOB, TRAIN_JOB
+from prefect_nemo.testing.control_plane.node_agent import lose_node, restore_node
+from tests.conftest import IN_CI, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("control-plane")]
+META = {"prefect_nemo.flow_run_id": "node-loss"}
+SLEEPER = "import time; print('started', flush=True); time.sleep(600)"
+
+
+def wait_terminal(backend: Any, job_id: str, timeout_s: float) -> JobStatus:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = backend.find(job_id)
+        if status is not None and status.state.is_terminal():
+            return status  # type: ignore[no-any-return]
+        time.sleep(0.5)
+    raise AssertionError(f"{job_id} not terminal after {timeout_s} s: {backend.find(job_id)}")
+
+
+@pytest.fixture
+def lost_nodes(control_plane: Any) -> Iterator[list[str]]:
+    """The nodes a test loses, brought back afterwards (the plane serves the module)."""
+    if reason := control_plane.agent_unavailable:
+        (pytest.fail if IN_CI else pytest.skip)(f"no node agent: {reason}")
+    lost: list[str] = []
+    yield lost
+    core = client.CoreV1Api(control_plane.api_client())
+    for name in lost:
+        restore_node(core, name)
+
+
+def test_a_two_node_trainjob_whose_node_is_lost_fails_as_infrastructure_naming_it(
+    control_plane: Any, lost_nodes: list[str]
+) -> None:
+    """Kubernetes: the taint-eviction-controller deletes a pod that does not tolerate a
+    NoExecute taint once its tolerationSeconds run out (taint_eviction.go, DisruptionTarget
+    "DeletionByTaintManager"); the Job controller counts a deleted pod that did not succeed as
+    failed ("Count deleted Pods as failures to account for orphan Pods that never have a chance
+    to reach the Failed phase": job_controller.go isPodFailed); our runtime's Job has
+    backoffLimit 0, so it fails, JobSet fails the JobSet ("FailedJobs") and the Trainer the
+    TrainJob. The evicted pod stays Terminating on the dead node (no kubelet finishes it): the
+    TrainJob's FAILED status names the node and the class infrastructure."""
+    from prefect_nemo.backends.kubeflow import KubeflowTrainerBackend
+    from prefect_nemo.backends.kubeflow.runtimes import TrainerConfig
+    from prefect_nemo.blocks.kubernetes import KubernetesCluster
+    from prefect_nemo.testing.control_plane.controllers import TRAINER_NAMESPACE
+
+    plane = control_plane
+    if reason := plane.controllers_unavailable:
+        (pytest.fail if IN_CI else pytest.skip)(reason)
+    api = KubernetesCluster(kubeconfig=plane.kubeconfig(), namespace=TRAINER_NAMESPACE).api()
+    backend = KubeflowTrainerBackend(api, TrainerConfig(image="python:3.11-slim", num_nodes=2))
+    job_id = f"lost-{uuid.uuid4().hex[:6]}"
+    backend.submit(JobSpec(entrypoint=f'python -c "{SLEEPER}"'), job_id, META)
+    selector = f"jobset.sigs.k8s.io/jobset-name={job_id}"
+
+    def both_running() -> list[dict[str, Any]] | None:
+        pods, _ = api.list(POD, label_selector=selector)
+        running = [p for p in pods if (p.get("status") or {}).get("phase") == "Running"]
+        return running if len(running) == 2 else None
+
+    why = lambda: plane.log("jobset-controller")[-1500:] + plane.log("node_agent")[-1500:]  # noqa: E731
+    pods = wait_until(both_running, 90)
+    assert pods, f"the two nodes of {job_id} never ran: {why()}"
+    assert len({p["spec"]["nodeName"] for p in pods}) == 2, "both pods on one node"
+    node = next(p["spec"]["nodeName"] for p in pods if p["metadata"]["name"].endswith("-1"))
+    t0 = time.monotonic()
+    lost_nodes.append(node)
+    lose_node(client.CoreV1Api(plane.api_client()), node)
+
+    status = wait_terminal(backend, job_id, 120)
+    print(f"node lost to FAILED: {time.monotonic() - t0:.1f} s")
+    assert status.state is JobState.FAILED, f"{status}: {why()}"
+    assert status.failure is not None, status
+    assert (status.failure.kind, status.failure.node) == (FailureClass.INFRASTRUCTURE, node)
+    assert status.failure.reason == "DeletionByTaintManager", status.failure
+    api.delete(TRAIN_JOB, job_id)
+
+
+def test_a_rayjob_whose_head_node_is_lost_fails_as_infrastructure_naming_it(
+    control_plane: Any, lost_nodes: list[str]
+) -> None:
+    """KubeRay v1.6.1: a RayJob's cluster does not get a new head once provisioned
+    (rayjob_controller.go sets ray.io/disable-provisioned-head-restart: "Recreating the head
+    Pod if the RayCluster created by RayJob is provisioned doesn't help RayJob"), so the
+    K8sJobMode submitter Job, which follows the job from the head, fails its retries ("If the
+    submitting Kubernetes Job reaches the backoff limit, transition the status to `Complete` or
+    `Failed`"): the RayJob is Failed, reason SubmissionFailed. Its head pod, evicted off the
+    dead node by the taint-eviction-controller, says why: infrastructure, that node."""
+    from prefect_nemo.kube import KubeApi
+    from tests.test_real_kuberay import NAMESPACE, block_for
+
+    plane = control_plane
+    if reason := plane.agent_unavailable:
+        (pytest.fail if IN_CI else pytest.skip)(reason)
+    from tests.test_real_control_plane import KUBERAY_RULES, service_account_token
+
+    core = client.CoreV1Api(plane.api_client())
+    secret, ray_token = f"ray-token-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
+    core.create_namespaced_secret(NAMESPACE, {"metadata": {"name": secret},
+                                              "stringData": {"auth_token": ray_token}})  # fmt: skip
+    token = service_account_token(plane, NAMESPACE, KUBERAY_RULES)
+    kubeconfig = plane.kubeconfig(NAMESPACE, "real", token=token)
+    backend = block_for(kubeconfig, ray_token, secret, ttl_s=60).backend()
+    kube = KubeApi(plane.api_client(), namespace=NAMESPACE)
+    job_id = f"lost-{uuid.uuid4().hex[:6]}"
+    try:
+        backend.submit(JobSpec(entrypoint=f'python -c "{SLEEPER}"'), job_id, META)
+        why = lambda: plane.log("ray-operator")[-1500:] + plane.log("node_agent")[-1500:]  # noqa: E731
+        running = wait_until(lambda: backend.find(job_id).state is JobState.RUNNING, 180)
+        assert running, f"{job_id} never ran: {backend.find(job_id)}: {why()}"
+        cluster = kube.get(RAY_JOB, job_id)["status"]["rayClusterName"]
+        heads, _ = kube.list(POD, label_selector=f"ray.io/cluster={cluster},ray.io/node-type=head")
+        node = heads[0]["spec"]["nodeName"]
+        t0 = time.monotonic()
+        lost_nodes.append(node)
+        lose_node(core, node)
+
+        status = wait_terminal(backend, job_id, 180)
+        print(f"node lost to FAILED: {time.monotonic() - t0:.1f} s")
+        assert status.state is JobState.FAILED, f"{status}: {why()}"
+        assert status.failure is not None, status
+        assert (status.failure.kind, status.failure.node) == (FailureClass.INFRASTRUCTURE, node)
+    finally:
+        kube.delete(RAY_JOB, job_id)
+        core.delete_namespaced_secret(secret, NAMESPACE)
