@@ -19,7 +19,7 @@ from kubernetes import client
 from prefect_nemo import JobSpec, JobState
 from prefect_nemo.jobs import FailureClass, JobStatus
 from prefect_nemo.kube import POD, RAY_JOB, TRAIN_JOB
-from prefect_nemo.testing.control_plane.node_agent import lose_node, restore_node
+from prefect_nemo.testing.control_plane.node_agent import lose_node, out_of_service, restore_node
 from tests.conftest import IN_CI, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("control-plane")]
@@ -35,6 +35,24 @@ def wait_terminal(backend: Any, job_id: str, timeout_s: float) -> JobStatus:
             return status  # type: ignore[no-any-return]
         time.sleep(0.5)
     raise AssertionError(f"{job_id} not terminal after {timeout_s} s: {backend.find(job_id)}")
+
+
+def evidence(plane: Any, namespace: str, selector: str, node: str) -> str:
+    """What the cluster shows after the loss: the pods, the Node, the controllers' lines."""
+    core = client.CoreV1Api(plane.api_client())
+    pods = [(p.metadata.name, p.spec.node_name, p.status.phase, p.metadata.deletion_timestamp,
+             [(c.type, c.reason) for c in p.status.conditions or []])
+            for p in core.list_namespaced_pod(namespace, label_selector=selector).items
+            ]  # fmt: skip
+    lost = core.read_node(node)
+    kcm = [ln for ln in plane.log("kube-controller-manager").splitlines()
+           if "aint" in ln or "evict" in ln.lower()][-10:]  # fmt: skip
+    return (
+        f"pods: {pods}\nnode taints: {lost.spec.taints}\nkcm: "
+        + "\n".join(kcm)
+        + "\nagent: "
+        + plane.log("node_agent")[-1500:]
+    )
 
 
 @pytest.fixture
@@ -83,17 +101,40 @@ def test_a_two_node_trainjob_whose_node_is_lost_fails_as_infrastructure_naming_i
     pods = wait_until(both_running, 90)
     assert pods, f"the two nodes of {job_id} never ran: {why()}"
     assert len({p["spec"]["nodeName"] for p in pods}) == 2, "both pods on one node"
-    node = next(p["spec"]["nodeName"] for p in pods if p["metadata"]["name"].endswith("-1"))
+    index = "batch.kubernetes.io/job-completion-index"
+    node = next(p["spec"]["nodeName"] for p in pods if p["metadata"]["labels"][index] == "1")
+    core = client.CoreV1Api(plane.api_client())
+    unsubscribe = backend.subscribe(lambda: None)  # the informers, as a watched job has them
     t0 = time.monotonic()
     lost_nodes.append(node)
-    lose_node(client.CoreV1Api(plane.api_client()), node)
+    lose_node(core, node)
 
-    status = wait_terminal(backend, job_id, 120)
+    def evicted() -> bool:
+        pods, _ = api.list(POD, label_selector=selector)
+        return any(p["spec"]["nodeName"] == node and p["metadata"].get("deletionTimestamp")
+                   for p in pods)  # fmt: skip
+
+    assert wait_until(evicted, 30), evidence(plane, TRAINER_NAMESPACE, selector, node)
+    # the Job waits for its terminating pod: RUNNING until the node is declared out of service
+    assert backend.find(job_id).state is JobState.RUNNING
+    out_of_service(core, node)
+    try:
+        status = wait_terminal(backend, job_id, 90)
+    except AssertionError as exc:
+        raise AssertionError(
+            f"{exc}\n{evidence(plane, TRAINER_NAMESPACE, selector, node)}"
+        ) from None
     print(f"node lost to FAILED: {time.monotonic() - t0:.1f} s")
     assert status.state is JobState.FAILED, f"{status}: {why()}"
     assert status.failure is not None, status
     assert (status.failure.kind, status.failure.node) == (FailureClass.INFRASTRUCTURE, node)
     assert status.failure.reason == "DeletionByTaintManager", status.failure
+    # the pod GC took the evicted pod before the TrainJob failed: the pod informer kept it
+    assert not [p for p in api.list(POD, label_selector=selector)[0]
+                if p["spec"]["nodeName"] == node]  # fmt: skip
+    watched = backend.statuses([job_id])[job_id]
+    assert watched.failure == status.failure, watched
+    unsubscribe()
     api.delete(TRAIN_JOB, job_id)
 
 

@@ -27,9 +27,14 @@ here: it would do the same to every node whose kubelet posts no heartbeat, and n
 agent nor the simulators' nodes post one. The rest is the real kube-controller-manager's: the
 taint-eviction-controller deletes the node's pods once their toleration of `unreachable` runs
 out (ControlPlane's API server gives every pod run.UNREACHABLE_TOLERATION_S, not 300 s), with
-DisruptionTarget "DeletionByTaintManager"; they stay Terminating (no kubelet finishes them), the
-Job controller counts them failed, and the operators do what they do. `restore_node` brings the
-node back: its kubelet finishes the deletions and it takes pods again.
+DisruptionTarget "DeletionByTaintManager"; they stay Terminating (no kubelet finishes them). The
+Job controller counts them failed but, while a pod of a Job is terminating, gives the Job only
+FailureTarget, not Failed ("Delaying marking the Job as finished, because there are still
+terminating pod(s)": job_controller.go), so a JobSet (which reads Failed) waits. What ends the
+wait on a real cluster is the Node deleted (the pod GC's orphans, after 40 s) or, as Kubernetes
+documents for a non-graceful node shutdown, the out-of-service taint an administrator adds
+(`out_of_service`): the pod GC then marks the node's terminating pods Failed and deletes them.
+`restore_node` brings the node back: its kubelet finishes the deletions and it takes pods again.
 
 `python -m prefect_nemo.testing.control_plane.node_agent KUBECONFIG NAMESPACE...` runs one
 until SIGTERM (how ControlPlane starts it, so `make control-plane up` keeps it).
@@ -66,6 +71,7 @@ NODE_NAME = "prefect-nemo-node"  # the first node; the others add "-2", "-3"
 NODES = 3  # a two-node job still has two nodes to run on once one is lost
 LOST_ANNOTATION = "prefect-nemo.io/lost"  # lose_node's switch: the agent cuts the node's power
 UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
+OUT_OF_SERVICE_TAINT = "node.kubernetes.io/out-of-service"
 # every process of a pod carries its uid in its environment (our stand-in for a cgroup): what
 # a kill finds, descendants that left the session included
 POD_MARKER = "PREFECT_NEMO_POD_UID"
@@ -525,6 +531,18 @@ def lose_node(core: client.CoreV1Api, name: str, timeout_s: float = 30.0) -> Non
     unreachable: the module docstring); returns once the Node reads Ready Unknown."""
     core.patch_node(name, {"metadata": {"annotations": {LOST_ANNOTATION: "true"}}})
     _wait_ready(core, name, "Unknown", timeout_s)
+
+
+def out_of_service(core: client.CoreV1Api, name: str) -> None:
+    """Taint a lost node `node.kubernetes.io/out-of-service=nodeshutdown:NoExecute`, the
+    administrator's step of Kubernetes' non-graceful node shutdown ("the pods will be forcefully
+    deleted if there are no matching tolerations on it": Kubernetes docs, Node Shutdowns); the
+    pod GC (gcTerminating: a node not Ready with that taint) then finishes its pods."""
+    taints = core.read_node(name).spec.taints or []
+    body = [core.api_client.sanitize_for_serialization(t) for t in taints]
+    body.append({"key": OUT_OF_SERVICE_TAINT, "value": "nodeshutdown", "effect": "NoExecute",
+                 "timeAdded": _now()})  # fmt: skip
+    core.patch_node(name, {"spec": {"taints": body}})
 
 
 def restore_node(core: client.CoreV1Api, name: str, timeout_s: float = 30.0) -> None:

@@ -49,11 +49,16 @@ START_TIMEOUT_S = 120.0
 UNREACHABLE_TOLERATION_S = 2
 # the controllers our tests rely on (garbage collector, namespace deletion, default
 # ServiceAccounts and their tokens, Jobs for KubeRay's submitter, EndpointSlices of Services,
-# the eviction of a lost node's pods: node_agent.lose_node)
+# the eviction of a lost node's pods and, once it is marked out of service, their final delete:
+# node_agent.lose_node and out_of_service). The taint-eviction-controller finds
+# a node's pods by the pod informer's spec.nodeName index, which only the node lifecycle and
+# DaemonSet controllers add (AddPodNodeNameIndexer); alone it logs "Index with name
+# spec.nodeName does not exist" and evicts nothing: the DaemonSet controller (idle: no
+# DaemonSets here) comes along for its index.
 CONTROLLERS = (
     "garbage-collector-controller,namespace-controller,serviceaccount-controller,"
     "serviceaccount-token-controller,job-controller,endpointslice-controller,"
-    "taint-eviction-controller"
+    "taint-eviction-controller,daemonset-controller,pod-garbage-collector-controller"
 )
 
 
