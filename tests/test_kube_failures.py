@@ -316,3 +316,86 @@ def test_a_pod_that_succeeded_on_a_node_lost_later_is_no_cause() -> None:
     """A succeeded pod's node does not matter: the node of a pod that did not finish does."""
     gone = {"n1": None}
     assert pod_failure([_pod({"phase": "Succeeded"})], gone) is None
+
+
+# -- keep a failed job's head (KubeRay deletionRules) -------------------------------------------
+
+INLINE = {"headGroupSpec": {"rayStartParams": {}, "template": {"spec": {"containers": [
+    {"name": "ray-head", "image": "rayproject/ray"}]}}}}  # fmt: skip
+
+
+def test_keep_failed_head_sends_deletion_rules_the_real_crd_accepts(api: KubeApi) -> None:
+    """KubeRay v1.6.1 (rayjob_types.go): "DeletionRules is a list of deletion rules, processed
+    based on their trigger conditions"; policies DeleteCluster / DeleteWorkers / DeleteSelf /
+    DeleteNone, a condition on jobStatus (SUCCEEDED, FAILED) or jobDeploymentStatus (Failed)
+    with ttlSeconds; validation.go: shutdownAfterJobFinishes and deletionRules "are mutually
+    exclusive". A failed job loses its workers at once and its head after keep_failed_head_s;
+    a succeeded one its cluster after ttl_seconds_after_finished. The RayJob is accepted by the
+    API server with KubeRay v1.6.1's own CRD, written with fieldValidation=Strict."""
+    from prefect_nemo import JobSpec
+
+    config = RayJobConfig(ray_cluster_spec=INLINE, ttl_seconds_after_finished=30,
+                          keep_failed_head_s=600)  # fmt: skip
+    job = f"rj-{uid()}"
+    KubeRayBackend(api, config).submit(JobSpec(entrypoint="python x.py"), job, {})
+    spec = api.get(RAY_JOB, job)["spec"]
+    assert "shutdownAfterJobFinishes" not in spec and "ttlSecondsAfterFinished" not in spec
+    rules = [(r["policy"], r["condition"]) for r in spec["deletionStrategy"]["deletionRules"]]
+    assert rules == [
+        ("DeleteCluster", {"jobStatus": "SUCCEEDED", "ttlSeconds": 30}),
+        ("DeleteWorkers", {"jobStatus": "FAILED", "ttlSeconds": 0}),
+        ("DeleteCluster", {"jobStatus": "FAILED", "ttlSeconds": 600}),
+        ("DeleteWorkers", {"jobDeploymentStatus": "Failed", "ttlSeconds": 0}),
+        ("DeleteCluster", {"jobDeploymentStatus": "Failed", "ttlSeconds": 600}),
+    ]
+
+
+def test_keep_failed_head_on_an_operator_older_than_1_5_is_refused_naming_the_field(
+    tmp_path: Any,
+) -> None:
+    """deletionRules came with KubeRay 1.5 (deletionStrategy itself with 1.3): an older
+    operator's RayJob CRD has no such field, and our strict write is refused as unknown; the
+    error names the block field and the KubeRay version it needs, and nothing is left behind."""
+    import yaml
+
+    from prefect_nemo import JobSpec
+    from prefect_nemo.errors import InvalidJobSpec
+    from prefect_nemo.testing.kube_api import LoopbackKubeServer, crd_dir
+
+    for path in crd_dir().glob("*.yaml"):  # the kit's CRDs, the RayJob's as before 1.3
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+        for doc in docs:
+            if doc.get("metadata", {}).get("name") == "rayjobs.ray.io":
+                for version in doc["spec"]["versions"]:
+                    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+                    spec["properties"].pop("deletionStrategy", None)
+        (tmp_path / path.name).write_text(yaml.safe_dump_all(docs))
+    config = RayJobConfig(ray_cluster_spec=INLINE, keep_failed_head_s=600)
+    with LoopbackKubeServer(crds=[tmp_path]) as server:
+        api = KubeApi(server.api_client(), namespace="default")
+        with pytest.raises(InvalidJobSpec, match=r"keep_failed_head_s needs KubeRay >= 1\.5"):
+            KubeRayBackend(api, config).submit(JobSpec(entrypoint="x"), f"rj-{uid()}", {})
+        assert api.list(RAY_JOB)[0] == []
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (dict(ray_cluster_name="shared"), "ray_cluster_spec"),
+        (dict(ray_cluster_spec=INLINE, shutdown_after_job_finishes=False),
+         "shutdown_after_job_finishes=False"),
+        (dict(ray_cluster_spec={**INLINE, "enableInTreeAutoscaling": True}), "autoscaling"),
+        (dict(ray_cluster_spec=INLINE, queue_name="q"), "Kueue"),
+    ],
+)  # fmt: skip
+def test_keep_failed_head_where_kuberay_or_kueue_would_refuse_it(
+    config: dict[str, Any], message: str
+) -> None:
+    """KubeRay v1.6.1 validateDeletionRules: "not supported when ClusterSelector is set",
+    "'DeleteWorkers' not supported with autoscaling enabled"; shutdownAfterJobFinishes "and
+    spec.deletionStrategy.deletionRules are mutually exclusive"; Kueue docs, RayJob
+    limitations: "spec.ShutdownAfterJobFinishes should be true". Refused before any request."""
+    from prefect_nemo.errors import InvalidJobSpec
+
+    with pytest.raises(InvalidJobSpec, match=message):
+        RayJobConfig(keep_failed_head_s=60, **config)

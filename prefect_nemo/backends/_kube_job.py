@@ -18,6 +18,11 @@ STOPPED). They follow these rules:
 - informers wake the subscribers on changes and on errors too, so a failure is seen at once.
 - after `close()`, `statuses()` raises `BackendClosed`.
 
+A FAILED job says why (`JobStatus.failure`, `_kube_objects.pod_failure`): its pods (the kind's
+`failure_pods`: the watched ones with the failed pods the informer saw go, or one listing) and
+the Nodes they ran on are read once per job object, never per poll; where they say nothing, the
+kind's `object_failure` (its reason alone), else None and the lifecycle reads the log tail.
+
 What every kind writes and reads the same way without the API (the job object's metadata, the
 Secret of secret env values, label checks, timestamps, the memory of deleted jobs and last
 logs) is in `_kube_objects.py`. No Prefect import.

@@ -45,6 +45,11 @@ no condition, no pod running yet     PENDING
                                      (RUNNING "stopping" until then), else absent
 ===================================  =======================================================
 
+A FAILED TrainJob says why (JobStatus.failure): its pods (the watched ones, with those the pod
+GC deleted on the way, as the informer saw them) and their Nodes (a lost node: infrastructure,
+naming it; a bad image: spec; OOMKilled: application), else its Failed reason (a child object
+not created: spec; DeadlineExceeded: application), else nothing (the log tail tells).
+
 The job id is at most 50 characters, not 63: JobSet gives every pod the hostname
 ``<trainjob>-node-0-<index>``, which must be a DNS label (≤ 63) too.
 """

@@ -37,6 +37,11 @@ Initializing, Waiting  any                             PENDING
 (RayJob gone)          -                               STOPPED if we deleted it, else absent
 =====================  ==============================  ===========================================
 
+A FAILED RayJob says why (JobStatus.failure): its cluster's and submitter's pods, listed once,
+and their Nodes (a lost node: infrastructure, naming it; a bad image: spec; OOMKilled:
+application), else its reason (ValidationFailed: spec, DeadlineExceeded: application,
+PreRunningDeadlineExceeded: infrastructure), else nothing (AppFailed: the log tail tells).
+
 Logs and stop go to the Ray Jobs API of the job's cluster through the API server's service
 proxy (`raycluster.ray_jobs_backend`). Secret env values (SecretStr in JobSpec.env) never go into
 the RayJob: with an inline cluster they go into a Secret we own and the head and worker
@@ -309,7 +314,19 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
             plan=plan,
         )  # fmt: skip
         fix = "Check KubeRayCluster.ray_cluster_spec and the JobSpec fields it names"
-        self.create_job(manifest, owned, fix=fix)
+        try:
+            self.create_job(manifest, owned, fix=fix)
+        except InvalidJobSpec as exc:
+            # an operator older than 1.5: its CRD has no deletionRules, and our strict write
+            # is refused as an unknown field
+            if "deletionStrategy" in manifest["spec"] and "deletion" in str(exc):
+                raise InvalidJobSpec(
+                    "KubeRayCluster.keep_failed_head_s needs KubeRay >= 1.5 (RayJob "
+                    "spec.deletionStrategy.deletionRules), and this cluster's RayJob CRD does "
+                    f"not have it ({exc}): upgrade the KubeRay operator, or unset "
+                    "keep_failed_head_s"
+                ) from None
+            raise
         return self.handle(job_id)
 
     def render(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> list[dict[str, Any]]:
@@ -344,6 +361,9 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
         # its Workload goes with it (owned), so nothing of it is left in the queue
         suspended = (obj.get("spec") or {}).get("suspend") is True
         submitted = bool(ray_job_id and cluster and status.get("jobStatus")) and not suspended
+        # deletionRules match SUCCEEDED and FAILED only: a job stopped in Ray would keep its
+        # cluster for good, so with keep_failed_head_s a stop deletes the RayJob
+        submitted = submitted and self.config.keep_failed_head_s is None
         with _stops_lock:
             first_stop = _stops.setdefault((self.cluster, job_id), time.monotonic())
         patient = time.monotonic() - first_stop < STOP_ESCALATE_S
