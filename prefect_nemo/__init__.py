@@ -29,13 +29,17 @@ from prefect_nemo.errors import (
     StopNotConfirmed,
 )
 from prefect_nemo.jobs import (
+    Attempt,
     DryRun,
+    Failure,
+    FailureClass,
     JobHandle,
     JobResult,
     JobSpec,
     JobState,
     JobStatus,
     QueueInfo,
+    RecoveryPolicy,
     Resources,
 )
 from prefect_nemo.nemo_run_home import claim_home
@@ -89,11 +93,14 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "Attempt",
     "AuthenticationFailed",
     "BackendUnavailable",
     "DependencyFailed",
     "DependencyNotFound",
     "DryRun",
+    "Failure",
+    "FailureClass",
     "InvalidJobSpec",
     "JobAlreadyExists",
     "JobFailed",
@@ -109,6 +116,7 @@ __all__ = [
     "QueueInfo",
     "QueueTimedOut",
     "RayJobsCluster",
+    "RecoveryPolicy",
     "Resources",
     "StopNotConfirmed",
     *_LAZY,
