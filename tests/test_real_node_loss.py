@@ -8,9 +8,11 @@ FAILED status names the class, infrastructure, and the lost node.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -185,3 +187,136 @@ def test_a_rayjob_whose_head_node_is_lost_fails_as_infrastructure_naming_it(
     finally:
         kube.delete(RAY_JOB, job_id)
         core.delete_namespaced_secret(secret, NAMESPACE)
+
+
+# -- with the recovery loop: run_job resubmits the attempt the lost node failed ------------------
+
+# the first attempt runs until its node is lost; the resubmission (told its predecessor's id)
+# finishes at once
+RESUMING = ("import os, time; print('attempt', os.environ['PREFECT_NEMO_ATTEMPT'], flush=True); "
+            "time.sleep(1 if os.environ.get('PREFECT_NEMO_PREVIOUS_JOB_ID') else 600)")  # fmt: skip
+
+
+def lose_the_node_of(
+    plane: Any, namespace: str, selector: str, prefix: str, lost: list[str], *, finish: bool
+) -> threading.Thread:
+    """A thread that waits for the first attempt's pods (`selector`, and a label whose value
+    holds `prefix`, the job's name) to run, then loses the node of the last of them (and, with
+    `finish`, marks it out of service once its pod was evicted: a Job waits for it till then)."""
+    core = client.CoreV1Api(plane.api_client())
+
+    def pods() -> list[Any]:
+        found = core.list_namespaced_pod(namespace, label_selector=selector).items
+        return [p for p in found if any(prefix in v and not v.endswith("-r1")
+                                        for v in (p.metadata.labels or {}).values())]  # fmt: skip
+
+    def run() -> None:
+        running = wait_until(lambda: [p for p in pods() if p.status.phase == "Running"], 180)
+        if not running:
+            return
+        node = sorted(running, key=lambda p: p.metadata.name)[-1].spec.node_name
+        lost.append(node)
+        lose_node(core, node)
+        if finish:
+            gone = lambda: any(p.metadata.deletion_timestamp for p in pods())  # noqa: E731
+            wait_until(gone, 30)
+            out_of_service(core, node)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def assert_resubmitted(state: Any, lost: list[str], prefect_api: str, since: str) -> None:
+    """The task succeeded on `-r1`; the first attempt's failure and the `retrying` event name
+    the class infrastructure and the lost node."""
+    from tests.test_recovery import _retrying
+
+    assert lost, "the first attempt never ran"
+    result = state.result()
+    assert result.state is JobState.SUCCEEDED, result
+    (first,) = result.attempts
+    assert result.handle.job_id == f"{first.job_id}-r1"
+    assert first.failure is not None, first
+    assert (first.failure.kind, first.failure.node) == (FailureClass.INFRASTRUCTURE, lost[0])
+    (retrying,) = _retrying(prefect_api, state.state_details.flow_run_id, since, count=1)
+    payload = retrying["payload"]
+    assert (payload["class"], payload["node"]) == ("infrastructure", lost[0]), payload
+    assert payload["next_job_id"] == f"{first.job_id}-r1"
+
+
+def test_run_job_resubmits_a_two_node_trainjob_whose_node_is_lost_and_succeeds(
+    control_plane: Any, lost_nodes: list[str], prefect_api: str
+) -> None:
+    """Issue 29: "Node loss under a RayJob and a TrainJob on the real control plane: the job is
+    resubmitted as -r1, completes, and the task succeeds; the events name the class
+    infrastructure and the lost node." RecoveryPolicy: the cluster's failures (a node lost) are
+    resubmitted without using up the error budget (max_restarts_on_preemption, default 10)."""
+    from prefect import flow
+
+    from prefect_nemo import RecoveryPolicy, run_job
+    from prefect_nemo.blocks import KubeflowTrainerCluster, KubernetesCluster
+    from prefect_nemo.testing.control_plane.controllers import TRAINER_NAMESPACE
+
+    plane = control_plane
+    if reason := plane.controllers_unavailable:
+        (pytest.fail if IN_CI else pytest.skip)(reason)
+    kube = KubernetesCluster(kubeconfig=plane.kubeconfig(), namespace=TRAINER_NAMESPACE)
+    block = KubeflowTrainerCluster(kubernetes=kube, image="python:3.11-slim", num_nodes=2)
+    name = f"lost-{uuid.uuid4().hex[:6]}"
+    spec = JobSpec(entrypoint=f'python -c "{RESUMING}"', name=name,
+                   recovery=RecoveryPolicy(backoff_s=0))  # fmt: skip
+
+    @flow
+    def train() -> Any:
+        return run_job(spec, cluster=block)
+
+    since = datetime.now(UTC).isoformat()
+    killer = lose_the_node_of(plane, TRAINER_NAMESPACE, "jobset.sigs.k8s.io/jobset-name", name,
+                              lost_nodes, finish=True)  # fmt: skip
+    t0 = time.monotonic()
+    state = train(return_state=True)
+    killer.join(30)
+    print(f"flow with a lost node: {time.monotonic() - t0:.1f} s")
+    assert_resubmitted(state, lost_nodes, prefect_api, since)
+
+
+def test_run_job_resubmits_a_rayjob_whose_head_node_is_lost_and_succeeds(
+    control_plane: Any, lost_nodes: list[str], prefect_api: str
+) -> None:
+    """Issue 29, the same rule for a RayJob: its head's node lost, KubeRay fails the RayJob
+    (SubmissionFailed, the head evicted off the dead node), run_job resubmits it as -r1 on a
+    new cluster on the nodes left, and the task succeeds."""
+    from prefect import flow
+
+    from prefect_nemo import RecoveryPolicy, run_job
+    from tests.test_real_control_plane import KUBERAY_RULES, service_account_token
+    from tests.test_real_kuberay import NAMESPACE, block_for
+
+    plane = control_plane
+    core = client.CoreV1Api(plane.api_client())
+    secret, ray_token = f"ray-token-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
+    core.create_namespaced_secret(NAMESPACE, {"metadata": {"name": secret},
+                                              "stringData": {"auth_token": ray_token}})  # fmt: skip
+    token = service_account_token(plane, NAMESPACE, KUBERAY_RULES)
+    block = block_for(plane.kubeconfig(NAMESPACE, "real", token=token), ray_token, secret)
+    name = f"lost-{uuid.uuid4().hex[:6]}"
+    spec = JobSpec(entrypoint=f'python -c "{RESUMING}"', name=name,
+                   recovery=RecoveryPolicy(backoff_s=0))  # fmt: skip
+
+    @flow
+    def train() -> Any:
+        return run_job(spec, cluster=block)
+
+    since = datetime.now(UTC).isoformat()
+    # the head pods carry ray.io/cluster=<rayjob>-xxxxx
+    killer = lose_the_node_of(plane, NAMESPACE, "ray.io/node-type=head", name, lost_nodes,
+                              finish=False)  # fmt: skip
+    t0 = time.monotonic()
+    try:
+        state = train(return_state=True)
+    finally:
+        killer.join(30)
+        core.delete_namespaced_secret(secret, NAMESPACE)
+    print(f"flow with a lost node: {time.monotonic() - t0:.1f} s")
+    assert_resubmitted(state, lost_nodes, prefect_api, since)
