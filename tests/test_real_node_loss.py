@@ -263,7 +263,7 @@ def test_run_job_resubmits_a_two_node_trainjob_whose_node_is_lost_and_succeeds(
         (pytest.fail if IN_CI else pytest.skip)(reason)
     kube = KubernetesCluster(kubeconfig=plane.kubeconfig(), namespace=TRAINER_NAMESPACE)
     block = KubeflowTrainerCluster(kubernetes=kube, image="python:3.11-slim", num_nodes=2)
-    name = f"lost-{uuid.uuid4().hex[:6]}"
+    name = f"nl{uuid.uuid4().hex[:5]}"  # short: the id keeps the flow run's name before it
     spec = JobSpec(entrypoint=f'python -c "{RESUMING}"', name=name,
                    recovery=RecoveryPolicy(backoff_s=0))  # fmt: skip
 
@@ -300,7 +300,7 @@ def test_run_job_resubmits_a_rayjob_whose_head_node_is_lost_and_succeeds(
                                               "stringData": {"auth_token": ray_token}})  # fmt: skip
     token = service_account_token(plane, NAMESPACE, KUBERAY_RULES)
     block = block_for(plane.kubeconfig(NAMESPACE, "real", token=token), ray_token, secret)
-    name = f"lost-{uuid.uuid4().hex[:6]}"
+    name = f"nl{uuid.uuid4().hex[:5]}"  # short: the id keeps the flow run's name before it
     spec = JobSpec(entrypoint=f'python -c "{RESUMING}"', name=name,
                    recovery=RecoveryPolicy(backoff_s=0))  # fmt: skip
 
