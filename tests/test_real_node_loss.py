@@ -159,10 +159,10 @@ def test_a_rayjob_whose_head_node_is_lost_fails_as_infrastructure_naming_it(
     from tests.test_real_control_plane import KUBERAY_RULES, service_account_token
 
     core = client.CoreV1Api(plane.api_client())
+    token = service_account_token(plane, NAMESPACE, KUBERAY_RULES)  # makes the namespace
     secret, ray_token = f"ray-token-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
     core.create_namespaced_secret(NAMESPACE, {"metadata": {"name": secret},
                                               "stringData": {"auth_token": ray_token}})  # fmt: skip
-    token = service_account_token(plane, NAMESPACE, KUBERAY_RULES)
     kubeconfig = plane.kubeconfig(NAMESPACE, "real", token=token)
     backend = block_for(kubeconfig, ray_token, secret, ttl_s=60).backend()
     kube = KubeApi(plane.api_client(), namespace=NAMESPACE)
@@ -295,10 +295,10 @@ def test_run_job_resubmits_a_rayjob_whose_head_node_is_lost_and_succeeds(
 
     plane = control_plane
     core = client.CoreV1Api(plane.api_client())
+    token = service_account_token(plane, NAMESPACE, KUBERAY_RULES)  # makes the namespace
     secret, ray_token = f"ray-token-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
     core.create_namespaced_secret(NAMESPACE, {"metadata": {"name": secret},
                                               "stringData": {"auth_token": ray_token}})  # fmt: skip
-    token = service_account_token(plane, NAMESPACE, KUBERAY_RULES)
     block = block_for(plane.kubeconfig(NAMESPACE, "real", token=token), ray_token, secret)
     name = f"nl{uuid.uuid4().hex[:5]}"  # short: the id keeps the flow run's name before it
     spec = JobSpec(entrypoint=f'python -c "{RESUMING}"', name=name,
