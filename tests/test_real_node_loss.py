@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -198,11 +198,19 @@ RESUMING = ("import os, time; print('attempt', os.environ['PREFECT_NEMO_ATTEMPT'
 
 
 def lose_the_node_of(
-    plane: Any, namespace: str, selector: str, prefix: str, lost: list[str], *, finish: bool
+    plane: Any,
+    namespace: str,
+    selector: str,
+    prefix: str,
+    lost: list[str],
+    *,
+    finish: bool,
+    when: Callable[[], bool] = lambda: True,
 ) -> threading.Thread:
     """A thread that waits for the first attempt's pods (`selector`, and a label whose value
     holds `prefix`, the job's name) to run, then loses the node of the last of them (and, with
-    `finish`, marks it out of service once its pod was evicted: a Job waits for it till then)."""
+    `finish`, marks it out of service once its pod was evicted: a Job waits for it till then);
+    not before `when` holds."""
     core = client.CoreV1Api(plane.api_client())
 
     def pods() -> list[Any]:
@@ -211,6 +219,8 @@ def lose_the_node_of(
                                         for v in (p.metadata.labels or {}).values())]  # fmt: skip
 
     def run() -> None:
+        if not wait_until(when, 180):
+            return
         running = wait_until(lambda: [p for p in pods() if p.status.phase == "Running"], 180)
         if not running:
             return
@@ -290,6 +300,7 @@ def test_run_job_resubmits_a_rayjob_whose_head_node_is_lost_and_succeeds(
     from prefect import flow
 
     from prefect_nemo import RecoveryPolicy, run_job
+    from prefect_nemo.kube import KubeApi
     from tests.test_real_control_plane import KUBERAY_RULES, service_account_token
     from tests.test_real_kuberay import NAMESPACE, block_for
 
@@ -309,9 +320,17 @@ def test_run_job_resubmits_a_rayjob_whose_head_node_is_lost_and_succeeds(
         return run_job(spec, cluster=block)
 
     since = datetime.now(UTC).isoformat()
+    kube = KubeApi(plane.api_client(), namespace=NAMESPACE)
+
+    def ray_job_runs() -> bool:  # not before: a head lost before KubeRay submitted the job
+        # stays Terminating on the dead node, and KubeRay neither replaces nor deletes it
+        return any(name in rj["metadata"]["name"]
+                   and (rj.get("status") or {}).get("jobStatus") == "RUNNING"
+                   for rj in kube.list(RAY_JOB)[0])  # fmt: skip
+
     # the head pods carry ray.io/cluster=<rayjob>-xxxxx
     killer = lose_the_node_of(plane, NAMESPACE, "ray.io/node-type=head", name, lost_nodes,
-                              finish=False)  # fmt: skip
+                              finish=False, when=ray_job_runs)  # fmt: skip
     t0 = time.monotonic()
     try:
         state = train(return_state=True)
