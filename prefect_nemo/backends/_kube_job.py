@@ -18,6 +18,11 @@ STOPPED). They follow these rules:
 - informers wake the subscribers on changes and on errors too, so a failure is seen at once.
 - after `close()`, `statuses()` raises `BackendClosed`.
 
+A FAILED job says why (`JobStatus.failure`, `_kube_objects.pod_failure`): its pods (the kind's
+`failure_pods`: the watched ones with the failed pods the informer saw go, or one listing) and
+the Nodes they ran on are read once per job object, never per poll; where they say nothing, the
+kind's `object_failure` (its reason alone), else None and the lifecycle reads the log tail.
+
 What every kind writes and reads the same way without the API (the job object's metadata, the
 Secret of secret env values, label checks, timestamps, the memory of deleted jobs and last
 logs) is in `_kube_objects.py`. No Prefect import.
@@ -31,7 +36,13 @@ from collections import deque
 from collections.abc import Callable, Collection
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
-from prefect_nemo.backends._kube_objects import OWNED_ANNOTATION, JobMemory, parse_time
+from prefect_nemo.backends._kube_objects import (
+    OWNED_ANNOTATION,
+    JobMemory,
+    parse_time,
+    pod_failure,
+    pod_nodes,
+)
 from prefect_nemo.backends._kueue import (
     JOB_UID_LABEL,
     LOCAL_QUEUE,
@@ -52,11 +63,12 @@ from prefect_nemo.errors import (
     InvalidJobSpec,
     JobAlreadyExists,
 )
-from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus, OwnedJob
+from prefect_nemo.jobs import Failure, JobHandle, JobSpec, JobState, JobStatus, OwnedJob
 from prefect_nemo.kube import (
     CONFIGMAP,
     FLOW_RUN_LABEL,
     MANAGED_BY,
+    NODE,
     POD,
     SECRET,
     Access,
@@ -138,6 +150,12 @@ class KubeJobBackend(Generic[ConfigT]):
         # with JobSpec.queue, a queue-labelled job seen); positions asked per LocalQueue
         self._kueue = config.queue_name is not None
         self._positions = Positions(api, self.namespace)
+        # why a FAILED job failed, found once per job object (uid): job id -> (uid, failure)
+        self._failures: dict[str, tuple[str, Failure | None]] = {}
+        # the failed or disrupted pods the pod informer saw, by job id and pod uid: the pod GC
+        # deletes a lost node's pods, often before the job's own status says FAILED
+        self._failed_pods: dict[str, dict[str, dict[str, Any]]] = {}
+        self._nodes_readable = True  # False once RBAC refused a Node read: not asked again
 
     # -- to implement ---------------------------------------------------------------------------
 
@@ -148,6 +166,20 @@ class KubeJobBackend(Generic[ConfigT]):
     def read_log(self, job_id: str) -> str | None:
         """The job's whole log from its source; None while (or once) there is none to read."""
         raise NotImplementedError
+
+    def failure_pods(self, obj: dict[str, Any], pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The pods that tell why a FAILED job failed, read once when it is seen FAILED: by
+        default its pods (pod_job_label) with the failed ones the informer saw go."""
+        name = (obj.get("metadata") or {}).get("name", "")
+        current = {p["metadata"].get("uid"): p for p in pods}
+        gone = [
+            p for uid, p in self._failed_pods.get(name, {}).copy().items() if uid not in current
+        ]
+        return [*pods, *gone]
+
+    def object_failure(self, obj: dict[str, Any]) -> Failure | None:
+        """What the job's object alone says of its failure when its pods say nothing."""
+        return None
 
     def access(self) -> tuple[Access, ...]:
         """The verbs this backend uses on each resource, for RBAC (the one list: the README's
@@ -290,7 +322,7 @@ class KubeJobBackend(Generic[ConfigT]):
         items, _ = self.api.list(self.job_kind, self.namespace, label_selector=MANAGED)
         owned = []
         for obj in items:
-            state = self._status(obj, [], None).state
+            state = self._status(obj, [], None, classify=False).state
             if state.is_terminal():
                 continue
             meta = obj.get("metadata") or {}
@@ -524,10 +556,16 @@ class KubeJobBackend(Generic[ConfigT]):
         obj: dict[str, Any],
         pods: list[dict[str, Any]],
         workloads: dict[str, dict[str, Any]] | None,
+        *,
+        classify: bool = True,
     ) -> JobStatus:
         """The kind's status, QUEUED while Kueue holds the job (suspended for quota or after
-        a preemption: never STOPPED), with its Workload's reason and its queue position."""
+        a preemption: never STOPPED), with its Workload's reason and its queue position; a
+        FAILED one with why (`_failure`), unless `classify` is off (a listing's states)."""
         status = self.job_status(obj, pods)
+        if classify and status.state is JobState.FAILED and status.failure is None:
+            if (failure := self._failure(obj, pods)) is not None:
+                status = status.model_copy(update={"failure": failure})
         meta = obj.get("metadata") or {}
         if (obj.get("spec") or {}).get("suspend") is not True or meta.get("deletionTimestamp"):
             return status
@@ -550,6 +588,40 @@ class KubeJobBackend(Generic[ConfigT]):
         name = (workload or {}).get("metadata", {}).get("name")
         position, pending = self._positions.of(queue, name) if queue else (None, None)
         return queued_status(status, obj, workload, position, pending)
+
+    def _failure(self, obj: dict[str, Any], pods: list[dict[str, Any]]) -> Failure | None:
+        """Why the FAILED job failed, from its pods and their Nodes (`pod_failure`), else its
+        object (`object_failure`); asked once per job object, so a watched failure costs its
+        reads (the kind's pods, the Nodes they ran on) once, not once per poll."""
+        meta = obj.get("metadata") or {}
+        name, uid = meta.get("name", ""), meta.get("uid") or ""
+        known = self._failures.get(name)
+        if known is not None and known[0] == uid:
+            return known[1]
+        try:
+            evidence = self.failure_pods(obj, pods)
+        except (KubeError, AuthenticationFailed):  # no RBAC for them: the object tells
+            evidence = pods
+        failure = pod_failure(evidence, self._nodes(pod_nodes(evidence))) or self.object_failure(
+            obj
+        )
+        if len(self._failures) >= CHANGE_LOG:
+            self._failures.pop(next(iter(self._failures)))
+        self._failures[name] = (uid, failure)
+        return failure
+
+    def _nodes(self, names: Collection[str]) -> dict[str, dict[str, Any] | None]:
+        """The Nodes by name (None: gone); none at all once RBAC refused one (Nodes are
+        cluster-scoped: a namespaced Role cannot read them, and pods tell most anyway)."""
+        nodes: dict[str, dict[str, Any] | None] = {}
+        for name in sorted(names):
+            if not self._nodes_readable:
+                break
+            try:
+                nodes[name] = self.api.get(NODE, name)
+            except (Forbidden, KubeError):
+                self._nodes_readable = False
+        return nodes
 
     def _workload_of(self, uid: str | None) -> dict[str, Any] | None:
         """The job's Workload by Kueue's job-uid label (one list), None when there is none or
@@ -629,6 +701,14 @@ class KubeJobBackend(Generic[ConfigT]):
     def _pod_changed(self, _event: str, pod: dict[str, Any]) -> None:
         job_id = (pod["metadata"].get("labels") or {}).get(self.pod_job_label or "")
         if job_id:
+            status = pod.get("status") or {}
+            disrupted = any(
+                c.get("type") == "DisruptionTarget" for c in status.get("conditions") or []
+            )
+            if disrupted or status.get("phase") == "Failed":  # kept for _failure after it goes
+                if job_id not in self._failed_pods and len(self._failed_pods) >= CHANGE_LOG:
+                    self._failed_pods.pop(next(iter(self._failed_pods)))
+                self._failed_pods.setdefault(job_id, {})[pod["metadata"].get("uid", "")] = pod
             self._changed(job_id)
 
     def _changed(self, job_id: str) -> None:

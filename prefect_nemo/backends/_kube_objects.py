@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import SecretStr
 
 from prefect_nemo.errors import InvalidJobSpec
-from prefect_nemo.jobs import RESERVED_PREFIX, JobSpec
+from prefect_nemo.jobs import RESERVED_PREFIX, Failure, FailureClass, JobSpec
 from prefect_nemo.kube import FLOW_RUN_LABEL, MANAGED_BY, Kind, managed_labels
 from prefect_nemo.names import is_label_key, label_value
 
@@ -171,6 +171,94 @@ def parse_time(value: Any) -> datetime | None:
         return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
     except ValueError:
         return None
+
+
+# -------------------------------------------------------------------------------------------
+# Why a job's pods failed (pure): what Kubernetes says, in its own words
+
+# DisruptionTarget reasons (k8s.io/api core/v1 and the controllers that write them): the pod was
+# taken away from outside, not ended by its code
+_DISRUPTED_BY_NODE = {
+    "DeletionByTaintManager",  # taint-eviction-controller: a NoExecute taint (unreachable node)
+    "DeletionByPodGC",  # podgc: "node no longer exists" / out-of-service node
+    "TerminationByKubelet",  # the kubelet: node shutdown or node-pressure eviction
+    "EvictionByEvictionAPI",  # a drain (kubectl drain, a cluster autoscaler's scale-down)
+}
+_PREEMPTED = {"PreemptionByScheduler"}
+# pod status.reason written when its node went away: "NodeLost" (controller_utils
+# MarkPodsNotReady, pkg/util/node), "Evicted" (kubelet eviction manager), "Terminated" (kubelet
+# node shutdown manager: "Pod was terminated in response to imminent node shutdown.")
+_NODE_POD_REASONS = {"NodeLost", "Evicted", "Terminated", "Shutdown", "NodeShutdown"}
+# a container waiting for what can never come: the image or its configuration is wrong
+_SPEC_WAITING = {
+    "ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull",
+    "CreateContainerConfigError",
+}  # fmt: skip
+
+
+def pod_nodes(pods: Collection[Mapping[str, Any]]) -> set[str]:
+    """The nodes the pods that did not succeed were bound to: the nodes worth looking at."""
+    return {
+        str(node)
+        for pod in pods
+        if (pod.get("status") or {}).get("phase") != "Succeeded"
+        and (node := (pod.get("spec") or {}).get("nodeName"))
+    }
+
+
+def node_lost(node: Mapping[str, Any] | None) -> str | None:
+    """Why a Node is lost ("node gone", its Ready condition's reason), None while Ready True."""
+    if node is None:
+        return "node gone"
+    for cond in (node.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Ready":
+            if cond.get("status") == "True":
+                return None
+            return f"node NotReady: {cond.get('reason') or cond.get('status')}"
+    return None  # no Ready condition reported yet: say nothing
+
+
+def pod_failure(
+    pods: Collection[Mapping[str, Any]], nodes: Mapping[str, Mapping[str, Any] | None]
+) -> Failure | None:
+    """The failure a FAILED job's pods show, most telling first: a node lost (a DisruptionTarget
+    by the taint manager, the pod GC or the kubelet, a node-loss pod reason, or the pod's Node
+    NotReady or gone: `nodes` maps the names asked to their Node, None for gone) is
+    infrastructure; a preemption by the scheduler, preempted; a container waiting on its image
+    or configuration, spec; OOMKilled, application. None when the pods say nothing more than an
+    exit code: the lifecycle reads the log tail then (an NCCL error exits 1 too)."""
+    live = [p for p in pods if (p.get("status") or {}).get("phase") != "Succeeded"]
+    for pod in live:
+        status, node = pod.get("status") or {}, (pod.get("spec") or {}).get("nodeName")
+        for cond in status.get("conditions") or []:
+            if cond.get("type") != "DisruptionTarget" or cond.get("status") != "True":
+                continue
+            reason = str(cond.get("reason") or "DisruptionTarget")
+            if reason in _PREEMPTED:
+                return Failure(kind=FailureClass.PREEMPTED, reason=reason, node=node)
+            if reason in _DISRUPTED_BY_NODE:
+                return Failure(kind=FailureClass.INFRASTRUCTURE, reason=reason, node=node)
+        if status.get("reason") in _NODE_POD_REASONS:
+            return Failure(kind=FailureClass.INFRASTRUCTURE, reason=status["reason"], node=node)
+    for pod in live:  # no controller said it yet: the Node itself
+        node = (pod.get("spec") or {}).get("nodeName")
+        if node and node in nodes and (why := node_lost(nodes[node])):
+            return Failure(kind=FailureClass.INFRASTRUCTURE, reason=why, node=node)
+    for pod in live:
+        status = pod.get("status") or {}
+        containers = [*(status.get("initContainerStatuses") or []),
+                      *(status.get("containerStatuses") or [])]  # fmt: skip
+        for cs in containers:
+            state = cs.get("state") or {}
+            waiting = (state.get("waiting") or {}).get("reason")
+            if waiting in _SPEC_WAITING:
+                return Failure(kind=FailureClass.SPEC, reason=f"{cs.get('name')}: {waiting}")
+        for cs in containers:
+            for state in (cs.get("state") or {}, cs.get("lastState") or {}):
+                if ((state.get("terminated") or {}).get("reason")) == "OOMKilled":
+                    reason = f"{cs.get('name')}: OOMKilled"
+                    return Failure(kind=FailureClass.APPLICATION, reason=reason)
+    return None
 
 
 # -------------------------------------------------------------------------------------------

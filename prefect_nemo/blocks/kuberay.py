@@ -83,6 +83,15 @@ def train():
         description="KubeRay's own deadline for the whole RayJob; empty to rely on "
         "JobSpec.timeout_s, which prefect-nemo enforces.",
     )
+    keep_failed_head_s: int | None = Field(
+        default=None,
+        ge=0,
+        description="Keep a failed job's Ray head (its logs, its dashboard) this many seconds "
+        "while its workers are released at once (RayJob deletionStrategy.deletionRules, "
+        "KubeRay >= 1.5); a succeeded job's cluster still goes after "
+        "ttl_seconds_after_finished. Empty: every job's cluster goes after "
+        "ttl_seconds_after_finished (shutdownAfterJobFinishes).",
+    )
     queue_name: KueueQueueName = None
     priority_class: KueuePriorityClass = None
     ray_token: SecretStr | None = Field(
@@ -118,6 +127,7 @@ def train():
             ttl_seconds_after_finished=self.ttl_seconds_after_finished,
             submission_mode=self.submission_mode,
             active_deadline_seconds=self.active_deadline_seconds,
+            keep_failed_head_s=self.keep_failed_head_s,
             queue_name=self.queue_name,
             priority_class=self.priority_class,
         )

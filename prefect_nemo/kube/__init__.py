@@ -35,6 +35,7 @@ from prefect_nemo.kube.kinds import (
     CONFIGMAP,
     EVENT,
     NAMESPACE,
+    NODE,
     POD,
     PVC,
     RAY_CLUSTER,
@@ -52,10 +53,10 @@ from prefect_nemo.kube.watch import Informer, KubeTimeout, wait_for
 
 __all__ = [
     "CLUSTER_TRAINING_RUNTIME", "CONFIGMAP", "EVENT", "FLOW_RUN_LABEL", "GONE_TIMEOUT_S",
-    "LAST_USED", "MANAGED_BY", "NAMESPACE", "POD", "PVC", "RAY_CLUSTER", "RAY_JOB", "SECRET",
-    "SERVICE", "SPEC_HASH", "TRAINING_RUNTIME", "TRAIN_JOB", "Access", "AlreadyExists", "Applied",
-    "Conflict", "Expired", "Forbidden", "Informer", "Invalid", "Kind", "KubeApi", "KubeError",
-    "KubeTimeout", "NotFound", "add_owner_reference", "apply_or_attach", "check_same_namespace",
-    "dgd_kind", "kind_for", "managed_labels", "owner_reference", "spec_hash", "wait_for",
-    "wait_gone",
+    "LAST_USED", "MANAGED_BY", "NAMESPACE", "NODE", "POD", "PVC", "RAY_CLUSTER", "RAY_JOB",
+    "SECRET", "SERVICE", "SPEC_HASH", "TRAINING_RUNTIME", "TRAIN_JOB", "Access", "AlreadyExists",
+    "Applied", "Conflict", "Expired", "Forbidden", "Informer", "Invalid", "Kind", "KubeApi",
+    "KubeError", "KubeTimeout", "NotFound", "add_owner_reference", "apply_or_attach",
+    "check_same_namespace", "dgd_kind", "kind_for", "managed_labels", "owner_reference",
+    "spec_hash", "wait_for", "wait_gone",
 ]  # fmt: skip

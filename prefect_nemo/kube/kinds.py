@@ -70,6 +70,7 @@ class Access:
 
 
 NAMESPACE = Kind("", "v1", "Namespace", "namespaces", namespaced=False)
+NODE = Kind("", "v1", "Node", "nodes", namespaced=False)
 POD = Kind("", "v1", "Pod", "pods")
 SERVICE = Kind("", "v1", "Service", "services")
 CONFIGMAP = Kind("", "v1", "ConfigMap", "configmaps", status_subresource=False)

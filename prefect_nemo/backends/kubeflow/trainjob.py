@@ -45,6 +45,11 @@ no condition, no pod running yet     PENDING
                                      (RUNNING "stopping" until then), else absent
 ===================================  =======================================================
 
+A FAILED TrainJob says why (JobStatus.failure): its pods (the watched ones, with those the pod
+GC deleted on the way, as the informer saw them) and their Nodes (a lost node: infrastructure,
+naming it; a bad image: spec; OOMKilled: application), else its Failed reason (a child object
+not created: spec; DeadlineExceeded: application), else nothing (the log tail tells).
+
 The job id is at most 50 characters, not 63: JobSet gives every pod the hostname
 ``<trainjob>-node-0-<index>``, which must be a DNS label (≤ 63) too.
 """
@@ -93,7 +98,7 @@ from prefect_nemo.backends.kubeflow.runtimes import (
     runtime_name,
 )
 from prefect_nemo.errors import AuthenticationFailed, InvalidJobSpec
-from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus
+from prefect_nemo.jobs import Failure, FailureClass, JobHandle, JobSpec, JobState, JobStatus
 from prefect_nemo.kube import (
     CONFIGMAP,
     POD,
@@ -254,6 +259,25 @@ def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any] | None:
     return None
 
 
+# The Failed condition's reasons that alone say the class: JobSet v0.12.0's (constants.go:
+# creating a child object failed) and Trainer v2.3.0's (trainjob_types.go); FailedJobs,
+# ReachedMaxRestarts and the failure policy's actions do not: the pods, then the log, tell
+_REASON_CLASS = {
+    "JobCreationFailed": FailureClass.SPEC,
+    "HeadlessServiceCreationFailed": FailureClass.SPEC,
+    "PVCCreationFailed": FailureClass.SPEC,
+    "TrainingRuntimeNotSupported": FailureClass.SPEC,
+    "DeadlineExceeded": FailureClass.APPLICATION,  # ran past activeDeadlineSeconds
+}
+
+
+def trainjob_failure(obj: dict[str, Any]) -> Failure | None:
+    """The class a FAILED TrainJob's Failed condition reason alone says, else None."""
+    reason = (_condition(obj, "Failed") or {}).get("reason") or ""
+    kind = _REASON_CLASS.get(reason)
+    return None if kind is None else Failure(kind=kind, reason=reason)
+
+
 def _failed_node(pods: list[dict[str, Any]]) -> tuple[int, int] | None:
     """(node index, exit code) of the node that failed first: a code other than 137/143 (the
     SIGKILL/SIGTERM a node gets when a sibling fails) wins, then the earliest, then node-0."""
@@ -412,6 +436,11 @@ class KubeflowTrainerBackend(KubeJobBackend[TrainerConfig]):
     def job_status(self, obj: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
         """The TrainJob's status from it and its pods (the table in the module docstring)."""
         return status_from_trainjob(obj, pods)
+
+    def object_failure(self, obj: dict[str, Any]) -> Failure | None:
+        """The class its Failed condition's reason says (a child object not created, the
+        runtime refused, the deadline), else None."""
+        return trainjob_failure(obj)
 
     # -- Backend protocol -----------------------------------------------------------------------
 

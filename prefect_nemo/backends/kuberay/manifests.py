@@ -77,6 +77,8 @@ class RayJobConfig:
     ttl_seconds_after_finished: int = 60
     submission_mode: str = "K8sJobMode"
     active_deadline_seconds: int | None = None
+    # keep a failed job's head this long, its workers released at once (deletionRules)
+    keep_failed_head_s: int | None = None
     queue_name: str | None = None  # Kueue LocalQueue (the queue-name label)
     priority_class: str | None = None  # Kueue WorkloadPriorityClass (the priority-class label)
 
@@ -123,10 +125,53 @@ def check_config(config: RayJobConfig) -> None:
             "KubeRayCluster.active_deadline_seconds: must be a positive number of seconds, or "
             "unset (JobSpec.timeout_s already stops the job)"
         )
+    if config.keep_failed_head_s is not None:
+        _check_keep_failed_head(config)
     if config.ray_cluster_spec is not None:
         check_cluster_spec(config.ray_cluster_spec)
     check_block_labels(config.queue_name, config.priority_class, BLOCK)
     _check_kueue(config, "KubeRayCluster.queue_name" if config.queue_name else None)
+
+
+def _check_keep_failed_head(config: RayJobConfig) -> None:
+    """KubeRay (v1.6 validation.go, validateDeletionRules): deletionRules replace
+    shutdownAfterJobFinishes ("mutually exclusive"), cannot delete an existing cluster ("not
+    supported when ClusterSelector is set") nor release the workers of an autoscaling one
+    ("'DeleteWorkers' not supported with autoscaling enabled")."""
+    field = "KubeRayCluster.keep_failed_head_s"
+    if config.keep_failed_head_s is not None and config.keep_failed_head_s < 0:
+        raise InvalidJobSpec(f"{field}: must be >= 0 seconds, or unset")
+    if config.ray_cluster_spec is None:
+        raise InvalidJobSpec(
+            f"{field}: only a job's own cluster (ray_cluster_spec) is kept or deleted; an "
+            "existing RayCluster (ray_cluster_name) is never deleted: unset it"
+        )
+    if not config.shutdown_after_job_finishes:
+        raise InvalidJobSpec(
+            f"{field}: says when a failed job's cluster goes, but "
+            "KubeRayCluster.shutdown_after_job_finishes=False keeps every cluster: drop one"
+        )
+    if config.ray_cluster_spec.get("enableInTreeAutoscaling"):
+        raise InvalidJobSpec(
+            f"{field}: KubeRay cannot release the workers of an autoscaling cluster "
+            "(ray_cluster_spec.enableInTreeAutoscaling): unset one of them"
+        )
+
+
+def deletion_rules(config: RayJobConfig) -> list[dict[str, Any]]:
+    """KubeRay >= 1.5 `deletionStrategy.deletionRules` for keep_failed_head_s: a succeeded job's
+    cluster goes after ttl_seconds_after_finished, as with shutdownAfterJobFinishes; a failed
+    one (its Ray job FAILED, or its submission: jobDeploymentStatus Failed) loses its workers
+    at once and its head after keep_failed_head_s, so its logs stay readable meanwhile."""
+    keep = config.keep_failed_head_s or 0
+    rules = [{"policy": "DeleteCluster", "condition": {
+        "jobStatus": "SUCCEEDED", "ttlSeconds": config.ttl_seconds_after_finished}}]  # fmt: skip
+    for condition in ({"jobStatus": "FAILED"}, {"jobDeploymentStatus": "Failed"}):
+        rules += [
+            {"policy": "DeleteWorkers", "condition": {**condition, "ttlSeconds": 0}},
+            {"policy": "DeleteCluster", "condition": {**condition, "ttlSeconds": keep}},
+        ]
+    return rules
 
 
 def _check_kueue(config: RayJobConfig, queue_field: str | None) -> None:
@@ -147,6 +192,12 @@ def _check_kueue(config: RayJobConfig, queue_field: str | None) -> None:
             f"{queue_field}: a RayJob queued by Kueue must delete its cluster when it ends "
             "(Kueue docs, RayJob limitations: shutdownAfterJobFinishes true): set "
             "KubeRayCluster.shutdown_after_job_finishes=True, or drop the queue"
+        )
+    if config.keep_failed_head_s is not None:
+        raise InvalidJobSpec(
+            f"{queue_field}: a RayJob queued by Kueue must delete its cluster when it ends "
+            "(Kueue docs, RayJob limitations: shutdownAfterJobFinishes true), which "
+            "KubeRayCluster.keep_failed_head_s replaces: unset it, or drop the queue"
         )
 
 
@@ -314,9 +365,12 @@ def rayjob_manifest(
         body["rayClusterSpec"] = cluster_spec
         if plan is not None:
             body["submitterPodTemplate"] = submitter_template(config.ray_cluster_spec, plan)
-        body["shutdownAfterJobFinishes"] = config.shutdown_after_job_finishes
-        if config.shutdown_after_job_finishes:
-            body["ttlSecondsAfterFinished"] = config.ttl_seconds_after_finished
+        if config.keep_failed_head_s is not None:  # instead of shutdownAfterJobFinishes
+            body["deletionStrategy"] = {"deletionRules": deletion_rules(config)}
+        else:
+            body["shutdownAfterJobFinishes"] = config.shutdown_after_job_finishes
+            if config.shutdown_after_job_finishes:
+                body["ttlSecondsAfterFinished"] = config.ttl_seconds_after_finished
     else:
         body["clusterSelector"] = {"ray.io/cluster": str(config.ray_cluster_name)}
     owned: dict[str, list[str]] = {}

@@ -37,6 +37,11 @@ Initializing, Waiting  any                             PENDING
 (RayJob gone)          -                               STOPPED if we deleted it, else absent
 =====================  ==============================  ===========================================
 
+A FAILED RayJob says why (JobStatus.failure): its cluster's and submitter's pods, listed once,
+and their Nodes (a lost node: infrastructure, naming it; a bad image: spec; OOMKilled:
+application), else its reason (ValidationFailed: spec, DeadlineExceeded: application,
+PreRunningDeadlineExceeded: infrastructure), else nothing (AppFailed: the log tail tells).
+
 Logs and stop go to the Ray Jobs API of the job's cluster through the API server's service
 proxy (`raycluster.ray_jobs_backend`). Secret env values (SecretStr in JobSpec.env) never go into
 the RayJob: with an inline cluster they go into a Secret we own and the head and worker
@@ -72,7 +77,15 @@ from prefect_nemo.backends.kuberay.manifests import (
 from prefect_nemo.backends.kuberay.raycluster import DASHBOARD_PORT, head_service, ray_jobs_backend
 from prefect_nemo.backends.ray_jobs import RayJobsBackend
 from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec
-from prefect_nemo.jobs import JobHandle, JobSpec, JobState, JobStatus, refuse_launcher
+from prefect_nemo.jobs import (
+    Failure,
+    FailureClass,
+    JobHandle,
+    JobSpec,
+    JobState,
+    JobStatus,
+    refuse_launcher,
+)
 from prefect_nemo.kube import (
     CONFIGMAP,
     POD,
@@ -88,6 +101,18 @@ from prefect_nemo.packaging import TransportPlan, collect_source, stage_source
 STOP_ESCALATE_S = 10.0  # a Ray stop not confirmed by then is escalated to deleting the RayJob
 
 _EXIT_CODE = re.compile(r"exit code (-?\d+)")
+# the Job controller's label on its pods (KubeRay names the K8sJobMode submitter Job after the
+# RayJob: common.RayJobK8sJobNamespacedName)
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+# RayJob status.reason (KubeRay v1.6 rayjob_types.go JobFailedReason) that alone say the class;
+# AppFailed and SubmissionFailed do not: its pods, then the log tail, tell
+_REASON_CLASS = {
+    "ValidationFailed": FailureClass.SPEC,  # the RayJob's spec was refused
+    "DeadlineExceeded": FailureClass.APPLICATION,  # ran past activeDeadlineSeconds
+    # never running within preRunningDeadlineSeconds: the cluster did not come up (a bad
+    # image shows in its pods first)
+    "PreRunningDeadlineExceeded": FailureClass.INFRASTRUCTURE,
+}
 
 
 # -------------------------------------------------------------------------------------------
@@ -132,9 +157,11 @@ def status_from_rayjob(obj: dict[str, Any]) -> JobStatus:
         )
     else:  # "", Initializing, Waiting, Retrying
         state = JobState.PENDING
-    exit_code = None
+    exit_code, failure = None, None
     if state is JobState.FAILED and (match := _EXIT_CODE.search(message)):
         exit_code = int(match.group(1))
+    if state is JobState.FAILED and deployment == "ValidationFailed":
+        failure = Failure(kind=FailureClass.SPEC, reason="ValidationFailed")
     spec_meta = (obj.get("spec") or {}).get("metadata") or {}
     metadata = reserved_metadata(meta.get("annotations") or {})
     metadata.update({str(k): str(v) for k, v in spec_meta.items()})
@@ -146,7 +173,15 @@ def status_from_rayjob(obj: dict[str, Any]) -> JobStatus:
         end_time=parse_time(status.get("endTime")),
         exit_code=exit_code,
         metadata=metadata,
+        failure=failure,
     )
+
+
+def rayjob_failure(obj: dict[str, Any]) -> Failure | None:
+    """The class a FAILED RayJob's status.reason alone says (_REASON_CLASS), else None."""
+    reason = (obj.get("status") or {}).get("reason") or ""
+    kind = _REASON_CLASS.get(reason)
+    return None if kind is None else Failure(kind=kind, reason=reason)
 
 
 # -------------------------------------------------------------------------------------------
@@ -200,6 +235,22 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
     def job_status(self, obj: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
         """The RayJob's status (the table in the module docstring); pods are not read."""
         return status_from_rayjob(obj)
+
+    def failure_pods(self, obj: dict[str, Any], pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """A FAILED RayJob's pods, listed once: its RayCluster's (head and workers) and its
+        K8sJobMode submitter Job's (the informers do not watch pods for RayJobs)."""
+        name = (obj.get("metadata") or {}).get("name", "")
+        selectors = [f"{JOB_NAME_LABEL}={name}"]
+        if cluster := (obj.get("status") or {}).get("rayClusterName"):
+            selectors.append(f"ray.io/cluster={cluster}")
+        found: list[dict[str, Any]] = []
+        for selector in selectors:
+            found += self.api.list(POD, self.namespace, label_selector=selector)[0]
+        return found
+
+    def object_failure(self, obj: dict[str, Any]) -> Failure | None:
+        """The class its status.reason says (ValidationFailed, the deadlines), else None."""
+        return rayjob_failure(obj)
 
     def access(self) -> tuple[Access, ...]:
         """In the RayJobs' namespace: the RayJobs, their RayClusters (read), the Secret of
@@ -263,7 +314,19 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
             plan=plan,
         )  # fmt: skip
         fix = "Check KubeRayCluster.ray_cluster_spec and the JobSpec fields it names"
-        self.create_job(manifest, owned, fix=fix)
+        try:
+            self.create_job(manifest, owned, fix=fix)
+        except InvalidJobSpec as exc:
+            # an operator older than 1.5: its CRD has no deletionRules, and our strict write
+            # is refused as an unknown field
+            if "deletionStrategy" in manifest["spec"] and "deletion" in str(exc):
+                raise InvalidJobSpec(
+                    "KubeRayCluster.keep_failed_head_s needs KubeRay >= 1.5 (RayJob "
+                    "spec.deletionStrategy.deletionRules), and this cluster's RayJob CRD does "
+                    f"not have it ({exc}): upgrade the KubeRay operator, or unset "
+                    "keep_failed_head_s"
+                ) from None
+            raise
         return self.handle(job_id)
 
     def render(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> list[dict[str, Any]]:
@@ -298,6 +361,9 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
         # its Workload goes with it (owned), so nothing of it is left in the queue
         suspended = (obj.get("spec") or {}).get("suspend") is True
         submitted = bool(ray_job_id and cluster and status.get("jobStatus")) and not suspended
+        # deletionRules match SUCCEEDED and FAILED only: a job stopped in Ray would keep its
+        # cluster for good, so with keep_failed_head_s a stop deletes the RayJob
+        submitted = submitted and self.config.keep_failed_head_s is None
         with _stops_lock:
             first_stop = _stops.setdefault((self.cluster, job_id), time.monotonic())
         patient = time.monotonic() - first_stop < STOP_ESCALATE_S

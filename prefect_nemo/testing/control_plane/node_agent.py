@@ -1,21 +1,40 @@
 """A node agent for the real control plane: the kubelet and the scheduler, for local processes.
 
-It registers one Node, binds the unbound pods of the namespaces it serves to it (there is no
-kube-scheduler), and runs each container of a bound pod as a local process in its own session:
-`command` + `args` with the container's env, the image ignored (this venv's `ray`/`python` come
-first on PATH). Init containers run first, one after another, each to a clean exit (a failed
-one is restarted, or with `restartPolicy: Never` fails the pod). Volumes are files under the
-pod's own root: configMap, secret and projected ones written as the kubelet writes them,
-emptyDir a fresh directory, and every mount path in a container's command, args and env values
-is mapped there (`operators/_pod_files`), so the pods' processes share no path by accident.
-Each pod gets its own address on `lo` (PodNetwork); Services of the served namespaces resolve
-to the address of a Ready pod their selector matches. Pod status goes Pending (init containers
-running) -> Running (podIP, Ready once its readiness probe passes) -> Succeeded/Failed with exit
-codes; a deleted pod's processes are killed and its address released, and the pod is removed
-(the kubelet's final delete). Each container's output is its log, served to `pods/log` from
-the Node's kubelet endpoint (SimNode.serve_logs, as the simulators' nodes serve theirs). Only
-the served namespaces: other tests' simulators write pods on the same API server and set their
-status themselves.
+It registers NODES Nodes, binds each unbound pod of the namespaces it serves to the one running
+the fewest pods (there is no kube-scheduler), and runs each container of a bound pod as a local
+process in its own session: `command` + `args` with the container's env, the image ignored
+(this venv's `ray`/`python` come first on PATH). Init containers run first, one after another,
+each to a clean exit (a failed one is restarted, or with `restartPolicy: Never` fails the pod).
+Volumes are files under the pod's own root: configMap, secret and projected ones written as the
+kubelet writes them, emptyDir a fresh directory, and every mount path in a container's command,
+args and env values is mapped there (`operators/_pod_files`), so the pods' processes share no
+path by accident. Each pod gets its own address on `lo` (PodNetwork); Services of the served
+namespaces resolve to the address of a Ready pod their selector matches. Pod status goes
+Pending (init containers running) -> Running (podIP, Ready once its readiness probe passes) ->
+Succeeded/Failed with exit codes; a deleted pod's processes are killed and its address
+released, and the pod is removed (the kubelet's final delete). Each container's output is its
+log, served to `pods/log` from the Node's kubelet endpoint (SimNode.serve_logs, as the
+simulators' nodes serve theirs). Only the served namespaces: other tests' simulators write pods
+on the same API server and set their status themselves.
+
+A node can be lost (`lose_node`: a test's power cut, asked through the Node's LOST_ANNOTATION):
+the agent SIGKILLs its pods' processes and stops being its kubelet (no status, no final delete,
+no new pod: its pods read what they last read), and writes what kube-controller-manager's node
+lifecycle controller writes once a kubelet stops posting (node-monitor-grace-period): Ready
+Unknown, "NodeStatusUnknown", "Kubelet stopped posting node status.", and the
+`node.kubernetes.io/unreachable` NoSchedule and NoExecute taints. That controller does not run
+here: it would do the same to every node whose kubelet posts no heartbeat, and neither this
+agent nor the simulators' nodes post one. The rest is the real kube-controller-manager's: the
+taint-eviction-controller deletes the node's pods once their toleration of `unreachable` runs
+out (ControlPlane's API server gives every pod run.UNREACHABLE_TOLERATION_S, not 300 s), with
+DisruptionTarget "DeletionByTaintManager"; they stay Terminating (no kubelet finishes them). The
+Job controller counts them failed but, while a pod of a Job is terminating, gives the Job only
+FailureTarget, not Failed ("Delaying marking the Job as finished, because there are still
+terminating pod(s)": job_controller.go), so a JobSet (which reads Failed) waits. What ends the
+wait on a real cluster is the Node deleted (the pod GC's orphans, after 40 s) or, as Kubernetes
+documents for a non-graceful node shutdown, the out-of-service taint an administrator adds
+(`out_of_service`): the pod GC then marks the node's terminating pods Failed and deletes them.
+`restore_node` brings the node back: its kubelet finishes the deletions and it takes pods again.
 
 `python -m prefect_nemo.testing.control_plane.node_agent KUBECONFIG NAMESPACE...` runs one
 until SIGTERM (how ControlPlane starts it, so `make control-plane up` keeps it).
@@ -48,7 +67,11 @@ from prefect_nemo.testing.control_plane.pod_network import PodNetwork, service_n
 from prefect_nemo.testing.operators._node import SimNode
 from prefect_nemo.testing.operators._pod_files import PathMapper, mounted_volumes
 
-NODE_NAME = "prefect-nemo-node"
+NODE_NAME = "prefect-nemo-node"  # the first node; the others add "-2", "-3"
+NODES = 3  # a two-node job still has two nodes to run on once one is lost
+LOST_ANNOTATION = "prefect-nemo.io/lost"  # lose_node's switch: the agent cuts the node's power
+UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
+OUT_OF_SERVICE_TAINT = "node.kubernetes.io/out-of-service"
 # every process of a pod carries its uid in its environment (our stand-in for a cgroup): what
 # a kill finds, descendants that left the session included
 POD_MARKER = "PREFECT_NEMO_POD_UID"
@@ -85,6 +108,7 @@ class _Pod:
     labels: dict[str, str]
     restart_policy: str
     mapper: PathMapper
+    node: str
     containers: list[_Container] = field(default_factory=list)
     init: list[_Container] = field(default_factory=list)  # run in order before `containers`
     reported: tuple[Any, ...] = ()
@@ -109,14 +133,19 @@ class _Pod:
 class NodeAgent:
     """One Node whose pods are local processes; `start()` its thread, `stop()` ends everything."""
 
-    def __init__(self, api_client: client.ApiClient, namespaces: tuple[str, ...]) -> None:
+    def __init__(
+        self, api_client: client.ApiClient, namespaces: tuple[str, ...], nodes: int = NODES
+    ) -> None:
         self.core = client.CoreV1Api(api_client)
         # short: Ray's unix sockets live under a pod's TMPDIR, and their paths must stay < 108
         self.workdir = Path(tempfile.mkdtemp(prefix="pnpods-", dir="/tmp"))
         self.namespaces = namespaces
         self.network = PodNetwork()
-        # the Node object and a pod's final delete, as the simulators' nodes do them
-        self.node = SimNode(self.core, NODE_NAME, self.network)
+        # the Node objects and a pod's final delete, as the simulators' nodes do them
+        names = [NODE_NAME, *(f"{NODE_NAME}-{i}" for i in range(2, nodes + 1))]
+        self.nodes = {name: SimNode(self.core, name, self.network) for name in names}
+        self.lost: set[str] = set()  # nodes whose power lose_node cut
+        self._load: dict[str, int] = {}  # unfinished pods per node, counted each tick
         self.pods: dict[str, _Pod] = {}  # by uid
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -142,11 +171,12 @@ class NodeAgent:
             self._thread.join(30)
         _kill(list(self.pods.values()))
         self.pods.clear()
-        self.node.close()
+        for name, node in self.nodes.items():
+            node.close()
+            with contextlib.suppress(Exception):
+                self.core.delete_node(name)
         self.network.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
-        with contextlib.suppress(Exception):
-            self.core.delete_node(NODE_NAME)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -161,24 +191,74 @@ class NodeAgent:
     def _register_node(self) -> None:
         capacity = {"cpu": str(os.cpu_count() or 1), "memory": f"{_memory_kib()}Ki",
                     "pods": "110"}  # fmt: skip
-        self.node.register()
-        self.core.patch_node_status(NODE_NAME, {"status": {
-            "capacity": capacity, "allocatable": capacity,
-            "addresses": [{"type": "Hostname", "address": NODE_NAME}],
-            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
-                            "message": "prefect-nemo node agent", "lastHeartbeatTime": _now(),
-                            "lastTransitionTime": _now()}],
-        }})  # fmt: skip
-        self.node.serve_logs()  # the Node's InternalIP and kubelet port: where pods/log goes
+        for name, node in self.nodes.items():
+            node.register()
+            # a node left lost by an agent that died: taken back whole
+            self.core.patch_node(name, {"metadata": {"annotations": {LOST_ANNOTATION: None}},
+                                        "spec": {"taints": None}})  # fmt: skip
+            self.core.patch_node_status(name, {"status": {
+                "capacity": capacity, "allocatable": capacity,
+                "addresses": [{"type": "Hostname", "address": name}],
+                "conditions": [_ready("True", "KubeletReady", "prefect-nemo node agent")],
+            }})  # fmt: skip
+            node.serve_logs()  # the Node's InternalIP and kubelet port: where pods/log goes
+
+    def _check_lost(self) -> None:
+        """Cut the power of a node lose_node marked; bring back one restore_node unmarked."""
+        for obj in self.core.list_node().items:
+            name = obj.metadata.name
+            if name not in self.nodes:
+                continue
+            marked = LOST_ANNOTATION in (obj.metadata.annotations or {})
+            if marked and name not in self.lost:
+                self._lose(name)
+            elif not marked and name in self.lost:
+                self._restore(name)
+
+    def _lose(self, name: str) -> None:
+        """The node's power is cut: its processes die at once (SIGKILL, nothing runs after),
+        its kubelet says nothing more; then what the node lifecycle controller writes."""
+        self.lost.add(name)
+        gone = [pod for pod in self.pods.values() if pod.node == name]
+        _kill(gone, signals=(signal.SIGKILL,))
+        for pod in gone:
+            self.network.release(pod.ip)
+            self.nodes[name].forget(pod.namespace, pod.name)
+            self.pods.pop(pod.uid, None)
+        # node_lifecycle_controller.go (tryUpdateNodeHealth): every condition Unknown,
+        # "NodeStatusUnknown", "Kubelet stopped posting node status."; then the unreachable
+        # taints (NoSchedule: doNoScheduleTaintingPass; NoExecute: doNoExecuteTaintingPass)
+        unknown = _ready("Unknown", "NodeStatusUnknown", "Kubelet stopped posting node status.")
+        self.core.patch_node_status(name, {"status": {"conditions": [unknown]}})
+        taints = [{"key": UNREACHABLE_TAINT, "effect": effect, "timeAdded": _now()}
+                  for effect in ("NoSchedule", "NoExecute")]  # fmt: skip
+        self.core.patch_node(name, {"spec": {"taints": taints}})
+        log.info("node %s lost: %d pod(s) killed", name, len(gone))
+
+    def _restore(self, name: str) -> None:
+        """The node is back: Ready, untainted; its kubelet finishes the deletions (next tick)."""
+        self.core.patch_node(name, {"spec": {"taints": None}})
+        self.core.patch_node_status(name, {"status": {"conditions": [
+            _ready("True", "KubeletReady", "prefect-nemo node agent")]}})  # fmt: skip
+        self.lost.discard(name)
+        log.info("node %s back", name)
 
     # -- one pass over the served namespaces -----------------------------------------------------
 
     def _tick(self) -> None:
+        self._check_lost()
         seen: set[str] = set()
-        for ns in self.namespaces:
-            for pod in self.core.list_namespaced_pod(ns).items:
-                seen.add(pod.metadata.uid)
-                self._reconcile(self.core.api_client.sanitize_for_serialization(pod))
+        pods = [pod for ns in self.namespaces for pod in self.core.list_namespaced_pod(ns).items]
+        listed = [self.core.api_client.sanitize_for_serialization(pod) for pod in pods]
+        self._load = dict.fromkeys(self.nodes, 0)
+        for obj in listed:
+            bound = obj["spec"].get("nodeName")
+            unfinished = (obj.get("status") or {}).get("phase") in ("Pending", "Running", None)
+            if bound in self._load and unfinished:
+                self._load[bound] += 1
+        for obj in listed:
+            seen.add(obj["metadata"]["uid"])
+            self._reconcile(obj)
         for uid in [uid for uid in self.pods if uid not in seen]:  # deleted at once (grace 0)
             self._forget(self.pods[uid])
         for pod in list(self.pods.values()):
@@ -189,20 +269,29 @@ class NodeAgent:
     def _reconcile(self, obj: dict[str, Any]) -> None:
         meta, spec = obj["metadata"], obj["spec"]
         uid, phase = meta["uid"], (obj.get("status") or {}).get("phase")
+        bound = spec.get("nodeName")
+        if bound in self.lost:
+            return  # its kubelet is gone: nothing happens to the pod on the node itself
         if meta.get("deletionTimestamp"):
-            if spec.get("nodeName") == NODE_NAME:
+            if bound in self.nodes:
                 if uid in self.pods:
                     self._forget(self.pods[uid])
-                self.node.finish_deletion(obj)  # the kubelet's final delete, of this uid only
+                # the kubelet's final delete, of this uid only
+                self.nodes[bound].finish_deletion(obj)
             return
-        if not spec.get("nodeName"):
+        if not bound:
             self._bind(meta)
-        elif spec["nodeName"] == NODE_NAME and uid not in self.pods and phase == "Pending":
+        elif bound in self.nodes and uid not in self.pods and phase == "Pending":
             self._start_pod(obj)
 
     def _bind(self, meta: dict[str, Any]) -> None:
+        live = [name for name in self.nodes if name not in self.lost]
+        if not live:
+            return  # Pending, unschedulable, as with no node at all
+        target = min(live, key=lambda name: self._load.get(name, 0))
+        self._load[target] = self._load.get(target, 0) + 1
         body = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": meta["name"]},
-                "target": {"apiVersion": "v1", "kind": "Node", "name": NODE_NAME}}  # fmt: skip
+                "target": {"apiVersion": "v1", "kind": "Node", "name": target}}  # fmt: skip
         with contextlib.suppress(client.ApiException):  # bound already, or deleted meanwhile
             # the client cannot read a Binding back (its model wants a target): raw response
             self.core.create_namespaced_pod_binding(meta["name"], meta["namespace"], body,
@@ -227,7 +316,8 @@ class NodeAgent:
         ip = self.network.allocate()
         pod = _Pod(meta["namespace"], meta["name"], meta["uid"], ip, folder,
                    meta.get("labels") or {}, spec.get("restartPolicy", "Always"), mapper,
-                   [_Container(c) for c in containers], [_Container(c) for c in init])  # fmt: skip
+                   spec["nodeName"], [_Container(c) for c in containers],
+                   [_Container(c) for c in init])  # fmt: skip
         self.pods[pod.uid] = pod
         obj.setdefault("status", {}).update(podIP=ip, hostIP="127.0.0.1")
         for container in pod.init[:1] or pod.containers:
@@ -254,8 +344,9 @@ class NodeAgent:
                     argv, env=env, cwd=pod.dir, stdout=out, stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL, start_new_session=True,
                 )  # fmt: skip
-            self.node.set_log(pod.namespace, pod.name, lambda: path.read_text(errors="replace"),
-                              spec["name"])  # fmt: skip
+            self.nodes[pod.node].set_log(pod.namespace, pod.name,
+                                         lambda: path.read_text(errors="replace"),
+                                         spec["name"])  # fmt: skip
             container.started_at, container.exit_code = _now(), None
         except (OSError, ValueError, client.ApiException, KeyError) as exc:
             log.warning("pod %s/%s container %s: %s", pod.namespace, pod.name, spec["name"], exc)
@@ -389,7 +480,7 @@ class NodeAgent:
     def _forget(self, pod: _Pod) -> None:
         _kill([pod])
         self.network.release(pod.ip)
-        self.node.forget(pod.namespace, pod.name)  # its log
+        self.nodes[pod.node].forget(pod.namespace, pod.name)  # its log
         self.pods.pop(pod.uid, None)
         log.info("pod %s/%s gone", pod.namespace, pod.name)
 
@@ -429,6 +520,47 @@ def _container_status(c: _Container, *, started: bool = True) -> dict[str, Any]:
             "state": state}  # fmt: skip
 
 
+def _ready(status: str, reason: str, message: str) -> dict[str, Any]:
+    """A Node's Ready condition, as the kubelet (or the node lifecycle controller) writes it."""
+    return {"type": "Ready", "status": status, "reason": reason, "message": message,
+            "lastHeartbeatTime": _now(), "lastTransitionTime": _now()}  # fmt: skip
+
+
+def lose_node(core: client.CoreV1Api, name: str, timeout_s: float = 30.0) -> None:
+    """Cut a node's power (the agent serving it kills its pods' processes and marks it
+    unreachable: the module docstring); returns once the Node reads Ready Unknown."""
+    core.patch_node(name, {"metadata": {"annotations": {LOST_ANNOTATION: "true"}}})
+    _wait_ready(core, name, "Unknown", timeout_s)
+
+
+def out_of_service(core: client.CoreV1Api, name: str) -> None:
+    """Taint a lost node `node.kubernetes.io/out-of-service=nodeshutdown:NoExecute`, the
+    administrator's step of Kubernetes' non-graceful node shutdown ("the pods will be forcefully
+    deleted if there are no matching tolerations on it": Kubernetes docs, Node Shutdowns); the
+    pod GC (gcTerminating: a node not Ready with that taint) then finishes its pods."""
+    taints = core.read_node(name).spec.taints or []
+    body = [core.api_client.sanitize_for_serialization(t) for t in taints]
+    body.append({"key": OUT_OF_SERVICE_TAINT, "value": "nodeshutdown", "effect": "NoExecute",
+                 "timeAdded": _now()})  # fmt: skip
+    core.patch_node(name, {"spec": {"taints": body}})
+
+
+def restore_node(core: client.CoreV1Api, name: str, timeout_s: float = 30.0) -> None:
+    """Bring a lost node back; returns once it reads Ready True."""
+    core.patch_node(name, {"metadata": {"annotations": {LOST_ANNOTATION: None}}})
+    _wait_ready(core, name, "True", timeout_s)
+
+
+def _wait_ready(core: client.CoreV1Api, name: str, status: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        conditions = core.read_node(name).status.conditions or []
+        if any(c.type == "Ready" and c.status == status for c in conditions):
+            return
+        time.sleep(TICK_S)
+    raise TimeoutError(f"node {name} did not read Ready {status} within {timeout_s} s")
+
+
 def _probe(probe: dict[str, Any] | None, ip: str) -> bool:
     """A readiness probe against the pod's address, as the kubelet runs it; no probe: ready."""
     if not probe:
@@ -451,11 +583,15 @@ def _probe(probe: dict[str, Any] | None, ip: str) -> bool:
     return True
 
 
-def _kill(pods: list[_Pod]) -> None:
-    """SIGTERM every process of the pods, SIGKILL what is left after a grace period."""
+def _kill(
+    pods: list[_Pod], signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGKILL)
+) -> None:
+    """Each of `signals` to every process of the pods, in turn, until none is left (SIGTERM
+    then SIGKILL after a grace period; a lost node's power: SIGKILL alone)."""
     uids = {pod.uid for pod in pods}
     procs = [c for pod in pods for c in [*pod.init, *pod.containers] if c.proc is not None]
-    for sig, wait_s in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 2.0)):
+    for sig in signals:
+        wait_s = KILL_GRACE_S if sig == signal.SIGTERM else 2.0
         for c in procs:
             if c.proc is not None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):

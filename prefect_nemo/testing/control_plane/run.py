@@ -43,11 +43,22 @@ ADMIN_USER = "prefect-nemo-admin"
 # that no operator should touch
 OPERATOR_NAMESPACE = "kuberay"
 START_TIMEOUT_S = 120.0
+# how long a pod tolerates an unreachable or not-ready node (the DefaultTolerationSeconds
+# admission plugin's flags; its default is 300 s) before the taint-eviction-controller deletes
+# it: node_agent.lose_node's pods go in seconds
+UNREACHABLE_TOLERATION_S = 2
 # the controllers our tests rely on (garbage collector, namespace deletion, default
-# ServiceAccounts and their tokens, Jobs for KubeRay's submitter, EndpointSlices of Services)
+# ServiceAccounts and their tokens, Jobs for KubeRay's submitter, EndpointSlices of Services,
+# the eviction of a lost node's pods and, once it is marked out of service, their final delete:
+# node_agent.lose_node and out_of_service). The taint-eviction-controller finds
+# a node's pods by the pod informer's spec.nodeName index, which only the node lifecycle and
+# DaemonSet controllers add (AddPodNodeNameIndexer); alone it logs "Index with name
+# spec.nodeName does not exist" and evicts nothing: the DaemonSet controller (idle: no
+# DaemonSets here) comes along for its index.
 CONTROLLERS = (
     "garbage-collector-controller,namespace-controller,serviceaccount-controller,"
-    "serviceaccount-token-controller,job-controller,endpointslice-controller"
+    "serviceaccount-token-controller,job-controller,endpointslice-controller,"
+    "taint-eviction-controller,daemonset-controller,pod-garbage-collector-controller"
 )
 
 
@@ -143,6 +154,10 @@ class ControlPlane(TokenClientConfig):
                 "--requestheader-extra-headers-prefix=X-Remote-Extra-",
                 f"--proxy-client-cert-file={files['front_proxy_cert']}",
                 f"--proxy-client-key-file={files['front_proxy_key']}",
+                # the DefaultTolerationSeconds admission plugin: how long a pod stays on a node
+                # lost (node_agent.lose_node) before the taint-eviction-controller deletes it
+                f"--default-unreachable-toleration-seconds={UNREACHABLE_TOLERATION_S}",
+                f"--default-not-ready-toleration-seconds={UNREACHABLE_TOLERATION_S}",
             ])  # fmt: skip
             self._wait_ready(START_TIMEOUT_S)
             self.kueue_unavailable = (kueue.unavailable_reason() if self.operator

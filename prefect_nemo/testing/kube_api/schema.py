@@ -367,6 +367,8 @@ def resource_from_crd(crd: dict[str, Any]) -> ResourceType:
 CORE_TYPES = [
     ResourceType("", ["v1"], "namespaces", "namespace", "Namespace", False, True, ["ns"]),
     ResourceType("", ["v1"], "pods", "pod", "Pod", True, True, ["po"]),
+    # cluster-scoped: a job's failure names the Node its pod was lost with
+    ResourceType("", ["v1"], "nodes", "node", "Node", False, True, ["no"]),
     ResourceType("", ["v1"], "services", "service", "Service", True, True, ["svc"]),
     ResourceType("", ["v1"], "configmaps", "configmap", "ConfigMap", True, False, ["cm"]),
     ResourceType("", ["v1"], "secrets", "secret", "Secret", True, False),
