@@ -1,0 +1,171 @@
+"""Issue 29 on Slurm: a failed attempt is classified from what Slurm says of it, so that its
+recovery (JobSpec.recovery) resubmits the cluster's failures and fails fast on the job's own.
+
+sacct(1), JOB STATE CODES, the rules the classes rest on:
+  NF NODE_FAIL      "Job terminated due to failure of one or more allocated nodes."
+  BF BOOT_FAIL      "Job terminated due to launch failure, typically due to a hardware failure
+                    (e.g. unable to boot the node or block and the job can not be requeued)."
+  PR PREEMPTED      "Job terminated due to preemption."
+  OOM OUT_OF_MEMORY "Job experienced out of memory error."
+  F  FAILED         "Job terminated with non-zero exit code or other failure condition."
+  TO TIMEOUT        "Job terminated upon reaching its time limit."
+
+The real failures: a job that may not be requeued (`sbatch --no-requeue`; a site's
+JobRequeue=0 does the same to every job) on a node taken down, and on the low partition when a
+high partition's job preempts it. `scontrol update state=down` is the controller's own path for a
+node that stopped responding (both mark the node down, then kill its jobs as NODE_FAIL); a
+killed slurmd would get there only after SlurmdTimeout (300 s by default), and the local
+kit's supervisor stops the whole cluster when one of its daemons exits."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from prefect_nemo.backends.nemo_run.slurm.accounting import parse_rows, row_status, status_command
+from prefect_nemo.jobs import FailureClass, JobState, JobStatus
+
+# a job that runs until something ends it
+SLEEPER = "echo started; sleep 300"
+
+
+def poll(squeue: str, sacct: str) -> JobStatus:
+    """Our status of one poll's answer: squeue's row (State, Reason, StartTime, Partition,
+    RestartCnt) and sacct's (State, ExitCode, Start, End, Reason, NodeList)."""
+    out = (f"7|{squeue}|\n" if squeue else "") + "@@\n" + (f"7|{sacct}\n" if sacct else "")
+    return row_status("job", "7", parse_rows(out, {"7"})["7"])
+
+
+def test_slurm_failure_table() -> None:
+    """The answers the local Slurm 22.05 gave (the real tests below), and the states with no
+    kit to cause them in sacct's own words, mapped to (state, class, node, exit code). A
+    requeued job is not over: back in the queue (issue 28). FAILED, TIMEOUT and DEADLINE carry
+    no class: the lifecycle reads their log tail (NCCL / Xid errors are the cluster's) and else
+    calls them the job's own."""
+    table = [
+        # NODE_FAIL, not requeued: squeue says it first, sacct a moment later
+        ("NODE_FAIL|NodeDown|1795930080|queue|0", "PENDING|0:0|1795930080|Unknown|None|vm-3",
+         ("RUNNING", None, None, None)),
+        ("NODE_FAIL|NodeDown|1795930080|queue|0", "NODE_FAIL|0:0|1795930080|1795930081|None|vm-3",
+         ("FAILED", FailureClass.INFRASTRUCTURE, "vm-3", None)),
+        ("", "NODE_FAIL|0:0|1795930080|1795930081|None|vm-[2-3]",
+         ("FAILED", FailureClass.INFRASTRUCTURE, "vm-[2-3]", None)),
+        # NODE_FAIL of a job Slurm requeued (JobRequeue=1): waiting again, not over
+        ("PENDING|BeginTime|1795930112|queue|1", "NODE_FAIL|0:0|1795930090|1795930091|None|vm-3",
+         ("QUEUED", None, None, None)),
+        ("", "BOOT_FAIL|0:0|1795930090|1795930091|None|vm-3",
+         ("FAILED", FailureClass.INFRASTRUCTURE, "vm-3", None)),
+        # PREEMPTED and not requeued: FAILED (recovered), not STOPPED (someone's stop)
+        ("PREEMPTED|None|1795930071|low|0", "PREEMPTED|0:0|1795930071|1795930072|None|vm-4",
+         ("FAILED", FailureClass.PREEMPTED, "vm-4", None)),
+        ("", "OUT_OF_MEMORY|0:125|1795930071|1795930072|None|vm",
+         ("FAILED", FailureClass.APPLICATION, "vm", None)),
+        ("", "FAILED|3:0|1795930071|1795930072|None|vm", ("FAILED", None, None, 3)),
+        ("", "TIMEOUT|0:0|1795930071|1795930072|None|vm", ("FAILED", None, None, None)),
+        ("", "DEADLINE|0:0|1795930071|1795930072|None|vm", ("FAILED", None, None, None)),
+        # our own stop is no failure
+        ("", "CANCELLED by 0|0:15|1795930071|1795930072|None|vm", ("STOPPED", None, None, None)),
+    ]  # fmt: skip
+    for squeue, sacct, want in table:
+        status = poll(squeue, sacct)
+        failure = status.failure
+        got = (
+            status.state.value,
+            failure.kind if failure else None,
+            failure.node if failure else None,
+            status.exit_code,
+        )
+        assert got == want, (squeue, sacct, status)
+    oom = poll("", "OUT_OF_MEMORY|0:125|1795930071|1795930072|None|vm")
+    assert oom.failure and "OOM" in oom.failure.reason
+    node_fail = poll("", "NODE_FAIL|0:0|1795930080|1795930081|None|vm-3")
+    assert node_fail.message == f"Slurm job 7: {node_fail.failure.describe()}"  # type: ignore[union-attr]
+
+
+# -- the real failures ---------------------------------------------------------------------------
+
+
+def wait_until(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := check():
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
+
+
+def hand_sbatch(slurm: Any, partition: str, script: str, *options: str) -> str:
+    """A job sbatch'ed by hand: its Slurm id."""
+    args = ["sbatch", "--parsable", "-A", slurm.account, "-p", partition, "-o", "/dev/null"]
+    return slurm.run([*args, *options, "--wrap", script]).stdout.strip().split(";")[0]
+
+
+def running(slurm: Any, sid: str) -> bool:
+    return slurm.run(["squeue", "-h", "-j", sid, "-o", "%T"], check=False).stdout.strip() == (
+        "RUNNING"
+    )
+
+
+def backend_status(slurm: Any, sid: str) -> JobStatus:
+    """The Slurm backend's status of the job from one real poll (its squeue + sacct line)."""
+    output = slurm.run(status_command([sid])).stdout
+    return row_status("job", sid, parse_rows(output, {sid})[sid])
+
+
+def ended(slurm: Any, sid: str) -> JobStatus:
+    return wait_until(
+        lambda: (s := backend_status(slurm, sid)).state.is_terminal() and s, 30, f"{sid} to end"
+    )
+
+
+def node_back(slurm: Any, node: str) -> None:
+    """The node up again (ReturnToService=2 returns a downed node once its slurmd registers;
+    resume it where it has not)."""
+    slurm.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=False)
+
+    def up() -> bool:
+        out = slurm.run(["sinfo", "-h", "-n", node, "-o", "%T"], check=False).stdout
+        return out.strip().rstrip("*~#$@^-!%") in ("idle", "mixed", "allocated")
+
+    wait_until(up, 60, f"{node} up again")
+
+
+@pytest.mark.slow
+def test_node_fail_on_a_real_slurm_is_infrastructure_naming_the_node(slurm: Any) -> None:
+    """NODE_FAIL: "Job terminated due to failure of one or more allocated nodes". The queue
+    partition's node taken down under a running job that may not be requeued."""
+    node = slurm.queue_node
+    sid = hand_sbatch(slurm, slurm.queue_partition, SLEEPER, "--no-requeue")
+    try:
+        wait_until(lambda: running(slurm, sid), 60, f"{sid} running")
+        reason = "prefect-nemo test: node lost"
+        slurm.run(["scontrol", "update", f"nodename={node}", "state=down", f"reason={reason}"])
+        status = ended(slurm, sid)
+    finally:
+        slurm.run(["scancel", sid], check=False)
+        node_back(slurm, node)
+    assert status.state is JobState.FAILED, status
+    assert status.failure and status.failure.kind is FailureClass.INFRASTRUCTURE, status
+    assert status.failure.node == node and "NODE_FAIL" in status.failure.reason, status
+    assert status.exit_code is None, status  # Slurm killed it: "0:0" is no exit of its own
+
+
+@pytest.mark.slow
+def test_preempted_and_not_requeued_on_a_real_slurm_is_preempted(slurm: Any) -> None:
+    """PREEMPTED: "Job terminated due to preemption". slurm.conf(5): the low partition's
+    PreemptMode REQUEUE "Preempts jobs by requeuing them (if possible)"; a job that may not be
+    requeued is killed instead and ends PREEMPTED, as with PreemptMode CANCEL."""
+    sid = hand_sbatch(slurm, slurm.low_partition, SLEEPER, "--no-requeue")
+    high = ""
+    try:
+        wait_until(lambda: running(slurm, sid), 60, f"{sid} running")
+        high = hand_sbatch(slurm, slurm.high_partition, "sleep 2")
+        status = ended(slurm, sid)
+    finally:
+        slurm.run(["scancel", sid, *([high] if high else [])], check=False)
+    assert status.state is JobState.FAILED, status
+    assert status.failure and status.failure.kind is FailureClass.PREEMPTED, status
+    assert status.failure.node == slurm.preempt_node, status
