@@ -19,14 +19,22 @@ kit's supervisor stops the whole cluster when one of its daemons exits."""
 
 from __future__ import annotations
 
+import contextvars
+import logging
+import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+from prefect import flow
 
+from prefect_nemo import JobFailed, JobSpec, run_job
 from prefect_nemo.backends.nemo_run.slurm.accounting import parse_rows, row_status, status_command
 from prefect_nemo.jobs import FailureClass, JobState, JobStatus
+from tests.conftest import job_events
+from tests.test_nemo_run_slurm import sacct_by_name, slurm_block, unique
 
 # a job that runs until something ends it
 SLEEPER = "echo started; sleep 300"
@@ -169,3 +177,150 @@ def test_preempted_and_not_requeued_on_a_real_slurm_is_preempted(slurm: Any) -> 
     assert status.state is JobState.FAILED, status
     assert status.failure and status.failure.kind is FailureClass.PREEMPTED, status
     assert status.failure.node == slurm.preempt_node, status
+
+
+# -- recovered through run_job ---------------------------------------------------------------------
+# sacct(1) names every run of a job id; each attempt is its own Slurm job (`-r1`, ...).
+
+
+@pytest.fixture(scope="module")
+def job_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("slurm-recovery")
+
+
+@pytest.fixture
+def block(slurm: Any, job_root: Path, prefect_api: str) -> Any:
+    """The test cluster's block, its jobs never requeued by Slurm (`--no-requeue`, as under a
+    site's JobRequeue=0): a failure ends the attempt, and our recovery resubmits it."""
+    return slurm_block(slurm, job_root).model_copy(
+        update={"additional_parameters": {"no_requeue": True}}
+    )
+
+
+def first_run_then_done(marker: Path) -> str:
+    """An entrypoint whose first attempt runs until something ends it, and whose next one
+    resumes (the marker stands for a checkpoint on shared storage) and succeeds."""
+    return f"if [ -e {marker} ]; then echo resumed; else touch {marker}; {SLEEPER}; fi"
+
+
+def when(ready: Callable[[], bool], act: Callable[[], None]) -> threading.Thread:
+    """Do `act` once `ready` holds (within 120 s), in a thread, while the flow runs."""
+
+    def run() -> None:
+        try:
+            wait_until(ready, 120, "the first attempt to run")
+            act()
+        except AssertionError:
+            pass  # the flow's result says what went wrong
+
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(run,), daemon=True)
+    thread.start()
+    return thread
+
+
+def retrying_events(prefect_api: str, result: Any) -> list[dict[str, Any]]:
+    events = job_events(prefect_api, result.handle.resource_id, "prefect-nemo.job.succeeded")
+    return [e for e in events if e["event"] == "prefect-nemo.job.retrying"]
+
+
+@pytest.mark.nemo_run
+@pytest.mark.slow
+def test_node_fail_is_resubmitted_and_completes(
+    block: Any, slurm: Any, prefect_api: str, tmp_path: Path
+) -> None:
+    """Issue 29: "Slurm NODE_FAIL [...]: resubmitted and completed"; "the events name the class
+    'infrastructure' and the lost node". NODE_FAIL: "Job terminated due to failure of one or
+    more allocated nodes"."""
+    node, marker = slurm.queue_node, tmp_path / "ran"
+    down = ["scontrol", "update", f"nodename={node}", "state=down", "reason=prefect-nemo test"]
+    spec = JobSpec(
+        name=unique("node-fail"), queue=slurm.queue_partition,
+        entrypoint=first_run_then_done(marker),
+    )  # fmt: skip
+
+    @flow
+    def training() -> Any:
+        when(marker.exists, lambda: slurm.run(down))
+        return run_job(spec, block)
+
+    started = time.monotonic()
+    try:
+        result = training()
+    finally:
+        node_back(slurm, node)
+    took = time.monotonic() - started
+    assert result.succeeded, result
+    first = result.handle.job_id.removesuffix("-r1")
+    assert result.handle.job_id == f"{first}-r1", result.handle
+    (attempt,) = result.attempts
+    assert attempt.job_id == first and attempt.failure, attempt
+    assert (attempt.failure.kind, attempt.failure.node) == (FailureClass.INFRASTRUCTURE, node)
+    assert [r["State"] for r in sacct_by_name(slurm, first)] == ["NODE_FAIL"]
+    assert [r["State"] for r in sacct_by_name(slurm, f"{first}-r1")] == ["COMPLETED"]
+    (retrying,) = retrying_events(prefect_api, result)
+    said = str(retrying["payload"])
+    assert "infrastructure" in said and node in said, retrying["payload"]
+    print(f"slurm_node_fail_recovered_s={took:.1f}")
+
+
+@pytest.mark.nemo_run
+@pytest.mark.slow
+def test_preempted_is_resubmitted_and_completes(
+    block: Any, slurm: Any, prefect_api: str, tmp_path: Path
+) -> None:
+    """Issue 29: "Slurm [...] PREEMPTED: resubmitted and completed"; a preemption does not count
+    against max_restarts_on_errors (0 here). PREEMPTED: "Job terminated due to preemption";
+    the low partition's PreemptMode REQUEUE cannot requeue a --no-requeue job, so Slurm ends
+    it PREEMPTED."""
+    marker, high = tmp_path / "ran", []
+    spec = JobSpec(
+        name=unique("preempted"), queue=slurm.low_partition,
+        entrypoint=first_run_then_done(marker),
+    )  # fmt: skip
+
+    @flow
+    def training() -> Any:
+        when(
+            marker.exists, lambda: high.append(hand_sbatch(slurm, slurm.high_partition, "sleep 2"))
+        )
+        return run_job(spec, block)
+
+    try:
+        result = training()
+    finally:
+        slurm.run(["scancel", *high], check=False)
+    assert high, "the high job was never submitted"
+    assert result.succeeded and result.handle.job_id.endswith("-r1"), result
+    (attempt,) = result.attempts
+    assert attempt.failure and attempt.failure.kind is FailureClass.PREEMPTED, attempt
+    assert attempt.failure.node == slurm.preempt_node, attempt
+    assert [r["State"] for r in sacct_by_name(slurm, attempt.job_id)] == ["PREEMPTED"]
+    (retrying,) = retrying_events(prefect_api, result)
+    assert "preempted" in str(retrying["payload"]), retrying["payload"]
+
+
+@pytest.mark.nemo_run
+@pytest.mark.slow
+def test_an_application_exit_1_fails_at_once_with_its_log_tail(
+    block: Any, slurm: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 29: "an application exit 1 with no recover_on_exit_codes: fails at once with its
+    log tail, no resubmission". FAILED: "Job terminated with non-zero exit code"."""
+    caplog.set_level(logging.INFO)
+    spec = JobSpec(name=unique("exit-1"), entrypoint="echo loss is nan >&2; exit 1")
+
+    @flow
+    def training() -> Any:
+        return run_job(spec, block)
+
+    with pytest.raises(JobFailed) as failed:
+        training()
+    result = failed.value.result
+    assert result is not None and result.state is JobState.FAILED, result
+    assert result.failure and result.failure.kind is FailureClass.APPLICATION, result
+    assert result.exit_code == 1 and not result.attempts, result
+    assert "loss is nan" in result.log_tail and "loss is nan" in str(failed.value)
+    job_id = result.handle.job_id
+    assert not job_id.endswith("-r1")
+    assert [r["State"] for r in sacct_by_name(slurm, job_id)] == ["FAILED"]
+    assert not sacct_by_name(slurm, f"{job_id}-r1"), "resubmitted"

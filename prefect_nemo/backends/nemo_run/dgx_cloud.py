@@ -21,7 +21,8 @@ there; a clear error naming the block field here). Phases map to our states as: 
 → QUEUED, its reason run:ai's ``phaseMessage`` (from ``GET /workloads/{id}``, asked only while
 Pending); Creating, Initializing, Resuming, Unknown → PENDING; Running, Updating, Stopping,
 Deleting, Terminating → RUNNING (still live); Completed → SUCCEEDED; Failed, Degraded →
-FAILED; Stopped → STOPPED.
+FAILED; Stopped → STOPPED. A Failed workload's cause (JobStatus.failure, for its recovery) is
+read from Kubernetes' words in its ``phaseMessage`` and conditions (`service.kube_failure`).
 
 Where a job queues: JobSpec.queue is the run:ai project (else DGXCloudCluster.project_name),
 JobSpec.priority the workload's ``spec.priorityClass`` (else

@@ -18,8 +18,10 @@ States: Queueing, Awaiting (the job waits in its node group's queue for nodes, b
 class) → QUEUED, its reason Lepton's state (a job's status carries no message); Starting,
 PendingRetry, Restarting, UNK → PENDING; Running (all replicas ready; else PENDING, as
 NeMo-Run does), Stopping, Deleting → RUNNING; Completed, Archived → SUCCEEDED; Failed →
-FAILED; Stopped, Deleted → STOPPED. Stop is ``PATCH {"spec": {"stopped": true}}`` (the job and
-its logs stay, out of the queue); NeMo-Run's cancel deletes.
+FAILED (its cause, for its recovery, from Kubernetes' words in the job's events:
+`service.kube_failure`); Stopped, Deleted → STOPPED. Stop is
+``PATCH {"spec": {"stopped": true}}`` (the job and its logs stay, out of the queue); NeMo-Run's
+cancel deletes.
 
 Where a job queues: JobSpec.queue is the dedicated node group (else LeptonWorkspace.node_group),
 JobSpec.priority its ``spec.queue_config.priority_class`` (else LeptonWorkspace.priority_class,
