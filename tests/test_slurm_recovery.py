@@ -219,7 +219,10 @@ def when(ready: Callable[[], bool], act: Callable[[], None]) -> threading.Thread
 
 
 def retrying_events(prefect_api: str, result: Any) -> list[dict[str, Any]]:
-    events = job_events(prefect_api, result.handle.resource_id, "prefect-nemo.job.succeeded")
+    """The `prefect-nemo.job.retrying` events of the job's first attempt (said on the failed
+    attempt, naming the next)."""
+    first = result.handle.model_copy(update={"job_id": result.attempts[0].job_id})
+    events = job_events(prefect_api, first.resource_id, "prefect-nemo.job.retrying")
     return [e for e in events if e["event"] == "prefect-nemo.job.retrying"]
 
 
@@ -258,8 +261,9 @@ def test_node_fail_is_resubmitted_and_completes(
     assert [r["State"] for r in sacct_by_name(slurm, first)] == ["NODE_FAIL"]
     assert [r["State"] for r in sacct_by_name(slurm, f"{first}-r1")] == ["COMPLETED"]
     (retrying,) = retrying_events(prefect_api, result)
-    said = str(retrying["payload"])
-    assert "infrastructure" in said and node in said, retrying["payload"]
+    payload = retrying["payload"]
+    assert (payload["class"], payload["node"]) == ("infrastructure", node), payload
+    assert payload["next_job_id"] == result.handle.job_id, payload
     print(f"slurm_node_fail_recovered_s={took:.1f}")
 
 
@@ -296,7 +300,7 @@ def test_preempted_is_resubmitted_and_completes(
     assert attempt.failure.node == slurm.preempt_node, attempt
     assert [r["State"] for r in sacct_by_name(slurm, attempt.job_id)] == ["PREEMPTED"]
     (retrying,) = retrying_events(prefect_api, result)
-    assert "preempted" in str(retrying["payload"]), retrying["payload"]
+    assert retrying["payload"]["class"] == "preempted", retrying["payload"]
 
 
 @pytest.mark.nemo_run
