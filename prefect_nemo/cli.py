@@ -133,8 +133,9 @@ def _runs_our_server(pid: int, api_url: str) -> bool:
 def run_demo(run_dir: Path | None) -> int:
     """Run the demo pipeline on the embedded local Ray cluster and print what happened."""
     if importlib.util.find_spec("numpy") is None:  # the embedded cluster's jobs run this Python
-        print("error: the demo's jobs need numpy: pip install 'prefect-nemo[demo]'",
-              file=sys.stderr)
+        print(
+            "error: the demo's jobs need numpy: pip install 'prefect-nemo[demo]'", file=sys.stderr
+        )
         return 2
     api_url, ui_url = ensure_prefect_server()
     from prefect.settings import PREFECT_API_URL, temporary_settings

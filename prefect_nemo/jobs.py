@@ -138,7 +138,10 @@ INFRASTRUCTURE_LOGS: tuple[str, ...] = (
     r"NCCL watchdog|Watchdog caught collective operation timeout",
     r"\bXid\b.*\b(13|31|43|45|48|61|62|63|64|74|79|92|94|95|119|120)\b",
     r"CUDA error: (an illegal memory access|uncorrectable ECC|unspecified launch failure)",
-    r"NodeDiedError|node .* has (died|been marked dead)|The node with node id \S+ .*has died",
+    # Ray: a node died under the job's tasks or actors (ActorUnavailableError: the RPC to the
+    # actor's node broke, before the node is declared dead)
+    r"NodeDiedError|ActorUnavailableError|(its|the) node has died|node \S+ (has died|has been "
+    r"marked dead)|The node with node id \S+ .*has died",
 )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -32,20 +32,24 @@ from prefect_nemo.errors import (
     PrefectNemoError,
     StopNotConfirmed,
 )
-from prefect_nemo.jobs import META_FLOW_RUN as META_FLOW_RUN  # every job's metadata keys,
-from prefect_nemo.jobs import META_KEY as META_KEY  # re-exported where callers look for them
-from prefect_nemo.jobs import META_SPEC as META_SPEC
 from prefect_nemo.jobs import (
+    INFRASTRUCTURE_LOGS,
     Backend,
     DryRun,
+    Failure,
     JobHandle,
     JobResult,
     JobSpec,
     JobState,
     JobStatus,
+    RecoveryPolicy,
 )
+from prefect_nemo.jobs import META_FLOW_RUN as META_FLOW_RUN  # every job's metadata keys,
+from prefect_nemo.jobs import META_KEY as META_KEY  # re-exported where callers look for them
+from prefect_nemo.jobs import META_SPEC as META_SPEC
 from prefect_nemo.log_files import LogFile
 from prefect_nemo.logs import LogFollower, log_pump
+from prefect_nemo.recovery import Recovery, attempt_env, classify
 from prefect_nemo.redaction import Redactor
 from prefect_nemo.report import Report, parse
 from prefect_nemo.usage import JobShape, JobUsage, measure
@@ -67,6 +71,8 @@ class Submission:
     attached: bool
     status: JobStatus | None = None
     drift: str | None = None
+    attempt: int = 0  # its number: 0, then 1 for '-r1', ...
+    earlier: tuple[JobStatus, ...] = ()  # the attempts before it, found ended
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,7 @@ class WaitPolicy:
     shape: JobShape | None = None  # the GPUs the job holds (its spec's); None: unknown
     gpu_hour_price: float | None = None  # the block's, for the job's cost
     log_dir: Path | None = None  # each job's log is saved there as <job id>.log
+    recovery: RecoveryPolicy | None = None  # None: a failed attempt is not tried again
 
 
 class JobObserver(Protocol):
@@ -134,6 +141,12 @@ class JobObserver(Protocol):
     def ended(self, handle: JobHandle) -> None:
         """The wait is over: nobody needs to stop the job on the caller's behalf any more."""
 
+    def retrying(
+        self, handle: JobHandle, failure: Failure, *, next_job_id: str, attempt: int, delay_s: float
+    ) -> None:
+        """The failed attempt `handle` is tried again (its recovery policy said so): as
+        `next_job_id`, attempt number `attempt`, after `delay_s`."""
+
     def unstopped(self, handle: JobHandle, message: str) -> None:
         """A stop was asked for but not confirmed (the cluster unreachable): the job may still
         run, and someone must finish the stop once the cluster answers."""
@@ -172,6 +185,11 @@ class QuietObserver:
     def ended(self, handle: JobHandle) -> None:
         """Nothing."""
 
+    def retrying(
+        self, handle: JobHandle, failure: Failure, *, next_job_id: str, attempt: int, delay_s: float
+    ) -> None:
+        """Nothing."""
+
     def unstopped(self, handle: JobHandle, message: str) -> None:
         """Nothing."""
 
@@ -196,15 +214,52 @@ class Supervisor:
         )
 
     def run(self, spec: JobSpec, identity: JobIdentity) -> JobResult:
-        """Submit (or attach) and wait: the JobResult, or JobFailed/JobStopped/JobTimedOut."""
+        """Submit (or attach) and wait, and while its recovery policy says so, submit the next
+        attempt of a failed one: the JobResult, or JobFailed/JobStopped/JobTimedOut."""
         submission = self.submit(spec, identity)
-        return self.wait(submission.handle, attached=submission.attached)
+        recovery = self._recovery(submission)
+        while True:
+            try:
+                result = self.wait(submission.handle, attached=submission.attached)
+            except JobFailed as exc:
+                delay = self._retry_after(exc, submission, identity, recovery)
+                if not self._pause(delay):
+                    raise
+                submission = self.submit(
+                    spec, identity, check_access=False, from_attempt=submission.attempt + 1
+                )
+                continue
+            return _with_attempts(result, recovery)
+
+    async def run_async(
+        self, identity: JobIdentity, submit: Callable[[int], Awaitable[Submission]]
+    ) -> JobResult:
+        """`run` on an event loop, with the caller's `submit(from_attempt)` (run_jobs' submit
+        with pushback)."""
+        submission = await submit(0)
+        recovery = self._recovery(submission)
+        while True:
+            try:
+                result = await self.wait_async(submission.handle, attached=submission.attached)
+            except JobFailed as exc:
+                delay = self._retry_after(exc, submission, identity, recovery)
+                if not await asyncio.to_thread(self._pause, delay):
+                    raise
+                submission = await submit(submission.attempt + 1)
+                continue
+            return _with_attempts(result, recovery)
 
     def submit(
-        self, spec: JobSpec, identity: JobIdentity, *, check_access: bool = True
+        self,
+        spec: JobSpec,
+        identity: JobIdentity,
+        *,
+        check_access: bool = True,
+        from_attempt: int = 0,
     ) -> Submission:
         """Check access (unless the caller did, once for many jobs), then submit the job under
-        its deterministic id or attach to it."""
+        its deterministic id or attach to it (from attempt `from_attempt` on: a recovery
+        knows the ones before it ended)."""
         if check_access:
             self.backend.check_access()  # auth and reachability fail here, before any submit
         submission = submit_or_attach(
@@ -214,6 +269,7 @@ class Supervisor:
             key=identity.key,
             readable=identity.readable,
             metadata=identity.metadata,
+            from_attempt=from_attempt,
         )
         self.observer.submitted(
             submission.handle, attached=submission.attached, drift=submission.drift
@@ -232,6 +288,7 @@ class Supervisor:
 
         def on_change(status: JobStatus) -> None:
             logs.update(status)
+            status = self._classified(status, logs.whole)  # its class goes into its event
             self.observer.changed(handle, status, clock, self._usage(status, clock))
 
         try:
@@ -284,7 +341,8 @@ class Supervisor:
                 silence=logs.silence,
             )
             await asyncio.to_thread(logs.update, final)
-            self.observer.changed(handle, final, clock, self._usage(final, clock))
+            told = self._classified(final, logs.whole)
+            self.observer.changed(handle, told, clock, self._usage(told, clock))
         except (JobTimedOut, JobInterrupted, JobStalled) as exc:
             final, stopped = await asyncio.to_thread(self._stop, handle, clock, logs), True
             raise self._stopped_error(
@@ -307,7 +365,7 @@ class Supervisor:
             max_len=self.backend.max_job_id_len,
         )
         metadata = job_metadata(spec, identity.scope, identity.key, identity.metadata)
-        documents = self.backend.render(spec, job_id, metadata)
+        documents = self.backend.render(with_attempt(spec, 0, None), job_id, metadata)
         return DryRun(
             job_id=job_id,
             backend=self.backend.kind,
@@ -327,6 +385,67 @@ class Supervisor:
         return wait_until_terminal(self.watcher, handle, interrupted=self.interrupted)
 
     # -- helpers --------------------------------------------------------------------------------
+
+    def _recovery(self, first: Submission) -> Recovery | None:
+        """The attempts of a job about to be waited for: those a re-attach found ended count
+        against its budgets. None where failed attempts are not tried again."""
+        if self.policy.recovery is None:
+            return None
+        recovery = Recovery(self.policy.recovery)
+        recovery.seed(first.earlier)
+        return recovery
+
+    def _retry_after(
+        self,
+        exc: JobFailed,
+        submission: Submission,
+        identity: JobIdentity,
+        recovery: Recovery | None,
+    ) -> float:
+        """The pause before the next attempt of a failed one, told to the observer; re-raises
+        `exc` (with the attempts before it, and why it is not retried) when there is none.
+        Only an attempt its engine ended FAILED is tried again: a stop is someone's will."""
+        result = exc.result
+        if not isinstance(result, JobResult):
+            raise exc
+        if (
+            recovery is None
+            or isinstance(exc, JobStopped)
+            or result.state is not JobState.FAILED
+            or result.failure is None
+        ):
+            exc.result = _with_attempts(result, recovery)
+            raise exc
+        delay = recovery.retry_after(result)
+        if delay is None:
+            exc.result = _with_attempts(result, recovery, last_failed=True)
+            exc.args = (f"{exc}\nnot retried: {recovery.refusal(result)}",)
+            raise exc
+        attempt = submission.attempt + 1
+        self.observer.retrying(
+            submission.handle,
+            result.failure,
+            next_job_id=names.job_id(
+                identity.scope,
+                identity.key,
+                readable=identity.readable,
+                attempt=attempt,
+                max_len=self.backend.max_job_id_len,
+            ),
+            attempt=attempt,
+            delay_s=delay,
+        )
+        return delay
+
+    def _pause(self, seconds: float) -> bool:
+        """Sleep between attempts, False as soon as the caller stops waiting (the failed
+        attempt's error then stands: nothing runs that needs a stop)."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self.interrupted():
+                return False
+            time.sleep(min(left, 0.25))
+        return not self.interrupted()
 
     def _stop(
         self, handle: JobHandle, clock: JobClock | None = None, logs: _LogStream | None = None
@@ -414,16 +533,28 @@ class Supervisor:
         if final.state is JobState.SUCCEEDED:
             return self._result(handle, final, attached, clock=clock)
         tail = self._log_tail(handle, whole_log) if final.state is JobState.FAILED else ""
+        final = self._classified(final, whole_log if whole_log is not None else tail)
         result = self._result(handle, final, attached, log_tail=self.redact(tail), clock=clock)
         exit_code = f" (exit code {final.exit_code})" if final.exit_code is not None else ""
+        why = f" [{final.failure.describe()}]" if final.failure is not None else ""
         message = self.redact(
-            f"job {handle.job_id} {final.state.value}{exit_code}: {final.message}".rstrip(": ")
+            f"job {handle.job_id} {final.state.value}{exit_code}{why}: {final.message}".rstrip(": ")
         )
         if tail and tail.strip() not in final.message:
             message += "\n--- last log lines ---\n" + self.redact(tail)
         if final.state is JobState.STOPPED:
             raise JobStopped(message, result)
         raise JobFailed(message, result)
+
+    def _classified(self, status: JobStatus, log: str | None) -> JobStatus:
+        """A FAILED status with its failure classified (recovery.classify) from what its
+        engine said and its log; any other status as it is."""
+        if status.state is not JobState.FAILED:
+            return status
+        policy = self.policy.recovery
+        patterns = policy.infrastructure_logs if policy is not None else INFRASTRUCTURE_LOGS
+        failure = classify(status, log or "", patterns)
+        return status.model_copy(update={"failure": self.redact.deep(failure)})
 
     def _log_tail(self, handle: JobHandle, whole_log: str | None) -> str:
         """The last lines of the job's log, from the read already made if there was one."""
@@ -464,6 +595,7 @@ class Supervisor:
             log_tail=log_tail,
             attached=attached,
             usage=self._usage(status, clock),
+            failure=status.failure if status.state is JobState.FAILED else None,
             **waited,
         )
 
@@ -547,17 +679,18 @@ class _LogStream:
 
     def _save_unstreamed(self) -> None:
         """Save the log of a job whose log was not followed: one full read, once, kept as
-        `whole` (a failed job's tail comes from it, not from a second read)."""
+        `whole` (a failed job's tail and class come from it, not from a second read)."""
         file = self._file
-        if file is None or not self._ran:
+        if not self._ran or self.whole is not None:
             return
         try:
             self.whole = self._supervisor.backend.logs(self._handle.job_id)
         except Exception as exc:  # the cluster may be gone: an earlier wait's file stays
             log.debug("could not read the log of %s to save it: %s", self._handle.job_id, exc)
         else:
-            for line in self.whole.splitlines():
-                file.write(line)
+            if file is not None:
+                for line in self.whole.splitlines():
+                    file.write(line)
         self._saved()
 
     def _saved(self) -> None:
@@ -583,26 +716,37 @@ def submit_or_attach(
     key: str,
     readable: str = "",
     metadata: dict[str, str] | None = None,
+    from_attempt: int = 0,
 ) -> Submission:
     """Submit the job for (scope, key) unless it already exists; then attach to it.
 
     A job that ended FAILED or STOPPED is an attempt that is over: the next attempt gets the
     next id (`-r1`, `-r2`, ...), so a retry really retries. A live or SUCCEEDED job is attached
     to, never submitted twice: the cluster refuses a taken id (JobAlreadyExists), then we look.
+    Each attempt finds its number and its previous attempt's id in its environment
+    (recovery.attempt_env). `from_attempt`: the attempts before it are known to have ended.
     """
     meta = job_metadata(spec, scope, key, metadata)
     fingerprint = meta[META_SPEC]
-    for attempt in range(MAX_ATTEMPTS):
-        job_id = names.job_id(
+    earlier: list[JobStatus] = []
+
+    def id_of(attempt: int) -> str:
+        return names.job_id(
             scope, key, readable=readable, attempt=attempt, max_len=backend.max_job_id_len
         )
+
+    for attempt in range(from_attempt, MAX_ATTEMPTS):
+        job_id = id_of(attempt)
+        previous = id_of(attempt - 1) if attempt else None
         try:  # the common case is a new id: submit first, look up only when it is taken
-            return Submission(backend.submit(spec, job_id, meta), attached=False)
+            handle = backend.submit(with_attempt(spec, attempt, previous), job_id, meta)
+            return Submission(handle, attached=False, attempt=attempt, earlier=tuple(earlier))
         except JobAlreadyExists:
             status = backend.find(job_id)
         if status is None:
             raise BackendUnavailable(f"job '{job_id}' is reported as existing but cannot be found")
         if status.state in (JobState.FAILED, JobState.STOPPED):
+            earlier.append(status)
             continue
         seen = status.metadata.get(META_SPEC)
         drift = (
@@ -612,10 +756,35 @@ def submit_or_attach(
             if seen and seen != fingerprint
             else None
         )
-        return Submission(backend.handle(job_id), attached=True, status=status, drift=drift)
+        return Submission(
+            backend.handle(job_id),
+            attached=True,
+            status=status,
+            drift=drift,
+            attempt=attempt,
+            earlier=tuple(earlier),
+        )
     raise PrefectNemoError(
         f"{MAX_ATTEMPTS} attempts of '{scope}/{key}' already failed: use a new job name"
     )
+
+
+def with_attempt(spec: JobSpec, attempt: int, previous_job_id: str | None) -> JobSpec:
+    """The spec an attempt is submitted with: its environment names the attempt (and the one
+    before it). Not part of the fingerprint: every attempt is the same job."""
+    env = {**spec.env, **attempt_env(attempt, previous_job_id)}
+    return spec.model_copy(update={"env": env})
+
+
+def _with_attempts(
+    result: JobResult, recovery: Recovery | None, *, last_failed: bool = False
+) -> JobResult:
+    """The result with the failed attempts before it (the last recorded one is its own when
+    `last_failed`)."""
+    if recovery is None or not recovery.attempts:
+        return result
+    attempts = recovery.attempts[:-1] if last_failed else recovery.attempts
+    return result.model_copy(update={"attempts": tuple(attempts)})
 
 
 def job_metadata(

@@ -318,7 +318,9 @@ class ClusterWatcher:
 def _changed(current: JobStatus, seen: JobStatus | None) -> bool:
     """What wakes a waiter: a new state or message, or news of its place in a queue."""
     return seen is None or (current.state, current.message, current.queue) != (
-        seen.state, seen.message, seen.queue
+        seen.state,
+        seen.message,
+        seen.queue,
     )
 
 
@@ -479,8 +481,10 @@ class _TerminalWait:
                 "stopping it"
             )
         waited = self.clock.this_wait_s(now)
-        if self.queue_timeout_s is not None and waited is not None and (
-            waited > self.queue_timeout_s
+        if (
+            self.queue_timeout_s is not None
+            and waited is not None
+            and (waited > self.queue_timeout_s)
         ):
             queue = self.seen.queue if self.seen else None
             where = queue.describe() if queue else "in its queue"

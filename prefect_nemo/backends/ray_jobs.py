@@ -32,6 +32,8 @@ from prefect_nemo.jobs import (
     META_FLOW_RUN,
     META_KEY,
     RESERVED_PREFIX,
+    Failure,
+    FailureClass,
     JobHandle,
     JobSpec,
     JobState,
@@ -94,16 +96,45 @@ def _ms_to_datetime(ms: int | None) -> datetime | None:
     return datetime.fromtimestamp(ms / 1000, tz=UTC) if ms else None
 
 
+#: Ray's JobErrorType (ray.dashboard.modules.job.common) by failure class: the job supervisor
+#: actor (which runs the driver) dying or failing to start is the cluster's doing (its node
+#: died, or it could not be placed); a runtime env that cannot be set up or an entrypoint that
+#: cannot start is the spec's; an entrypoint's non-zero exit is the code's (its log may still
+#: say a node died: the lifecycle reads it)
+RAY_ERROR_CLASSES = {
+    "JOB_SUPERVISOR_ACTOR_DIED": FailureClass.INFRASTRUCTURE,
+    "JOB_SUPERVISOR_ACTOR_UNSCHEDULABLE": FailureClass.INFRASTRUCTURE,
+    "JOB_SUPERVISOR_ACTOR_START_TIMEOUT": FailureClass.INFRASTRUCTURE,
+    "JOB_SUPERVISOR_ACTOR_START_FAILURE": FailureClass.INFRASTRUCTURE,
+    "JOB_SUPERVISOR_ACTOR_UNKNOWN_FAILURE": FailureClass.INFRASTRUCTURE,
+    "RUNTIME_ENV_SETUP_FAILURE": FailureClass.SPEC,
+    "JOB_ENTRYPOINT_COMMAND_START_ERROR": FailureClass.SPEC,
+    "JOB_ENTRYPOINT_COMMAND_ERROR": FailureClass.APPLICATION,
+}
+
+
 def _status_from_details(details: JobDetails) -> JobStatus:
+    state = JobState(str(details.status.value))
     return JobStatus(
         job_id=details.submission_id or details.job_id or "",
-        state=JobState(str(details.status.value)),
+        state=state,
         message=details.message or "",
         start_time=_ms_to_datetime(details.start_time),
         end_time=_ms_to_datetime(details.end_time),
         exit_code=details.driver_exit_code,
         metadata=details.metadata or {},
+        failure=_failure(details) if state is JobState.FAILED else None,
     )
+
+
+def _failure(details: JobDetails) -> Failure | None:
+    """What Ray says the job failed of (its error_type); None where it says nothing."""
+    error_type = str(getattr(details, "error_type", None) or "")
+    kind = RAY_ERROR_CLASSES.get(error_type)
+    if kind is None or kind is FailureClass.APPLICATION:  # its exit code says it better
+        return None
+    node = details.driver_node_id if kind is FailureClass.INFRASTRUCTURE else None
+    return Failure(kind=kind, reason=error_type, node=node or None)
 
 
 def entrypoint_ask(details: JobDetails) -> dict[str, float]:

@@ -60,8 +60,11 @@ def train(
     fit = run_job(_spec("fit", f"python train.py --data {data} --out {ckpt}"), cluster)
     check = run_job(_spec("validate", f"python validate.py --model {ckpt}/model.npy"), cluster)
     metrics = json.loads((ckpt / "train.json").read_text())
-    outputs = {"checkpoint_uri": str(ckpt / "model.npy"), "train_loss": metrics["loss"],
-               "jobs": _summary([fit, check])}
+    outputs = {
+        "checkpoint_uri": str(ckpt / "model.npy"),
+        "train_loss": metrics["loss"],
+        "jobs": _summary([fit, check]),
+    }
     exp.emit("completed", outputs)
     return outputs
 
@@ -85,8 +88,11 @@ def evaluate(
     )
     results = [f.result() for f in [*shards, aggregate]]
     metrics = json.loads((evals / "metrics.json").read_text())
-    outputs = {"accuracy": metrics["accuracy"], "eval_loss": metrics["loss"],
-               "jobs": _summary(results)}
+    outputs = {
+        "accuracy": metrics["accuracy"],
+        "eval_loss": metrics["loss"],
+        "jobs": _summary(results),
+    }
     exp.emit("completed", outputs)
     return outputs
 
@@ -109,9 +115,9 @@ def demo_pipeline(
     names = {step: f"{name}-{step}" for step in ("data-prep", "train", "eval")}
     common = {"run_dir": run_dir, "cluster": cluster}
     prep = _start.submit(data_prep, experiment=names["data-prep"], **common)
-    fit = _start.submit(train, experiment=names["train"], depends_on=[names["data-prep"]],
-                        **common)
-    score = _start.submit(evaluate, experiment=names["eval"], depends_on=[names["train"]],
-                          **common)
-    return {step: future.result() for step, future in
-            zip(names.values(), (prep, fit, score), strict=True)}
+    fit = _start.submit(train, experiment=names["train"], depends_on=[names["data-prep"]], **common)
+    score = _start.submit(evaluate, experiment=names["eval"], depends_on=[names["train"]], **common)
+    return {
+        step: future.result()
+        for step, future in zip(names.values(), (prep, fit, score), strict=True)
+    }

@@ -156,4 +156,3 @@ def bundle_node(pg: PlacementGroup, index: int) -> tuple[str, str]:
         if node["NodeID"] == node_id:
             return node_id, node["NodeManagerAddress"]
     raise PlacementTimeout(f"bundle {index} of the group is on node {node_id}, which is gone")
-

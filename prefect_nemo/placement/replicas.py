@@ -268,7 +268,8 @@ def render(
                     "command": command if isinstance(command, str) else list(command),
                     "env": dict(options.env or {}),
                     "cwd": options.cwd,
-                    "health": options.health_url or f"http://{{host}}:{{port}}{options.health_path}",
+                    "health": options.health_url
+                    or f"http://{{host}}:{{port}}{options.health_path}",
                 }
             )
     return docs

@@ -43,9 +43,7 @@ def resolve_block(value: B | str, kind: type[B], field: str, example: str, what:
             "`prefect-nemo blocks apply`, or pass a block object"
         ) from None
     if not isinstance(block, kind):
-        raise InvalidJobSpec(
-            f"{field}={value!r} is a {type(block).__name__}, not a {what}"
-        )
+        raise InvalidJobSpec(f"{field}={value!r} is a {type(block).__name__}, not a {what}")
     return block
 
 

@@ -28,6 +28,7 @@ import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, TypeVar
 
 from prefect import task
@@ -216,16 +217,23 @@ class _Batch:
             if self.limit_name
             else contextlib.nullcontext()
         )
+        identity = _identity(spec, run)
         async with slot:  # the cluster's cap, held from submit to end as run_job holds it
-            submission = await self._submit(supervisor, spec, _identity(spec, run), run)
             try:
-                return await supervisor.wait_async(submission.handle, attached=submission.attached)
+                return await supervisor.run_async(
+                    identity, partial(self._submit, supervisor, spec, identity, run)
+                )
             finally:
                 if run.flow_run_id is not None:
                     await self.settler.settle()
 
     async def _submit(
-        self, supervisor: Supervisor, spec: JobSpec, identity: JobIdentity, run: RunContext
+        self,
+        supervisor: Supervisor,
+        spec: JobSpec,
+        identity: JobIdentity,
+        run: RunContext,
+        from_attempt: int,
     ) -> Submission:
         """Submit (or attach); on pushback halve the window and retry after the asked wait.
         A retried submit is safe: the id is deterministic, a job created meanwhile is attached."""
@@ -233,7 +241,11 @@ class _Batch:
         while True:
             try:
                 submission = await asyncio.to_thread(
-                    supervisor.submit, spec, identity, check_access=False
+                    supervisor.submit,
+                    spec,
+                    identity,
+                    check_access=False,
+                    from_attempt=from_attempt,
                 )
             except Throttled as exc:
                 limit = self.window.shrink()

@@ -90,6 +90,8 @@ def wait_policy(
         shape=spec.shape(block.default_shape()) if spec is not None else None,
         gpu_hour_price=block.gpu_hour_price,
         log_dir=log_dir,
+        # only a task that has the spec can submit another attempt (wait_for_job cannot)
+        recovery=(spec.recovery or block.recovery) if spec is not None else None,
     )
 
 

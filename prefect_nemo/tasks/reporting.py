@@ -27,7 +27,7 @@ from prefect.events import Event
 from prefect.filesystems import WritableFileSystem
 from prefect.utilities.asyncutils import run_coro_as_sync
 
-from prefect_nemo.jobs import DryRun, JobHandle, JobState, JobStatus, QueueInfo
+from prefect_nemo.jobs import DryRun, Failure, JobHandle, JobState, JobStatus, QueueInfo
 from prefect_nemo.redaction import Redactor
 from prefect_nemo.report import Report
 from prefect_nemo.tasks._outbox import outbox
@@ -199,6 +199,8 @@ class JobReporter:
         }  # fmt: skip
         if queue is not None:
             payload["queue"] = self._queue_payload(queue)
+        if status.failure is not None:
+            payload["failure"] = status.failure.model_dump(mode="json")
         if status.state.is_terminal() and handle.job_id in self._log_links:
             payload["log"] = self._log_links[handle.job_id]
         if clock is not None and clock.queued_s():
@@ -219,6 +221,8 @@ class JobReporter:
             "state": status.state.value,
             "message": message.splitlines()[0] if message else "",
         }
+        if status.failure is not None:
+            fields["failure"] = status.failure.describe()
         if queue is not None:
             fields.update(_queue_fields(queue, clock))
         elif clock is not None and clock.queued_s():
@@ -327,6 +331,32 @@ class JobReporter:
             # result back once the server is there to take it (within the outage budget)
             outbox.settle(api_outage_budget_s())
 
+    def retrying(
+        self, handle: JobHandle, failure: Failure, *, next_job_id: str, attempt: int, delay_s: float
+    ) -> None:
+        """Said as a warning, emitted as `prefect-nemo.job.retrying` (the class, the reason,
+        the node, the next attempt's id) on the failed attempt, and chained in its row."""
+        why = self.redact(failure.describe())
+        say(
+            self.run,
+            logging.WARNING,
+            f"job {handle.job_id} failed ({why}): resubmitting as {next_job_id} "
+            f"(attempt {attempt + 1}) in {delay_s:g}s",
+        )
+        self._emit(
+            handle,
+            "retrying",
+            {
+                "class": failure.kind.value,
+                "reason": self.redact(failure.reason)[:MESSAGE_CHARS],
+                "node": failure.node,
+                "attempt": attempt,
+                "next_job_id": next_job_id,
+                "delay_s": delay_s,
+            },
+        )
+        self._row(handle, {"failure": why, "retried_as": next_job_id})
+
     def unstopped(self, handle: JobHandle, message: str) -> None:
         """A stop not confirmed: said, and recorded as `prefect-nemo.job.stop-pending` for the
         sweeper to finish once the cluster answers again. The run stops vouching for the job
@@ -354,6 +384,8 @@ class JobReporter:
                 "dashboard": handle.links.get("dashboard", ""),
                 "attached": False,
                 "message": "",
+                "failure": "",  # its class and reason, once it FAILED
+                "retried_as": "",  # the next attempt's id, when its recovery resubmitted it
                 "gpus": "",  # nodes x GPUs per node, run time, GPU-hours, cost: once it ended
                 "run_s": None,
                 "gpu_hours": None,

@@ -60,7 +60,6 @@ def dgd_access(version: str = "v1alpha1") -> tuple[kube.Access, ...]:
     )
 
 
-
 def check_crd_installed(
     api: kube.KubeApi, version: str = "v1alpha1", namespace: str | None = None
 ) -> bool:

@@ -341,9 +341,7 @@ def _check_replicas(svc: Mapping[str, Any], where: str) -> None:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidJobSpec(
-                f"{where}: {field} is {value!r}: give a whole number of pods >= 0"
-            )
+            raise InvalidJobSpec(f"{where}: {field} is {value!r}: give a whole number of pods >= 0")
 
 
 def _frontends(doc: Mapping[str, Any], version: str) -> list[str]:
