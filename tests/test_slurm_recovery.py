@@ -34,7 +34,7 @@ from prefect_nemo import JobFailed, JobSpec, run_job
 from prefect_nemo.backends.nemo_run.slurm.accounting import parse_rows, row_status, status_command
 from prefect_nemo.jobs import FailureClass, JobState, JobStatus
 from tests.conftest import job_events
-from tests.test_nemo_run_slurm import sacct_by_name, slurm_block, unique
+from tests.test_nemo_run_slurm import sacct_by_name, slurm_block, unique, wait_rows
 
 # a job that runs until something ends it
 SLEEPER = "echo started; sleep 300"
@@ -258,8 +258,8 @@ def test_node_fail_is_resubmitted_and_completes(
     (attempt,) = result.attempts
     assert attempt.job_id == first and attempt.failure, attempt
     assert (attempt.failure.kind, attempt.failure.node) == (FailureClass.INFRASTRUCTURE, node)
-    assert [r["State"] for r in sacct_by_name(slurm, first)] == ["NODE_FAIL"]
-    assert [r["State"] for r in sacct_by_name(slurm, f"{first}-r1")] == ["COMPLETED"]
+    assert len(wait_rows(slurm, first, "NODE_FAIL")) == 1  # sacct lags: wait for its row
+    assert len(wait_rows(slurm, f"{first}-r1", "COMPLETED")) == 1
     (retrying,) = retrying_events(prefect_api, result)
     payload = retrying["payload"]
     assert (payload["class"], payload["node"]) == ("infrastructure", node), payload
@@ -298,7 +298,8 @@ def test_preempted_is_resubmitted_and_completes(
     (attempt,) = result.attempts
     assert attempt.failure and attempt.failure.kind is FailureClass.PREEMPTED, attempt
     assert attempt.failure.node == slurm.preempt_node, attempt
-    assert [r["State"] for r in sacct_by_name(slurm, attempt.job_id)] == ["PREEMPTED"]
+    assert len(wait_rows(slurm, attempt.job_id, "PREEMPTED")) == 1
+    assert len(wait_rows(slurm, result.handle.job_id, "COMPLETED")) == 1
     (retrying,) = retrying_events(prefect_api, result)
     assert retrying["payload"]["class"] == "preempted", retrying["payload"]
 
@@ -326,5 +327,5 @@ def test_an_application_exit_1_fails_at_once_with_its_log_tail(
     assert "loss is nan" in result.log_tail and "loss is nan" in str(failed.value)
     job_id = result.handle.job_id
     assert not job_id.endswith("-r1")
-    assert [r["State"] for r in sacct_by_name(slurm, job_id)] == ["FAILED"]
+    assert len(wait_rows(slurm, job_id, "FAILED")) == 1
     assert not sacct_by_name(slurm, f"{job_id}-r1"), "resubmitted"

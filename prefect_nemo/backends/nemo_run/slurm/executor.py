@@ -431,8 +431,15 @@ class SlurmBackend(SlurmJobRegistry, NemoRunBackend):
         self.run(f"tar -xzf {q(upload)} -C {q(remote)} && rm -f {q(upload)}")
 
     def after_schedule(self, spec: JobSpec, job_id: str, app_handle: str) -> None:
-        """The local copy of the job dir served its purpose (the cluster has it): drop it."""
+        """The local copy of the job dir served its purpose (the cluster has it): drop it. A
+        block that asks `no_requeue` gets it: NeMo-Run's ``sbatch --requeue`` on the command
+        line overrides the script's ``#SBATCH --no-requeue``, so the flag is set right after
+        the submit (`scontrol update`). Such a job ends NODE_FAIL or PREEMPTED instead of going
+        back to Slurm's queue, and its RecoveryPolicy resubmits it as the next attempt."""
         shutil.rmtree(self.local_experiment_dir(job_id), ignore_errors=True)
+        if self.config.additional_parameters.get("no_requeue"):
+            sid = app_handle.rsplit("/", 1)[-1]
+            self.run(f"scontrol update jobid={shlex.quote(sid)} requeue=0")
 
     # -- status, stop, logs
 
