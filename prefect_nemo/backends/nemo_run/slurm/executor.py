@@ -344,6 +344,12 @@ class SlurmBackend(SlurmJobRegistry, NemoRunBackend):
     def _setup_lines(self, spec: JobSpec, job_id: str) -> str:
         # NeMo-Run writes `export KEY.upper()=value` unquoted; we write the env ourselves.
         lines = [self.config.setup_lines] if self.config.setup_lines else []
+        if self.config.additional_parameters.get("no_requeue"):
+            # NeMo-Run's `sbatch --requeue` on the command line overrides the script's
+            # `#SBATCH --no-requeue`: the job clears its flag as it starts, before its command,
+            # so that a failed node or a preemption ends it (NODE_FAIL, PREEMPTED) and its
+            # RecoveryPolicy resubmits it, rather than Slurm putting it back in its queue
+            lines.append('scontrol update jobid="$SLURM_JOB_ID" requeue=0 || true')
         lines += [f"export {k}={shlex.quote(v)}" for k, v in plain_env(spec).items()]
         if secret_env(spec):
             path = shlex.quote(f"{self.remote_dir(job_id)}/{SECRET_ENV_FILE}")
@@ -431,15 +437,8 @@ class SlurmBackend(SlurmJobRegistry, NemoRunBackend):
         self.run(f"tar -xzf {q(upload)} -C {q(remote)} && rm -f {q(upload)}")
 
     def after_schedule(self, spec: JobSpec, job_id: str, app_handle: str) -> None:
-        """The local copy of the job dir served its purpose (the cluster has it): drop it. A
-        block that asks `no_requeue` gets it: NeMo-Run's ``sbatch --requeue`` on the command
-        line overrides the script's ``#SBATCH --no-requeue``, so the flag is set right after
-        the submit (`scontrol update`). Such a job ends NODE_FAIL or PREEMPTED instead of going
-        back to Slurm's queue, and its RecoveryPolicy resubmits it as the next attempt."""
+        """The local copy of the job dir served its purpose (the cluster has it): drop it."""
         shutil.rmtree(self.local_experiment_dir(job_id), ignore_errors=True)
-        if self.config.additional_parameters.get("no_requeue"):
-            sid = app_handle.rsplit("/", 1)[-1]
-            self.run(f"scontrol update jobid={shlex.quote(sid)} requeue=0")
 
     # -- status, stop, logs
 
