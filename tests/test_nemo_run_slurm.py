@@ -597,3 +597,55 @@ def test_close_keeps_the_shared_connection_which_closes_at_exit(block):
     transport.join(5)
     assert not transport.is_alive()
     second.check_access()
+
+
+def test_a_job_printing_10000_lines_and_exiting_at_once_loses_none(
+    block, prefect_api, caplog, tmp_path, monkeypatch
+):
+    """Issue 29: "A job that prints 10,000 lines and exits at once: all 10,000 reach the task log
+    and the saved file", on Slurm (tests/test_saved_logs.py has it on Ray Jobs). The job's
+    output is buffered: it all lands in the srun log at exit, after the last poll that saw it
+    RUNNING."""
+    import re
+    import stat
+
+    from prefect_nemo.log_files import LOGS_DIR_ENV
+    from prefect_nemo.tasks.reporting import job_rows
+    from tests.conftest import job_events
+
+    lines = 10_000
+    monkeypatch.setenv(LOGS_DIR_ENV, str(tmp_path / "logs"))
+    caplog.set_level(logging.INFO)
+    spec = JobSpec(
+        entrypoint=f"python -c \"[print(f'line {{n:05d}}') for n in range({lines})]\"",
+        name=unique("ten-thousand"),
+    )
+
+    @flow
+    def printing_flow():
+        return run_job(spec, cluster=block)
+
+    started = time.monotonic()
+    state = printing_flow(return_state=True)
+    result = state.result()
+    took = time.monotonic() - started
+    assert result.state is JobState.SUCCEEDED
+    job_id, flow_run_id = result.handle.job_id, str(state.state_details.flow_run_id)
+    expected = [f"line {n:05d}" for n in range(lines)]
+
+    path = tmp_path / "logs" / flow_run_id / f"{job_id}.log"
+    saved = [s for s in path.read_text().splitlines() if re.fullmatch(r"line \d{5}", s)]
+    assert saved == expected, f"{len(saved)} of {lines} lines saved"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    in_task_log = [
+        m.removeprefix(f"[{job_id}] ")
+        for r in caplog.records
+        if (m := r.getMessage()).startswith(f"[{job_id}] line ")
+    ]
+    assert in_task_log == expected, f"{len(in_task_log)} of {lines} lines in the task log"
+    (row,) = [r for r in job_rows(flow_run_id) if r["job_id"] == job_id]
+    assert row["log"] == str(path)
+    events = job_events(prefect_api, result.handle.resource_id, "prefect-nemo.job.succeeded")
+    (ended,) = [e for e in events if e["event"] == "prefect-nemo.job.succeeded"]
+    assert ended["payload"]["log"] == str(path)
+    print(f"slurm saved_log_lines={len(saved)} task_log_lines={len(in_task_log)} took_s={took:.1f}")

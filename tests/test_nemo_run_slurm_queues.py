@@ -128,7 +128,8 @@ def in_thread(target: Callable[[], None]) -> threading.Thread:
 
 def poll(squeue: str, sacct: str) -> tuple[str, str, bool | None]:
     """Our (state, queue reason, preempted) of one poll's answer: squeue's row (State, Reason,
-    StartTime, Partition, RestartCnt) and sacct's (State, ExitCode, Start, End, Reason)."""
+    StartTime, Partition, RestartCnt) and sacct's (State, ExitCode, Start, End, Reason,
+    NodeList)."""
     out = (f"7|{squeue}|\n" if squeue else "") + "@@\n" + (f"7|{sacct}\n" if sacct else "")
     status = row_status("job", "7", parse_rows(out, {"7"})["7"])
     queue = status.queue
@@ -142,9 +143,10 @@ def test_slurm_state_table_follows_squeue_while_it_lists_the_job() -> None:
     PreemptMode REQUEUE "Preempts jobs by requeuing them": for ~0.3-1 s after a preemption sacct
     has only the preempted run (PREEMPTED, with an end) while squeue already lists the job again;
     issue 28: "Preemption is a requeue, not a failure", so squeue wins while it lists the job
-    pending or running. PreemptMode CANCEL ends a job PREEMPTED in squeue too: then it is over."""
-    acct_pending = "PENDING|0:0|Unknown|Unknown|None"
-    preempted_run = "PREEMPTED|0:0|1795873464|1795873465|None"
+    pending or running. PreemptMode CANCEL ends a job PREEMPTED in squeue too: then it is over,
+    FAILED for its recovery to resubmit (issue 29; tests/test_slurm_recovery.py)."""
+    acct_pending = "PENDING|0:0|Unknown|Unknown|None|None assigned"
+    preempted_run = "PREEMPTED|0:0|1795873464|1795873465|None|vm-4"
     table = [
         # a queue where one fits: the scheduler's first look, then its reasons
         ("PENDING|None|N/A|queue|0", "", ("PENDING", "", None)),
@@ -159,19 +161,20 @@ def test_slurm_state_table_follows_squeue_while_it_lists_the_job() -> None:
         ("COMPLETING|None|1795873465|low|1", preempted_run, ("RUNNING", "", None)),
         ("PENDING|None|N/A|low|1", preempted_run, ("QUEUED", "", True)),
         ("PENDING|BeginTime|1795873486|low|1", preempted_run, ("QUEUED", "BeginTime", True)),
-        ("PENDING|BeginTime|N/A|low|1", "PENDING|0:0|Unknown|Unknown|BeginTime",
+        ("PENDING|BeginTime|N/A|low|1", "PENDING|0:0|Unknown|Unknown|BeginTime|None assigned",
          ("QUEUED", "BeginTime", True)),
         ("RUNNING|None|1795873487|low|1", preempted_run, ("RUNNING", "", None)),
         # its end: sacct may say it first (same start); a lagging sacct's preempted run is not it
-        ("RUNNING|None|1795873487|low|1", "COMPLETED|0:0|1795873487|1795873489|BeginTime",
+        ("RUNNING|None|1795873487|low|1", "COMPLETED|0:0|1795873487|1795873489|BeginTime|vm-4",
          ("SUCCEEDED", "", None)),
         ("COMPLETED|None|1795873487|low|1", preempted_run, ("RUNNING", "", None)),
         # preempted with CANCEL: PREEMPTED in squeue as well, or gone from it
-        ("PREEMPTED|None|1795873464|low|0", preempted_run, ("STOPPED", "", None)),
-        ("", preempted_run, ("STOPPED", "", None)),
+        ("PREEMPTED|None|1795873464|low|0", preempted_run, ("FAILED", "", None)),
+        ("", preempted_run, ("FAILED", "", None)),
         # scancel of a queued job: squeue keeps its reason; until sacct has it, still queued
         ("CANCELLED|Resources|1795873541|queue|0", acct_pending, ("QUEUED", "Resources", False)),
-        ("CANCELLED|Resources|1795873541|queue|0", "CANCELLED by 0|0:0|None|1795873541|None",
+        ("CANCELLED|Resources|1795873541|queue|0",
+         "CANCELLED by 0|0:0|None|1795873541|None|None assigned",
          ("STOPPED", "", None)),
     ]  # fmt: skip
     for squeue, sacct, want in table:

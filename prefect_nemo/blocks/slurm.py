@@ -107,7 +107,10 @@ def train():
     additional_parameters: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra sbatch options by name, e.g. {'gres': 'gpu:8', 'exclusive': True}; "
-        "not 'comment', which prefect-nemo writes (the flow run that owns the job).",
+        "not 'comment', which prefect-nemo writes (the flow run that owns the job). "
+        "{'no_requeue': True}: a failed node or a preemption ends the job (NODE_FAIL, "
+        "PREEMPTED) and the recovery policy resubmits it as its next attempt; without it Slurm "
+        "puts the job back in its queue itself (NeMo-Run submits with --requeue).",
     )
     setup_lines: str | None = Field(
         default=None,

@@ -27,6 +27,7 @@ import time
 import types
 import typing
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
@@ -107,6 +108,7 @@ class Job:
     replica_ids: list[str] = field(default_factory=list)
     log: str | None = None
     waiting: bool = False  # Queueing for nodes of its group
+    events: list[dict[str, Any]] = field(default_factory=list)  # GET /jobs/{id}/events
 
     @property
     def group_id(self) -> str | None:
@@ -187,6 +189,7 @@ class LeptonServer(LoopbackHttpServer):
 
     Knobs: `start_s` / `running_s` (state durations), `outcome`, `set_outcome(prefix, state)`,
     `hold(prefix)` (runs until stopped or deleted), `stopping_s`, `set_log(job_id, text)`,
+    `fail(job_id, reason, node)` (a live job Failed now, its events saying why),
     `ray_dashboard(url, token)` (where Ray cluster dashboards are proxied to),
     `data_mover_s` (NeMo-Run's ``data-mover-*`` jobs complete after this long; 0 = already
     Completed when first read, so NeMo-Run's 5 s poll sleep is skipped in tests).
@@ -249,6 +252,26 @@ class LeptonServer(LoopbackHttpServer):
         with self.lock:
             self.jobs[job_id].log = text
 
+    def fail(self, job_id: str, reason: str, node: str | None = None) -> None:
+        """End a live job Failed now, as its platform would when a replica's node is lost or
+        the replica is evicted or preempted: its events (``GET /jobs/{id}/events``, leptonai's
+        ``LeptonEvent``s) carry `reason` in Kubernetes' words, about `node` when given."""
+        now = time.time()
+        with self.lock:
+            job = self.jobs[job_id]
+            job.phases = [p for p in job.phases if p[0] <= now] + [(now, "Failed")]
+            job.waiting = False
+            regarding = {"kind": "Node", "name": node} if node else {"kind": "Pod"}
+            job.events.append(
+                {
+                    "type": "Warning",
+                    "reason": reason,
+                    "regarding": regarding,
+                    "count": 1,
+                    "last_observed_time": datetime.fromtimestamp(now, UTC).isoformat(),
+                }
+            )
+
     def ray_dashboard(self, url: str, token: str | None = None) -> None:
         """Proxy every Ray cluster's dashboard to this (real) Ray dashboard."""
         self._ray_target = (url.rstrip("/"), token)
@@ -274,6 +297,7 @@ class LeptonServer(LoopbackHttpServer):
         r.add_get(base + "/jobs/{id}", self._get_job)
         r.add_patch(base + "/jobs/{id}", self._patch_job)
         r.add_delete(base + "/jobs/{id}", self._delete_job)
+        r.add_get(base + "/jobs/{id}/events", self._events)
         r.add_get(base + "/jobs/{id}/replicas", self._replicas)
         r.add_get(base + "/jobs/{id}/replicas/{rid}/log", self._log)
         r.add_get(base + "/rayclusters", self._list_ray)
@@ -426,6 +450,12 @@ class LeptonServer(LoopbackHttpServer):
     async def _get_job(self, request: web.Request) -> web.Response:
         self._auth(request)
         return web.json_response(self._job(request).as_json(time.time()))
+
+    async def _events(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        job = self._job(request)
+        with self.lock:
+            return web.json_response(list(job.events))
 
     async def _list_jobs(self, request: web.Request) -> web.Response:
         self._auth(request)

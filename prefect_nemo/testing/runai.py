@@ -252,6 +252,7 @@ class Workload:
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list, repr=False)
     project_name: str = ""
     waiting: str = ""  # while queued for quota: the scheduler's message (phaseMessage)
+    failure: tuple[str, str] | None = None  # (reason, message) of a `RunaiServer.fail`
 
     @property
     def gpus(self) -> int:
@@ -301,6 +302,17 @@ class Workload:
             "spec": self.spec,
         }
 
+    def _failed_message(self, phase: str) -> str:
+        return self.failure[1] if phase == "Failed" and self.failure else ""
+
+    def _conditions(self, phase: str) -> list[dict[str, str]]:
+        """A failed one's condition saying why (the Workload schema's type, status, reason,
+        message); none otherwise."""
+        if phase != "Failed" or not self.failure:
+            return []
+        reason, message = self.failure
+        return [{"type": "Failed", "status": "True", "reason": reason, "message": message}]
+
     def list_item(self, now: float, project_name: str) -> dict[str, Any]:
         phase = self.phase(now)
         return {
@@ -314,7 +326,8 @@ class Workload:
             "clusterId": self.cluster_id,
             "createdAt": _iso(self.created),
             "phaseUpdatedAt": _iso(max(s for s, _ in self.phases if s <= now)),
-            "phaseMessage": self.waiting if phase == "Pending" else "",
+            "phaseMessage": self.waiting if phase == "Pending" else self._failed_message(phase),
+            "conditions": self._conditions(phase),
             "priorityClassName": self.spec.get("priorityClass") or "train",
             "deletedAt": _iso(self.deleted),
         }
@@ -326,7 +339,8 @@ class RunaiServer(LoopbackHttpServer):
     Knobs: `token_ttl_s` (tokens expire, then 401 until a new one is fetched),
     `expire_tokens()`, `creating_s` / `initializing_s` / `running_s` (phase durations),
     `outcome` ("Completed" or "Failed") or `set_outcome(prefix, phase)` per workload,
-    `hold(prefix)` (stays Running until suspended), `stopping_s`, `set_quota(project, gpus)`
+    `hold(prefix)` (stays Running until suspended), `fail(name, reason, message)` (a live
+    workload Failed now, its pods killed, saying why), `stopping_s`, `set_quota(project, gpus)`
     (workloads that do not fit wait ``Pending``).
 
     With `execute=True` the pods really run, as local processes: once Initializing is over,
@@ -562,6 +576,20 @@ class RunaiServer(LoopbackHttpServer):
             if workload.phase(time.time()) == "Running":
                 phase = "Completed" if all(c == 0 for c in codes) else "Failed"
                 workload.phases.append((time.time(), phase))
+
+    def fail(self, requested_name: str, reason: str, message: str) -> None:
+        """End the live workloads of this requested name Failed now, as run:ai would when their
+        pods' node is lost or they are evicted: the pods' processes are killed, and
+        ``GET /workloads/{id}`` says why in its ``phaseMessage`` and a condition."""
+        now = time.time()
+        with self.lock:
+            for workload in self.by_name(requested_name):
+                if workload.phase(now) in TERMINAL_PHASES:
+                    continue
+                workload.phases = [p for p in workload.phases if p[0] <= now] + [(now, "Failed")]
+                workload.waiting = ""
+                workload.failure = (reason, message)
+                self._kill(workload)
 
     def _kill(self, workload: Workload) -> None:
         for proc in workload.processes:

@@ -21,7 +21,8 @@ there; a clear error naming the block field here). Phases map to our states as: 
 → QUEUED, its reason run:ai's ``phaseMessage`` (from ``GET /workloads/{id}``, asked only while
 Pending); Creating, Initializing, Resuming, Unknown → PENDING; Running, Updating, Stopping,
 Deleting, Terminating → RUNNING (still live); Completed → SUCCEEDED; Failed, Degraded →
-FAILED; Stopped → STOPPED.
+FAILED; Stopped → STOPPED. A Failed workload's cause (JobStatus.failure, for its recovery) is
+read from Kubernetes' words in its ``phaseMessage`` and conditions (`service.kube_failure`).
 
 Where a job queues: JobSpec.queue is the run:ai project (else DGXCloudCluster.project_name),
 JobSpec.priority the workload's ``spec.priorityClass`` (else
@@ -63,9 +64,22 @@ from prefect_nemo.backends.nemo_run.runai import (
     runai_answer,
     workload_document,
 )
-from prefect_nemo.backends.nemo_run.service import ServiceBackend, nodes_and_gpus, owner_labels
+from prefect_nemo.backends.nemo_run.service import (
+    ServiceBackend,
+    kube_failure,
+    nodes_and_gpus,
+    owner_labels,
+)
 from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec
-from prefect_nemo.jobs import META_FLOW_RUN, JobSpec, JobState, JobStatus, OwnedJob, QueueInfo
+from prefect_nemo.jobs import (
+    META_FLOW_RUN,
+    Failure,
+    JobSpec,
+    JobState,
+    JobStatus,
+    OwnedJob,
+    QueueInfo,
+)
 from prefect_nemo.packaging import TransportPlan
 from prefect_nemo.packaging.transport import RUNAI_ENV_VALUE_LIMIT
 
@@ -303,14 +317,31 @@ class DGXCloudBackend(ServiceBackend):
         phase = str(data.get("actualPhase") or data.get("phase") or "Unknown")
         state = _PHASES.get(phase, JobState.PENDING)
         queue = self._queue_info(where[1]) if state is JobState.QUEUED else None
+        failure = self._failure(where[1]) if state is JobState.FAILED else None
+        said = queue.reason if queue else failure.describe() if failure else ""
         return JobStatus(
             job_id=job_id,
             state=state,
-            message=f"run:ai phase {phase}" + (f": {queue.reason}" if queue else ""),
+            message=f"run:ai phase {phase}" + (f": {said}" if said else ""),
             queue=queue,
             start_time=_time(data.get("createdAt")),
+            failure=failure,
             metadata=self.job_metadata(job_id),
         )
+
+    def _failure(self, workload_id: str) -> Failure | None:
+        """Why a Failed workload failed, where run:ai says it in Kubernetes' words
+        (`service.KUBE_REASONS`: an evicted or preempted pod, a lost node, an image that cannot
+        be pulled): its ``phaseMessage`` and its conditions' reasons and messages (one GET, once
+        the workload has failed). run:ai's phase alone ("Failed: image retrieval failed or
+        containers experienced a crash") does not tell the cluster's fault from the job's."""
+        data = self.client.workload_summary(workload_id) or {}
+        conditions = [
+            f"{c.get('reason') or ''}: {c.get('message') or ''}".strip(": ")
+            for c in data.get("conditions") or []
+            if isinstance(c, dict)
+        ]
+        return kube_failure([str(data.get("phaseMessage") or ""), *conditions])
 
     def _queue_info(self, workload_id: str) -> QueueInfo:
         """Why a Pending workload waits: run:ai's ``phaseMessage`` (else the messages of its

@@ -18,8 +18,10 @@ States: Queueing, Awaiting (the job waits in its node group's queue for nodes, b
 class) → QUEUED, its reason Lepton's state (a job's status carries no message); Starting,
 PendingRetry, Restarting, UNK → PENDING; Running (all replicas ready; else PENDING, as
 NeMo-Run does), Stopping, Deleting → RUNNING; Completed, Archived → SUCCEEDED; Failed →
-FAILED; Stopped, Deleted → STOPPED. Stop is ``PATCH {"spec": {"stopped": true}}`` (the job and
-its logs stay, out of the queue); NeMo-Run's cancel deletes.
+FAILED (its cause, for its recovery, from Kubernetes' words in the job's events:
+`service.kube_failure`); Stopped, Deleted → STOPPED. Stop is
+``PATCH {"spec": {"stopped": true}}`` (the job and its logs stay, out of the queue); NeMo-Run's
+cancel deletes.
 
 Where a job queues: JobSpec.queue is the dedicated node group (else LeptonWorkspace.node_group),
 JobSpec.priority its ``spec.queue_config.priority_class`` (else LeptonWorkspace.priority_class,
@@ -55,11 +57,12 @@ from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
 from prefect_nemo.backends.nemo_run.service import (
     ServiceBackend,
     check_torchrun_gpus,
+    kube_failure,
     nodes_and_gpus,
     owner_labels,
 )
 from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable, InvalidJobSpec
-from prefect_nemo.jobs import JobSpec, JobState, JobStatus, OwnedJob, QueueInfo
+from prefect_nemo.jobs import Failure, JobSpec, JobState, JobStatus, OwnedJob, QueueInfo
 from prefect_nemo.kube import FLOW_RUN_LABEL, managed_labels
 from prefect_nemo.packaging.transport import ARG_STRLEN_LIMIT
 
@@ -394,15 +397,35 @@ class LeptonBackend(ServiceBackend):
             return None
         raw, state = _state(job)
         queue = self._queue_info(job, raw) if state is JobState.QUEUED else None
+        failure = self._failure(job_id) if state is JobState.FAILED else None
         return JobStatus(
             job_id=job_id,
             state=state,
-            message=f"Lepton state {raw}",
+            message=f"Lepton state {raw}" + (f": {failure.describe()}" if failure else ""),
             queue=queue,
             start_time=_seconds(job.status.creation_time),
             end_time=_seconds(job.status.completion_time),
+            failure=failure,
             metadata=self.job_metadata(job_id),
         )
+
+    def _failure(self, job_id: str) -> Failure | None:
+        """Why a Failed job failed, where its events say it in Kubernetes' words
+        (`service.KUBE_REASONS`: an evicted or preempted replica, a node not ready, an image
+        that cannot be pulled), naming the node an event is about (one GET of
+        ``/jobs/{id}/events``, once the job has failed). A job's status says only Failed."""
+        from leptonai.api.v1.api_resource import ClientError
+
+        try:
+            events = self._call(lambda: self.client.job.get_events(job_id), "reading job events")
+        except ClientError:  # no events served: the log tail decides
+            return None
+        nodes = [
+            str(e.regarding.get("name"))
+            for e in events
+            if e.regarding and e.regarding.get("kind") == "Node" and e.regarding.get("name")
+        ]
+        return kube_failure([e.reason for e in events], node=nodes[0] if nodes else None)
 
     def _node_groups(self) -> dict[str, str]:
         """The workspace's dedicated node groups, id -> name (listed once per backend)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import tempfile
 from abc import abstractmethod
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -17,10 +18,45 @@ from prefect_nemo.backends.nemo_run.base import NemoRunBackend, relocated
 from prefect_nemo.backends.nemo_run.dry_run import Answer, Sent, recording
 from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
 from prefect_nemo.errors import InvalidJobSpec, JobAlreadyExists
-from prefect_nemo.jobs import META_FLOW_RUN, JobHandle, JobSpec
+from prefect_nemo.jobs import META_FLOW_RUN, Failure, FailureClass, JobHandle, JobSpec
 from prefect_nemo.kube import managed_labels
 from prefect_nemo.packaging import TransportPlan, build_archive, plan_for
 from prefect_nemo.packaging.transport import Backend as Transport
+
+#: Kubernetes' words for why a pod ended, which run:ai and Lepton pass on for their jobs' pods,
+#: by the class they mean (the first class found wins, in this order): DisruptionTarget
+#: condition reasons (PreemptionByScheduler, TerminationByKubelet: node pressure or shutdown,
+#: DeletionByTaintManager: a NoExecute taint such as an unreachable node, DeletionByPodGC: its
+#: node is gone, EvictionByEvictionAPI: a drain), a pod's status reason (Evicted: node-pressure
+#: eviction), node and scheduler event reasons, container waiting reasons (an image or a
+#: container config that cannot be used) and the OOMKilled terminated reason.
+KUBE_REASONS: dict[FailureClass, tuple[str, ...]] = {
+    FailureClass.PREEMPTED: ("PreemptionByScheduler", "Preempted"),
+    FailureClass.INFRASTRUCTURE: (
+        "TerminationByKubelet", "DeletionByTaintManager", "DeletionByPodGC",
+        "EvictionByEvictionAPI", "TaintManagerEviction", "Evicted", "NodeLost", "NodeNotReady",
+        "NodeShutdown",
+    ),
+    FailureClass.SPEC: (
+        "ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull",
+        "CreateContainerConfigError", "CreateContainerError",
+    ),
+    FailureClass.APPLICATION: ("OOMKilled",),
+}  # fmt: skip
+_KUBE_REASON = {
+    kind: re.compile(r"\b(?:" + "|".join(words) + r")\b") for kind, words in KUBE_REASONS.items()
+}
+
+
+def kube_failure(texts: Iterable[str], node: str | None = None) -> Failure | None:
+    """The failure a service's words say (`KUBE_REASONS`, whole words), the text that says it
+    as the reason; None when they name none (the lifecycle then reads the job's log tail)."""
+    said = [text.strip() for text in texts if text and text.strip()]
+    for kind, pattern in _KUBE_REASON.items():
+        for text in said:
+            if pattern.search(text):
+                return Failure(kind=kind, reason=text[:500], node=node)
+    return None
 
 
 class ServiceBackend(NemoRunBackend):

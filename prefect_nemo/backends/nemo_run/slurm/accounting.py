@@ -12,13 +12,22 @@ from datetime import UTC, datetime
 from typing import Any
 
 from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec, Throttled
-from prefect_nemo.jobs import META_FLOW_RUN, JobState, JobStatus, OwnedJob, QueueInfo
+from prefect_nemo.jobs import (
+    META_FLOW_RUN,
+    Failure,
+    FailureClass,
+    JobState,
+    JobStatus,
+    OwnedJob,
+    QueueInfo,
+)
 from prefect_nemo.names import is_slurm_name
 
 #: sacct/squeue state (first word) -> ours. A job in Slurm's queue is QUEUED: `row_status`
 #: keeps PENDING for one the scheduler has not looked at yet (no reason) and one that can never
 #: run (DependencyNeverSatisfied). PREEMPTED is an end only once squeue no longer lists the job:
-#: a job requeued after its preemption is QUEUED again (`parse_rows`).
+#: a job requeued after its preemption is QUEUED again (`parse_rows`); one Slurm did not requeue
+#: is FAILED (preempted, `FAILURES`), so that its recovery resubmits it, not STOPPED (our stop).
 SLURM_STATES = {
     "PENDING": JobState.QUEUED,
     "REQUEUED": JobState.QUEUED,
@@ -35,7 +44,7 @@ SLURM_STATES = {
     "STAGE_OUT": JobState.RUNNING,
     "COMPLETED": JobState.SUCCEEDED,
     "CANCELLED": JobState.STOPPED,
-    "PREEMPTED": JobState.STOPPED,
+    "PREEMPTED": JobState.FAILED,
     "FAILED": JobState.FAILED,
     "TIMEOUT": JobState.FAILED,
     "NODE_FAIL": JobState.FAILED,
@@ -44,6 +53,29 @@ SLURM_STATES = {
     "DEADLINE": JobState.FAILED,
     "SPECIAL_EXIT": JobState.FAILED,
     "REVOKED": JobState.FAILED,
+}
+#: The ended states that say why, by sacct(1)'s JOB STATE CODES, -> (class, what it means).
+#: The others (FAILED: "non-zero exit code or other failure condition", TIMEOUT, DEADLINE) are
+#: left to the lifecycle, which reads the log tail (NCCL / Xid errors are the cluster's) and
+#: else calls them the job's own.
+FAILURES: dict[str, tuple[FailureClass, str]] = {
+    "NODE_FAIL": (
+        FailureClass.INFRASTRUCTURE,
+        "NODE_FAIL: the job ended because one or more of its nodes failed",
+    ),
+    "BOOT_FAIL": (
+        FailureClass.INFRASTRUCTURE,
+        "BOOT_FAIL: the job could not be launched on its node (typically a hardware failure)",
+    ),
+    "PREEMPTED": (
+        FailureClass.PREEMPTED,
+        "PREEMPTED: the job was preempted and not requeued (the partition's PreemptMode "
+        "cancels preempted jobs, or the job cannot be requeued)",
+    ),
+    "OUT_OF_MEMORY": (
+        FailureClass.APPLICATION,
+        "OUT_OF_MEMORY: the job ran out of memory (OOM)",
+    ),
 }
 #: The reason Slurm gives a job whose afterok dependency failed.
 NEVER_SATISFIED = "DependencyNeverSatisfied"
@@ -135,8 +167,9 @@ def _epoch(text: str) -> datetime | None:
 
 def row_status(job_id: str, sid: str, row: dict[str, str]) -> JobStatus:
     """Our status of job_id from its Slurm row (`parse_rows`): QUEUED with the partition,
-    squeue's reason and estimated start while Slurm's queue holds it, and a message that says
-    why a job that waits on or was cancelled for a dependency did not run."""
+    squeue's reason and estimated start while Slurm's queue holds it, a message that says
+    why a job that waits on or was cancelled for a dependency did not run, and the failure
+    of a job Slurm ended for a cause it names (`FAILURES`: NODE_FAIL names its nodes)."""
     word = row["State"].split()[0] if row["State"] else "PENDING"
     state = SLURM_STATES.get(word, JobState.PENDING)
     reason = row.get("Reason", "")
@@ -169,15 +202,19 @@ def row_status(job_id: str, sid: str, row: dict[str, str]) -> JobStatus:
             "on (afterok); Slurm cancels it when one of them fails or is cancelled "
             f"({row['State']}, {reason})"
         )
-    elif word == "PREEMPTED" and state.is_terminal():
-        message = (
-            f"Slurm job {sid} was preempted and not requeued (the partition's PreemptMode "
-            "cancels preempted jobs, or the job cannot be requeued)"
-        )
+    failure = None
+    if word in FAILURES and state is JobState.FAILED:
+        kind, meaning = FAILURES[word]
+        nodes = row.get("NodeList", "")
+        node = nodes if nodes and nodes not in ("None assigned", "(null)") else None
+        failure = Failure(kind=kind, reason=meaning, node=node)
+        message = f"Slurm job {sid}: {failure.describe()}"
     exit_code = None
-    code = row.get("ExitCode", "")
-    if code and code.split(":")[0].isdigit() and state in (JobState.SUCCEEDED, JobState.FAILED):
-        exit_code = int(code.split(":")[0])
+    code = row.get("ExitCode", "").split(":")[0]
+    if code.isdigit() and (
+        state is JobState.SUCCEEDED or (state is JobState.FAILED and code != "0")
+    ):
+        exit_code = int(code)  # a job Slurm killed (NODE_FAIL, PREEMPTED: "0:0") has none
     return JobStatus(
         job_id=job_id,
         state=state,
@@ -186,6 +223,7 @@ def row_status(job_id: str, sid: str, row: dict[str, str]) -> JobStatus:
         start_time=started,
         end_time=_epoch(row.get("End", "")) if state.is_terminal() else None,
         exit_code=exit_code,
+        failure=failure,
         metadata={"slurm_job_id": sid},
     )
 
@@ -194,6 +232,9 @@ def row_status(job_id: str, sid: str, row: dict[str, str]) -> JobStatus:
 #: estimate while the job is pending (the one `squeue --start` prints; N/A without one) and
 #: RestartCnt counts its requeues (a preemption with PreemptMode=REQUEUE is one).
 SQUEUE_FIELDS = ("JobID", "State", "Reason", "StartTime", "Partition", "RestartCnt")
+#: sacct's fields of a poll (`-P`, '|'-separated). NodeList names the node of a NODE_FAIL (all
+#: of a multi-node job's: Slurm 22.05's sacct does not say which one failed).
+SACCT_FIELDS = ("JobID", "State", "ExitCode", "Start", "End", "Reason", "NodeList")
 
 
 def status_command(slurm_ids: Collection[str]) -> str:
@@ -204,7 +245,7 @@ def status_command(slurm_ids: Collection[str]) -> str:
     return (
         f"export SLURM_TIME_FORMAT=%s; squeue -h -t all -j {joined} -O '{fields}' "
         f"2>/dev/null; echo @@; sacct -n -X -P -j {joined} "
-        "-o JobID,State,ExitCode,Start,End,Reason 2>/dev/null"
+        f"-o {','.join(SACCT_FIELDS)} 2>/dev/null"
     )
 
 
@@ -241,8 +282,8 @@ def parse_rows(output: str, slurm_ids: Collection[str]) -> dict[str, dict[str, s
         rows[sid] = row
     for line in acct.splitlines():
         parts = line.strip().split("|")
-        if len(parts) == 6 and parts[0] in slurm_ids:
-            sid, state, exit_code, start, end, reason = parts
+        if len(parts) == len(SACCT_FIELDS) and parts[0] in slurm_ids:
+            sid, state, exit_code, start, end, reason, nodes = parts
             live = rows.get(sid)
             if live is not None and not _sacct_ends(live, state, start):
                 continue  # squeue is current
@@ -254,6 +295,7 @@ def parse_rows(output: str, slurm_ids: Collection[str]) -> dict[str, dict[str, s
                 "Reason": reason if reason not in ("None", "") else (live or {}).get("Reason", ""),
                 "Partition": (live or {}).get("Partition", ""),
                 "Restarts": (live or {}).get("Restarts", "0"),
+                "NodeList": nodes,
             }
     return rows
 

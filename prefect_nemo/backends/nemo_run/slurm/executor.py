@@ -344,6 +344,12 @@ class SlurmBackend(SlurmJobRegistry, NemoRunBackend):
     def _setup_lines(self, spec: JobSpec, job_id: str) -> str:
         # NeMo-Run writes `export KEY.upper()=value` unquoted; we write the env ourselves.
         lines = [self.config.setup_lines] if self.config.setup_lines else []
+        if self.config.additional_parameters.get("no_requeue"):
+            # NeMo-Run's `sbatch --requeue` on the command line overrides the script's
+            # `#SBATCH --no-requeue`: the job clears its flag as it starts, before its command,
+            # so that a failed node or a preemption ends it (NODE_FAIL, PREEMPTED) and its
+            # RecoveryPolicy resubmits it, rather than Slurm putting it back in its queue
+            lines.append('scontrol update jobid="$SLURM_JOB_ID" requeue=0 || true')
         lines += [f"export {k}={shlex.quote(v)}" for k, v in plain_env(spec).items()]
         if secret_env(spec):
             path = shlex.quote(f"{self.remote_dir(job_id)}/{SECRET_ENV_FILE}")
