@@ -79,6 +79,7 @@ ONE_CONTROL_PLANE = (
     "tests/test_real_sft_kubeflow_flow.py",
     "tests/test_real_doctor.py",
     "tests/test_real_kueue.py",
+    "tests/test_real_node_loss.py",
 )
 
 
