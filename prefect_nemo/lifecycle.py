@@ -243,7 +243,7 @@ class Supervisor:
                 result = await self.wait_async(submission.handle, attached=submission.attached)
             except JobFailed as exc:
                 delay = self._retry_after(exc, submission, identity, recovery)
-                if not await asyncio.to_thread(self._pause, delay):
+                if not await self._pause_async(delay):
                     raise
                 submission = await submit(submission.attempt + 1)
                 continue
@@ -445,6 +445,16 @@ class Supervisor:
             if self.interrupted():
                 return False
             time.sleep(min(left, 0.25))
+        return not self.interrupted()
+
+    async def _pause_async(self, seconds: float) -> bool:
+        """`_pause` on an event loop: a backoff holds no thread (a hundred preempted jobs
+        of run_jobs would otherwise fill its executor)."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self.interrupted():
+                return False
+            await asyncio.sleep(min(left, 0.25))
         return not self.interrupted()
 
     def _stop(

@@ -80,6 +80,7 @@ ONE_CONTROL_PLANE = (
     "tests/test_real_doctor.py",
     "tests/test_real_kueue.py",
     "tests/test_real_node_loss.py",
+    "tests/test_real_trainer_logs.py",
 )
 
 

@@ -327,7 +327,7 @@ def test_a_rerun_after_kill_9_in_the_middle_of_a_recovery_attaches_to_the_newest
 # -- a worker node lost under a Ray Jobs job ------------------------------------------------------
 
 # Puts an actor on the doomed worker (its custom resource) on the first attempt, and says so;
-# later attempts run anywhere (the node is gone), as a job resuming on a smaller cluster would.
+# later attempts run on the head, as a job resuming on a smaller cluster would.
 NODE_JOB = """
 import os, sys, time, ray
 ray.init()
@@ -337,7 +337,9 @@ class Step:
     def run(self):
         time.sleep(0.5)
         return ray.get_runtime_context().get_node_id()
-options = {"resources": {"doomed": 1}} if first else {}
+# later attempts on the head: the lost node may still look alive for a moment (Ray marks it
+# dead after missed heartbeats), and an actor placed there would die with it again
+options = {"resources": {"doomed": 1}} if first else {"resources": {"head": 0.01}}
 step = Step.options(**options).remote()
 print("on node", ray.get(step.run.remote()), flush=True)
 if first:
@@ -357,7 +359,7 @@ def fast_head() -> Iterator[LocalRayCluster]:
     saved = {k: os.environ.get(k) for k in knobs}
     os.environ.update(knobs)
     try:
-        head = start_local_ray(num_cpus=4)
+        head = start_local_ray(num_cpus=4, resources={"head": 1})
     finally:
         for key, value in saved.items():
             if value is None:
