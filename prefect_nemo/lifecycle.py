@@ -392,7 +392,9 @@ class Supervisor:
         if self.policy.recovery is None:
             return None
         recovery = Recovery(self.policy.recovery)
-        recovery.seed(first.earlier)
+        recovery.seed(
+            s.model_copy(update={"failure": self._redacted(s.failure)}) for s in first.earlier
+        )
         return recovery
 
     def _retry_after(
@@ -564,7 +566,14 @@ class Supervisor:
         policy = self.policy.recovery
         patterns = policy.infrastructure_logs if policy is not None else INFRASTRUCTURE_LOGS
         failure = classify(status, log or "", patterns)
-        return status.model_copy(update={"failure": self.redact.deep(failure)})
+        return status.model_copy(update={"failure": self._redacted(failure)})
+
+    def _redacted(self, failure: Failure | None) -> Failure | None:
+        """The failure with its reason redacted: it comes from a log line or the engine's
+        message, and goes into events, the job table, JobResult and errors."""
+        if failure is None:
+            return None
+        return failure.model_copy(update={"reason": self.redact(failure.reason)})
 
     def _log_tail(self, handle: JobHandle, whole_log: str | None) -> str:
         """The last lines of the job's log, from the read already made if there was one."""

@@ -84,31 +84,13 @@ class Recovery:
             if status.state is JobState.FAILED:
                 failure = classify(status, "", self.policy.infrastructure_logs)
                 self._count(failure, status.exit_code)
-            self.attempts.append(
-                Attempt(
-                    job_id=status.job_id,
-                    state=status.state,
-                    failure=failure,
-                    exit_code=status.exit_code,
-                    start_time=status.start_time,
-                    end_time=status.end_time,
-                )
-            )
+            self.attempts.append(_attempt(status.job_id, status, failure))
 
     def retry_after(self, result: JobResult) -> float | None:
         """Record the failed attempt (classified: `result.failure`); the seconds to wait
         before the next one, or None when the policy gives up (its failure stands)."""
         failure = result.failure or Failure(kind=FailureClass.APPLICATION, reason="failed")
-        self.attempts.append(
-            Attempt(
-                job_id=result.handle.job_id,
-                state=result.state,
-                failure=failure,
-                exit_code=result.exit_code,
-                start_time=result.start_time,
-                end_time=result.end_time,
-            )
-        )
+        self.attempts.append(_attempt(result.handle.job_id, result, failure))
         if not self._allowed(failure, result.exit_code):
             return None
         restarts = self.cluster_restarts + self.error_restarts
@@ -152,6 +134,18 @@ class Recovery:
                 self.error_restarts += 1
         elif failure.kind is not FailureClass.SPEC:
             self.cluster_restarts += 1
+
+
+def _attempt(job_id: str, ended: JobStatus | JobResult, failure: Failure | None) -> Attempt:
+    """One ended attempt as JobResult.attempts lists it (from a status or a result)."""
+    return Attempt(
+        job_id=job_id,
+        state=ended.state,
+        failure=failure,
+        exit_code=ended.exit_code,
+        start_time=ended.start_time,
+        end_time=ended.end_time,
+    )
 
 
 def attempt_env(attempt: int, previous_job_id: str | None) -> dict[str, str]:

@@ -84,6 +84,23 @@ def test_the_engine_says_the_class_and_a_log_line_names_the_clusters_fault():
     assert classify(status, nccl, ()).kind is APP, "no patterns, no log classification"
 
 
+def test_a_secret_in_the_line_that_classifies_a_failure_is_masked():
+    """ "Secrets never leak": the reason of a failure is a log line or the engine's message,
+    and it reaches events, the job table, JobResult and errors."""
+    from prefect_nemo.lifecycle import Supervisor, WaitPolicy
+    from prefect_nemo.redaction import MASK, Redactor
+
+    secret = "hf_s3cr3t_t0k3n_value"
+    supervisor = Supervisor(None, WaitPolicy(), redact=Redactor([secret]))  # type: ignore[arg-type]
+    status = JobStatus(job_id="j", state=JobState.FAILED, exit_code=1)
+    seen = supervisor._classified(status, f"RuntimeError: NCCL error token={secret}")
+    assert seen.failure is not None and seen.failure.kind is INFRA
+    assert secret not in seen.failure.reason and MASK in seen.failure.reason
+    said = Failure(kind=FailureClass.SPEC, reason=f"pull {secret} denied")
+    engine = supervisor._classified(status.model_copy(update={"failure": said}), "")
+    assert engine.failure is not None and secret not in engine.failure.reason
+
+
 def test_an_application_error_is_not_retried_by_default_and_says_which_knob_would():
     recovery = Recovery(RecoveryPolicy())
     result = _app(1)
