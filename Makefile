@@ -103,7 +103,8 @@ bench-scale: $(STAMP) $(NR_STAMP)  # its Slurm part runs in the extras environme
 	$(BIN)/python -m bench.scale
 
 ## A peer at scale: dagster-ray's PipesRayJobClient, ours and the raw client, 200 Ray jobs each
-## on one local Ray, 3 interleaved rounds (~25 min); optional: no other target needs .venv-peers.
+## on one local Ray, 3 interleaved rounds (~75 min on 2 cores); optional: nothing else needs
+## .venv-peers.
 bench-peers: $(STAMP) $(PEERS_STAMP)
 	$(BIN)/python -m bench.peers
 
