@@ -7,9 +7,16 @@ STAMP := $(VENV)/.installed-core
 NR_VENV := .venv-nemo-run
 NR_BIN := $(NR_VENV)/bin
 NR_STAMP := $(NR_VENV)/.installed-nemo-run
+# The peers' environment (`make bench-peers` only): dagster-ray (newest on PyPI when pinned)
+# apart from ours, with Ray and httpx at the versions of constraints/core.txt, so its client
+# matches the cluster. Not all of core.txt: dagster pins watchdog below the version it holds.
+PEERS_VENV := .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.installed-peers
+PEERS_PINS := dagster-ray==0.4.8 dagster==1.13.29 \
+	$(shell sed -n -e 's/^ray==/ray[default]==/p' -e '/^httpx==/p' constraints/core.txt)
 
-.PHONY: demo test test-core test-extras test-fast bench bench-scale chaos lint docs install system \
-	clean control-plane
+.PHONY: demo test test-core test-extras test-fast bench bench-scale bench-peers chaos lint docs \
+	install system clean control-plane
 
 # The virtualenv, installed with the pinned versions of constraints/core.txt by uv (pip's resolver
 # and byte-compiling took ~45 s of the 2-core CI budget; uv installs the same set in ~8 s).
@@ -19,6 +26,13 @@ $(STAMP): pyproject.toml constraints/core.txt
 	$(BIN)/python -m pip install --quiet -c constraints/core.txt uv
 	$(BIN)/uv pip install --quiet --python $(BIN)/python -c constraints/core.txt -e '.[test]'
 	touch $(STAMP)
+
+$(PEERS_STAMP): Makefile constraints/core.txt
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install --quiet -c constraints/core.txt uv
+	$(PEERS_VENV)/bin/uv pip install --quiet --python $(PEERS_VENV)/bin/python \
+		$(foreach pin,$(PEERS_PINS),'$(pin)')
+	touch $(PEERS_STAMP)
 
 $(NR_STAMP): pyproject.toml constraints/nemo-run.txt
 	test -x $(NR_BIN)/python || $(PYTHON) -m venv $(NR_VENV)
@@ -88,5 +102,11 @@ bench: $(STAMP)
 bench-scale: $(STAMP) $(NR_STAMP)  # its Slurm part runs in the extras environment
 	$(BIN)/python -m bench.scale
 
+## A peer at scale: dagster-ray's PipesRayJobClient, ours and the raw client, 200 Ray jobs each
+## on one local Ray, 3 interleaved rounds (~75 min on 2 cores); optional: nothing else needs
+## .venv-peers.
+bench-peers: $(STAMP) $(PEERS_STAMP)
+	$(BIN)/python -m bench.peers
+
 clean:
-	rm -rf $(VENV) $(NR_VENV) .prefect-nemo .pytest_cache .mypy_cache site
+	rm -rf $(VENV) $(NR_VENV) $(PEERS_VENV) .prefect-nemo .pytest_cache .mypy_cache site

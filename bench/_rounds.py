@@ -10,7 +10,7 @@ is taken per round, and the spread of the rounds says how far one figure can be 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -18,6 +18,7 @@ ROUNDS = 5  # the least issue 30 asks for
 
 Ours = TypeVar("Ours")
 Raw = TypeVar("Raw")
+Result = TypeVar("Result")
 
 
 @dataclass(frozen=True)
@@ -64,3 +65,21 @@ def interleaved(
         if index >= warmups:
             pairs.append((ours_result, raw_result))
     return pairs
+
+
+def rotated(
+    sides: Mapping[str, Callable[[], Result]], rounds: int = ROUNDS, *, warmups: int = 0
+) -> list[dict[str, Result]]:
+    """`interleaved` for more than two sides: in each round every side runs once, the order
+    rotated by one each round (with 3 sides and 3 rounds each side goes first, middle and last
+    once); the counted rounds' results by side name, in order."""
+    if rounds < 1:
+        raise ValueError(f"rounds: expected >= 1, got {rounds}")
+    names = list(sides)
+    results: list[dict[str, Result]] = []
+    for index in range(warmups + rounds):
+        shift = index % len(names)
+        out = {name: sides[name]() for name in names[shift:] + names[:shift]}
+        if index >= warmups:
+            results.append(out)
+    return results

@@ -549,9 +549,16 @@ def _engine(engine: str, api_url: str, report: Any) -> None:
 
 
 def engine_child(
-    side: str, kind: str, n: int, config: dict[str, Any], api_url: str | None, python: str
+    side: str,
+    kind: str,
+    n: int,
+    config: dict[str, Any],
+    api_url: str | None,
+    python: str,
+    module: str = "bench._scale_engines",
 ) -> dict[str, Any]:
-    """One real-engine measurement in a fresh process (`bench._scale_engines`); its figures."""
+    """One real-engine measurement in a fresh process (`module`: `bench._scale_engines`, or a
+    peer's module with the same arguments and output, as `bench.peers` runs); its figures."""
     stem = f"/tmp/prefect-nemo-scale-{os.getpid()}-{kind}-{side}"
     path, log_path = Path(stem + ".json"), Path(stem + ".log")
     path.write_text(json.dumps(config))
@@ -561,7 +568,7 @@ def engine_child(
     try:
         with open(log_path, "w") as err:
             proc = subprocess.run(
-                [python, "-m", "bench._scale_engines", side, kind, str(n), str(path)],
+                [python, "-m", module, side, kind, str(n), str(path)],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=err,
