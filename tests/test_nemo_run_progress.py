@@ -91,3 +91,43 @@ def test_dgx_cloud_job_reporting_1000_steps_shows_progress_metrics_and_charts(
     )
     print(f"dgx-cloud 1000 steps: flow {took:.1f}s, {len(progress)} progress events")
 
+
+def test_slurm_log_with_non_utf8_and_split_characters_loses_no_line_or_report(
+    slurm, prefect_api, tmp_path, caplog
+):
+    """The Slurm log is read by byte offset over SSH, each second. Non-ASCII text (a progress
+    bar's blocks, accents) and bytes that are not UTF-8 at all must not shift that offset: every
+    line reaches the task log whole, every report is read."""
+    caplog.set_level(logging.INFO)
+    body = (
+        "for n in range(600):\n"
+        "    print(f'line {n:04d} ' + 'é█' * (n % 7) + 'x' * (n % 5), flush=True)\n"
+        "    if n % 100 == 0:\n"
+        "        sys.stdout.buffer.write(b'latin-1 caf\\xe9\\n'); sys.stdout.flush()\n"
+        "    progress(n + 1, 600, loss=1.0 / (n + 1))\n"
+        "    time.sleep(0.005)\n"
+    )
+    block = slurm_block(slurm, tmp_path / "jobs")
+    spec = JobSpec(
+        entrypoint="python3 job.py", name="mixed", working_dir=job_dir(tmp_path / "code", body)
+    )
+
+    @flow
+    def mixed_flow():
+        return run_job(spec, cluster=block)
+
+    result = mixed_flow()
+    job_id = result.handle.job_id
+    said = [
+        m.removeprefix(f"[{job_id}] ")
+        for r in caplog.records
+        if (m := r.getMessage()).startswith(f"[{job_id}] ")
+    ]
+    expected = []
+    for n in range(600):
+        expected.append(f"line {n:04d} " + "é█" * (n % 7) + "x" * (n % 5))
+        if n % 100 == 0:
+            expected.append("latin-1 caf\ufffd")  # the byte that is no UTF-8, replaced
+    assert said == expected, [s for s in said if s not in expected][:5]
+    summaries = [r.getMessage() for r in caplog.records if "step 600/600" in r.getMessage()]
+    assert summaries, "the last report was read"
