@@ -18,6 +18,7 @@ MAX_POINTS = 256  # per metric: a chart 480 px wide shows no more
 MAX_METRICS = 32  # metrics kept per job; later names are counted, not kept
 RATE_WINDOW_S = 60.0  # the step rate (and ETA) is measured over about the last minute
 _CHART_W, _CHART_H, _PAD = 480, 120, 4
+_LABEL = "#8a8a8a"  # the labels' grey: readable on the UI's light and dark themes
 
 
 class Series:
@@ -182,11 +183,12 @@ def svg_line(points: list[tuple[int, float]], label: str) -> str:
     Non-finite values are left out of the line."""
     finite = [(s, v) for s, v in points if math.isfinite(v)]
     w, h, pad = _CHART_W, _CHART_H, _PAD
+    text = f'font-size="10" fill="{_LABEL}"'
     head = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
             f'viewBox="0 0 {w} {h}" role="img" aria-label="{escape(label)}">'
             f'<rect width="{w}" height="{h}" fill="none" stroke="#d0d0d0"/>')  # fmt: skip
     if not finite:
-        return head + f'<text x="{pad}" y="{h // 2}" font-size="12">no finite values</text></svg>'
+        return head + f'<text x="{pad}" y="{h // 2}" {text}>no finite values</text></svg>'
     s0, s1 = finite[0][0], finite[-1][0]
     lo, hi = min(v for _, v in finite), max(v for _, v in finite)
     xspan, yspan = (s1 - s0) or 1, (hi - lo) or 1.0
@@ -199,9 +201,9 @@ def svg_line(points: list[tuple[int, float]], label: str) -> str:
     return (
         head
         + f'<polyline fill="none" stroke="#2563eb" stroke-width="1.5" points="{coords}"/>'
-        + f'<text x="{pad}" y="{pad + 10}" font-size="10" fill="#555">{hi:.4g}</text>'
-        + f'<text x="{pad}" y="{h - pad}" font-size="10" fill="#555">{lo:.4g} · step {s0}</text>'
-        + f'<text x="{w - pad}" y="{h - pad}" font-size="10" fill="#555" text-anchor="end">'
+        + f'<text x="{pad}" y="{pad + 10}" {text}>{hi:.4g}</text>'
+        + f'<text x="{pad}" y="{h - pad}" {text}>{lo:.4g} · step {s0}</text>'
+        + f'<text x="{w - pad}" y="{h - pad}" {text} text-anchor="end">'
         + f"step {s1}</text></svg>"
     )
 

@@ -1,4 +1,5 @@
-"""The Prefect UI in a real headless Chromium: a finished demo run, its job table and its events.
+"""The Prefect UI in a real headless Chromium: a finished demo run, its job table and its events;
+a reporting job's metric charts.
 
 The test harness's server serves no UI, so this module starts `prefect server start` with its own
 home and database. Screenshots land in test-artifacts/ui/ (looked at by people, not compared).
@@ -190,11 +191,18 @@ def demo_run(
     return DemoRun(pipeline_url=link.group(1), jobs=jobs)
 
 
-@pytest.fixture
-def page(browser: Any) -> Iterator[Any]:
-    """A fresh page with generous timeouts (and no screenshots left from an earlier run)."""
+@pytest.fixture(scope="module")
+def shots() -> Path:
+    """test-artifacts/ui/, emptied once per module: no screenshots left from an earlier run,
+    and each test's kept."""
     shutil.rmtree(SHOTS, ignore_errors=True)
     SHOTS.mkdir(parents=True)
+    return SHOTS
+
+
+@pytest.fixture
+def page(browser: Any, shots: Path) -> Iterator[Any]:
+    """A fresh page with generous timeouts."""
     context = browser.new_context(viewport={"width": 1800, "height": 1000})
     context.set_default_timeout(UI_TIMEOUT_MS)
     # Prefect 3.5's UI opens a "Join the community" modal on a first visit, over every click.
@@ -309,3 +317,83 @@ def _check_demo_run_in_ui(page: Any, demo_run: DemoRun, ray_head: Any, ui_server
     for job_id, _ in eval_jobs:
         expect(raw).to_contain_text(job_id)
     _shot(page, "05-eval-completed-event.png")
+
+
+# A flow running tests/progress_checks.py's REPORTING_JOB on Ray Jobs, in its own process (as a
+# user's would be) against the UI server; prints its flow run id and the job's id.
+REPORTING_FLOW = """
+import os, sys
+from pydantic import SecretStr
+from prefect import flow
+from prefect_nemo import JobSpec, RayJobsCluster, run_job
+
+@flow(name="ui-progress")
+def ui_progress():
+    spec = JobSpec(entrypoint="python job.py", name="reporter", working_dir=sys.argv[1],
+                   env={"CANARY": SecretStr(os.environ["REPORT_CANARY"])})
+    cluster = RayJobsCluster(dashboard_url=os.environ["RAY_DASHBOARD"],
+                             auth_token=os.environ.get("RAY_TOKEN") or None)
+    return run_job(spec, cluster=cluster)
+
+state = ui_progress(return_state=True)
+print("reported", state.state_details.flow_run_id, state.result().handle.job_id, flush=True)
+"""
+
+
+@pytest.mark.timeout(900)
+def test_a_reporting_jobs_metric_charts_render_in_the_ui(
+    page: Any, ui_server: UiServer, ray_head: Any, tmp_path: Path
+) -> None:
+    """A job's metric charts are SVG in a markdown artifact, and the UI sanitizes markdown: the
+    browser, not the API, says whether the curves are shown (issue 31)."""
+    from tests.progress_checks import CANARY, job_dir
+
+    env = dict(
+        os.environ,
+        PREFECT_API_URL=ui_server.api_url,
+        RAY_DASHBOARD=ray_head.dashboard_url,
+        RAY_TOKEN=ray_head.token or "",
+        REPORT_CANARY=CANARY,
+    )
+    env.pop("PREFECT_PROFILE", None)
+    code = job_dir(tmp_path / "code")
+    done = subprocess.run(
+        [sys.executable, "-c", REPORTING_FLOW, str(code)],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    said = re.search(r"^reported (\S+) (\S+)$", done.stdout, re.MULTILINE)
+    assert said, done.stdout[-4000:]
+    flow_run_id, job_id = said.groups()
+    with _shot_on_failure(page, "progress-chart"):
+        _check_charts_in_ui(page, ui_server, flow_run_id, job_id)
+    assert CANARY not in page.content(), "the secret reached the page"
+
+
+def _check_charts_in_ui(page: Any, ui_server: UiServer, flow_run_id: str, job_id: str) -> None:
+    from playwright.sync_api import expect
+
+    # 1. The flow run's Artifacts tab lists the job's chart artifact (by its description).
+    page.goto(f"{ui_server.ui_url}/runs/flow-run/{flow_run_id}", wait_until="networkidle")
+    _tab(page, "Artifacts")
+    card = page.get_by_text(f"Metrics of job {job_id} over steps (prefect-nemo)")
+    expect(card).to_be_visible()
+
+    # 2. Its page: one chart per metric (loss, lr, the masked one, nan_check), drawn by the
+    # browser after the UI's sanitizer: the SVGs are in the DOM, the curves have a size.
+    card.click()
+    page.wait_for_url(re.compile(r"/artifacts/artifact/"))
+    charts = page.locator("article svg[aria-label]")
+    expect(charts).to_have_count(4)
+    article = page.locator("article").filter(has=charts.first)
+    expect(article.get_by_role("heading", name="loss", exact=True)).to_be_visible()
+    expect(article.locator('svg[aria-label="loss"]')).to_be_visible()
+    for metric in ("loss", "lr", "x **********"):
+        curve = article.locator(f'svg[aria-label="{metric}"] polyline')
+        expect(curve).to_have_count(1)
+        box = curve.bounding_box()  # a flat line is as wide, 0 high
+        assert box and box["width"] > 400, (metric, box)
+    loss = article.locator('svg[aria-label="loss"] polyline').bounding_box()
+    assert loss and loss["height"] > 50, f"1/step falls across the chart: {loss}"
+    expect(article.locator('svg[aria-label="nan_check"]')).to_contain_text("no finite values")
+    _shot(page, "06-progress-charts.png")

@@ -45,6 +45,7 @@ Nothing here imports Prefect.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import copy
 import dataclasses
@@ -421,32 +422,36 @@ class NemoRunBackend(ABC):
 
 
 async def poll_logs(
-    backend: Backend, job_id: str, read_from: Callable[[str, int], str] | None = None
+    backend: Backend, job_id: str, read_from: Callable[[str, int], bytes] | None = None
 ) -> AsyncGenerator[str, None]:
     """A job's log every second, yielding what is new, until the job ends (or is gone).
 
-    `read_from(job_id, offset)` returns the log from byte `offset` on (a backend that can
-    read only the new part passes it); by default the whole log is re-read through
-    `backend.logs` and cut. A read that fails (BackendUnavailable, RuntimeError) is tried
-    again next second."""
+    `read_from(job_id, offset)` returns the log's bytes from byte `offset` on (a backend that
+    can read only the new part passes it); by default the whole log is re-read through
+    `backend.logs` and cut. The offset counts bytes read, never the text they decode to: a
+    character split between two reads is decoded whole, and a byte that is no UTF-8 (one
+    replacement character, three bytes in UTF-8) moves it by one, as it should. A read that
+    fails (BackendUnavailable, RuntimeError) is tried again next second."""
     read = read_from or functools.partial(_log_after, backend)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     offset = 0
     while True:
         status = await asyncio.to_thread(backend.statuses, [job_id])
         done = job_id not in status or status[job_id].state.is_terminal()
-        chunk = ""
+        data = b""
         with contextlib.suppress(BackendUnavailable, RuntimeError):
-            chunk = await asyncio.to_thread(read, job_id, offset)
+            data = await asyncio.to_thread(read, job_id, offset)
+        offset += len(data)
+        chunk = decoder.decode(data, final=done)
         if chunk:
             yield chunk
-            offset += len(chunk.encode())
         if done:
             return
         await asyncio.sleep(1.0)
 
 
-def _log_after(backend: Backend, job_id: str, offset: int) -> str:
-    return backend.logs(job_id).encode()[offset:].decode(errors="replace")
+def _log_after(backend: Backend, job_id: str, offset: int) -> bytes:
+    return backend.logs(job_id).encode()[offset:]
 
 
 def relocated(value: Any, old: str, new: str) -> Any:

@@ -15,6 +15,7 @@ The remote job dir's layout, and the claim that makes a job id exist there: `reg
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import inspect
 import io
@@ -485,24 +486,30 @@ class SlurmBackend(SlurmJobRegistry, NemoRunBackend):
 
     def logs(self, job_id: str) -> str:
         """The job's output (its srun log; the batch log when srun never started)."""
-        return self._log_from(job_id, 0)
+        return self._log_from(job_id, 0).decode(errors="replace")
 
-    def _log_from(self, job_id: str, offset: int) -> str:
-        """The job's output from byte `offset` on (only the new part crosses the network)."""
+    def _log_from(self, job_id: str, offset: int) -> bytes:
+        """The job's output from byte `offset` on (only the new part crosses the network).
+
+        It crosses in base64: the SSH library decodes a command's output in 1,000-byte pieces,
+        so a character split between two pieces, or a byte that is no UTF-8, would come back
+        as replacement characters of another length, and the next read would start at the
+        wrong byte (a line cut, a report lost)."""
         sid = self._slurm_id(job_id)
         if not sid:
             self._lookup([job_id])
             sid = self._slurm_id(job_id)
         if not sid:
-            return ""
+            return b""
         d = shlex.quote(f"{self.remote_dir(job_id)}/{job_id}")
         j = shlex.quote(job_id)
         command = (
             f"{{ ls {d}/log-{j}_{sid}_*.out >/dev/null 2>&1 && cat {d}/log-{j}_{sid}_*.out "
-            f"|| cat {d}/sbatch_{j}_{sid}.out 2>/dev/null; }} | tail -c +{offset + 1}; true"
+            f"|| cat {d}/sbatch_{j}_{sid}.out 2>/dev/null; }} | tail -c +{offset + 1} | base64; "
+            "true"
         )
         output: str = self.run(command, warn=True).stdout
-        return output
+        return base64.b64decode(output)  # its line breaks are skipped
 
     def close(self) -> None:
         """Nothing to stop: this backend starts no threads. The SSH connection is not closed
