@@ -278,6 +278,7 @@ class SlurmBackend(SlurmJobRegistry, NemoRunBackend):
                     app, name, executor, dryrun=False, runner=self.runner, dryrun_info=dryrun_info
                 )
         except BaseException as exc:
+            shutil.rmtree(self.local_experiment_dir(job_id), ignore_errors=True)
             if claimed:  # ours: undo it (and scancel whatever sbatch may have taken)
                 self.release(job_id)
             if isinstance(exc, UnexpectedExit):
