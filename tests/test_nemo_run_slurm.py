@@ -569,6 +569,41 @@ def test_job_that_left_squeue_without_id_file_is_found_in_sacct(block, slurm, jo
     assert json.loads((claim / "meta.json").read_text()) == {"k": "v"}
 
 
+def test_a_job_is_submitted_in_one_ssh_command(block, slurm, job_root, monkeypatch):
+    """Claim, the job's files (its secret env file 0600 among them), NeMo-Run's sbatch and
+    Slurm's id: one SSH session per job, as a bare sbatch needs (issue 30); a second submit
+    of the id is refused in one more and changes nothing."""
+    import paramiko
+
+    backend = block.backend()
+    backend.check_access()
+    opened: list[str] = []
+    real = paramiko.Transport.open_session
+
+    def counted(self, *args, **kwargs):
+        opened.append("session")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(paramiko.Transport, "open_session", counted)
+    job_id = unique("one-trip")
+    spec = JobSpec(entrypoint="true", name=job_id, env={"TOKEN": SecretStr(ENV_CANARY)})
+    backend.submit(spec, job_id, {"k": "v"})
+    assert len(opened) == 1, "claim, files, sbatch and record in one command"
+    claim = Path(backend.remote_dir(job_id))
+    sid = (claim / "slurm_job_id").read_text()
+    assert sid.isdigit() and json.loads((claim / "meta.json").read_text())["k"] == "v"
+    assert (claim / f"{job_id}_sbatch.sh").exists()
+    assert not (claim / ".upload.tgz").exists()
+    with pytest.raises(JobAlreadyExists):
+        backend.submit(spec, job_id, {"k": "other"})
+    assert len(opened) == 2
+    assert (claim / "slurm_job_id").read_text() == sid, "the job's id is kept"
+    assert json.loads((claim / "meta.json").read_text())["k"] == "v"
+    rows = wait_rows(slurm, job_id, "COMPLETED")
+    assert [r["JobID"] for r in rows] == [sid], "sbatch'ed once"
+    assert not (claim / ".secret-env").exists(), "the job sourced and deleted it"
+
+
 def test_release_cancels_a_job_sbatch_already_took(block, slurm, job_root):
     """An interrupt after sbatch accepted the job: release cancels it before removing its dir."""
     backend = block.backend()

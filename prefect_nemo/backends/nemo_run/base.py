@@ -27,8 +27,8 @@ executor's own ``launch()`` instead of torchx) implements:
   the owner on the executor, where the service keeps it with the job (Slurm: the comment).
 - optionally ``make_task`` (the default runs the entrypoint as an inline bash script, plain env
   only), ``before_launch`` (the executor has its local job dir: put files there),
-  ``before_schedule`` (after the dry run wrote the job's files, before submission:
-  Slurm ships the job dir and the secret env file there), ``after_schedule``, ``statuses``,
+  ``before_schedule`` (after the dry run wrote the job's files, before submission; Slurm
+  overrides ``submit`` instead, to send them with its sbatch), ``after_schedule``, ``statuses``,
   ``request_stop``, ``logs``, ``tail_logs`` (the defaults use the torchx runner, one runner
   per cluster in the process, and poll the log every second: `poll_logs`), ``close``, and
   ``documents`` (a dry run's documents from NeMo-Run's own dry run: `render` runs the first
@@ -95,6 +95,10 @@ C = TypeVar("C")
 log = logging.getLogger(__name__)
 _runners: dict[tuple[str, str], Any] = {}
 _runners_lock = threading.Lock()
+# One dry run at a time: a scheduler is shared per cluster, and NeMo-Run's Slurm dry run
+# swaps the scheduler's tunnel for the job's and then reads it back, so two at once could
+# write one job's paths into the other's script. The dry run only writes local files.
+_dry_run_lock = threading.Lock()
 
 
 def job_state(app_state: Any) -> JobState | None:
@@ -321,7 +325,7 @@ class NemoRunBackend(ABC):
             executor.env_vars = {**executor.env_vars, **self.task_env(spec)}
         task = self.make_task(spec, job_id)
         self.before_launch(spec, job_id, executor)
-        with root_logger_kept():
+        with _dry_run_lock, root_logger_kept():
             app = package(job_id, task, executor=executor, serialize_metadata_for_scripts=False)
             name = get_executor_str(executor)
             _, dryrun_info = launch(app, name, executor, dryrun=True, runner=self.runner)

@@ -3,9 +3,10 @@
 Submission is NeMo-Run's: the executor writes the sbatch script and packages the code, its
 torchx scheduler runs ``sbatch`` through the tunnel. Around it this backend adds what NeMo-Run
 lacks: an SSH connection that never prompts or exits (key only, host key checked when
-`known_hosts` is given), the job dir shipped over SFTP (no rsync, no key file on disk), a
-race-safe claim of the job id on the cluster, secret env values in a 0600 file that the
-batch script sources and deletes, batched status (one ``squeue`` + ``sacct`` per poll for all
+`known_hosts` is given), one SSH command per job submitted (`_launch`: the race-safe claim of
+the job id on the cluster, the job dir unpacked from the command's stdin (no rsync, no key
+file on disk), NeMo-Run's sbatch, Slurm's id recorded), secret env values in a 0600 file that
+the batch script sources and deletes, batched status (one ``squeue`` + ``sacct`` per poll for all
 jobs), ``sbatch --dependency=afterok:`` for upstream jobs on the same cluster, and the owner
 flow run in each job's Slurm comment (``--comment=prefect_nemo.flow_run_id=<id>``), which
 `owned_jobs` reads back with one ``squeue``.
@@ -19,9 +20,11 @@ import base64
 import dataclasses
 import inspect
 import io
+import logging
 import shlex
 import shutil
 import tarfile
+import time
 from collections.abc import AsyncGenerator, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +39,7 @@ from prefect_nemo.backends.nemo_run.base import (
     poll_logs,
     secret_env,
 )
-from prefect_nemo.backends.nemo_run.isolation import nemo_run
+from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
 from prefect_nemo.backends.nemo_run.slurm.accounting import (
     check_names,
     owned_command,
@@ -60,6 +63,7 @@ from prefect_nemo.errors import (
     BackendUnavailable,
     DependencyFailed,
     InvalidJobSpec,
+    JobAlreadyExists,
 )
 from prefect_nemo.jobs import (
     META_FLOW_RUN,
@@ -76,6 +80,7 @@ from prefect_nemo.placement.spec import to_slurm
 #: The file (in the job's remote dir, 0600) the batch script sources the secret env from.
 SECRET_ENV_FILE = ".secret-env"
 _SSH_SETTINGS = inspect.signature(SafeSSH).parameters  # the config fields SafeSSH takes
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -251,16 +256,107 @@ class SlurmBackend(SlurmJobRegistry, NemoRunBackend):
         super().validate(spec)
 
     def submit(self, spec: JobSpec, job_id: str, metadata: dict[str, str]) -> JobHandle:
-        """NeMo-Run's launch; sbatch refusing the job is an error naming the block field."""
+        """NeMo-Run's launch, in one SSH command: NeMo-Run's dry run writes the job's files
+        here, then its ``sbatch`` runs as `_launch` (claim, unpack the files sent on stdin,
+        sbatch, record). sbatch refusing the job is an error naming the block field."""
         from invoke.exceptions import UnexpectedExit
+        from nemo_run.run.torchx_backend.launcher import launch
 
+        meta = {**spec.metadata, **metadata}
+        claimed: list[bool] = []  # set by _launch once the script says it holds the claim
         try:
-            return super().submit(spec, job_id, metadata)
-        except UnexpectedExit as exc:
-            overrides = {"partition": "JobSpec.queue"} if spec.queue is not None else {}
-            if spec.priority is not None:
-                overrides["qos"] = "JobSpec.priority"
-            raise sbatch_error(exc, self._field, overrides) from None
+            executor, app, name, dryrun_info = self.dry_run(spec, job_id, meta)
+            for mount in self.git_mounts():
+                self.run(mount.clone_command())
+            files = self._bundle(spec, executor)
+            script = f"{self.remote_dir(job_id)}/{executor.job_name}_sbatch.sh"
+
+            def run_sbatch(command: str) -> Any:
+                return self._launch(job_id, meta, files, command, script, claimed)
+
+            with self._ssh.expect(script, run_sbatch), root_logger_kept():
+                app_handle, _ = launch(
+                    app, name, executor, dryrun=False, runner=self.runner, dryrun_info=dryrun_info
+                )
+        except BaseException as exc:
+            shutil.rmtree(self.local_experiment_dir(job_id), ignore_errors=True)
+            if claimed:  # ours: undo it (and scancel whatever sbatch may have taken)
+                self.release(job_id)
+            if isinstance(exc, UnexpectedExit):
+                overrides = {"partition": "JobSpec.queue"} if spec.queue is not None else {}
+                if spec.priority is not None:
+                    overrides["qos"] = "JobSpec.priority"
+                raise sbatch_error(exc, self._field, overrides) from None
+            raise
+        if not secret_env(spec):
+            with _ids_lock:  # no secret file to remove once it ends
+                _cleaned.add((self.cluster, job_id))
+        self.after_schedule(spec, job_id, app_handle)
+        return self.handle(job_id)
+
+    def _bundle(self, spec: JobSpec, executor: Any) -> bytes:
+        """The local job dir (sbatch script, job scripts, code) as a tar.gz in memory, with the
+        secret env file as a 0600 member: it is never written to disk here, and on the
+        cluster tar creates it 0600 in the job's 0700 dir."""
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=1) as tar:
+            for path in sorted(Path(executor.experiment_dir).iterdir()):
+                tar.add(path, arcname=path.name)
+            secrets = secret_env(spec)
+            if secrets:
+                body = "".join(f"{k}={shlex.quote(v)}\n" for k, v in secrets.items()).encode()
+                info = tarfile.TarInfo(SECRET_ENV_FILE)
+                info.size, info.mode, info.mtime = len(body), 0o600, int(time.time())
+                tar.addfile(info, io.BytesIO(body))
+        return buf.getvalue()
+
+    def _launch(
+        self,
+        job_id: str,
+        metadata: dict[str, str],
+        files: bytes,
+        command: str,
+        script: str,
+        claimed: list[bool],
+    ) -> Any:
+        """NeMo-Run's ``sbatch`` as one SSH command: claim the job id (JobAlreadyExists when
+        taken), unpack the job's files from stdin, sbatch, record Slurm's id. Returns what
+        the tunnel's run would (stdout: the id); sbatch's refusal is invoke's UnexpectedExit.
+        NeMo-Run's own script path is replaced by this job's (`SafeSSH.expect`)."""
+        from invoke.exceptions import UnexpectedExit
+        from invoke.runners import Result
+
+        q = shlex.quote
+        d = q(self.remote_dir(job_id))
+        sbatch = " ".join([*command.split()[:-1], q(script)])
+        record = self.record_command(job_id, '"$sid"', metadata)
+        then = (
+            f"tar --no-same-owner -xzf - -C {d} || exit 4; echo UNPACKED; "
+            f'sid=$({sbatch}) || exit $?; echo "SUBMITTED $sid"; '
+            f"{{ {record}; }} || echo UNRECORDED"
+        )
+        drain = "cat >/dev/null"  # read what was sent, so the sender is not cut off
+        remote = self.claim_command(job_id, metadata, then=then, exists=drain)
+        code, out, err = self._ssh.run_with_input(remote, files)
+        lines = out.splitlines()
+        if "CLAIMED" in lines:
+            claimed.append(True)
+        if "EXISTS" in lines:
+            raise JobAlreadyExists(f"Slurm job '{job_id}' already exists on {self.address}")
+        sids = [ln.removeprefix("SUBMITTED").strip() for ln in lines if ln.startswith("SUBMITTED")]
+        if code == 0 and sids and sids[-1]:
+            self.remember(job_id, sids[-1])
+            if "UNRECORDED" in lines:  # the job runs: watch it; a re-run finds it by its name
+                log.warning(
+                    "job %s is submitted (%s) but not recorded: %s", job_id, sids[-1], err[-300:]
+                )
+            return Result(stdout=sids[-1], stderr=err, exited=0, command=sbatch)
+        if "UNPACKED" in lines:
+            raise UnexpectedExit(Result(stdout="", stderr=err, exited=code, command=sbatch))
+        raise BackendUnavailable(
+            f"could not {'unpack the job files in' if claimed else 'claim'} "
+            f"{self.remote_dir(job_id)} (exit {code}): {(err or out).strip()[-300:]}"
+        )
 
     def make_executor(self, spec: JobSpec, job_id: str) -> Any:
         """NeMo-Run's SlurmExecutor for spec: placement/resources over the block's defaults,
@@ -404,7 +500,7 @@ class SlurmBackend(SlurmJobRegistry, NemoRunBackend):
                 }
             )
         secrets = secret_env(spec)
-        if secrets:  # the values go over SFTP into a 0600 file, never into a document
+        if secrets:  # the values go over SSH into a 0600 file, never into a document
             out.append(
                 {
                     "kind": "SecretEnvFile",
@@ -415,27 +511,6 @@ class SlurmBackend(SlurmJobRegistry, NemoRunBackend):
                 }
             )
         return out
-
-    def before_schedule(self, spec: JobSpec, job_id: str, executor: Any, dryrun_info: Any) -> None:
-        """Clone the auto_mount repositories (once), ship the local job dir (script, code) over
-        SFTP, and the secret env file (0600)."""
-        for mount in self.git_mounts():
-            self.run(mount.clone_command())
-        local = Path(executor.experiment_dir)
-        remote = self.remote_dir(job_id)
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-            for path in sorted(local.iterdir()):
-                tar.add(path, arcname=path.name)
-        buf.seek(0)
-        upload = f"{remote}/.upload.tgz"
-        self._ssh.put(buf, upload)
-        secrets = secret_env(spec)
-        if secrets:
-            body = "".join(f"{k}={shlex.quote(v)}\n" for k, v in secrets.items())
-            self._ssh.put_private(body.encode(), f"{remote}/{SECRET_ENV_FILE}")
-        q = shlex.quote
-        self.run(f"tar -xzf {q(upload)} -C {q(remote)} && rm -f {q(upload)}")
 
     def after_schedule(self, spec: JobSpec, job_id: str, app_handle: str) -> None:
         """The local copy of the job dir served its purpose (the cluster has it): drop it."""

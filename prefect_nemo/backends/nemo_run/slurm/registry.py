@@ -36,7 +36,8 @@ _ATTEMPT = re.compile(r"(.+)-r(\d+)")
 
 # job id -> Slurm job id, per cluster, for every backend object in this process
 _slurm_ids: dict[str, dict[str, str]] = {}
-_cleaned: set[tuple[str, str]] = set()  # (cluster, job id) whose secret file we removed
+# (cluster, job id) whose secret file we removed, or that was submitted without one
+_cleaned: set[tuple[str, str]] = set()
 _ids_lock = threading.Lock()
 
 
@@ -73,27 +74,34 @@ class SlurmJobRegistry:
 
     def claim(self, job_id: str, metadata: dict[str, str]) -> None:
         """mkdir the job's remote dir (atomic) or raise JobAlreadyExists; a claim left by a
-        submitter that died before sbatch is taken over after STALE_CLAIM_S."""
-        d = shlex.quote(self.remote_dir(job_id))
-        meta = shlex.quote(json.dumps(metadata, sort_keys=True))
-        write = f"printf %s {meta} > {d}/meta.json && echo CLAIMED"
-        # no id file, old, not queued: stale unless sacct knows a job submitted under this
-        # claim (the submitter died before writing its id): then the job exists; keep its id
-        script = (
-            f"mkdir -p {shlex.quote(self.remote_root())} || exit 3; "
-            f"if mkdir -m 700 {d} 2>/dev/null; then {write}; exit 0; fi; "
-            f"if [ ! -s {d}/slurm_job_id ] "
-            f"&& [ $(( $(date +%s) - $(stat -c %Y {d}) )) -gt {int(STALE_CLAIM_S)} ] "
-            f'&& [ -z "$(squeue -h --name={shlex.quote(job_id)} -o %i)" ]; then '
-            f"s=$({sacct_id_command(job_id, self.remote_dir(job_id))}); "
-            f'if [ -z "$s" ]; then rm -rf {d} && mkdir -m 700 {d} && {write}; exit 0; fi; '
-            f'printf %s "$s" > {d}/slurm_job_id; fi; echo EXISTS'
-        )
-        out = self.run(script).stdout.strip()
+        submitter that died before sbatch is taken over after STALE_CLAIM_S. (`submit` claims
+        in the command that submits: `claim_command`.)"""
+        out = self.run(self.claim_command(job_id, metadata)).stdout.strip()
         if out.endswith("EXISTS"):
             raise JobAlreadyExists(f"Slurm job '{job_id}' already exists on {self.address}")
         if not out.endswith("CLAIMED"):
             raise BackendUnavailable(f"could not claim {self.remote_dir(job_id)}: {out[-200:]}")
+
+    def claim_command(
+        self, job_id: str, metadata: dict[str, str], then: str = "true", exists: str = "true"
+    ) -> str:
+        """The shell script that claims job_id: prints CLAIMED and runs `then` (its status is
+        the script's), or runs `exists` and prints EXISTS."""
+        d = shlex.quote(self.remote_dir(job_id))
+        meta = shlex.quote(json.dumps(metadata, sort_keys=True))
+        # no id file, old, not queued: stale unless sacct knows a job submitted under this
+        # claim (the submitter died before writing its id): then the job exists; keep its id
+        return (
+            f"claimed() {{ printf %s {meta} > {d}/meta.json && echo CLAIMED && {{ {then}; }}; }}; "
+            f"mkdir -p {shlex.quote(self.remote_root())} || exit 3; "
+            f"if mkdir -m 700 {d} 2>/dev/null; then claimed; exit $?; fi; "
+            f"if [ ! -s {d}/slurm_job_id ] "
+            f"&& [ $(( $(date +%s) - $(stat -c %Y {d}) )) -gt {int(STALE_CLAIM_S)} ] "
+            f'&& [ -z "$(squeue -h --name={shlex.quote(job_id)} -o %i)" ]; then '
+            f"s=$({sacct_id_command(job_id, self.remote_dir(job_id))}); "
+            f'if [ -z "$s" ]; then rm -rf {d} && mkdir -m 700 {d} && claimed; exit $?; fi; '
+            f'printf %s "$s" > {d}/slurm_job_id; fi; {exists}; echo EXISTS'
+        )
 
     def release(self, job_id: str) -> None:
         """Remove the claim of a launch that failed or was interrupted. sbatch may have taken
@@ -112,15 +120,24 @@ class SlurmJobRegistry:
     def record(self, job_id: str, app_handle: str, metadata: dict[str, str]) -> None:
         """Write Slurm's id beside the claim, and index the job under its experiment."""
         sid = app_handle.rsplit("/", 1)[-1]
-        with _ids_lock:
-            _slurm_ids.setdefault(self.cluster, {})[job_id] = sid
+        self.remember(job_id, sid)
+        self.run(self.record_command(job_id, shlex.quote(sid), metadata))
+
+    def record_command(self, job_id: str, sid: str, metadata: dict[str, str]) -> str:
+        """The shell command that writes Slurm's id `sid` (a quoted word or "$var") beside the
+        claim and into the experiment index."""
         q = shlex.quote
-        commands = [f"printf %s {q(sid)} > {q(self.remote_dir(job_id))}/slurm_job_id"]
+        commands = [f"printf %s {sid} > {q(self.remote_dir(job_id))}/slurm_job_id"]
         experiment = metadata.get(META_EXPERIMENT)
         if experiment:
             index = self._experiment_index(experiment)
-            commands.append(f"mkdir -p {q(index)} && printf %s {q(sid)} > {q(index)}/{q(job_id)}")
-        self.run(" && ".join(commands))
+            commands.append(f"mkdir -p {q(index)} && printf %s {sid} > {q(index)}/{q(job_id)}")
+        return " && ".join(commands)
+
+    def remember(self, job_id: str, sid: str) -> None:
+        """Cache Slurm's id of a job this process submitted."""
+        with _ids_lock:
+            _slurm_ids.setdefault(self.cluster, {})[job_id] = sid
 
     def _slurm_id(self, job_id: str) -> str | None:
         with _ids_lock:

@@ -2,9 +2,13 @@
 
 Key only (a missing, unreadable or rejected key is AuthenticationFailed naming the block field,
 never a password prompt or ``sys.exit``), host key checked against the block's `known_hosts`
-when given, SFTP instead of rsync (so no key file is ever written), and a NeMo-Run SSHTunnel
-whose own authentication is replaced by ours. One connection per settings in the process
-(`SafeSSH.shared`); every pooled connection is closed at interpreter exit.
+when given, no rsync (files go on a command's stdin: no key file is ever written), and a
+NeMo-Run SSHTunnel whose own authentication is replaced by ours. One connection per settings
+in the process (`SafeSSH.shared`); every pooled connection is closed at interpreter exit.
+
+Every command is one SSH session (channel) on that connection, never a new connection; a
+command can carry bytes on its stdin (`run_with_input`), so a job's files travel with the
+command that submits it.
 """
 
 from __future__ import annotations
@@ -14,20 +18,25 @@ import contextlib
 import io
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from prefect_nemo import names
 from prefect_nemo.backends.nemo_run.isolation import nemo_run
 from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable
 
+T = TypeVar("T")
 _ssh_pool: dict[str, SafeSSH] = {}
 _ssh_lock = threading.Lock()
+# (user, host, port, sbatch script name) -> what runs it instead of a plain sbatch (`expect`):
+# for any SafeSSH of that login node, as the shared scheduler may hold another's tunnel
+_launches: dict[tuple[str, str, int, str], Callable[[str], Any]] = {}
 
 #: Commands run at once on one connection. sshd_config(5), MaxSessions: "Specifies the maximum
 #: number of open shell, login or subsystem (e.g. sftp) sessions permitted per network
 #: connection ... The default is 10." Past it the login node refuses the channel; one session
-#: is left for the SFTP channel and one spare. sshd frees a session a moment after we close
+#: is left for an SFTP channel and one spare. sshd frees a session a moment after we close
 #: it, so a refused open (nothing ran yet) is tried again, OPEN_TRIES times in all.
 MAX_SESSIONS = 8
 OPEN_TRIES = 8
@@ -38,7 +47,8 @@ class SafeSSH:
     rejected key is AuthenticationFailed naming the block field, never a prompt or sys.exit.
 
     The key text (when the block holds the key itself) stays in memory: paramiko loads it
-    from a string, and SFTP replaces rsync, so no key file is ever written.
+    from a string, and no rsync runs (files go on a command's stdin), so no key file is
+    ever written.
     """
 
     def __init__(
@@ -59,8 +69,8 @@ class SafeSSH:
         self._connect_timeout_s, self._command_timeout_s = connect_timeout_s, command_timeout_s
         self._field = field_prefix
         self._lock = threading.Lock()
-        self._sftp_lock = threading.Lock()
         self._session: Any = None
+        self._bounded: Callable[[Callable[[], Any]], Any] | None = None
         self._tunnels: list[Any] = []
 
     @classmethod
@@ -178,20 +188,26 @@ class SafeSSH:
         transport = conn.client.get_transport()
         if transport is not None:
             transport.set_keepalive(30)  # long waits: keep NATs and firewalls from dropping us
-        _bound_sessions(conn)
         return conn
 
     def session(self) -> Any:
         """The open fabric Connection (reopened if it dropped)."""
+        return self._connection()[0]
+
+    def _connection(self) -> tuple[Any, Callable[[Callable[[], T]], T]]:
+        """The open connection and its bound on sessions at once (`_bound_sessions`)."""
         with self._lock:
             if self._session is None or not self._session.is_connected:
                 if self._session is not None:
                     with contextlib.suppress(Exception):  # free its socket and threads
                         self._session.close()
-                self._session = self._open()
+                session = self._open()
+                self._bounded = _bound_sessions(session)
+                self._session = session
                 for tunnel in self._tunnels:
                     tunnel.session = self._session
-            return self._session
+            assert self._bounded is not None
+            return self._session, self._bounded
 
     def tunnel(self, job_dir: str) -> Any:
         """A NeMo-Run SSHTunnel on our connection, whose own authentication (prompt, then
@@ -202,10 +218,42 @@ class SafeSSH:
         def authenticate() -> None:
             tunnel.session = self.session()
 
-        tunnel._authenticate = authenticate  # instance attribute: SSHTunnel stays SSHTunnel
+        plain_run = tunnel.run
+
+        def run_or_launch(command: str, *args: Any, **kwargs: Any) -> Any:
+            launch = self._expected(command)
+            return launch(command) if launch else plain_run(command, *args, **kwargs)
+
+        tunnel._authenticate = authenticate  # instance attributes: SSHTunnel stays SSHTunnel
+        tunnel.run = run_or_launch
         with self._lock:
             self._tunnels = [*self._tunnels[-15:], tunnel]
         return tunnel
+
+    @contextlib.contextmanager
+    def expect(self, script: str, launch: Callable[[str], Any]) -> Any:
+        """While in this block, NeMo-Run's ``sbatch ... <script>`` through any of our tunnels
+        runs `launch(command)` instead (it returns what tunnel.run would). Keyed by the
+        script's file name: NeMo-Run's scheduler is shared by concurrent launches, and its
+        tunnel (whose job dir the path is built from) may be another job's by then."""
+        key = (self.user, self.host, self.port, script.rsplit("/", 1)[-1])
+        with _ssh_lock:
+            _launches[key] = launch
+        try:
+            yield
+        finally:
+            with _ssh_lock:
+                if _launches.get(key) is launch:
+                    del _launches[key]
+
+    def _expected(self, command: str) -> Callable[[str], Any] | None:
+        words = command.split()
+        if not words or words[0] != "sbatch":
+            return None
+        with _ssh_lock:
+            return _launches.pop(
+                (self.user, self.host, self.port, words[-1].rsplit("/", 1)[-1]), None
+            )
 
     def run(self, command: str, *, warn: bool = False) -> Any:
         """Run a command on the login node; BackendUnavailable on transport trouble."""
@@ -232,29 +280,53 @@ class SafeSSH:
                 session.close()
             raise BackendUnavailable(f"SSH to {self.user}@{self.host} broke: {exc}") from None
 
-    def put(self, data: io.BytesIO, remote: str) -> None:
-        """Upload bytes to a remote path over SFTP."""
-        session = self.session()
-        try:
-            with self._sftp_lock:  # one SFTP channel per connection, shared by threads
-                session.put(data, remote)
-        except (OSError, EOFError) as exc:
-            raise BackendUnavailable(f"SFTP upload to {self.host}:{remote} failed: {exc}") from None
+    def run_with_input(self, command: str, data: bytes) -> tuple[int, str, str]:
+        """Run a command with `data` on its stdin, in one session: (exit status, stdout,
+        stderr). BackendUnavailable on transport trouble or a timeout."""
+        session, bounded = self._connection()
 
-    def put_private(self, data: bytes, remote: str) -> None:
-        """Upload bytes to a new remote file that is 0600 before anything is written to it."""
-        session = self.session()
+        def once() -> tuple[int, str, str]:
+            transport = session.client.get_transport()
+            if transport is None or not transport.is_active():
+                raise EOFError("the connection is closed")
+            channel = transport.open_session(timeout=self._connect_timeout_s)
+            try:
+                channel.settimeout(self._command_timeout_s)
+                channel.exec_command(command)
+                try:
+                    channel.sendall(data)
+                    channel.shutdown_write()
+                except TimeoutError:
+                    raise
+                except OSError:
+                    if not transport.is_active():
+                        raise
+                    # the command ended before it read all its input: its exit status says why
+                out = channel.makefile("rb").read().decode(errors="replace")
+                err = channel.makefile_stderr("rb").read().decode(errors="replace")
+                if not channel.status_event.wait(self._command_timeout_s):
+                    raise TimeoutError
+                return channel.recv_exit_status(), out, err
+            finally:
+                channel.close()
+
         try:
-            with self._sftp_lock:
-                sftp = session.sftp()
-                with sftp.open(remote, "wx") as handle:
-                    sftp.chmod(remote, 0o600)
-                    handle.write(data)
+            return bounded(once)
+        except TimeoutError:  # socket.timeout is TimeoutError
+            raise BackendUnavailable(
+                f"command on {self.user}@{self.host} took over {self._command_timeout_s:g}s"
+            ) from None
         except (OSError, EOFError) as exc:
-            raise BackendUnavailable(f"SFTP upload to {self.host}:{remote} failed: {exc}") from None
+            if not session.is_connected:
+                with self._lock:
+                    if self._session is session:
+                        self._session = None
+                with contextlib.suppress(Exception):
+                    session.close()
+            raise BackendUnavailable(f"SSH to {self.user}@{self.host} broke: {exc}") from None
 
     def close(self) -> None:
-        """Close the connection (its socket, SFTP channel and paramiko's transport thread);
+        """Close the connection (its socket and paramiko's transport thread);
         idempotent. A later call reconnects: the connection is shared, so a user may come late."""
         with self._lock:
             session, self._session = self._session, None
@@ -263,9 +335,10 @@ class SafeSSH:
                 session.close()
 
 
-def _bound_sessions(conn: Any) -> None:
+def _bound_sessions(conn: Any) -> Callable[[Callable[[], T]], T]:
     """Make conn.run (ours and NeMo-Run's tunnel's: one SSH session each) wait for one of
-    MAX_SESSIONS slots, so that many jobs submitted at once stay within sshd's MaxSessions."""
+    MAX_SESSIONS slots, so that many jobs submitted at once stay within sshd's MaxSessions.
+    Returns the same bound for other callers that open a session (`run_with_input`)."""
     from paramiko import ChannelException, SSHException
 
     slots = threading.BoundedSemaphore(MAX_SESSIONS)
@@ -280,18 +353,22 @@ def _bound_sessions(conn: Any) -> None:
             return True
         return "Unable to open channel" in str(exc) and conn.is_connected
 
-    def bounded_run(command: str, **kwargs: Any) -> Any:
+    def bounded(call: Callable[[], T]) -> T:
         for attempt in range(OPEN_TRIES):
             with slots:
                 try:
-                    return run(command, **kwargs)
+                    return call()
                 except SSHException as exc:
                     if not refused(exc) or attempt == OPEN_TRIES - 1:
                         raise
             time.sleep(0.05 * 2**attempt)  # up to 3.2 s: sshd has freed closed sessions by then
         raise AssertionError("unreachable")
 
+    def bounded_run(command: str, **kwargs: Any) -> Any:
+        return bounded(lambda: run(command, **kwargs))
+
     conn.run = bounded_run  # `run` is a real attribute: set on the instance, not the config
+    return bounded
 
 
 @atexit.register
