@@ -385,7 +385,8 @@ def _check_charts_in_ui(page: Any, ui_server: UiServer, flow_run_id: str, job_id
     page.wait_for_url(re.compile(r"/artifacts/artifact/"))
     charts = page.locator("article svg[aria-label]")
     expect(charts).to_have_count(4)
-    article = page.locator("article").filter(has=charts.first)
+    # the article holding the charts (a `has` locator is relative to the article it filters)
+    article = page.locator("article").filter(has=page.locator("svg[aria-label]"))
     expect(article.get_by_role("heading", name="loss", exact=True)).to_be_visible()
     expect(article.locator('svg[aria-label="loss"]')).to_be_visible()
     for metric in ("loss", "lr", "x **********"):
