@@ -46,7 +46,7 @@ from prefect_nemo.lifecycle import META_KEY
 from prefect_nemo.local_ray import LocalRayCluster, free_ports, session_members, start_local_ray
 from prefect_nemo.recovery import Recovery, classify
 from tests.conftest import jobs_of_run, wait_until
-from tests.test_progress_reports import _events
+from tests.progress_checks import events as flow_run_events
 
 APP, INFRA = FailureClass.APPLICATION, FailureClass.INFRASTRUCTURE
 PATTERNS = RecoveryPolicy().infrastructure_logs
@@ -191,7 +191,7 @@ def _retrying(prefect_api: str, flow_run_id: Any, since: str, count: int) -> lis
     delivered in the background)."""
 
     def seen() -> list[dict]:
-        events = _events(prefect_api, flow_run_id, since, until="prefect-nemo.job.retrying")
+        events = flow_run_events(prefect_api, flow_run_id, since, until="prefect-nemo.job.retrying")
         found = [e for e in events if e["event"] == "prefect-nemo.job.retrying"]
         return found if len(found) >= count else []
 

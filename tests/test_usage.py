@@ -239,7 +239,7 @@ def test_a_ray_job_carries_its_gpu_hours_in_result_event_row_and_artifact(
 ):
     from prefect_nemo import run_job
     from prefect_nemo.tasks import reporting
-    from tests.test_progress_reports import _events
+    from tests.progress_checks import events as flow_run_events
 
     (tmp_path / "job.py").write_text("import time\ntime.sleep(3)\n")
     spec = JobSpec(entrypoint="python job.py", name="gpu-hours", working_dir=tmp_path,
@@ -263,7 +263,7 @@ def test_a_ray_job_carries_its_gpu_hours_in_result_event_row_and_artifact(
     assert result.gpu_hours == pytest.approx(usage.run_s / 3600)
     assert result.cost == pytest.approx(result.gpu_hours * 3.0)
 
-    events = _events(prefect_api, flow_run_id, since, until="prefect-nemo.job.succeeded")
+    events = flow_run_events(prefect_api, flow_run_id, since, until="prefect-nemo.job.succeeded")
     ended = next(e for e in events if e["event"] == "prefect-nemo.job.succeeded")
     assert ended["payload"]["usage"] == json.loads(usage.model_dump_json())
     row = reporting.job_rows(str(flow_run_id))[0]
