@@ -5,17 +5,22 @@ them. One copy, so the Ray Jobs, KubeRay, Kubeflow Trainer, Slurm, run:ai and Le
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from pydantic import SecretStr
 
 import prefect_nemo.report as report_module
+from prefect_nemo import JobSpec, JobState, run_job
 from prefect_nemo.tasks import reporting
 
 CANARY = "canary-report-5be2d1"
@@ -106,3 +111,43 @@ def assert_1000_steps_reached_prefect(
     for where, text in texts.items():
         assert CANARY not in text, f"the secret leaked into {where}"
     return progress
+
+
+def run_reporting_job(
+    block: Any,
+    path: Path,
+    prefect_api: str,
+    caplog: Any,
+    capfd: Any,
+    *,
+    secret_env: bool = True,
+    **spec_fields: Any,
+) -> tuple[Any, float, list[dict]]:
+    """Run REPORTING_JOB on `block` in a flow (CANARY a secret env value, or a plain stand-in
+    where the backend refuses secret values; `spec_fields` what the backend needs besides) and
+    assert what Prefect shows and that the job's log holds every report. Returns the result,
+    the flow's wall time and the job's progress events."""
+    caplog.set_level(logging.INFO)
+    since = datetime.now(UTC).isoformat()
+    canary = SecretStr(CANARY) if secret_env else "plain-not-secret"
+    spec = JobSpec(
+        **{"entrypoint": "python3 job.py", **spec_fields}, name="reporter",
+        working_dir=job_dir(path), env={"CANARY": canary},
+    )  # fmt: skip
+
+    @flow
+    def reporting_flow() -> Any:
+        return run_job(spec, cluster=block)
+
+    started = time.monotonic()
+    state = reporting_flow(return_state=True)
+    result = state.result()
+    took = time.monotonic() - started
+    assert result.state is JobState.SUCCEEDED
+    progress = assert_1000_steps_reached_prefect(
+        state=state, job_id=result.handle.job_id, prefect_api=prefect_api, since=since,
+        took=took, caplog=caplog, capfd=capfd, secret_env=secret_env,
+    )  # fmt: skip
+    log = block.backend().logs(result.handle.job_id)
+    assert log.count("@@prefect-nemo.report ") == 1001, "the job printed every report"
+    return result, took, progress

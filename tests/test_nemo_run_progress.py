@@ -7,20 +7,17 @@ the same as Ray Jobs'."""
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 from prefect import flow
-from pydantic import SecretStr
 
-from prefect_nemo import JobSpec, JobState, run_job
+from prefect_nemo import JobSpec, run_job
 from prefect_nemo.placement import PlacementSpec
 from prefect_nemo.testing.runai import RunaiServer
-from tests.progress_checks import CANARY, assert_1000_steps_reached_prefect, job_dir
+from tests import progress_checks
 from tests.test_nemo_run_dgx_cloud import SECRET as RUNAI_SECRET
 from tests.test_nemo_run_dgx_cloud import cluster_block
 from tests.test_nemo_run_slurm import slurm_block
@@ -31,32 +28,11 @@ pytestmark = [pytest.mark.nemo_run, pytest.mark.slow]
 def run_reporting_job(
     block: Any, tmp_path: Path, prefect_api: str, caplog: Any, capfd: Any, *, secret_env: bool
 ) -> tuple[Any, float, list[dict]]:
-    """Run REPORTING_JOB on `block` in a flow (CANARY a secret env value, or a plain stand-in
-    where the backend refuses secret values); assert what Prefect shows."""
-    caplog.set_level(logging.INFO)
-    since = datetime.now(UTC).isoformat()
-    canary = SecretStr(CANARY) if secret_env else "plain-not-secret"
-    spec = JobSpec(
-        entrypoint="python3 job.py", name="reporter", working_dir=job_dir(tmp_path / "code"),
-        env={"CANARY": canary}, placement=PlacementSpec(nodes=1, gpus_per_node=0),
+    """progress_checks' run, on one CPU node (no GPU on these machines)."""
+    return progress_checks.run_reporting_job(
+        block, tmp_path / "code", prefect_api, caplog, capfd, secret_env=secret_env,
+        placement=PlacementSpec(nodes=1, gpus_per_node=0),
     )  # fmt: skip
-
-    @flow
-    def reporting_flow():
-        return run_job(spec, cluster=block)
-
-    started = time.monotonic()
-    state = reporting_flow(return_state=True)
-    result = state.result()
-    took = time.monotonic() - started
-    assert result.state is JobState.SUCCEEDED
-    progress = assert_1000_steps_reached_prefect(
-        state=state, job_id=result.handle.job_id, prefect_api=prefect_api, since=since,
-        took=took, caplog=caplog, capfd=capfd, secret_env=secret_env,
-    )  # fmt: skip
-    log = block.backend().logs(result.handle.job_id)
-    assert log.count("@@prefect-nemo.report ") == 1001, "the job printed every report"
-    return result, took, progress
 
 
 def test_slurm_job_reporting_1000_steps_shows_progress_metrics_and_charts(
@@ -109,8 +85,9 @@ def test_slurm_log_with_non_utf8_and_split_characters_loses_no_line_or_report(
     )
     block = slurm_block(slurm, tmp_path / "jobs")
     spec = JobSpec(
-        entrypoint="python3 job.py", name="mixed", working_dir=job_dir(tmp_path / "code", body)
-    )
+        entrypoint="python3 job.py", name="mixed",
+        working_dir=progress_checks.job_dir(tmp_path / "code", body),
+    )  # fmt: skip
 
     @flow
     def mixed_flow():

@@ -4,17 +4,15 @@ local Ray (Ray Jobs), the job shipping prefect_nemo/report.py as a plain file.""
 from __future__ import annotations
 
 import json
-import logging
 import time
 from datetime import UTC, datetime
 
 import pytest
 from prefect import flow
-from pydantic import SecretStr
 
 from prefect_nemo import JobSpec, JobStalled, JobState, run_job
 from tests.conftest import wait_until
-from tests.progress_checks import CANARY, assert_1000_steps_reached_prefect, events, job_dir
+from tests.progress_checks import events, job_dir, run_reporting_job
 
 pytestmark = pytest.mark.slow
 
@@ -22,26 +20,9 @@ pytestmark = pytest.mark.slow
 def test_a_job_reporting_1000_steps_shows_progress_metrics_and_charts(
     ray_head, prefect_api, tmp_path, caplog, capfd
 ):
-    caplog.set_level(logging.INFO)
-    since = datetime.now(UTC).isoformat()
-    spec = JobSpec(
-        entrypoint="python job.py", name="reporter", working_dir=job_dir(tmp_path),
-        env={"CANARY": SecretStr(CANARY)},
-    )  # fmt: skip
-
-    @flow
-    def reporting_flow():
-        return run_job(spec, cluster=ray_head.block())
-
-    started = time.monotonic()
-    state = reporting_flow(return_state=True)
-    result = state.result()
-    took = time.monotonic() - started
-    assert result.state is JobState.SUCCEEDED
-    progress = assert_1000_steps_reached_prefect(
-        state=state, job_id=result.handle.job_id, prefect_api=prefect_api, since=since,
-        took=took, caplog=caplog, capfd=capfd,
-    )  # fmt: skip
+    _, took, progress = run_reporting_job(
+        ray_head.block(), tmp_path, prefect_api, caplog, capfd, entrypoint="python job.py"
+    )
     print(f"1000 steps: flow {took:.1f}s, {len(progress)} progress events")
 
 
