@@ -38,7 +38,7 @@ $(NR_STAMP): pyproject.toml constraints/nemo-run.txt
 	test -x $(NR_BIN)/python || $(PYTHON) -m venv $(NR_VENV)
 	$(NR_BIN)/python -m pip install --quiet -c constraints/nemo-run.txt uv
 	$(NR_BIN)/uv pip install --quiet --python $(NR_BIN)/python -c constraints/nemo-run.txt \
-		-e '.[nemo-run,test]'
+		-e '.[nemo-run,lightning,test]'
 	touch $(NR_STAMP)
 
 ## Both virtualenvs, side by side.
