@@ -107,8 +107,16 @@ class WaitPolicy:
 class JobObserver(Protocol):
     """Told what happens to jobs as it happens. Must not raise."""
 
-    def submitted(self, handle: JobHandle, *, attached: bool, drift: str | None) -> None:
-        """The job was submitted (or an existing one attached to)."""
+    def submitted(
+        self,
+        handle: JobHandle,
+        *,
+        attached: bool,
+        drift: str | None,
+        shape: JobShape | None = None,
+    ) -> None:
+        """The job was submitted (or an existing one attached to); `shape`: the GPUs its spec
+        holds, where known (the sweeper prices a dead run's jobs by it)."""
 
     def live(self, handle: JobHandle, stop: Callable[[], str]) -> None:
         """From now until `ended`, `stop()` must run if the caller goes away (it returns how
@@ -155,7 +163,14 @@ class JobObserver(Protocol):
 class QuietObserver:
     """An observer that reports nothing (library use outside Prefect)."""
 
-    def submitted(self, handle: JobHandle, *, attached: bool, drift: str | None) -> None:
+    def submitted(
+        self,
+        handle: JobHandle,
+        *,
+        attached: bool,
+        drift: str | None,
+        shape: JobShape | None = None,
+    ) -> None:
         """Nothing."""
 
     def live(self, handle: JobHandle, stop: Callable[[], str]) -> None:
@@ -272,8 +287,9 @@ class Supervisor:
             from_attempt=from_attempt,
         )
         self.observer.submitted(
-            submission.handle, attached=submission.attached, drift=submission.drift
-        )
+            submission.handle, attached=submission.attached, drift=submission.drift,
+            shape=self.policy.shape,
+        )  # fmt: skip
         return submission
 
     def wait(self, handle: JobHandle, *, attached: bool = False) -> JobResult:

@@ -69,7 +69,7 @@ def test_a_completed_run_left_its_jobs_running_on_purpose() -> None:
 
 
 def test_a_crashed_run_is_dead_but_its_jobs_wait_for_the_grace() -> None:
-    """"a grace period (block setting) during which a retry of the crashed run attaches
+    """ "a grace period (block setting) during which a retry of the crashed run attaches
     instead (no stop, no duplicate)"."""
     assert not verdict(_job(), _evidence(run=_run("CRASHED", 60))).stop
     v = verdict(_job(), _evidence(run=_run("CRASHED", GRACE + 1)))
@@ -77,7 +77,7 @@ def test_a_crashed_run_is_dead_but_its_jobs_wait_for_the_grace() -> None:
 
 
 def test_a_running_run_that_stopped_renewing_its_lease_is_dead() -> None:
-    """"or when it stops proving it is alive": kill -9 leaves Prefect saying RUNNING."""
+    """ "or when it stops proving it is alive": kill -9 leaves Prefect saying RUNNING."""
     assert not verdict(_job(), _evidence(beat_s=LEASE + 60, run=_run("RUNNING"))).stop
     v = verdict(_job(), _evidence(beat_s=LEASE + GRACE + 1, run=_run("RUNNING")))
     assert v.stop and "stopped saying it is alive" in v.why
@@ -89,7 +89,7 @@ def test_a_gone_run_is_dead_and_a_job_without_an_owner_is_left_alone() -> None:
 
 
 def test_an_unconfirmed_stop_is_finished_whatever_the_owner_says() -> None:
-    """"a stop we asked for but could not confirm (backend unreachable) is recorded and
+    """ "a stop we asked for but could not confirm (backend unreachable) is recorded and
     finished by the sweeper once the backend answers again"."""
     v = verdict(_job(), _evidence(pending_s=5, run=_run("COMPLETED")))
     assert v.stop and "never confirmed" in v.why
@@ -135,3 +135,70 @@ def test_kill_9_then_the_sweeper_stops_every_job_of_the_dead_run_and_spares_a_re
         assert ray_client.get_job_status(stranger).value == "RUNNING", "not ours: never touched"
     finally:
         ray_client.stop_job(stranger)
+
+
+def test_a_dead_runs_gpu_job_is_swept_with_its_wasted_gpu_hours_and_cost(
+    prefect_api: str, ray_head: Any, ray_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 31, item 4: "'wasted' GPU-hours counted apart (failed and stopped attempts, time a
+    dead run's jobs ran until the sweeper stopped them)". A 1-GPU job submitted (not waited
+    for) by a run that then crashed is stopped by the sweeper, and its `prefect-nemo.job.swept`
+    event and verdict carry the GPU-hours of the time it ran (1 GPU x wasted_run_s) and their
+    cost at the block's price."""
+    import time
+
+    import httpx
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed
+
+    from prefect_nemo import JobSpec, RayJobsCluster, submit_job
+    from prefect_nemo.jobs import Resources
+    from prefect_nemo.tasks.sweeper import SWEPT_EVENT, sweep
+
+    monkeypatch.setenv("PREFECT_NEMO_HEARTBEAT_S", "0.5")  # its run's leases end at once
+    block = RayJobsCluster(dashboard_url=ray_head.dashboard_url, auth_token=ray_head.token,
+                           sweep_grace_s=1, gpu_hour_price=4.0)  # fmt: skip
+    since = datetime.now(UTC).isoformat()
+
+    @flow
+    def leaves_a_gpu_job() -> Any:
+        spec = JobSpec(entrypoint="sleep 300", name="gpu-left", resources=Resources(gpus=1))
+        return submit_job(spec, block)
+
+    state = leaves_a_gpu_job(return_state=True)
+    job_id = state.result().job_id
+    with get_client(sync_client=True) as client:  # the run dies after all: it crashed
+        client.set_flow_run_state(state.state_details.flow_run_id, Crashed(), force=True)
+
+    def events_of_the_job(name: str) -> list[dict[str, Any]]:
+        resource = {"id": [f"prefect-nemo.job.ray-jobs.{job_id}"]}
+        body = {"filter": {"occurred": {"since": since}, "event": {"name": [name]},
+                           "resource": resource}}  # fmt: skip
+        deadline, found = time.monotonic() + 30, []
+        while not found and time.monotonic() < deadline:
+            found = httpx.post(f"{prefect_api}/events/filter", json=body).json()["events"]
+            time.sleep(0.5)
+        return found
+
+    # Prefect persists events in batches (up to 5 s late): a real sweep comes a lease and a
+    # grace after the run's end, so its submission event is readable by then; here, wait for it
+    assert events_of_the_job("prefect-nemo.job.submitted"), "no submitted event"
+    try:
+        deadline, mine = time.monotonic() + 90, None
+        while mine is None and time.monotonic() < deadline:
+            time.sleep(2)
+            mine = next((v for v in sweep([block], lease_s=1) if v.job_id == job_id and v.stop),
+                        None)  # fmt: skip
+        assert mine is not None, "the dead run's job was not swept"
+        assert mine.wasted_run_s is not None and mine.wasted_run_s > 0
+        assert mine.wasted_gpu_hours == pytest.approx(mine.wasted_run_s / 3600)
+        assert mine.wasted_cost == pytest.approx(mine.wasted_gpu_hours * 4.0)
+        assert ray_client.get_job_status(job_id).value == "STOPPED"
+        swept = events_of_the_job(SWEPT_EVENT)
+        assert swept, "no swept event"
+        payload = swept[0]["payload"]
+        assert payload["wasted_gpu_hours"] == pytest.approx(mine.wasted_gpu_hours)
+        assert payload["wasted_cost"] == pytest.approx(mine.wasted_cost)
+    finally:
+        ray_client.stop_job(job_id)

@@ -33,7 +33,7 @@ from prefect_nemo.report import Report
 from prefect_nemo.tasks._outbox import outbox
 from prefect_nemo.tasks._run import RunContext, api_outage_budget_s
 from prefect_nemo.tasks.artifacts import JobCharts, RunTable, RunUsage
-from prefect_nemo.usage import JobUsage, RollUp
+from prefect_nemo.usage import JobShape, JobUsage, RollUp
 from prefect_nemo.watcher import JobClock
 
 JOB_EVENT_PREFIX = "prefect-nemo.job"
@@ -141,14 +141,25 @@ class JobReporter:
         self._progress_sent: dict[str, float] = {}  # job -> when its last progress event went
         self._progress_due: set[str] = set()  # jobs whose newest report no event carried yet
 
-    def submitted(self, handle: JobHandle, *, attached: bool, drift: str | None) -> None:
-        """Log, emit `submitted`/`attached`, add the job's row."""
+    def submitted(
+        self,
+        handle: JobHandle,
+        *,
+        attached: bool,
+        drift: str | None,
+        shape: JobShape | None = None,
+    ) -> None:
+        """Log, emit `submitted`/`attached` (with the job's GPUs, where known: the sweeper
+        prices the jobs of a run that died by them), add the job's row."""
         verb = "attached to existing" if attached else "submitted"
         link = handle.links.get("dashboard", "")
         say(self.run, logging.INFO, f"{verb} job {handle.job_id} on {handle.cluster} {link}")
         if drift:
             say(self.run, logging.WARNING, self.redact(drift))
-        self._emit(handle, "attached" if attached else "submitted", {"attached": attached})
+        payload: dict[str, Any] = {"attached": attached}
+        if shape is not None:
+            payload["shape"] = shape.model_dump(mode="json")
+        self._emit(handle, "attached" if attached else "submitted", payload)
         self._row(handle, {"state": "PENDING", "attached": attached})
         self.run.own(handle)
 

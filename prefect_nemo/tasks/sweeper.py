@@ -19,8 +19,9 @@ nobody vouches for it:
 
 What was stopped is reported: a table artifact of the sweep's run and a `prefect-nemo.job.swept`
 event per job, with the time the job ran until the stop (`wasted_run_s`, where the cluster
-says its start and end: its GPUs worked for a run that was gone). A job we did not submit is
-never listed, so never touched.
+says its start and end: its GPUs worked for a run that was gone) and, where the job's submission
+event says its GPUs, the GPU-hours and cost of that time (`wasted_gpu_hours`, `wasted_cost` at
+the block's `gpu_hour_price`). A job we did not submit is never listed, so never touched.
 """
 
 from __future__ import annotations
@@ -50,12 +51,15 @@ from prefect_nemo.tasks._run import current_run
 from prefect_nemo.tasks._run_watch import HEARTBEAT_EVENT
 from prefect_nemo.tasks.artifacts import RunTable
 from prefect_nemo.tasks.reporting import emit, job_resource, say
+from prefect_nemo.usage import JobShape, cost, gpu_hours
 
 # How long a sign of life that carries no lease of its own counts: a job's submission, Prefect's
 # own flow-run heartbeat (PREFECT_RUNNER_HEARTBEAT_FREQUENCY is at least 30 s).
 LEASE_S = 90.0
 HEARTBEAT_LOOKBACK = timedelta(minutes=30)
 STOP_PENDING_EVENT = "prefect-nemo.job.stop-pending"
+# a job's submission (or a re-run's attach): their payload's `shape` says the job's GPUs
+SUBMITTED_EVENTS = ["prefect-nemo.job.submitted", "prefect-nemo.job.attached"]
 SWEPT_EVENT = "prefect-nemo.job.swept"
 CONFIRM_S = 15.0  # how long one sweep waits to see a stop confirmed
 # Prefect's own liveness signal of worker and served runs (PREFECT_RUNNER_HEARTBEAT_FREQUENCY)
@@ -80,6 +84,8 @@ class Verdict:
     why: str
     outcome: str = ""
     wasted_run_s: float | None = None  # from the job's start to its stop, stopped jobs only
+    wasted_gpu_hours: float | None = None  # of wasted_run_s, where the job's GPUs are known
+    wasted_cost: float | None = None  # of those GPU-hours, at the block's gpu_hour_price
 
 
 @dataclass(frozen=True)
@@ -187,22 +193,42 @@ def gather_evidence(owners: Iterable[str], lease_s: float) -> Evidence:
     return Evidence(now, beats, run_beats, pending, {str(r.id): r for r in runs})
 
 
-def read_events(client: Any, since: datetime, **names: list[str]) -> list[dict[str, Any]]:
+def read_events(
+    client: Any, since: datetime, *, resources: Sequence[str] = (), **names: list[str]
+) -> list[dict[str, Any]]:
     """Every event since `since` of these names (an EventNameFilter: `name=[...]`,
-    `prefix=[...]`), all pages, as the API returns them."""
-    body = {
-        "filter": {
-            "occurred": {"since": since.isoformat(), "until": datetime.now(UTC).isoformat()},
-            "event": names,
-        },
-        "limit": 50,  # the API's page size limit
+    `prefix=[...]`), about these resource ids if any are given, all pages, as the API
+    returns them."""
+    query: dict[str, Any] = {
+        "occurred": {"since": since.isoformat(), "until": datetime.now(UTC).isoformat()},
+        "event": names,
     }
+    if resources:
+        query["resource"] = {"id": list(resources)}
+    body = {"filter": query, "limit": 50}  # the API's page size limit
     page = client.request("POST", "/events/filter", json=body).json()
     events = list(page.get("events") or [])
     while page.get("next_page"):
         page = client._client.get(page["next_page"]).json()
         events += page.get("events") or []
     return events
+
+
+def submitted_shapes(handles: Iterable[JobHandle]) -> dict[str, JobShape]:
+    """The GPUs each job's newest submission (or attach) event says it holds, by the job's
+    resource id: one read for all of them. A job whose event is gone or names no GPUs is not
+    in it."""
+    ids = sorted({handle.resource_id for handle in handles})
+    if not ids:
+        return {}
+    with get_client(sync_client=True) as client:
+        found = read_events(client, datetime.now(UTC) - LOOKBACK, resources=ids,
+                            name=SUBMITTED_EVENTS)  # fmt: skip
+    shapes: dict[str, JobShape] = {}
+    for event in sorted(found, key=lambda e: e["occurred"]):
+        if shape := (event.get("payload") or {}).get("shape"):
+            shapes[event["resource"]["prefect.resource.id"]] = JobShape.model_validate(shape)
+    return shapes
 
 
 def sweep(
@@ -238,8 +264,14 @@ def sweep(
     verdicts = [verdict for *_, verdict in judged]
     todo = [] if dry_run else [n for n, verdict in enumerate(verdicts) if verdict.stop]
     if todo:  # each stop waits for its confirmation: in parallel, each in this run's context
+        handles = {n: judged[n][0].handle(judged[n][2].job_id) for n in todo}
+        shapes = submitted_shapes(handles.values())
         with ThreadPoolExecutor(max_workers=min(16, len(todo))) as pool:
-            futures = [pool.submit(_stop_in, contextvars.copy_context(), judged[n]) for n in todo]
+            futures = [
+                pool.submit(_stop_in, contextvars.copy_context(), judged[n],
+                            shapes.get(handles[n].resource_id))
+                for n in todo
+            ]  # fmt: skip
             for n, future in zip(todo, futures, strict=True):
                 verdicts[n] = future.result()
     _report(run, verdicts, dry_run)
@@ -267,13 +299,17 @@ def _targets(blocks: Sequence[ClusterBlock | str], run: Any) -> list[tuple[str, 
 
 
 def _stop_in(
-    context: contextvars.Context, judged: tuple[Any, ClusterBlock, OwnedJob, Verdict]
+    context: contextvars.Context,
+    judged: tuple[Any, ClusterBlock, OwnedJob, Verdict],
+    shape: JobShape | None,
 ) -> Verdict:
     """`_stop` of one judged job, run in `context` (a typed spelling of context.run(_stop, ...))."""
-    return context.run(_stop, *judged)
+    return context.run(_stop, *judged, shape)
 
 
-def _stop(backend: Any, block: ClusterBlock, job: OwnedJob, verdict: Verdict) -> Verdict:
+def _stop(
+    backend: Any, block: ClusterBlock, job: OwnedJob, verdict: Verdict, shape: JobShape | None
+) -> Verdict:
     try:
         # a sweep does not wait long for one stop (a PENDING Ray job's stop waits for resources):
         # the job stays listed and the next sweep asks again
@@ -285,14 +321,20 @@ def _stop(backend: Any, block: ClusterBlock, job: OwnedJob, verdict: Verdict) ->
     # the cluster's start (Ray: its submission) to the stop: GPU time nobody used
     span_s = final.duration_s if final is not None else None
     wasted_s = round(span_s, 3) if span_s is not None else None
+    hours = gpu_hours(shape, wasted_s) if shape is not None and wasted_s is not None else None
+    wasted = {
+        "wasted_run_s": wasted_s,
+        "wasted_gpu_hours": hours,
+        "wasted_cost": cost(hours, block.gpu_hour_price) if hours is not None else None,
+    }
     handle: JobHandle = backend.handle(job.job_id)
     emit(
         SWEPT_EVENT,
         job_resource(handle),
         {"job_id": job.job_id, "owner": job.flow_run_id, "why": verdict.why, "outcome": outcome,
-         "wasted_run_s": wasted_s},
+         **wasted},
     )  # fmt: skip
-    return Verdict(**{**asdict(verdict), "outcome": outcome, "wasted_run_s": wasted_s})
+    return Verdict(**{**asdict(verdict), "outcome": outcome, **wasted})
 
 
 _table = RunTable("Jobs the sweeper judged (prefect-nemo).")
@@ -302,9 +344,11 @@ def _report(run: Any, verdicts: list[Verdict], dry_run: bool) -> None:
     stopped = [v for v in verdicts if v.stop]
     verb = "would stop" if dry_run else "stopped"
     wasted = sum(v.wasted_run_s or 0.0 for v in stopped)
+    hours = sum(v.wasted_gpu_hours or 0.0 for v in stopped)
     say(run, logging.WARNING if stopped else logging.INFO,
         f"sweep: {len(verdicts)} live job(s) of ours, {verb} {len(stopped)}"
-        + (f" (they had run {wasted:.0f}s for dead runs)" if wasted else "")
+        + (f" (they had run {wasted:.0f}s for dead runs" if wasted else "")
+        + (f", {hours:.4f} GPU-hours wasted)" if hours else ")" if wasted else "")
         + "".join(f"\n  {v.job_id} on {v.block}: {v.why} -> {v.outcome or verb}"
                   for v in stopped))  # fmt: skip
     if verdicts:
