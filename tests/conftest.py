@@ -73,6 +73,7 @@ ONE_CONTROL_PLANE = (
     "tests/test_kube_api.py",
     "tests/test_real_control_plane.py",
     "tests/test_real_kuberay.py",
+    "tests/test_real_kuberay_progress.py",
     "tests/test_real_dynamo_trainer.py",
     "tests/test_real_kuberay_simulator.py",
     "tests/test_real_rl_dynamo_flow.py",

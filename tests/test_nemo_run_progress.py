@@ -1,8 +1,9 @@
 """Issue 31, "See training from Prefect", through NeMo-Run: a job printing `progress(...)` 1,000
 times shows its progress, metrics and charts in Prefect, on the real local Slurm (NeMo-Run's
-Slurm executor over SSH, the log read back by byte offset) and on the run:ai (DGX Cloud) kit
-whose pods really run (their log files on the PVC). The checks are tests/progress_checks.py's,
-the same as Ray Jobs'."""
+Slurm executor over SSH, the log read back by byte offset), on the run:ai (DGX Cloud) kit whose
+pods really run (their log files on the PVC) and on the Lepton kit whose pods really run (the log
+read from Lepton's replica log endpoint, serving their output). The checks are
+tests/progress_checks.py's, the same as Ray Jobs'."""
 
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ from prefect import flow
 
 from prefect_nemo import JobSpec, run_job
 from prefect_nemo.placement import PlacementSpec
+from prefect_nemo.testing.lepton import LeptonServer
 from prefect_nemo.testing.runai import RunaiServer
 from tests import progress_checks
 from tests.test_nemo_run_dgx_cloud import SECRET as RUNAI_SECRET
 from tests.test_nemo_run_dgx_cloud import cluster_block
+from tests.test_nemo_run_lepton import TOKEN as LEPTON_TOKEN
+from tests.test_nemo_run_lepton import workspace_block
 from tests.test_nemo_run_slurm import slurm_block
 
 pytestmark = [pytest.mark.nemo_run, pytest.mark.slow]
@@ -66,6 +70,29 @@ def test_dgx_cloud_job_reporting_1000_steps_shows_progress_metrics_and_charts(
         block, tmp_path, prefect_api, caplog, capfd, secret_env=False
     )
     print(f"dgx-cloud 1000 steps: flow {took:.1f}s, {len(progress)} progress events")
+
+
+@pytest.fixture
+def lepton() -> Iterator[LeptonServer]:
+    """The loopback Lepton workspace, its pods run as local processes."""
+    with LeptonServer(token=LEPTON_TOKEN, start_s=0.05, execute=True) as server:
+        yield server
+
+
+def test_lepton_job_reporting_1000_steps_shows_progress_metrics_and_charts(
+    lepton, prefect_api, tmp_path, caplog, capfd
+):
+    """Issue 31: "A job that reports 1,000 steps shows its progress and metrics in Prefect on
+    ... the run:ai / Lepton kits". NeMo-Run's data mover and launch script really run (the code
+    unpacked by rank 0's pre-launch line), the job's state comes from its exit code and its
+    reports from Lepton's replica log endpoint."""
+    block = workspace_block(lepton, tmp_path)
+    # Lepton takes no secret values in JobSpec.env (a job's env values are stored in the job in
+    # plain text; secrets go by reference, LeptonWorkspace.secret_vars): a plain CANARY
+    _, took, progress = run_reporting_job(
+        block, tmp_path, prefect_api, caplog, capfd, secret_env=False
+    )
+    print(f"lepton 1000 steps: flow {took:.1f}s, {len(progress)} progress events")
 
 
 def test_slurm_log_with_non_utf8_and_split_characters_loses_no_line_or_report(

@@ -9,6 +9,7 @@ server received, by the pod-side command, under the NODE_RANK gate.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -499,3 +500,67 @@ def test_runai_executes_pods_when_asked(tmp_path: Path) -> None:
         wait_for(lambda: executor.status(slow) is DGXCloudState.STOPPED)
         (workload,) = server.by_name("slow")
         assert workload.processes[0].wait(5) != 0  # terminated
+
+
+def test_lepton_executes_pods_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """execute=True: NeMo-Run's data mover and launch script really run (Lepton's init script
+    from the pod's image, NeMo-Run's /nemo_run link under the pod's own root), the replica log
+    endpoint serves the replicas' own output, each job's state comes from its exit codes, and
+    stop, delete or closing the server ends the processes."""
+    shared = tmp_path / "shared"
+
+    def launch(name: str, command: str, nodes: int = 1) -> Any:
+        executor = LeptonExecutor(
+            container_image="nvcr.io/nvidia/nemo:25.07",
+            nemo_run_dir=str(shared / "nemo-run"),
+            node_group="nemo-nodes",
+            resource_shape="cpu.small",
+            nodes=nodes,
+            mounts=[{"path": "/", "mount_path": str(shared), "from": "node-nfs:shared"}],
+        )
+        executor.job_dir = str(tmp_path / "local" / name)
+        executor.lepton_job_dir = str(shared / "nemo-run" / name)
+        (tmp_path / "local" / name / "code").mkdir(parents=True)
+        (tmp_path / "local" / name / "code" / "hello.txt").write_text(f"code of {name}\n")
+        executor.launch(name=name, cmd=[command])
+        return executor
+
+    def log(name: str, until: str | None = None) -> str:
+        """Replica 0's log: all of it (the stream ends with the job), or up to `until`."""
+        client = APIClient()
+        (first,) = [r for r in client.job.get_replicas(name) if f"{name}-0-" in r.metadata.id_]
+        stream, text = client.job.get_log(id_or_job=name, replica=first), ""
+        for chunk in stream:
+            text += chunk
+            if until is not None and until in text:
+                stream.close()  # a live job's log stays open: stop reading
+                break
+        return text
+
+    with LeptonServer(start_s=0.05, execute=True) as server:
+        for key, value in server.env().items():
+            monkeypatch.setenv(key, value)
+        ok = launch("ok-job", 'cat hello.txt; echo "rank $NODE_RANK of $NNODES in $PWD"', nodes=2)
+        bad = launch("bad-job", "echo failing >&2; exit 3")
+        held = launch("held-job", "echo started; sleep 60")
+        wait_for(lambda: ok.status("ok-job") is LeptonJobState.Completed)
+        text = log("ok-job")
+        assert "code of ok-job\n" in text, text  # the data mover moved the job dir, cd worked
+        assert re.search(r"^rank 0 of 2 in /\S+/nemo_run/code$", text, re.M), text
+        wait_for(lambda: bad.status("bad-job") is LeptonJobState.Failed)
+        assert "failing" in log("bad-job")
+        wait_for(lambda: held.status("held-job") is LeptonJobState.Running)
+        assert log("held-job", until="started\n") == "started\n"  # a live job's, so far
+        held.stop_job("held-job")
+        wait_for(lambda: held.status("held-job") is LeptonJobState.Stopped)
+        assert server.jobs["held-job"].processes[0].wait(5) != 0  # terminated
+        gone = launch("gone-job", "sleep 60")
+        wait_for(lambda: gone.status("gone-job") is LeptonJobState.Running)
+        (proc,) = server.jobs["gone-job"].processes
+        gone.cancel("gone-job")  # DELETE
+        assert proc.wait(5) != 0
+        assert not Path("/nemo_run").exists(), "the pod's /nemo_run is its own, not this machine's"
+        last = launch("last-job", "sleep 60")
+        wait_for(lambda: last.status("last-job") is LeptonJobState.Running)
+        (proc,) = server.jobs["last-job"].processes
+    assert proc.wait(10) != 0, "closing the server ends the replicas it started"

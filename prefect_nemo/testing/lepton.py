@@ -8,26 +8,36 @@ label selector on the jobs' ``metadata.labels``, as leptonai documents them), ``
 dashboard when one is configured. A bearer token is required (a wrong one is 401). Incoming jobs
 and Ray clusters are validated with leptonai's own pydantic models, unknown fields refused.
 
-Nothing runs in a pod: job states follow the clock (Starting → Running → Completed/Failed,
-Stopping → Stopped) and the server's knobs. A node group holds one replica per node: a job
-whose replicas do not fit in the free nodes of its group (``spec.affinity``) waits
-``Queueing`` until they do, higher ``spec.queue_config.priority_class`` first, then in order of
-creation, none overtaking another of its group (NeMo-Run's ``data-mover-*`` jobs are never
-held). What would break at ``exec`` in a real pod does
-break here: a command argument or ``NAME=value`` env string over Linux's MAX_ARG_STRLEN
-(128 KiB), or argv + env over ARG_MAX (2 MiB), makes the job fail with "argument list too long".
+By default nothing runs in a pod: job states follow the clock (Starting → Running →
+Completed/Failed, Stopping → Stopped) and the server's knobs, and a replica's log is
+synthetic. With ``execute=True`` the pods really run, as local processes (see `LeptonServer`).
+A node group holds one replica per node: a job whose replicas do not fit in the free nodes of
+its group (``spec.affinity``) waits ``Queueing`` until they do, higher
+``spec.queue_config.priority_class`` first, then in order of creation, none overtaking another
+of its group (NeMo-Run's ``data-mover-*`` jobs are never held). What would break at ``exec`` in
+a real pod does break here: a command argument or ``NAME=value`` env string over Linux's
+MAX_ARG_STRLEN (128 KiB), or argv + env over ARG_MAX (2 MiB), makes the job fail with "argument
+list too long".
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import re
 import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
 import time
 import types
 import typing
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -47,6 +57,48 @@ PRIORITY_CLASSES = tuple(
     f"{band}-{n}000" for band, ns in (("low", "123"), ("mid", "456"), ("high", "789")) for n in ns
 )
 _HOLDING = ("Starting", "Running", "Stopping")  # states whose replicas occupy nodes
+_ENDED = ("Completed", "Failed", "Stopped")
+#: The init script NeMo-Run's Lepton launch script fetches in every pod.
+INIT_SCRIPT_URL = "https://raw.githubusercontent.com/leptonai/scripts/main/lepton_env_to_pytorch.sh"
+#: What an executed pod's image adds to this machine's userland, read by bash (BASH_ENV) before
+#: the pod's command: pods here reach no network, so `wget` serves Lepton's init script only (a
+#: stand-in mapping Lepton's rank variables to torch's, as the real one does); and a pod has a
+#: root of its own, so a top-level path this machine lacks (NeMo-Run's `ln -s <job dir>
+#: /nemo_run`, then `cd /nemo_run/code`) lives under the replica's own directory.
+POD_IMAGE = r"""
+_pod_path() {
+  case "$1" in
+    /*) local rest="${1#/}"; local top="/${rest%%/*}"
+        if [ ! -e "$top" ] && [ ! -L "$top" ]; then
+          printf '%s' "$LOOPBACK_LEPTON_POD_ROOT$1"; return
+        fi ;;
+  esac
+  printf '%s' "$1"
+}
+cd() { if [ $# -eq 1 ]; then builtin cd "$(_pod_path "$1")"; else builtin cd "$@"; fi; }
+ln() { local a=() x; for x in "$@"; do a+=("$(_pod_path "$x")"); done; command ln "${a[@]}"; }
+wget() {
+  local out="" url=""
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      -O) out="$2"; shift 2 ;;
+      -O*) out="${1#-O}"; shift ;;
+      -*) shift ;;
+      *) url="$1"; shift ;;
+    esac
+  done
+  if [ "$url" != "__INIT_SCRIPT_URL__" ]; then
+    echo "wget: unable to resolve host address '${url#*://}'" >&2; return 4
+  fi
+  cat > "${out:-lepton_env_to_pytorch.sh}" <<'INIT'
+# loopback stand-in for leptonai/scripts lepton_env_to_pytorch.sh
+export NNODES="${LEPTON_JOB_TOTAL_WORKERS:-1}"
+export NODE_RANK="${LEPTON_JOB_WORKER_INDEX:-0}"
+export MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
+export MASTER_PORT="${MASTER_PORT:-29400}"
+INIT
+}
+""".replace("__INIT_SCRIPT_URL__", INIT_SCRIPT_URL)
 _HOP = {"host", "authorization", "origin", "content-length", "transfer-encoding", "connection"}
 
 
@@ -109,6 +161,8 @@ class Job:
     log: str | None = None
     waiting: bool = False  # Queueing for nodes of its group
     events: list[dict[str, Any]] = field(default_factory=list)  # GET /jobs/{id}/events
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list, repr=False)
+    log_files: dict[str, Path] = field(default_factory=dict)  # replica id -> its output (execute)
 
     @property
     def group_id(self) -> str | None:
@@ -193,6 +247,16 @@ class LeptonServer(LoopbackHttpServer):
     `ray_dashboard(url, token)` (where Ray cluster dashboards are proxied to),
     `data_mover_s` (NeMo-Run's ``data-mover-*`` jobs complete after this long; 0 = already
     Completed when first read, so NeMo-Run's 5 s poll sleep is skipped in tests).
+
+    With `execute=True` the pods really run, as local processes: each replica runs the job's
+    ``container.command`` with `pod_env` (plain env values only; secret references are not
+    resolved), in a directory of its own, from the time Running begins (a data mover's at once,
+    before its creation is answered, so it is Completed when first read); mounts' ``mount_path``
+    are this machine's paths. The job is Running while any replica runs, then Completed if all
+    exited 0, else Failed (`outcome`, `set_outcome` and `running_s` do not apply); a replica's
+    log endpoint serves its real output (stdout and stderr), following it while the job is live.
+    Stop (``PATCH``), delete and `fail` terminate the replicas, and so does closing the server.
+    `POD_IMAGE` says what such a pod finds besides this machine's own userland.
     """
 
     thread_name = "loopback-lepton"
@@ -210,8 +274,12 @@ class LeptonServer(LoopbackHttpServer):
         outcome: str = "Completed",
         data_mover_s: float = 0.0,
         log_tick_s: float = 0.5,
+        execute: bool = False,
     ) -> None:
         super().__init__()
+        self.execute = execute
+        # where executed replicas run and write their output; removed on close
+        self._pods_dir = Path(tempfile.mkdtemp(prefix="loopback-lepton-")) if execute else None
         self.log_tick_s = log_tick_s
         self.data_mover_s = data_mover_s
         self.workspace_id = workspace_id
@@ -261,6 +329,7 @@ class LeptonServer(LoopbackHttpServer):
             job = self.jobs[job_id]
             job.phases = [p for p in job.phases if p[0] <= now] + [(now, "Failed")]
             job.waiting = False
+            _kill(job)
             regarding = {"kind": "Node", "name": node} if node else {"kind": "Pod"}
             job.events.append(
                 {
@@ -309,6 +378,19 @@ class LeptonServer(LoopbackHttpServer):
     async def on_shutdown(self) -> None:
         if self._session is not None:
             await self._session.close()
+        with self.lock:
+            jobs = list(self.jobs.values())
+        for job in jobs:  # the server owns every replica it started: none outlives it
+            _kill(job)
+        for job in jobs:
+            for proc in job.processes:
+                try:
+                    await asyncio.to_thread(proc.wait, 5)
+                except subprocess.TimeoutExpired:
+                    _kill(job, signal.SIGKILL)
+                    await asyncio.to_thread(proc.wait)
+        if self._pods_dir is not None:
+            shutil.rmtree(self._pods_dir, ignore_errors=True)
 
     def _auth(self, request: web.Request) -> None:
         if request.headers.get("Authorization") != f"Bearer {self.token}":
@@ -396,14 +478,82 @@ class LeptonServer(LoopbackHttpServer):
             n = record.parallelism
             record.replica_ids = [f"{job_id}-{i}-{secrets.token_hex(3)}" for i in range(n)]
             self.jobs[job_id] = record
-        return web.json_response(record.as_json(now))
+            if self.execute and not failure and not record.waiting:
+                if job_id.startswith("data-mover-"):
+                    self._start_pods(record, wait=True)
+                else:
+                    self._start_pods(record)
+        if record.processes and job_id.startswith("data-mover-"):  # done before it is read
+            await asyncio.to_thread(self._end_by_exit_codes, record)
+        return web.json_response(record.as_json(time.time()))
+
+    def _start_pods(self, job: Job, *, wait: bool = False) -> None:
+        """Run `job`'s replicas (execute mode): now when `wait` (the caller waits for them,
+        holding the lock), else in a thread from the time Running begins."""
+        if wait:
+            self._spawn(job)
+            return
+        threading.Thread(
+            target=self._run_pods, args=(job,), name="loopback-lepton-pods", daemon=True
+        ).start()
+
+    def _run_pods(self, job: Job) -> None:
+        """Start the replicas when Running begins, then end the job by their exit codes."""
+        with self.lock:
+            start = max(t for t, phase in job.phases if phase == "Running")
+        time.sleep(max(0.0, start - time.time()))
+        with self.lock:
+            if self.jobs.get(job.id) is not job or job.state(time.time()) != "Running":
+                return  # stopped, failed or deleted before its pods started
+            self._spawn(job)
+        self._end_by_exit_codes(job)
+
+    def _spawn(self, job: Job) -> None:
+        """Start one process per replica, its output in its log file. Called with the lock."""
+        assert self._pods_dir is not None
+        command = [str(a) for a in (job.spec.get("container") or {}).get("command") or []]
+        image = self._pods_dir / "pod-image.sh"
+        if not image.exists():
+            image.write_text(POD_IMAGE)
+        for rank, rid in enumerate(job.replica_ids):
+            root = self._pods_dir / rid
+            root.mkdir()
+            job.log_files[rid] = log = self._pods_dir / f"{rid}.log"
+            env = {
+                "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                "HOME": str(root),
+                "BASH_ENV": str(image),
+                "LOOPBACK_LEPTON_POD_ROOT": str(root),
+                **self.pod_env(job, rank),
+            }
+            with open(log, "wb") as out:
+                try:
+                    proc = subprocess.Popen(
+                        command or ["false"], env=env, cwd=root, stdout=out,
+                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                        start_new_session=True,  # its own group: stop ends its children too
+                    )  # fmt: skip
+                except OSError as exc:  # no such executable: the replica fails at once
+                    out.write(f"exec {command[0]}: {exc.strerror}\n".encode())
+                    proc = subprocess.Popen(["false"], stdout=subprocess.DEVNULL)
+            job.processes.append(proc)
+
+    def _end_by_exit_codes(self, job: Job) -> None:
+        """Wait for the replicas; a job still live then ends Completed (all 0) or Failed."""
+        codes = [proc.wait() for proc in list(job.processes)]
+        with self.lock:
+            if job.state(time.time()) in ("Starting", "Running"):
+                end = "Completed" if all(c == 0 for c in codes) else "Failed"
+                job.phases.append((time.time(), end))
 
     def _schedule(self, job_id: str, now: float) -> list[tuple[float, str]]:
         if job_id.startswith("data-mover-"):
+            if self.execute:  # its process decides when and how it ends
+                return [(now, "Starting")]
             return [(now, "Starting"), (now + self.data_mover_s, "Completed")]
         end = self.end_of(job_id)
         phases = [(now, "Starting"), (now + self.start_s, "Running")]
-        if end is not None:
+        if end is not None and not self.execute:
             phases.append((now + self.start_s + self.running_s, end))
         return phases
 
@@ -438,6 +588,8 @@ class LeptonServer(LoopbackHttpServer):
             if not self._must_wait(job, now):
                 job.waiting = False
                 job.phases += [(t, phase) for t, phase in self._schedule(job.id, now)]
+                if self.execute:
+                    self._start_pods(job)
 
     def _job(self, request: web.Request) -> Job:
         with self.lock:
@@ -493,6 +645,7 @@ class LeptonServer(LoopbackHttpServer):
                 job.phases += [(now, "Stopping"), (now + self.stopping_s, "Stopped")]
                 job.spec["stopped"] = True
                 job.waiting = False  # a stopped job leaves the queue
+                _kill(job)
             self._admit(now)
         return web.json_response(job.as_json(now))
 
@@ -502,6 +655,7 @@ class LeptonServer(LoopbackHttpServer):
         with self.lock:
             self.jobs.pop(job.id, None)
             self.deleted.append(job.id)
+            _kill(job)
             self._admit(time.time())
         return web.json_response({})
 
@@ -527,6 +681,8 @@ class LeptonServer(LoopbackHttpServer):
             raise ApiError(404, f"replica '{rid}' of job '{job.id}' not found")
         response = web.StreamResponse(headers={"Content-Type": "text/plain"})
         await response.prepare(request)
+        if job.log is None and rid in job.log_files:
+            return await self._real_log(job, job.log_files[rid], response)
         state = job.state(time.time())
         await response.write(
             (job.log or f"[loopback lepton] {rid}: job {job.id} is {state}\n").encode()
@@ -538,6 +694,29 @@ class LeptonServer(LoopbackHttpServer):
                 await response.write(f"[loopback lepton] {rid}: {state}\n".encode())
             await response.write_eof()
         except ConnectionError:  # the client stopped reading (aiohttp's reset error is one)
+            pass
+        return response
+
+    async def _real_log(
+        self, job: Job, path: Path, response: web.StreamResponse
+    ) -> web.StreamResponse:
+        """An executed replica's output: what it printed so far, then what it prints, until the
+        job has ended (all of it read then) or the client goes."""
+        offset = 0
+        try:
+            while True:
+                ended = job.state(time.time()) in _ENDED  # before the read: nothing is missed
+                with open(path, "rb") as log:
+                    log.seek(offset)
+                    chunk = log.read()
+                if chunk:
+                    offset += len(chunk)
+                    await response.write(chunk)
+                if ended:
+                    break
+                await asyncio.sleep(0.1)
+            await response.write_eof()
+        except ConnectionError:  # the client stopped reading
             pass
         return response
 
@@ -640,6 +819,14 @@ def selects(selector: str, labels: dict[str, str]) -> bool:
         if not held:
             return False
     return True
+
+
+def _kill(job: Job, sig: int = signal.SIGTERM) -> None:
+    """Signal every live replica of `job` (its whole process group)."""
+    for proc in job.processes:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
 
 
 def _exec_failure(job: Job) -> str:
