@@ -70,7 +70,7 @@ test-extras: $(NR_STAMP)
 
 ## The quick subset: no cluster, no server.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n 2 -m "not slow and not nemo_run"
 
 ## Reliability under chaos at issue 17's sizes (kill -9 + sweeper, Ray dashboard down, flow-run
 ## cancel, Prefect server down 90 s) on a real Prefect server and local Ray; key=value lines.
