@@ -52,7 +52,9 @@ def status_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[l
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     path = "/apis/trainer.kubeflow.org/v1alpha1/namespaces/ns/trainjobs/job/status"
-    monkeypatch.setenv(report_module.STATUS_URL_ENV, f"https://localhost:{server.server_port}{path}")
+    monkeypatch.setenv(
+        report_module.STATUS_URL_ENV, f"https://localhost:{server.server_port}{path}"
+    )
     monkeypatch.setenv(report_module.STATUS_CA_ENV, str(tmp_path / "ca.crt"))
     monkeypatch.setenv(report_module.STATUS_TOKEN_ENV, str(tmp_path / "token"))
     monkeypatch.setattr(report_module, "_status", StatusPoster())
@@ -131,3 +133,40 @@ def test_the_trainjobs_trainer_status_is_the_jobs_engine_progress() -> None:
     assert status_from_trainjob(obj, []).progress == progress
     assert trainer_progress({"status": {}}) is None
     assert status_from_trainjob({"metadata": {"name": "job"}}, []).progress is None
+
+
+def test_the_engines_progress_counts_only_for_a_job_whose_log_has_no_report_line() -> None:
+    """lifecycle's rule: the log's report lines win; the engine's record is a report only while
+    none was read, and while the log is followed the first record waits for a second (a line
+    printed with it is read by then)."""
+    from types import SimpleNamespace
+
+    from prefect_nemo.jobs import EngineProgress, JobState, JobStatus
+    from prefect_nemo.lifecycle import _LogStream
+    from prefect_nemo.report import Report, format_line
+
+    def status(percent: int) -> JobStatus:
+        progress = EngineProgress(percent=percent, metrics={"loss": "0.5", "note": "text"})
+        return JobStatus(job_id="j", state=JobState.RUNNING, progress=progress)
+
+    def stream(followed: bool) -> tuple[Any, list[Report]]:
+        seen: list[Report] = []
+        observer = SimpleNamespace(progress=lambda _, report: seen.append(report),
+                                   log=lambda *_: None)  # fmt: skip
+        policy = SimpleNamespace(log_dir=None, stall_after_s=None, stream_logs=followed)
+        supervisor = SimpleNamespace(policy=policy, redact=str, observer=observer)
+        return _LogStream(supervisor, SimpleNamespace(job_id="j")), seen  # type: ignore[arg-type]
+
+    logs, seen = stream(followed=True)
+    logs._engine_progress(status(10))
+    assert seen == []  # the first record waits
+    logs._engine_progress(status(20))
+    logs._engine_progress(status(20))  # the same record again: nothing new
+    assert seen == [Report(step=20, total=100, metrics={"loss": 0.5})]
+    logs._sink(format_line(5, 10, loss=0.4))
+    logs._engine_progress(status(30))
+    assert [r.step for r in seen] == [20, 5]  # once a line came, lines only
+
+    logs, seen = stream(followed=False)  # run_jobs' default: the record is all there is
+    logs._engine_progress(status(10))
+    assert [r.step for r in seen] == [10]
