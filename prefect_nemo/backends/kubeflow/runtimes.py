@@ -234,10 +234,7 @@ def runtime_body(config: TrainerConfig) -> dict[str, Any]:
     ]  # fmt: skip
     if mounts:
         container["volumeMounts"] = mounts
-    # the account the ServiceAccount admission plugin gives a pod anyway; said here so the
-    # Trainer's TrainJobStatus volume (a projected token, which needs an account) is valid also
-    # where that plugin is off (the test control plane)
-    pod: dict[str, Any] = {"containers": [container], "serviceAccountName": "default"}
+    pod: dict[str, Any] = {"containers": [container]}
     if config.pvc_mounts:
         pod["volumes"] = [
             {"name": _pvc_volume(m), "persistentVolumeClaim": {"claimName": m.name,

@@ -27,6 +27,7 @@ back), so nothing is written to the machine's /var/run or /tmp, and all of it go
 process. The pods reach it as `STATUS_SERVICE.TRAINER_SYSTEM_NAMESPACE.svc` (the node agent's
 /etc/hosts entry, 127.0.0.1: it listens on every address), the name its certificate carries;
 the CA is in WEBHOOK_SECRET's `ca.crt`, which the Trainer copies into each TrainJob's ConfigMap.
+The pods' projected token needs a ServiceAccount: `default_account_policy`.
 """
 
 from __future__ import annotations
@@ -196,6 +197,36 @@ def rbac() -> list[tuple[str, dict[str, Any]]]:
         (f"{in_ns}/rolebindings", {"metadata": {"name": name}, "subjects": subject,
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name}}),
     ]  # fmt: skip
+
+
+def default_account_policy() -> list[tuple[str, dict[str, Any]]]:
+    """(collection path, object): a MutatingAdmissionPolicy giving a pod of TRAINER_NAMESPACE
+    without a ServiceAccount the namespace's `default`, as the ServiceAccount admission plugin
+    does on a real cluster. That plugin is off here (run.py: it would also mount a token into
+    every pod and refuse pods of a namespace whose `default` account is not made yet), but the
+    API server refuses a pod with a projected ServiceAccount token and no account ("must not
+    be specified when serviceAccountName is not set"), and the Trainer's TrainJobStatus plugin
+    gives each trainer pod one, whichever runtime it comes from."""
+    name, base = "prefect-nemo-default-service-account", "/apis/admissionregistration.k8s.io/v1"
+    policy = {
+        "metadata": {"name": name},
+        "spec": {
+            "matchConstraints": {"resourceRules": [{
+                "apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
+                "resources": ["pods"]}]},
+            "matchConditions": [{"name": "no-account",
+                                 "expression": "!has(object.spec.serviceAccountName) || "
+                                               "object.spec.serviceAccountName == ''"}],
+            "failurePolicy": "Fail", "reinvocationPolicy": "Never",
+            "mutations": [{"patchType": "ApplyConfiguration", "applyConfiguration": {
+                "expression": 'Object{spec: Object.spec{serviceAccountName: "default"}}'}}],
+        },
+    }  # fmt: skip
+    binding = {"metadata": {"name": name}, "spec": {"policyName": name, "matchResources": {
+        "namespaceSelector": {"matchLabels": {
+            "kubernetes.io/metadata.name": TRAINER_NAMESPACE}}}}}  # fmt: skip
+    return [(f"{base}/mutatingadmissionpolicies", policy),
+            (f"{base}/mutatingadmissionpolicybindings", binding)]  # fmt: skip
 
 
 def _jobset_webhooks(ca_pem: bytes, port: int) -> list[dict[str, Any]]:

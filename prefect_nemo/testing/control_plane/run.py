@@ -141,7 +141,8 @@ class ControlPlane(TokenClientConfig):
                 # a loopback advertise address is refused by the default lease reconciler
                 "--endpoint-reconciler-type=none",
                 # pods need no `default` ServiceAccount first: no kubelet mounts its token, and
-                # a fresh namespace would race the ServiceAccount controller
+                # a fresh namespace would race the ServiceAccount controller (the Trainer's pods
+                # get `default` from controllers.default_account_policy instead)
                 "--disable-admission-plugins=ServiceAccount",
                 # as kubeadm sets it: pods/log dials a node's InternalIP first (our nodes' names
                 # resolve nowhere)
@@ -215,7 +216,8 @@ class ControlPlane(TokenClientConfig):
         self.controllers_unavailable = controllers.unavailable_reason()
         if self.controllers_unavailable is None:
             namespace = {"metadata": {"name": controllers.TRAINER_NAMESPACE}}
-            for path, body in [("/api/v1/namespaces", namespace), *controllers.rbac()]:
+            for path, body in [("/api/v1/namespaces", namespace), *controllers.rbac(),
+                               *controllers.default_account_policy()]:  # fmt: skip
                 self.request("POST", path, body)
             kubeconfig = self._write_kubeconfig("controllers", self._controllers_token)
             self.trainer_status_unavailable = controllers.status_unavailable_reason()
