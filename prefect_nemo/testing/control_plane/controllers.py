@@ -25,7 +25,8 @@ its certificate in /tmp/k8s-webhook-server/serving-certs. The controller gets th
 namespace of its own (`unshare --mount`, tmpfs over /var/run and /tmp, its work folder bound
 back), so nothing is written to the machine's /var/run or /tmp, and all of it goes with the
 process. The pods reach it as `STATUS_SERVICE.TRAINER_SYSTEM_NAMESPACE.svc` (the node agent's
-/etc/hosts entry, 127.0.0.1: it listens on every address), the name its certificate carries;
+/etc/hosts entry, an address on `lo` of its own: the server listens on every address), the name
+its certificate carries;
 the CA is in WEBHOOK_SECRET's `ca.crt`, which the Trainer copies into each TrainJob's ConfigMap.
 The pods' projected token needs a ServiceAccount: `default_account_policy`.
 """

@@ -38,7 +38,8 @@ documents for a non-graceful node shutdown, the out-of-service taint an administ
 
 `python -m prefect_nemo.testing.control_plane.node_agent KUBECONFIG NAMESPACE... [NAME=IP...]`
 runs one until SIGTERM (how ControlPlane starts it, so `make control-plane up` keeps it); each
-NAME=IP is one more name its pods resolve (the Trainer's status server, a local process).
+NAME=IP is one more name its pods resolve (NAME=local: an address of its own on `lo`, for the
+Trainer's status server, a local process listening on every address).
 """
 
 from __future__ import annotations
@@ -80,6 +81,11 @@ AGENT_MARKER = "PREFECT_NEMO_NODE_AGENT_PID"  # and the agent's pid: what a new 
 TICK_S = 0.25
 KILL_GRACE_S = 3.0  # then SIGKILL; ControlPlane's stop waits 10 s for the agent
 log = logging.getLogger("prefect_nemo.node_agent")
+
+
+# a NAME=LOCAL_ADDRESS argument: NAME resolves to an address of the agent's own on `lo`, which
+# reaches a local process listening on every address (the Trainer's status server)
+LOCAL_ADDRESS = "local"
 
 
 def _now() -> str:
@@ -155,7 +161,14 @@ class NodeAgent:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._hosts: dict[str, str] = {}
-        self.static_hosts = dict(hosts or {})  # names of what runs outside pods (name -> address)
+        # names of what runs outside pods (name -> address); LOCAL_ADDRESS: one address of our
+        # own on `lo` (not 127.0.0.1: a reverse lookup of it would find these names, and
+        # socket.getfqdn() in the pods' Ray would take one for the machine's)
+        self.static_hosts = dict(hosts or {})
+        if LOCAL_ADDRESS in self.static_hosts.values():
+            local = self.network.allocate()
+            self.static_hosts = {name: local if ip == LOCAL_ADDRESS else ip
+                                 for name, ip in self.static_hosts.items()}  # fmt: skip
 
     # -- lifecycle -------------------------------------------------------------------------------
 

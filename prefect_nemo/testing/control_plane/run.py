@@ -203,7 +203,7 @@ class ControlPlane(TokenClientConfig):
                 sys.executable, "-m", "prefect_nemo.testing.control_plane.node_agent",
                 str(kubeconfig), OPERATOR_NAMESPACE, controllers.TRAINER_NAMESPACE,
                 # the Trainer's status server: a local process listening on every address
-                *[f"{name}=127.0.0.1" for name in pod_network.service_names(
+                *[f"{name}=local" for name in pod_network.service_names(
                     controllers.STATUS_SERVICE, controllers.TRAINER_SYSTEM_NAMESPACE)],
             ])  # fmt: skip
 
