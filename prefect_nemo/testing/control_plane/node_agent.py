@@ -162,8 +162,8 @@ class NodeAgent:
         self._thread: threading.Thread | None = None
         self._hosts: dict[str, str] = {}
         # names of what runs outside pods (name -> address); LOCAL_ADDRESS: one address of our
-        # own on `lo` (not 127.0.0.1: a reverse lookup of it would find these names, and
-        # socket.getfqdn() in the pods' Ray would take one for the machine's)
+        # own on `lo` (not 127.0.0.1: a reverse lookup of it would find these names; with them
+        # there, Ray's "Running entrypoint" line cut into a KubeRay job's output, 3 runs of 3)
         self.static_hosts = dict(hosts or {})
         if LOCAL_ADDRESS in self.static_hosts.values():
             local = self.network.allocate()
