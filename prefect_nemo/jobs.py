@@ -545,6 +545,18 @@ class QueueInfo(BaseModel):
         return text
 
 
+class EngineProgress(BaseModel):
+    """A job's progress as its engine stores it, where it does (Kubeflow Trainer: the TrainJob's
+    `status.trainerStatus`, which the job posts to the Trainer's status server)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    percent: int | None = None
+    eta_s: int | None = None
+    metrics: dict[str, str] = Field(default_factory=dict)  # the engine stores values as text
+    updated: datetime | None = None
+
+
 class JobStatus(BaseModel):
     """One observation of a job as the cluster reports it."""
 
@@ -568,6 +580,11 @@ class JobStatus(BaseModel):
         None,
         description="Why it FAILED, where its engine says (a node lost, preempted, a bad "
         "image); None: the lifecycle classifies it by its log tail and exit code.",
+    )
+    progress: EngineProgress | None = Field(
+        None,
+        description="Progress as the engine stores it, where it does (Kubeflow Trainer's "
+        "trainerStatus); the job's report lines come first (lifecycle).",
     )
 
     @property

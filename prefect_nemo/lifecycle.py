@@ -10,6 +10,7 @@ called back for a decision.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -36,6 +37,7 @@ from prefect_nemo.jobs import (
     INFRASTRUCTURE_LOGS,
     Backend,
     DryRun,
+    EngineProgress,
     Failure,
     JobHandle,
     JobResult,
@@ -647,6 +649,7 @@ class _LogStream:
         self._follower: LogFollower | None = None
         self.whole: str | None = None  # the whole log, read once when the job ended
         self.last_report: Report | None = None
+        self._engine_seen: EngineProgress | None = None  # the engine's progress last seen
         policy = supervisor.policy
         self._file = (
             LogFile(policy.log_dir / f"{handle.job_id}.log", supervisor.redact)
@@ -679,7 +682,31 @@ class _LogStream:
     def _stalled(self, silent_s: float) -> None:
         self._supervisor.observer.stalled(self._handle, silent_s, self.last_report)
 
+    def _engine_progress(self, status: JobStatus) -> None:
+        """The engine's own record of the job's progress (Kubeflow Trainer's trainerStatus) as a
+        report, for a job whose log brings no report line. The lines win: they carry every
+        step and the metrics as numbers, the engine's record a copy posted every few seconds
+        with a whole percent and the values as text; taking both would make the step jump
+        between the step and the percent. So once a line was read the record is ignored, and
+        while the log is followed the first record waits for a second (report.py posts at
+        most every 5 s: a line printed with it has been read by then)."""
+        progress = status.progress
+        if progress is None or progress == self._engine_seen or self.last_report is not None:
+            return
+        first = self._engine_seen is None
+        self._engine_seen = progress
+        if first and self._supervisor.policy.stream_logs:
+            return
+        metrics: dict[str, float] = {}
+        for name, text in progress.metrics.items():
+            with contextlib.suppress(ValueError):
+                metrics[name] = float(text)  # "nan" and "inf" too
+        total = None if progress.percent is None else 100
+        report = Report(step=progress.percent, total=total, metrics=metrics)
+        self._supervisor.observer.progress(self._handle, report)
+
     def update(self, status: JobStatus) -> None:
+        self._engine_progress(status)
         self._ran = self._ran or status.state is JobState.RUNNING or status.state.is_terminal()
         self._succeeded = status.state is JobState.SUCCEEDED
         if not self._supervisor.policy.stream_logs:

@@ -13,6 +13,15 @@ prints `@@prefect-nemo.report {"step": 120, "total": 1000, "metrics": {"loss": 0
 Metrics are numbers; NaN and infinities travel as the strings "nan", "inf", "-inf" (the JSON
 stays valid, and an automation can match a NaN loss). For PyTorch Lightning and NeMo, add
 `progress_callback()` to the trainer's callbacks.
+
+On Kubeflow Trainer with its `TrainJobStatus` feature on, the controller also gives each trainer
+container the address of its status server (KUBEFLOW_TRAINER_SERVER_URL, with a CA and a token
+file): `progress` then also posts the report there, at most once every STATUS_POST_S seconds and
+on the last step, and the controller stores it as the TrainJob's `status.trainerStatus` (KEP-2779:
+"Currently, users need to inspect logs to determine progress"). The log line stays the channel
+every backend reads; a post that fails is said once on stderr and never stops training. Only
+metrics named like identifiers (STATUS_METRIC_NAME) are posted: the job cannot tell which of its
+env values are secret (the flow masks them in what it reads), and the TrainJob is stored as is.
 """
 
 from __future__ import annotations
@@ -20,7 +29,12 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
+import re
+import ssl
 import sys
+import time
+import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +42,17 @@ PREFIX = "@@prefect-nemo.report "
 MAX_NAME_CHARS = 64  # a metric name longer than this is cut (it names a table row and a chart)
 MAX_LINE_CHARS = 8192  # a longer line is not read as a report (a log line, not a payload)
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+# the env the Trainer's TrainJobStatus plugin gives trainer containers (the CA and token are files;
+# the token is projected by the kubelet and rotates, so it is read again for every post)
+STATUS_URL_ENV = "KUBEFLOW_TRAINER_SERVER_URL"
+STATUS_CA_ENV = "KUBEFLOW_TRAINER_SERVER_CA_CERT"
+STATUS_TOKEN_ENV = "KUBEFLOW_TRAINER_SERVER_TOKEN"
+STATUS_POST_S = 5.0  # at most one post this often (the last step always goes)
+STATUS_TIMEOUT_S = 3.0
+# metric names posted to the status server: the CRD allows 1-64 characters; a name with spaces
+# or other text (which may carry a value of the job's env) stays in the log line only
+STATUS_METRIC_NAME = re.compile(r"[A-Za-z0-9_./-]{1,64}")
+STATUS_MAX_METRICS = 256  # the CRD's maxItems
 
 
 @dataclass(frozen=True)
@@ -88,6 +113,75 @@ def progress(step: int | None = None, total: int | None = None, **metrics: Any) 
     and `total` are no metric names."""
     sys.stdout.write(format_line(step, total, **metrics) + "\n")
     sys.stdout.flush()
+    if os.environ.get(STATUS_URL_ENV):
+        _status.report(step, total, {name: _number(name, v) for name, v in metrics.items()})
+
+
+def status_body(
+    step: int | None, total: int | None, metrics: dict[str, float], eta_s: float | None = None
+) -> dict[str, Any]:
+    """The Trainer's UpdateTrainJobStatusRequest for one report: percent (whole, 0-100), ETA,
+    metrics as strings (identifier names only), and the time (lastUpdatedTime is required)."""
+    status: dict[str, Any] = {
+        "lastUpdatedTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "metrics": [
+            {"name": name, "value": str(encode_number(value))[:64]}
+            for name, value in metrics.items() if STATUS_METRIC_NAME.fullmatch(name)
+        ][:STATUS_MAX_METRICS],
+    }  # fmt: skip
+    if step is not None and total is not None:
+        status["progressPercentage"] = min(100, int(100 * step / total))
+    if eta_s is not None:
+        status["estimatedRemainingSeconds"] = min(2**31 - 1, max(0, round(eta_s)))
+    return {"trainerStatus": status}
+
+
+class StatusPoster:
+    """Posts reports to the Trainer's status server: rate-limited, never raising."""
+
+    def __init__(self, every_s: float = STATUS_POST_S) -> None:
+        self.every_s = every_s
+        self._last_post = -math.inf
+        self._first: tuple[float, int] | None = None  # (monotonic time, step): the rate's start
+        self._failed = False  # a failure is said once
+
+    def report(self, step: int | None, total: int | None, metrics: dict[str, float]) -> None:
+        now = time.monotonic()
+        if step is not None and (self._first is None or step < self._first[1]):
+            self._first = (now, step)  # the first report, or a restart from an earlier step
+        last = step is not None and total is not None and step >= total
+        if not last and now - self._last_post < self.every_s:
+            return
+        self._last_post = now
+        eta = None
+        if step is not None and total is not None and self._first is not None:
+            t0, s0 = self._first
+            if step > s0 and now > t0:
+                eta = (total - step) * (now - t0) / (step - s0)
+        try:
+            self.post(status_body(step, total, metrics, eta))
+        except Exception as exc:  # a status post never stops training
+            if not self._failed:
+                self._failed = True
+                print(f"prefect-nemo: posting progress to {os.environ.get(STATUS_URL_ENV)} "
+                      f"failed ({type(exc).__name__}: {exc}); the log line still reports it",
+                      file=sys.stderr, flush=True)  # fmt: skip
+
+    def post(self, body: dict[str, Any]) -> None:
+        """One POST of `body` to the status server, with the token as read now."""
+        url = os.environ[STATUS_URL_ENV]
+        context = ssl.create_default_context(cafile=os.environ.get(STATUS_CA_ENV) or None)
+        with open(os.environ[STATUS_TOKEN_ENV]) as f:
+            token = f.read().strip()
+        request = urllib.request.Request(
+            url, data=json.dumps(body).encode(), method="POST",
+            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(request, context=context, timeout=STATUS_TIMEOUT_S) as resp:
+            resp.read()
+
+
+_status = StatusPoster()
 
 
 def parse(line: str) -> Report | None:

@@ -322,11 +322,13 @@ class ClusterWatcher:
 
 
 def _changed(current: JobStatus, seen: JobStatus | None) -> bool:
-    """What wakes a waiter: a new state or message, or news of its place in a queue."""
-    return seen is None or (current.state, current.message, current.queue) != (
+    """What wakes a waiter: a new state or message, news of its place in a queue, or new
+    progress from its engine."""
+    return seen is None or (current.state, current.message, current.queue, current.progress) != (
         seen.state,
         seen.message,
         seen.queue,
+        seen.progress,
     )
 
 

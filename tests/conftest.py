@@ -82,6 +82,7 @@ ONE_CONTROL_PLANE = (
     "tests/test_real_kueue.py",
     "tests/test_real_node_loss.py",
     "tests/test_real_trainer_logs.py",
+    "tests/test_real_progress.py",
 )
 
 

@@ -141,6 +141,26 @@ def test_real_gc_takes_the_pods_service_and_endpoints_of_a_deleted_dgd(
     assert gone, f"owned objects outlived the DGD ({time.monotonic() - started:.0f}s)"
 
 
+def without_trainjob_status(pod: dict[str, Any], job_id: str) -> dict[str, Any]:
+    """The pod template less what the Trainer's TrainJobStatus plugin adds, checked first: the
+    real plane runs it with that (alpha) feature gate on (controllers.py), the simulator models
+    v2.3.0 as shipped, the gate off (pkg/runtime/framework/plugins/trainjobstatus)."""
+    spec = pod["spec"]
+    (token,) = [v for v in spec["volumes"] if v["name"] == "kubeflow-trainer-token"]
+    account, tls = token["projected"]["sources"]
+    assert account["serviceAccountToken"]["audience"].endswith(f"/trainjobs/{job_id}/status")
+    assert tls["configMap"]["name"] == f"{job_id}-tls-config"
+    spec["volumes"] = [v for v in spec["volumes"] if v is not token]
+    for container in spec["containers"]:
+        names = {e["name"]: e.get("value") for e in container["env"]}
+        assert names["KUBEFLOW_TRAINER_SERVER_URL"].endswith(f"/trainjobs/{job_id}/status")
+        container["env"] = [e for e in container["env"]
+                            if not e["name"].startswith("KUBEFLOW_TRAINER_SERVER_")]  # fmt: skip
+        container["volumeMounts"] = [m for m in container["volumeMounts"]
+                                     if m["name"] != "kubeflow-trainer-token"]  # fmt: skip
+    return pod
+
+
 def test_the_real_trainer_builds_the_pods_the_simulator_runs(
     server: Any, sim: Any, code_dir: Any, trainer_controllers: Any
 ) -> None:
@@ -174,6 +194,7 @@ def test_the_real_trainer_builds_the_pods_the_simulator_runs(
         if container.get("resources") == {}:
             del container["resources"]  # Go's empty struct: the same as none
     simulated = sim.pod_template(api.get(TRAIN_JOB, job_id))
+    real = without_trainjob_status(real, job_id)
     # JobSet's webhook: "Default pod restart policy to OnFailure" (our runtime sets none; the
     # simulator applies JobSet's default)
     assert real["spec"]["restartPolicy"] == "OnFailure"

@@ -45,6 +45,9 @@ no condition, no pod running yet     PENDING
                                      (RUNNING "stopping" until then), else absent
 ===================================  =======================================================
 
+`status.trainerStatus` (what the job posted to the Trainer's status server: report.py does, when
+the TrainJobStatus feature gives it the server's address) becomes JobStatus.progress.
+
 A FAILED TrainJob says why (JobStatus.failure): its pods (the watched ones, with those the pod
 GC deleted on the way, as the informer saw them) and their Nodes (a lost node: infrastructure,
 naming it; a bad image: spec; OOMKilled: application), else its Failed reason (a child object
@@ -98,7 +101,15 @@ from prefect_nemo.backends.kubeflow.runtimes import (
     runtime_name,
 )
 from prefect_nemo.errors import AuthenticationFailed, InvalidJobSpec
-from prefect_nemo.jobs import Failure, FailureClass, JobHandle, JobSpec, JobState, JobStatus
+from prefect_nemo.jobs import (
+    EngineProgress,
+    Failure,
+    FailureClass,
+    JobHandle,
+    JobSpec,
+    JobState,
+    JobStatus,
+)
 from prefect_nemo.kube import (
     CONFIGMAP,
     POD,
@@ -366,6 +377,26 @@ def status_from_trainjob(obj: dict[str, Any], pods: list[dict[str, Any]]) -> Job
         exit_code=exit_code,
         metadata=metadata,
         shape=_shape(obj),
+        progress=trainer_progress(obj),
+    )
+
+
+def trainer_progress(obj: dict[str, Any]) -> EngineProgress | None:
+    """The TrainJob's `status.trainerStatus` (the Trainer's TrainJobStatus feature: the job posts
+    it to the Trainer's status server), or None where it has none or it is malformed."""
+    raw = (obj.get("status") or {}).get("trainerStatus")
+    if not isinstance(raw, dict):
+        return None
+    metrics = {
+        str(m["name"]): str(m["value"])
+        for m in raw.get("metrics") or [] if isinstance(m, dict) and "name" in m and "value" in m
+    }  # fmt: skip
+    percent, eta = raw.get("progressPercentage"), raw.get("estimatedRemainingSeconds")
+    return EngineProgress(
+        percent=percent if isinstance(percent, int) else None,
+        eta_s=eta if isinstance(eta, int) else None,
+        metrics=metrics,
+        updated=parse_time(raw.get("lastUpdatedTime")),
     )
 
 

@@ -36,8 +36,10 @@ documents for a non-graceful node shutdown, the out-of-service taint an administ
 (`out_of_service`): the pod GC then marks the node's terminating pods Failed and deletes them.
 `restore_node` brings the node back: its kubelet finishes the deletions and it takes pods again.
 
-`python -m prefect_nemo.testing.control_plane.node_agent KUBECONFIG NAMESPACE...` runs one
-until SIGTERM (how ControlPlane starts it, so `make control-plane up` keeps it).
+`python -m prefect_nemo.testing.control_plane.node_agent KUBECONFIG NAMESPACE... [NAME=IP...]`
+runs one until SIGTERM (how ControlPlane starts it, so `make control-plane up` keeps it); each
+NAME=IP is one more name its pods resolve (NAME=local: an address of its own on `lo`, for the
+Trainer's status server, a local process listening on every address).
 """
 
 from __future__ import annotations
@@ -79,6 +81,11 @@ AGENT_MARKER = "PREFECT_NEMO_NODE_AGENT_PID"  # and the agent's pid: what a new 
 TICK_S = 0.25
 KILL_GRACE_S = 3.0  # then SIGKILL; ControlPlane's stop waits 10 s for the agent
 log = logging.getLogger("prefect_nemo.node_agent")
+
+
+# a NAME=LOCAL_ADDRESS argument: NAME resolves to an address of the agent's own on `lo`, which
+# reaches a local process listening on every address (the Trainer's status server)
+LOCAL_ADDRESS = "local"
 
 
 def _now() -> str:
@@ -134,7 +141,11 @@ class NodeAgent:
     """One Node whose pods are local processes; `start()` its thread, `stop()` ends everything."""
 
     def __init__(
-        self, api_client: client.ApiClient, namespaces: tuple[str, ...], nodes: int = NODES
+        self,
+        api_client: client.ApiClient,
+        namespaces: tuple[str, ...],
+        nodes: int = NODES,
+        hosts: dict[str, str] | None = None,
     ) -> None:
         self.core = client.CoreV1Api(api_client)
         # short: Ray's unix sockets live under a pod's TMPDIR, and their paths must stay < 108
@@ -150,6 +161,14 @@ class NodeAgent:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._hosts: dict[str, str] = {}
+        # names of what runs outside pods (name -> address); LOCAL_ADDRESS: one address of our
+        # own on `lo` (not 127.0.0.1: a reverse lookup of it would find these names; with them
+        # there, Ray's "Running entrypoint" line cut into a KubeRay job's output, 3 runs of 3)
+        self.static_hosts = dict(hosts or {})
+        if LOCAL_ADDRESS in self.static_hosts.values():
+            local = self.network.allocate()
+            self.static_hosts = {name: local if ip == LOCAL_ADDRESS else ip
+                                 for name, ip in self.static_hosts.items()}  # fmt: skip
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -308,7 +327,7 @@ class NodeAgent:
                                             for m in c.get("volumeMounts") or []])  # fmt: skip
         try:
             mounted_volumes(self.core, meta["namespace"], spec, [*init, *containers], mapper,
-                            pvc_root=self.workdir / "pvcs")  # fmt: skip
+                            pvc_root=self.workdir / "pvcs", pod=obj)  # fmt: skip
         except (client.ApiException, RuntimeError) as exc:
             # as the kubelet: the pod stays Pending (ContainerCreating) and is tried again
             log.warning("pod %s/%s volumes: %s", meta["namespace"], meta["name"], exc)
@@ -487,7 +506,7 @@ class NodeAgent:
     # -- Service names ---------------------------------------------------------------------------
 
     def _sync_services(self) -> None:
-        names: dict[str, str] = {}
+        names: dict[str, str] = dict(self.static_hosts)
         ready = [p for p in self.pods.values()
                  if all(c.ready for c in p.containers) and not p.done()]  # fmt: skip
         for ns in self.namespaces:
@@ -682,8 +701,10 @@ def _memory_kib() -> int:
 def main(argv: list[str]) -> int:
     """Run an agent for the cluster of `argv[0]` (a kubeconfig) until SIGTERM or SIGINT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    kubeconfig, namespaces = argv[0], tuple(argv[1:])
-    agent = NodeAgent(config.new_client_from_config(kubeconfig), namespaces).start()
+    kubeconfig, rest = argv[0], argv[1:]
+    namespaces = tuple(a for a in rest if "=" not in a)
+    hosts = dict(a.split("=", 1) for a in rest if "=" in a)  # NAME=ADDRESS: an /etc/hosts entry
+    agent = NodeAgent(config.new_client_from_config(kubeconfig), namespaces, hosts=hosts).start()
     log.info("node %s serving %s; pods under %s", NODE_NAME, namespaces, agent.workdir)
     stopped = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

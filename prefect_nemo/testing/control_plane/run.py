@@ -100,6 +100,7 @@ class ControlPlane(TokenClientConfig):
         self.started_s = 0.0
         self.agent_unavailable: str | None = None  # why no node agent runs the pods
         self.controllers_unavailable: str | None = None  # why no Trainer + JobSet controllers
+        self.trainer_status_unavailable: str | None = None  # why no Trainer status server
         self.kueue_unavailable: str | None = None  # why no Kueue
         self._owned = True  # False when attached to one started by another process
 
@@ -130,7 +131,9 @@ class ControlPlane(TokenClientConfig):
                 f"--secure-port={api_port}", f"--tls-cert-file={files['cert']}",
                 f"--tls-private-key-file={files['key']}", f"--token-auth-file={files['tokens']}",
                 "--authorization-mode=RBAC", "--service-cluster-ip-range=10.96.0.0/24",
-                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                # its own URL, where it serves the issuer's OIDC discovery: the Trainer's status
+                # server verifies the pods' tokens by it (controllers.py)
+                f"--service-account-issuer={self.url}",
                 f"--service-account-key-file={files['sa_pub']}",
                 f"--service-account-signing-key-file={files['sa_key']}",
                 f"--cert-dir={self.workdir / 'certs'}", "--profiling=false",
@@ -138,7 +141,8 @@ class ControlPlane(TokenClientConfig):
                 # a loopback advertise address is refused by the default lease reconciler
                 "--endpoint-reconciler-type=none",
                 # pods need no `default` ServiceAccount first: no kubelet mounts its token, and
-                # a fresh namespace would race the ServiceAccount controller
+                # a fresh namespace would race the ServiceAccount controller (the Trainer's pods
+                # get `default` from controllers.default_account_policy instead)
                 "--disable-admission-plugins=ServiceAccount",
                 # as kubeadm sets it: pods/log dials a node's InternalIP first (our nodes' names
                 # resolve nowhere)
@@ -198,6 +202,9 @@ class ControlPlane(TokenClientConfig):
             self._spawn("node_agent", [
                 sys.executable, "-m", "prefect_nemo.testing.control_plane.node_agent",
                 str(kubeconfig), OPERATOR_NAMESPACE, controllers.TRAINER_NAMESPACE,
+                # the Trainer's status server: a local process listening on every address
+                *[f"{name}=local" for name in pod_network.service_names(
+                    controllers.STATUS_SERVICE, controllers.TRAINER_SYSTEM_NAMESPACE)],
             ])  # fmt: skip
 
     def _start_controllers(self) -> None:
@@ -209,13 +216,26 @@ class ControlPlane(TokenClientConfig):
         self.controllers_unavailable = controllers.unavailable_reason()
         if self.controllers_unavailable is None:
             namespace = {"metadata": {"name": controllers.TRAINER_NAMESPACE}}
-            for path, body in [("/api/v1/namespaces", namespace), *controllers.rbac()]:
+            for path, body in [("/api/v1/namespaces", namespace), *controllers.rbac(),
+                               *controllers.default_account_policy()]:  # fmt: skip
                 self.request("POST", path, body)
             kubeconfig = self._write_kubeconfig("controllers", self._controllers_token)
-            started, webhooks = controllers.prepare(self.workdir / "controllers", kubeconfig)
+            self.trainer_status_unavailable = controllers.status_unavailable_reason()
+            token = None
+            if self.trainer_status_unavailable is None:
+                for path, body in controllers.status_account():
+                    self.request("POST", path, body)
+                account = (f"/api/v1/namespaces/{controllers.TRAINER_SYSTEM_NAMESPACE}"
+                           f"/serviceaccounts/{controllers.SERVICE_ACCOUNT}/token")  # fmt: skip
+                token = json.loads(self.request("POST", account, {"spec": {}}))["status"]["token"]
+            started, webhooks, objects = controllers.prepare(
+                self.workdir / "controllers", kubeconfig, token
+            )
             for webhook in webhooks:
                 plural = webhook["kind"].lower() + "s"
                 self.request("POST", f"/apis/admissionregistration.k8s.io/v1/{plural}", webhook)
+            for path, body in objects:
+                self.request("POST", path, body)
         setup = None
         if self.kueue_unavailable is None:
             for path, body in kueue.rbac():
@@ -267,7 +287,8 @@ class ControlPlane(TokenClientConfig):
     def save_state(self) -> Path:
         """Describe this running control plane for `attach()`; the file path."""
         state = {"url": self.url, "token": self.token, "ca_pem": (self.ca_pem or b"").decode(),
-                 "pids": self.pids, "workdir": str(self.workdir)}  # fmt: skip
+                 "pids": self.pids, "workdir": str(self.workdir),
+                 "trainer_status_unavailable": self.trainer_status_unavailable}  # fmt: skip
         path = state_file()
         path.write_text(json.dumps(state))
         path.chmod(0o600)
@@ -286,6 +307,10 @@ class ControlPlane(TokenClientConfig):
         plane.url, plane.token = state["url"], state["token"]
         plane.ca_pem, plane.pids = state["ca_pem"].encode(), dict(state["pids"])
         plane._owned = own
+        plane.trainer_status_unavailable = state.get(
+            "trainer_status_unavailable",
+            "the control plane left running predates its status server",
+        )
         if plane.operator and "node_agent" not in plane.pids:
             plane.agent_unavailable = "the control plane left running has no node agent"
         if "jobset-controller" not in plane.pids:

@@ -18,8 +18,11 @@ def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def server_cert_pems(common_name: str = "loopback-kube-apiserver") -> tuple[bytes, bytes, bytes]:
-    """(CA certificate, server certificate, server key) PEMs for 127.0.0.1 and localhost."""
+def server_cert_pems(
+    common_name: str = "loopback-kube-apiserver", dns_names: tuple[str, ...] = ()
+) -> tuple[bytes, bytes, bytes]:
+    """(CA certificate, server certificate, server key) PEMs for 127.0.0.1, localhost and
+    `dns_names`."""
     now = datetime.datetime.now(datetime.UTC)
     valid = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=7))
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -53,7 +56,11 @@ def server_cert_pems(common_name: str = "loopback-kube-apiserver") -> tuple[byte
         .not_valid_after(valid[1])
         .add_extension(
             x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                [
+                    x509.DNSName("localhost"),
+                    *map(x509.DNSName, dns_names),
+                    x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                ]
             ),
             critical=False,
         )

@@ -7,6 +7,9 @@ on one machine, so a mount path (`/workspace/code`) cannot be what it says; each
 private root directory and `PathMapper` rewrites those paths in command lines and env values to
 lie under it. ConfigMap and Secret volumes (plain or projected) are written there as files, as
 the kubelet writes them; emptyDir is a fresh directory; a PVC is one shared directory per claim.
+A projected `serviceAccountToken` is a real TokenRequest for the pod's ServiceAccount, bound to
+the pod (given `pod`), written once: a pod here outlives no token (the kubelet would refresh it
+at 80% of its life).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ def mounted_volumes(
     mapper: PathMapper,
     *,
     pvc_root: Path,
+    pod: Obj | None = None,
 ) -> None:
     """Write every volume that one of `containers` mounts at its mapped mount path (a volume
     mounted twice is written at both paths, as two bind mounts of one directory would show)."""
@@ -57,19 +61,24 @@ def mounted_volumes(
         for mount in container.get("volumeMounts") or []:
             volume = volumes.get(mount["name"])
             if volume is not None:
-                materialise(core, ns, volume, Path(mapper(mount["mountPath"])), pvc_root=pvc_root)
+                materialise(core, ns, volume, Path(mapper(mount["mountPath"])),
+                            pvc_root=pvc_root, pod=pod)  # fmt: skip
 
 
 def materialise(
-    core: client.CoreV1Api, ns: str, volume: Obj, target: Path, *, pvc_root: Path
-) -> None:
+    core: client.CoreV1Api, ns: str, volume: Obj, target: Path, *, pvc_root: Path,
+    pod: Obj | None = None,
+) -> None:  # fmt: skip
     """Make a volume's content appear at target (a path under the pod's root)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     if "configMap" in volume or "secret" in volume:
         write_source(core, ns, volume, target)
     elif "projected" in volume:
         for source in volume["projected"].get("sources") or []:
-            write_source(core, ns, source, target)
+            if "serviceAccountToken" in source and pod is not None:
+                write_token(core, pod, source["serviceAccountToken"], target)
+            else:
+                write_source(core, ns, source, target)
     elif "persistentVolumeClaim" in volume:
         shared = pvc_root / ns / volume["persistentVolumeClaim"]["claimName"]
         shared.mkdir(parents=True, exist_ok=True)
@@ -101,6 +110,23 @@ def write_source(core: client.CoreV1Api, ns: str, source: Obj, target: Path) -> 
         dest = target / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_bytes(data[k])
+
+
+def write_token(core: client.CoreV1Api, pod: Obj, source: Obj, target: Path) -> None:
+    """A projected serviceAccountToken: the pod's ServiceAccount's token for the source's
+    audience and life, bound to the pod (so it dies with it), as the kubelet requests it."""
+    meta = pod["metadata"]
+    account = pod["spec"].get("serviceAccountName") or "default"
+    spec: Obj = {"expirationSeconds": int(source.get("expirationSeconds") or 3600),
+                 "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"],
+                                    "uid": meta["uid"]}}  # fmt: skip
+    if source.get("audience"):
+        spec["audiences"] = [source["audience"]]
+    made = core.create_namespaced_service_account_token(account, meta["namespace"], {"spec": spec})
+    dest = target / source["path"]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(made.status.token)
+    dest.chmod(0o600)
 
 
 def env_value(core: client.CoreV1Api, ns: str, pod: Obj, item: Obj) -> str:
