@@ -224,9 +224,11 @@ def test_a_high_priority_job_preempts_and_requeues_the_low_one_which_then_comple
     # The job's earliest start time has not yet been reached" (AuthInfo cred_expire: "This also
     # controls how long a requeued job must wait before starting again").
     steps = ["RUNNING|None", "PENDING|BeginTime", "RUNNING|None", "COMPLETED|None"]
-    # passing states a poll may catch: PENDING before the requeue sets the begin time, and
-    # COMPLETING while a run's processes are killed or end
-    passing = ("PENDING|None", "COMPLETING|None")
+    # passing states a poll may catch: PENDING before the requeue sets the begin time,
+    # COMPLETING while a run's processes are killed or end, and PENDING for Resources once the
+    # begin time has passed while the high job still holds the one CPU (job_reason_codes:
+    # "Resources — The job is waiting for resources to become available")
+    passing = ("PENDING|None", "COMPLETING|None", "PENDING|Resources")
     assert [q for q in queue_seen if q not in passing] == steps, queue_seen
     # sacct lags squeue, and for a moment it has only the preempted run (PREEMPTED, ended)
     # while squeue already says PENDING: a poll must not take that for the job's end
