@@ -93,18 +93,31 @@ def test_a_close_does_not_wait_out_the_bound() -> None:
 def test_ray_asks_each_watched_job_only_where_that_costs_less_than_one_list() -> None:
     """The way a Ray poll asks (backends/ray_jobs._AskingCost): the first poll lists; the next
     asks each watched job where they are at most a quarter of the cluster's jobs (to price a
-    get); from then on, whichever way cost less per poll."""
+    get); from then on, whichever way cost less per poll, the way in use left only for one
+    twice as cheap (a slow answer on a loaded machine must not flip it: seen in CI, one get
+    slower than a list of 20 jobs sent the next poll back to listing)."""
     from prefect_nemo.backends.ray_jobs import _AskingCost
 
     cost = _AskingCost()
     assert not cost.each(1), "nothing priced yet: list"
     cost.listed(cluster_jobs=300, took_s=0.070)
     assert cost.each(2) and cost.each(75) and not cost.each(76)
-    cost.asked_each(watched=2, took_s=0.008)  # 4 ms a job
-    assert cost.each(17) and not cost.each(18), "17 x 4 ms < 70 ms <= 18 x 4 ms"
-    cost.listed(cluster_jobs=20, took_s=0.010)  # a young cluster: its list is cheap
-    assert not cost.each(3) and cost.each(2)
+    cost.asked_each(watched=2, took_s=0.008)  # 4 ms a job; asking each now
+    assert cost.each(34) and not cost.each(35), "34 x 4 ms < 2 x 70 ms <= 35 x 4 ms"
     assert not cost.each(0), "nothing watched: nothing to ask"
+
+    young = _AskingCost()  # a young cluster: its list of 80 jobs takes 10 ms
+    young.listed(cluster_jobs=80, took_s=0.010)
+    assert young.each(1)
+    young.asked_each(watched=1, took_s=0.004)
+    young.asked_each(watched=1, took_s=0.012)  # one slow get, slower than the list: kept
+    assert young.each(1)
+    young.asked_each(watched=1, took_s=0.025)  # over twice the list: back to listing
+    assert not young.each(1)
+    young.listed(cluster_jobs=80, took_s=0.010)
+    assert not young.each(1), "listing now: a get must be twice as cheap to ask each again"
+    young.listed(cluster_jobs=300, took_s=0.070)  # the history grew: 2 x 25 ms < 70 ms
+    assert young.each(1) and not young.each(2)
 
 
 def test_the_clock_counts_queue_time_apart_from_active_time() -> None:

@@ -162,14 +162,18 @@ class _AskingCost:
     for the few jobs a flow watches (measured on a local head holding 300 jobs: one list took
     70 ms and 90 ms of the head's CPU, one get_job_info 4 ms). The first poll lists, which also
     tells how many jobs the cluster holds; where the watched jobs are a small share of those,
-    the next poll asks each; from then on, the way that costs less per poll is taken."""
+    the next poll asks each; from then on, the way that costs less per poll is taken, and the
+    way in use is left only for one SWITCH_MARGIN times cheaper (one slow answer on a loaded
+    machine must not flip it back and forth)."""
 
     EXPLORE_SHARE = 0.25  # ask each (to price it) when watching at most this share of the jobs
+    SWITCH_MARGIN = 2.0
 
     def __init__(self) -> None:
         self.list_s: float | None = None  # what the last list_jobs took
         self.cluster_jobs = 0  # how many jobs it returned
         self.get_s: float | None = None  # one get_job_info, on the last poll that asked each
+        self.asking_each = False  # the way the last poll took
 
     def each(self, watched: int) -> bool:
         """Ask each watched job this poll (else list them all)."""
@@ -177,15 +181,18 @@ class _AskingCost:
             return False
         if self.get_s is None:
             return watched <= self.EXPLORE_SHARE * self.cluster_jobs
-        return watched * self.get_s < self.list_s
+        each_s = watched * self.get_s
+        if self.asking_each:
+            return each_s < self.SWITCH_MARGIN * self.list_s
+        return self.SWITCH_MARGIN * each_s < self.list_s
 
     def listed(self, cluster_jobs: int, took_s: float) -> None:
         """A poll listed the cluster's `cluster_jobs` jobs in `took_s`."""
-        self.list_s, self.cluster_jobs = took_s, cluster_jobs
+        self.list_s, self.cluster_jobs, self.asking_each = took_s, cluster_jobs, False
 
     def asked_each(self, watched: int, took_s: float) -> None:
         """A poll asked each of `watched` jobs in `took_s`."""
-        self.get_s = took_s / watched
+        self.get_s, self.asking_each = took_s / watched, True
 
 
 _clients: dict[tuple[object, ...], TimedJobClient] = {}
