@@ -63,13 +63,14 @@ INIT_SCRIPT_URL = "https://raw.githubusercontent.com/leptonai/scripts/main/lepto
 #: What an executed pod's image adds to this machine's userland, read by bash (BASH_ENV) before
 #: the pod's command: pods here reach no network, so `wget` serves Lepton's init script only (a
 #: stand-in mapping Lepton's rank variables to torch's, as the real one does); and a pod has a
-#: root of its own, so a top-level path this machine lacks (NeMo-Run's `ln -s <job dir>
-#: /nemo_run`, then `cd /nemo_run/code`) lives under the replica's own directory.
+#: root of its own, so a top-level path this machine lacks, and NeMo-Run's /nemo_run always
+#: (`ln -s <job dir> /nemo_run`, then `cd /nemo_run/code`; another test may have made one on
+#: the host), lives under the replica's own directory.
 POD_IMAGE = r"""
 _pod_path() {
   case "$1" in
     /*) local rest="${1#/}"; local top="/${rest%%/*}"
-        if [ ! -e "$top" ] && [ ! -L "$top" ]; then
+        if [ "$top" = /nemo_run ] || { [ ! -e "$top" ] && [ ! -L "$top" ]; }; then
           printf '%s' "$LOOPBACK_LEPTON_POD_ROOT$1"; return
         fi ;;
   esac
