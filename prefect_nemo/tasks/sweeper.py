@@ -268,7 +268,7 @@ def sweep(
         shapes = submitted_shapes(handles.values())
         with ThreadPoolExecutor(max_workers=min(16, len(todo))) as pool:
             futures = [
-                pool.submit(_stop_in, contextvars.copy_context(), judged[n],
+                pool.submit(_stop_in, contextvars.copy_context(), judged[n], handles[n],
                             shapes.get(handles[n].resource_id))
                 for n in todo
             ]  # fmt: skip
@@ -301,14 +301,20 @@ def _targets(blocks: Sequence[ClusterBlock | str], run: Any) -> list[tuple[str, 
 def _stop_in(
     context: contextvars.Context,
     judged: tuple[Any, ClusterBlock, OwnedJob, Verdict],
+    handle: JobHandle,
     shape: JobShape | None,
 ) -> Verdict:
     """`_stop` of one judged job, run in `context` (a typed spelling of context.run(_stop, ...))."""
-    return context.run(_stop, *judged, shape)
+    return context.run(_stop, *judged, handle, shape)
 
 
 def _stop(
-    backend: Any, block: ClusterBlock, job: OwnedJob, verdict: Verdict, shape: JobShape | None
+    backend: Any,
+    block: ClusterBlock,
+    job: OwnedJob,
+    verdict: Verdict,
+    handle: JobHandle,
+    shape: JobShape | None,
 ) -> Verdict:
     try:
         # a sweep does not wait long for one stop (a PENDING Ray job's stop waits for resources):
@@ -327,7 +333,6 @@ def _stop(
         "wasted_gpu_hours": hours,
         "wasted_cost": cost(hours, block.gpu_hour_price) if hours is not None else None,
     }
-    handle: JobHandle = backend.handle(job.job_id)
     emit(
         SWEPT_EVENT,
         job_resource(handle),
