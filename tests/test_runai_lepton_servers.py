@@ -537,6 +537,12 @@ def test_lepton_executes_pods_when_asked(tmp_path: Path, monkeypatch: pytest.Mon
                 break
         return text
 
+    def host_nemo_run() -> list[str] | None:
+        """This machine's /nemo_run as it stands (an earlier, broken run may have left one)."""
+        top = Path("/nemo_run")
+        return sorted(p.name for p in top.iterdir()) if top.is_dir() else None
+
+    before = host_nemo_run()
     with LeptonServer(start_s=0.05, execute=True) as server:
         for key, value in server.env().items():
             monkeypatch.setenv(key, value)
@@ -559,7 +565,7 @@ def test_lepton_executes_pods_when_asked(tmp_path: Path, monkeypatch: pytest.Mon
         (proc,) = server.jobs["gone-job"].processes
         gone.cancel("gone-job")  # DELETE
         assert proc.wait(5) != 0
-        assert not Path("/nemo_run").exists(), "the pod's /nemo_run is its own, not this machine's"
+        assert host_nemo_run() == before, "the pod's /nemo_run is its own, not this machine's"
         last = launch("last-job", "sleep 60")
         wait_for(lambda: last.status("last-job") is LeptonJobState.Running)
         (proc,) = server.jobs["last-job"].processes
