@@ -60,8 +60,10 @@ test:
 	@MAKE="$(MAKE)" scripts/timed-phases install system lint docs control-plane test-core test-extras
 
 # --durations: CI's log names the slowest tests of each phase (the budget is 20 minutes in all).
-# Two workers, each taking whole files: most real-engine tests wait on a cluster, not on a core.
-PYTEST_WORKERS := -n 2 --dist loadfile
+# WORKERS workers, each taking whole files: most real-engine tests wait on a cluster, not on a
+# core (two workers kept the 2 cores ~60 % busy).
+WORKERS ?= 2
+PYTEST_WORKERS := -n $(WORKERS) --dist loadfile
 test-core: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_WORKERS) -m "not nemo_run"
 

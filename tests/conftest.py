@@ -86,21 +86,34 @@ ONE_CONTROL_PLANE = (
 )
 
 
+# The files that fill the local Slurm's small partitions (the one-job queue partition, the
+# low/high pair that preempts): one work unit, so no other file's jobs wait in their queue.
+ONE_SLURM_QUEUE = (
+    "tests/test_local_slurm_queues.py",
+    "tests/test_slurm_recovery.py",
+    "tests/test_nemo_run_slurm_queues.py",
+)
+#: work unit -> its files, each unit run whole by one worker
+ONE_WORKER = {"real-control-plane": ONE_CONTROL_PLANE, "slurm-queues": ONE_SLURM_QUEUE}
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which would return its plain loadfile
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """`--dist loadfile`, with the ONE_CONTROL_PLANE files as one unit. (xdist hands out the
-    files with the most tests first, LONGEST_FIRST only among equals; handing them out in our
+    """`--dist loadfile`, with each ONE_WORKER group of files as one unit. (xdist hands out the
+    units with the most tests first, LONGEST_FIRST only among equals; handing them out in our
     order made the Lepton real-Ray test fail after some earlier file on its worker, not found.)"""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    class OneControlPlane(LoadFileScheduling):
+    unit_of = {file: unit for unit, files in ONE_WORKER.items() for file in files}
+
+    class SharedEnginesWhole(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             scope = super()._split_scope(nodeid)
-            return "real-control-plane" if scope in ONE_CONTROL_PLANE else scope
+            return unit_of.get(scope, scope)
 
-    return OneControlPlane(config, log)
+    return SharedEnginesWhole(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: `-m compat` must see the marks

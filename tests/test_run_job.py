@@ -27,7 +27,7 @@ from prefect_nemo import (
 )
 from prefect_nemo.blocks import RayJobsCluster
 from prefect_nemo.tasks.reporting import job_rows
-from tests.conftest import jobs_of_run, wait_until
+from tests.conftest import job_events, jobs_of_run, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -42,8 +42,15 @@ def test_run_job_success_streams_logs_and_reports(cluster, prefect_api, caplog):
     assert result.state is JobState.SUCCEEDED
     assert result.duration_s is not None and result.duration_s > 0
     assert "hello-from-ray" in caplog.text  # the job's log reached the run logger
-    assert f"job {result.handle.job_id} is SUCCEEDED" in caplog.text
-    assert result.handle.links["dashboard"].endswith(result.handle.job_id)
+    job_id = result.handle.job_id
+    assert f"job {job_id} is SUCCEEDED" in caplog.text
+    assert result.handle.links["dashboard"].endswith(job_id)
+    # one line a state: the "submitted" line says a new job is pending, its event still goes
+    assert f"submitted job {job_id} on " in caplog.text
+    assert f"job {job_id} is PENDING" not in caplog.text
+    sent = [e["event"] for e in job_events(prefect_api, result.handle.resource_id,
+                                           until="prefect-nemo.job.succeeded")]  # fmt: skip
+    assert sent[:2] == ["prefect-nemo.job.submitted", "prefect-nemo.job.pending"], sent
 
     rows = job_rows(str(state.state_details.flow_run_id))
     assert [(r["job_id"], r["state"]) for r in rows] == [(result.handle.job_id, "SUCCEEDED")]

@@ -20,7 +20,7 @@ from prefect.states import Cancelling
 
 from prefect_nemo import BackendUnavailable, JobSpec, run_job, slurm_ray_cluster
 from prefect_nemo.blocks.slurm import SlurmCluster
-from prefect_nemo.local_ray import free_port
+from prefect_nemo.local_ray import free_ports
 from tests.conftest import wait_until
 from tests.test_nemo_run_slurm import slurm_block
 
@@ -39,6 +39,39 @@ RAY_PORTS = (
     "DASHBOARD_AGENT_GRPC_PORT",
     "METRICS_EXPORT_PORT",
 )
+#: NeMo-Run's template gives each node's Ray workers the ports MIN_WORKER_PORT..MAX_WORKER_PORT,
+#: 54001-54257 by default (the worker node's shifted by the shim's 100), and Ray refuses to
+#: start a node one of whose fixed ports lies in that range.
+WORKER_PORTS = range(54001, 54257 + 100 + 1)
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def ray_ports() -> dict[str, str]:
+    """A port for each of RAY_PORTS: free now, as is the worker node's (the port + 100); all
+    different, and none inside either node's worker ports. (CI, twice: a free port given to
+    the object manager became 54357 on the worker node, and its `ray start` failed.)"""
+    chosen: list[int] = []
+    while len(chosen) < len(RAY_PORTS):
+        for port in free_ports(len(RAY_PORTS)):
+            taken = {q for c in chosen for q in (c, c + 100)}
+            if (
+                port not in WORKER_PORTS
+                and port + 100 not in WORKER_PORTS
+                and not {port, port + 100} & taken
+                and _bindable(port + 100)
+            ):
+                chosen.append(port)
+    return {name: str(port) for name, port in zip(RAY_PORTS, chosen, strict=False)}
+
+
 # NeMo-Run's template gives every node {"worker_units": 8} (its gpus_per_node=8)
 DRIVER = """\
 import ray
@@ -61,7 +94,7 @@ def multi_block(slurm, tmp_path: Path, prefect_api: str) -> SlurmCluster:
             "partition": slurm.multi_partition,
             "cpus_per_task": 1,
             "setup_lines": f"export PATH={site}:{venv}:$PATH",
-            "env": {name: str(free_port()) for name in RAY_PORTS},
+            "env": ray_ports(),
         }
     )
 
@@ -136,6 +169,24 @@ def test_a_cluster_that_does_not_come_up_is_cancelled_and_the_flow_fails(slurm, 
 
     with pytest.raises(BackendUnavailable, match=f"Ray cluster '{name}'.*did not come up"):
         rl()
+    assert _queued(slurm, f"{slurm.account}-{slurm.account}.{name}") == []
+
+
+def test_a_cluster_whose_ray_fails_to_start_fails_with_the_logs_last_lines(slurm, multi_block):
+    """Ray's start fails on the head node: the allocation ends FAILED, and the error carries the
+    last lines of its logs (the head's says why), not only where they are."""
+    name = f"ray-{uuid.uuid4().hex[:6]}"
+
+    @flow
+    def rl():
+        broken = ["echo 'head-start-broke: no such venv' >&2; exit 7"]
+        with slurm_ray_cluster(multi_block, name=name, pre_ray_start_commands=broken):
+            raise AssertionError("never reached")
+
+    with pytest.raises(BackendUnavailable, match=f"'{name}'.*before Ray was ready") as raised:
+        rl()
+    error = str(raised.value)
+    assert "their last lines:" in error and "head-start-broke: no such venv" in error, error
     assert _queued(slurm, f"{slurm.account}-{slurm.account}.{name}") == []
 
 

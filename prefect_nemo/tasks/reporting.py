@@ -111,7 +111,8 @@ def job_resource(handle: JobHandle) -> dict[str, str]:
 class JobReporter:
     """Reports jobs into the current Prefect run: the `lifecycle.JobObserver` of our tasks.
 
-    One log line and one `prefect-nemo.job.<state>` event per state change (`queued` carries
+    One log line (but none for a job we just submitted turning PENDING: its "submitted" line
+    said so) and one `prefect-nemo.job.<state>` event per state change (`queued` carries
     the queue, the scheduler's reason and place; `preempted` and `admitted` mark the ways into
     and out of the queue, with the wait), a row per job in the run's job table, the job's log
     lines in the task's log, and its teardown tracked by the run while it is live. The job's
@@ -133,6 +134,7 @@ class JobReporter:
         self.log_storage = log_storage  # the storage block saved logs are copied into, if any
         self._log_links: dict[str, str] = {}  # job -> where its saved log is
         self._last_state: dict[str, JobState] = {}
+        self._announced: set[str] = set()  # jobs whose "submitted" line was logged
         # reports arrive on the log pump's thread: events made there carry this run's related
         # resources (flow run, task run, deployment) from the context the task made us in
         self._context = contextvars.copy_context()
@@ -152,6 +154,8 @@ class JobReporter:
         """Log, emit `submitted`/`attached` (with the job's GPUs, where known: the sweeper
         prices the jobs of a run that died by them), add the job's row."""
         verb = "attached to existing" if attached else "submitted"
+        if not attached:
+            self._announced.add(handle.job_id)
         link = handle.links.get("dashboard", "")
         say(self.run, logging.INFO, f"{verb} job {handle.job_id} on {handle.cluster} {link}")
         if drift:
@@ -204,7 +208,9 @@ class JobReporter:
         elif status.state.is_terminal() and message:
             line += f": {message.splitlines()[0]}"
         level = logging.ERROR if status.state is JobState.FAILED else logging.INFO
-        say(self.run, level, line)
+        if not (previous is None and status.state is JobState.PENDING and handle.job_id in
+                self._announced):  # fmt: skip
+            say(self.run, level, line)  # a new job's "submitted" line says it is pending
         payload: dict[str, Any] = {
             "state": status.state.value, "message": message, "exit_code": status.exit_code,
         }  # fmt: skip

@@ -23,9 +23,12 @@ from prefect_nemo.backends.nemo_run.slurm.accounting import SLURM_STATES, owner_
 from prefect_nemo.backends.nemo_run.slurm.executor import SlurmBackend
 from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec
 from prefect_nemo.jobs import JobSpec
+from prefect_nemo.redaction import Redactor
 
 #: Where the clusters' dirs go, under the block's remote job dir (NeMo-Run's cluster_dir).
 CLUSTERS_DIR = "ray-clusters"
+#: How much of the allocation's logs a startup error carries: lines per log, characters in all.
+LOG_TAIL_LINES, LOG_TAIL_CHARS = 12, 4000
 
 
 class SlurmRay:
@@ -148,15 +151,28 @@ class SlurmRay:
             if state == "NOT_FOUND" or (ended is not None and ended.is_terminal()):
                 raise BackendUnavailable(
                     f"Ray cluster '{self.name}' (Slurm job {self.slurm_job_id}) ended {state} "
-                    f"before Ray was ready; its logs are in {self.cluster_dir}/logs"
+                    f"before Ray was ready; {self._logs_tail()}"
                 )
             if time.monotonic() > deadline:
                 raise BackendUnavailable(
                     f"Ray cluster '{self.name}' (Slurm job {self.slurm_job_id}) did not come "
-                    f"up within {self.ready_timeout_s:g}s (Slurm state {state}); its logs are "
-                    f"in {self.cluster_dir}/logs"
+                    f"up within {self.ready_timeout_s:g}s (Slurm state {state}); "
+                    f"{self._logs_tail()}"
                 )
             time.sleep(poll_s)
+
+    def _logs_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """Where the allocation's logs are and their last lines (the batch script's, the head's,
+        each worker's): why Ray did not start, told to someone with no login to the cluster."""
+        logs = f"{self.cluster_dir}/logs"
+        try:
+            out = self.slurm.run(f"tail -n {lines} {shlex.quote(logs)}/*.log", warn=True).stdout
+        except Exception as exc:  # the error it goes into matters more than this detail
+            return f"its logs are in {logs} (not read: {exc})"
+        tail = Redactor(self.slurm.secrets)(out.strip())[-LOG_TAIL_CHARS:]
+        if not tail:
+            return f"its logs are in {logs} (none written)"
+        return f"its logs are in {logs}; their last lines:\n{tail}"
 
     def delete(self, *, timeout_s: float = 60.0) -> str:
         """scancel the allocation and wait until squeue no longer lists it; never raises,
