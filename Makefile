@@ -62,7 +62,7 @@ test:
 # --durations: CI's log names the slowest tests of each phase (the budget is 20 minutes in all).
 # WORKERS workers, each taking whole files: most real-engine tests wait on a cluster, not on a
 # core (two workers kept the 2 cores ~60 % busy).
-WORKERS ?= 2
+WORKERS ?= 4
 PYTEST_WORKERS := -n $(WORKERS) --dist loadfile
 test-core: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_WORKERS) -m "not nemo_run"

@@ -32,6 +32,7 @@ from prefect_nemo.backends.kuberay import (
     status_from_rayjob,
     wait_ray_cluster_ready,
 )
+from prefect_nemo.backends.kuberay.manifests import runtime_env_yaml
 from prefect_nemo.kube import CONFIGMAP, POD, RAY_CLUSTER, RAY_JOB, SECRET
 from prefect_nemo.lifecycle import META_FLOW_RUN, META_KEY, META_SPEC
 
@@ -111,6 +112,18 @@ def test_inline_manifest_carries_everything_but_secrets():
     assert (
         secret_manifest(JobSpec(entrypoint="true"), "j", namespace="ns", flow_run_id=None) is None
     )
+
+
+def test_runtime_env_yaml_is_the_text_pyyamls_own_dumper_writes():
+    """runtimeEnvYAML comes from libyaml's emitter (speed); an upgrade must not change the
+    text of the same env (a rerun compares what it would create with what exists)."""
+    env = {
+        "env_vars": {"A": "é█ ünï", "LONG": "x " * 100, "MULTI": "one\ntwo\n", "YES": "yes",
+                     "ZERO": "012", "EMPTY": "", "COLON": "a: b # c", "TAB": "\t tab"},
+        "pip": ["torch==2.5", "numpy"],
+        "config": {"setup_timeout_seconds": 600, "eager": True, "ratio": 2.5, "none": None},
+    }  # fmt: skip
+    assert runtime_env_yaml(env) == yaml.safe_dump(env, sort_keys=True)
 
 
 def test_selector_manifest_has_no_shutdown():

@@ -244,7 +244,7 @@ def check_spec(spec: JobSpec, config: RayJobConfig) -> None:
     if spec.working_dir is not None and config.inline:
         _check_code_submitter(config)
     try:
-        yaml.safe_dump(spec.runtime_env)
+        runtime_env_yaml(spec.runtime_env)
         json.dumps(spec.runtime_env, allow_nan=False)
     except (TypeError, ValueError, yaml.YAMLError) as exc:
         raise InvalidJobSpec(
@@ -316,6 +316,16 @@ def _submitter_shell_would_change(entrypoint: str) -> bool:
         return True
 
 
+#: libyaml's emitter where PyYAML has it (the same text, ~5x faster: a batch of 1,000 RayJobs
+#: dumps 4,000 runtime envs, validation's dry builds included)
+_SAFE_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+
+def runtime_env_yaml(runtime_env: dict[str, Any]) -> str:
+    """A runtime env as the RayJob's runtimeEnvYAML (keys sorted: the same env, the same text)."""
+    return str(yaml.dump(runtime_env, Dumper=_SAFE_DUMPER, sort_keys=True))
+
+
 def rayjob_manifest(
     spec: JobSpec,
     job_id: str,
@@ -340,7 +350,7 @@ def rayjob_manifest(
         "entrypoint": submitted_entrypoint(spec.entrypoint or "", config.submission_mode),
         "jobId": job_id,
         "metadata": {**spec.metadata, **metadata},
-        "runtimeEnvYAML": yaml.safe_dump(runtime_env, sort_keys=True),
+        "runtimeEnvYAML": runtime_env_yaml(runtime_env),
         "submissionMode": config.submission_mode,
     }
     res = spec.resources
