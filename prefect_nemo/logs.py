@@ -34,6 +34,7 @@ class LogFollower:
         self._emitted = 0  # characters of the log whose lines reached the sink
         self._closed = False
         self._future: concurrent.futures.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the pump's, while it streams
 
     def deliver(self, line: str, upto: int) -> None:
         """Pass one streamed line on (ignored once finished); `upto` = log offset after it."""
@@ -50,8 +51,7 @@ class LogFollower:
         with self._lock:
             self._closed = True
             emitted = self._emitted
-        if self._future is not None:
-            self._future.cancel()
+        self._stop_stream()
         try:
             whole = self.backend.logs(self.job_id)
         except Exception as exc:
@@ -60,6 +60,16 @@ class LogFollower:
         for line in whole[emitted:].splitlines():
             self._sink(line)
         return whole
+
+    def _stop_stream(self) -> None:
+        """Cancel the stream on the pump's loop: cancelled here, its future would run the
+        pump's callbacks in this thread, and the last follower's would stop the loop before the
+        next one asked that loop to cancel the stream ("Event loop is closed" in the log)."""
+        future, loop = self._future, self._loop
+        if future is None or loop is None or future.done():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the stream ended with it
+            loop.call_soon_threadsafe(future.cancel)
 
 
 class LogPump:
@@ -88,8 +98,9 @@ class LogPump:
                 )
                 self._thread.start()
             self._following += 1
-            future = asyncio.run_coroutine_threadsafe(_pump(follower, is_done), self._loop)
-        follower._future = future
+            loop = self._loop
+            future = asyncio.run_coroutine_threadsafe(_pump(follower, is_done), loop)
+        follower._future, follower._loop = future, loop
         future.add_done_callback(self._done)
         return follower
 

@@ -145,3 +145,44 @@ def test_the_log_pump_stops_when_nothing_is_followed() -> None:
         assert time.monotonic() < deadline, "the log pump thread did not stop"
         time.sleep(0.01)
     assert got == ["one"]
+
+
+def test_finishing_the_last_stream_while_the_pump_stops_logs_no_error(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """finish() cancels the stream on the pump's own loop. (Cancelled in the finishing thread,
+    its future ran the pump's callbacks there: the last follower's stopped the loop, which closed
+    before the next callback asked it to cancel the stream: "exception calling callback ...
+    Event loop is closed", eight times in one `bench.ray_overhead` run.) The pause after the
+    pump's callback lets the loop close in that gap, every time."""
+    import asyncio
+
+    import prefect_nemo.logs as logs
+
+    done = logs.LogPump._done
+
+    def done_then_pause(self: logs.LogPump, future: Any) -> None:
+        done(self, future)
+        time.sleep(0.3)
+
+    monkeypatch.setattr(logs.LogPump, "_done", done_then_pause)
+
+    class Endless:  # a job whose log stays open
+        async def tail_logs(self, job_id: str):  # type: ignore[no-untyped-def]
+            yield "one\n"
+            await asyncio.sleep(3600)
+
+        def logs(self, job_id: str) -> str:
+            return "one\n"
+
+    caplog.set_level(logging.ERROR, logger="concurrent.futures")
+    for _ in range(3):
+        follower = log_pump.follow(Endless(), "j", lambda line: None, is_done=lambda: False)  # type: ignore[arg-type]
+        time.sleep(0.2)  # streaming
+        follower.finish()
+        deadline = time.monotonic() + 2
+        while any(t.name == "prefect-nemo-logs" for t in threading.enumerate()):
+            assert time.monotonic() < deadline, "the log pump thread did not stop"
+            time.sleep(0.01)
+    assert [r.getMessage() for r in caplog.records if r.name == "concurrent.futures"] == []
+    assert log_pump._following == 0
