@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -114,6 +115,35 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return unit_of.get(scope, scope)
 
     return SharedEnginesWhole(config, log)
+
+
+# `PREFECT_NEMO_TEST_CPU=<file>`: one JSON line per test, its wall and CPU seconds (this worker,
+# the processes under it, the children it reaped), to see what fills the cores under `make test`
+# (a shared engine's own processes, the Ray head, Slurm, the control plane, are not counted).
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    ledger = os.environ.get("PREFECT_NEMO_TEST_CPU")
+    if not ledger:
+        yield
+        return
+    wall, cpu = time.monotonic(), _cpu_s()
+    yield
+    line = {"test": item.nodeid, "wall_s": time.monotonic() - wall, "cpu_s": _cpu_s() - cpu}
+    with open(ledger, "a") as out:
+        out.write(json.dumps(line) + "\n")
+
+
+def _cpu_s() -> float:
+    import resource
+
+    import psutil
+
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:2]) + sum(resource.getrusage(resource.RUSAGE_CHILDREN)[:2])
+    for child in me.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            total += sum(child.cpu_times()[:2])
+    return total
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: `-m compat` must see the marks
