@@ -31,6 +31,8 @@ from prefect_nemo.errors import BackendUnavailable
 log = logging.getLogger(__name__)
 
 DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
+#: How long find_local_ray waits for a Jobs API: at an address it was given, at the default port.
+CONFIGURED_PROBE_S, DEFAULT_PROBE_S = 15.0, 2.0
 
 
 def free_port() -> int:
@@ -273,21 +275,27 @@ def find_local_ray(dashboard_url: str | None = None) -> LocalRayCluster | None:
     URLs, then the default dashboard port; the token comes from Ray's own places
     ($RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token).
     """
-    candidates = (
-        [dashboard_url]
-        + [os.environ.get(v) for v in ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")]
-        + [DEFAULT_DASHBOARD]
-    )
+    configured = [dashboard_url] + [
+        os.environ.get(v) for v in ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
+    ]  # fmt: skip
     token = _ray_token()
-    for url in candidates:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    for url in [*configured, DEFAULT_DASHBOARD]:
         if not url or not url.startswith(("http://", "https://")):
             continue
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # an address someone named gets time to answer from a busy head (CI: 2 s was too
+        # short, and a second cluster was started); the guessed default port only a glance
+        timeout = CONFIGURED_PROBE_S if url in configured else DEFAULT_PROBE_S
         try:
-            if requests.get(f"{url.rstrip('/')}/api/jobs/", headers=headers, timeout=2).ok:
-                return LocalRayCluster(dashboard_url=url.rstrip("/"), token=token)
-        except requests.RequestException:
+            answer = requests.get(f"{url.rstrip('/')}/api/jobs/", headers=headers, timeout=timeout)
+        except requests.RequestException as exc:
+            if url in configured:
+                log.warning("Ray at %s does not answer (%s)", url, type(exc).__name__)
             continue
+        if answer.ok:
+            return LocalRayCluster(dashboard_url=url.rstrip("/"), token=token)
+        if url in configured:
+            log.warning("Ray at %s refused us (HTTP %s)", url, answer.status_code)
     return None
 
 

@@ -28,6 +28,38 @@ def test_default_cluster_reuses_a_running_one(ray_head, monkeypatch):
     assert block.backend().find("no-such-job") is None
 
 
+def test_a_named_ray_that_answers_slowly_is_used_not_replaced(monkeypatch):
+    """An address the user named gets time to answer: a busy head's Jobs API answering in 3 s
+    is the cluster used. (CI, 4 workers on 2 cores: the session's head answered the 2 s probe
+    too late, and default_cluster started a second cluster instead.)"""
+    import http.server
+    import threading
+    import time
+
+    class SlowJobsApi(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            time.sleep(3)
+            body = b"[]"
+            self.send_response(200 if self.path == "/api/jobs/" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowJobsApi)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        monkeypatch.setenv("RAY_API_SERVER_ADDRESS", url)
+        found = local_ray.find_local_ray()
+        assert found is not None and found.dashboard_url == url
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_started_cluster_is_stopped_by_process_group(prefect_api, ray_head, ray_client):
     """Also: a head started later leaves the jobs of an earlier one alone. Ray's job supervisor
     gives a driver RAY_ADDRESS resolved from "auto" in its head's temp dir
