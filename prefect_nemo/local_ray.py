@@ -285,16 +285,17 @@ def find_local_ray(dashboard_url: str | None = None) -> LocalRayCluster | None:
             continue
         # an address someone named gets time to answer from a busy head (CI: 2 s was too
         # short, and a second cluster was started); the guessed default port only a glance
-        timeout = CONFIGURED_PROBE_S if url in configured else DEFAULT_PROBE_S
+        named = url in configured
+        timeout = CONFIGURED_PROBE_S if named else DEFAULT_PROBE_S
         try:
             answer = requests.get(f"{url.rstrip('/')}/api/jobs/", headers=headers, timeout=timeout)
         except requests.RequestException as exc:
-            if url in configured:
+            if named:
                 log.warning("Ray at %s does not answer (%s)", url, type(exc).__name__)
             continue
         if answer.ok:
             return LocalRayCluster(dashboard_url=url.rstrip("/"), token=token)
-        if url in configured:
+        if named:
             log.warning("Ray at %s refused us (HTTP %s)", url, answer.status_code)
     return None
 

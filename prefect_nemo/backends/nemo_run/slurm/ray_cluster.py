@@ -164,12 +164,12 @@ class SlurmRay:
     def _logs_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         """Where the allocation's logs are and their last lines (the batch script's, the head's,
         each worker's): why Ray did not start, told to someone with no login to the cluster."""
-        logs = f"{self.cluster_dir}/logs"
+        logs, redact = f"{self.cluster_dir}/logs", Redactor(self.slurm.secrets)
         try:
             out = self.slurm.run(f"tail -n {lines} {shlex.quote(logs)}/*.log", warn=True).stdout
         except Exception as exc:  # the error it goes into matters more than this detail
-            return f"its logs are in {logs} (not read: {exc})"
-        tail = Redactor(self.slurm.secrets)(out.strip())[-LOG_TAIL_CHARS:]
+            return redact(f"its logs are in {logs} (not read: {exc})")
+        tail = redact(out.strip())[-LOG_TAIL_CHARS:]
         if not tail:
             return f"its logs are in {logs} (none written)"
         return f"its logs are in {logs}; their last lines:\n{tail}"
