@@ -69,6 +69,48 @@ def test_a_job_printing_10000_lines_and_exiting_at_once_loses_none(
     print(f"saved_log_lines={len(saved)} task_log_lines={len(in_task_log)} took_s={took:.1f}")
 
 
+def test_rays_entrypoint_line_never_cuts_a_line_of_a_job_that_prints_at_once(
+    ray_head, ray_client
+) -> None:
+    """Ray's job supervisor writes "Running entrypoint for job <id>: <entrypoint>" through a
+    buffered file it hands to the job's process before flushing it (ray/dashboard/modules/job/
+    job_supervisor.py, `_exec_entrypoint`), so a job that prints at once can have Ray's line land
+    inside one of its own (CI's KubeRay run: "line 0Running entrypoint for job ...: seq -f 'line
+    %05g' 0 9999" then "2606"). Twelve such jobs on the real Ray head: in Ray's own log its line
+    cut a job's line in some of them (6 of 12 here); read through our backend, whole and
+    streamed, every job line is whole and in order, and Ray's line stands on its own."""
+    from prefect_nemo.backends import ray_logs
+
+    backend = ray_head.block().backend()
+    entrypoint, count = "seq -f 'line %06g' 0 99999", 100_000
+    ids = [ray_client.submit_job(entrypoint=entrypoint) for _ in range(12)]
+    for job_id in ids:
+        deadline = time.monotonic() + 120
+        while not ray_client.get_job_status(job_id).is_terminal():
+            assert time.monotonic() < deadline, f"{job_id} did not end"
+            time.sleep(0.2)
+
+    raw = {job_id: ray_client.get_job_logs(job_id) for job_id in ids}
+    cut = [job_id for job_id in ids if ray_logs.cut_at(raw[job_id], job_id) is not None]
+    assert cut, "in none of 12 jobs did Ray's line cut a job line: the race was not played"
+
+    async def streamed(job_id: str) -> str:
+        return "".join([chunk async for chunk in backend.tail_logs(job_id)])
+
+    def check(how: str, job_id: str, text: str) -> None:
+        lines = text.splitlines()
+        assert [ln for ln in lines if ln.startswith("line ")] == expected, (how, job_id)
+        assert f"Running entrypoint for job {job_id}: {entrypoint}" in lines, (how, job_id)
+        assert len(text) == len(raw[job_id]), "the same text, Ray's line moved"
+
+    expected = [f"line {n:06d}" for n in range(count)]
+    for job_id in ids:
+        check("read whole", job_id, backend.logs(job_id))
+    for job_id in cut[:2]:  # Ray's tail takes ~5 s to stream one of these logs
+        check("streamed", job_id, asyncio.run(streamed(job_id)))
+    print(f"rays_line_cut_a_job_line={len(cut)} of {len(ids)}")
+
+
 def test_a_saved_log_is_copied_into_a_storage_block(prefect_api, tmp_path: Path) -> None:
     """ "saved [...] to a Prefect storage block or a local folder by default": the cluster
     block's `log_storage` names a writable file system block; the copy keeps the file's

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
 import functools
 import inspect
@@ -21,6 +22,7 @@ from ray.exceptions import AuthenticationError
 from ray.job_submission import JobDetails, JobSubmissionClient
 
 from prefect_nemo import names
+from prefect_nemo.backends import ray_logs
 from prefect_nemo.errors import (
     AuthenticationFailed,
     BackendUnavailable,
@@ -575,8 +577,14 @@ class RayJobsBackend:
                 raise
 
     def logs(self, job_id: str) -> str:
-        """The job's whole log."""
-        return self._call(lambda: self.client.get_job_logs(job_id))
+        """The job's whole log, Ray's "Running entrypoint" line out of the job's lines."""
+        text = self._call(lambda: self.client.get_job_logs(job_id))
+        if ray_logs.cut_at(text, job_id) is None:
+            return text
+        try:
+            return ray_logs.mended(text, job_id, self._entrypoint(job_id))
+        except RuntimeError:  # the job is gone: its log as Ray wrote it is still the log
+            return text
 
     async def tail_logs(self, job_id: str) -> AsyncGenerator[str, None]:
         """Chunks of the job's log as Ray writes them; ends when the job ends.
@@ -591,11 +599,22 @@ class RayJobsBackend:
             # stream every ~45 s; the watcher, not the socket, decides when a job has ended.
             session.ws_connect(url, ssl=self._ssl_context()) as ws,
         ):
+            mender = ray_logs.LineMender(job_id)
             async for message in ws:
                 if message.type is aiohttp.WSMsgType.TEXT:
-                    yield message.data
+                    text = mender.feed(message.data)
+                    if mender.wants_entrypoint:
+                        mender.entrypoint = await asyncio.to_thread(self._entrypoint, job_id)
+                        text += mender.feed("")
+                    if text:
+                        yield text
                 elif message.type is aiohttp.WSMsgType.ERROR:
                     raise BackendUnavailable(f"log stream of {job_id} broke: {ws.exception()}")
+            if rest := mender.flush():
+                yield rest
+
+    def _entrypoint(self, job_id: str) -> str:
+        return self._call(lambda: self.client.get_job_info(job_id)).entrypoint
 
     def close(self) -> None:
         """Nothing to stop: this backend starts no threads (clients are shared per cluster)."""

@@ -432,11 +432,14 @@ async def poll_logs(
 
     `read_from(job_id, offset)` returns the log's bytes from byte `offset` on (a backend that
     can read only the new part passes it); by default the whole log is re-read through
-    `backend.logs` and cut. The offset counts bytes read, never the text they decode to: a
+    `backend.logs` and cut, and its unfinished last line is left for the next read, which sees
+    it whole (a backend may put its own words back in order up to there: Ray's "Running
+    entrypoint" line). The offset counts bytes read, never the text they decode to: a
     character split between two reads is decoded whole, and a byte that is no UTF-8 (one
     replacement character, three bytes in UTF-8) moves it by one, as it should. A read that
     fails (BackendUnavailable, RuntimeError) is tried again next second."""
     read = read_from or functools.partial(_log_after, backend)
+    whole_lines = read_from is None
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     offset = 0
     while True:
@@ -445,6 +448,8 @@ async def poll_logs(
         data = b""
         with contextlib.suppress(BackendUnavailable, RuntimeError):
             data = await asyncio.to_thread(read, job_id, offset)
+        if whole_lines and not done:
+            data = data[: data.rfind(b"\n") + 1]
         offset += len(data)
         chunk = decoder.decode(data, final=done)
         if chunk:
