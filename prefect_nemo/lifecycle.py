@@ -702,7 +702,7 @@ class _LogStream:
             with contextlib.suppress(ValueError):
                 metrics[name] = float(text)  # "nan" and "inf" too
         total = None if progress.percent is None else 100
-        report = Report(step=progress.percent, total=total, metrics=metrics)
+        report = Report(step=progress.percent, total=total, metrics=metrics, eta_s=progress.eta_s)
         self._supervisor.observer.progress(self._handle, report)
 
     def update(self, status: JobStatus) -> None:

@@ -65,10 +65,12 @@ class JobProgress:
         self.series: dict[str, Series] = {}
         self.dropped_metrics = 0  # names past MAX_METRICS
         self._samples: deque[tuple[float, int]] = deque()  # (monotonic time, step)
+        self.engine_eta_s: float | None = None  # the engine's own ETA, when it reports one
 
     def take(self, report: Report, now: float) -> None:
         """Add one report, made (received) at monotonic time `now`."""
         self.reports += 1
+        self.engine_eta_s = report.eta_s
         if report.total is not None:
             self.total = report.total
         if report.step is not None:
@@ -110,7 +112,11 @@ class JobProgress:
         return (s1 - s0) / (t1 - t0) if t1 > t0 and s1 > s0 else None
 
     def eta_s(self) -> float | None:
-        """Seconds until the last step at the current rate (None without a total or rate)."""
+        """Seconds until the last step: the engine's own estimate where its latest report
+        has one (it knows its step times), else at the current rate (None without a total or
+        rate)."""
+        if self.engine_eta_s is not None:
+            return self.engine_eta_s
         rate = self.steps_per_s()
         if rate is None or self.total is None or self.step is None:
             return None

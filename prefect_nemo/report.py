@@ -57,11 +57,14 @@ STATUS_MAX_METRICS = 256  # the CRD's maxItems
 
 @dataclass(frozen=True)
 class Report:
-    """One report of a job: its step (of total, when known) and metric values."""
+    """One report of a job: its step (of total, when known) and metric values; `eta_s` is the
+    engine's own estimate of the seconds left, where the engine keeps one (the Trainer's
+    estimatedRemainingSeconds), never read from a line."""
 
     step: int | None = None
     total: int | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    eta_s: float | None = None
 
     def as_json(self) -> dict[str, Any]:
         """What the report line carries: step and total when known, metrics JSON-safe."""

@@ -143,10 +143,12 @@ def test_the_engines_progress_counts_only_for_a_job_whose_log_has_no_report_line
 
     from prefect_nemo.jobs import EngineProgress, JobState, JobStatus
     from prefect_nemo.lifecycle import _LogStream
+    from prefect_nemo.progress import JobProgress
     from prefect_nemo.report import Report, format_line
 
     def status(percent: int) -> JobStatus:
-        progress = EngineProgress(percent=percent, metrics={"loss": "0.5", "note": "text"})
+        progress = EngineProgress(percent=percent, eta_s=30 - percent,
+                                  metrics={"loss": "0.5", "note": "text"})  # fmt: skip
         return JobStatus(job_id="j", state=JobState.RUNNING, progress=progress)
 
     def stream(followed: bool) -> tuple[Any, list[Report]]:
@@ -162,7 +164,10 @@ def test_the_engines_progress_counts_only_for_a_job_whose_log_has_no_report_line
     assert seen == []  # the first record waits
     logs._engine_progress(status(20))
     logs._engine_progress(status(20))  # the same record again: nothing new
-    assert seen == [Report(step=20, total=100, metrics={"loss": 0.5})]
+    assert seen == [Report(step=20, total=100, metrics={"loss": 0.5}, eta_s=10)]
+    shown = JobProgress()
+    shown.take(seen[0], now=0.0)
+    assert shown.eta_s() == 10, "the engine's own ETA (the Trainer's estimatedRemainingSeconds)"
     logs._sink(format_line(5, 10, loss=0.4))
     logs._engine_progress(status(30))
     assert [r.step for r in seen] == [20, 5]  # once a line came, lines only
