@@ -382,3 +382,32 @@ def test_block_without_kubeconfig_names_the_fix(
     with pytest.raises(InvalidJobSpec, match=r"KubernetesCluster\.kubeconfig"):
         KubernetesCluster().api()
     assert not os.path.exists(tmp_path / "absent")
+
+
+def test_a_streamed_log_is_remembered_whole_and_the_longest_log_wins() -> None:
+    """A KubeRay job's log stays readable after teardown took its Ray head away: the backend
+    remembers the longest log it read whole or streamed. A streamed one is kept as its chunks
+    and joined when read (joining at every chunk copied the whole log again per chunk: a chatty
+    job's stream cost grew with the square of its log)."""
+    from prefect_nemo.backends._kube_objects import JobMemory
+
+    memory, key = JobMemory(max_logs=2), ("cluster", "job")
+    assert memory.last_log(key) is None
+    streamed = memory.stream_log(key)
+    for n in range(1000):
+        streamed.add(f"line {n}\n")
+    whole = "".join(f"line {n}\n" for n in range(1000))
+    assert memory.last_log(key) == whole
+    assert memory.remember_log(key, "line 0\n") == whole, "a shorter read does not replace it"
+    assert memory.remember_log(key, whole + "line 1000\n") == whole + "line 1000\n"
+
+    again = memory.stream_log(key)  # a broken stream is tailed again from the top
+    again.add("line 0\n")
+    assert memory.last_log(key) == whole + "line 1000\n", "what was gathered before stays"
+    again.add(whole[len("line 0\n") :] + "line 1000\nline 1001\n")
+    assert memory.last_log(key) == whole + "line 1000\nline 1001\n"
+
+    for other in ("a", "b"):  # bounded: the oldest jobs' logs go, read and streamed alike
+        memory.remember_log(("cluster", other), other)
+        memory.stream_log(("cluster", other)).add(other)
+    assert memory.last_log(key) is None

@@ -265,15 +265,38 @@ def pod_failure(
 # What a backend remembers in this process beyond what the API server keeps
 
 
+class StreamedLog:
+    """A log as it streams from its start, kept as its chunks and joined only when read (a
+    join per chunk would copy the whole log again for every chunk)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._chunks: list[str] = []
+        self.size = 0  # characters so far
+
+    def add(self, chunk: str) -> None:
+        with self._lock:
+            self._chunks.append(chunk)
+            self.size += len(chunk)
+
+    def text(self) -> str:
+        with self._lock:
+            if len(self._chunks) > 1:
+                self._chunks = ["".join(self._chunks)]
+            return self._chunks[0] if self._chunks else ""
+
+
 class JobMemory:
     """Per (cluster, job id): whether we deleted the job to stop it (so it reads STOPPED once
-    it is gone, not "missing"), and the last log we read (still readable after teardown took
-    the pods or the Ray head away). One per job kind, shared by its backend instances."""
+    it is gone, not "missing"), and the longest log we read or streamed (still readable after
+    teardown took the pods or the Ray head away). One per job kind, shared by its backend
+    instances."""
 
     def __init__(self, max_logs: int = 256) -> None:
         self._lock = threading.Lock()
         self._deleted: set[tuple[str, str]] = set()
-        self._logs: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._logs: OrderedDict[tuple[str, str], str] = OrderedDict()  # whole reads
+        self._streams: OrderedDict[tuple[str, str], StreamedLog] = OrderedDict()
         self._max_logs = max_logs
 
     def mark_deleted(self, key: tuple[str, str]) -> None:
@@ -292,16 +315,40 @@ class JobMemory:
             return key in self._deleted
 
     def remember_log(self, key: tuple[str, str], text: str) -> str:
-        """Keep the longest log read so far; returns it."""
+        """Keep the longest whole read so far; returns the longest log known (read or
+        streamed)."""
         with self._lock:
             if len(text) >= len(self._logs.get(key, "")):
-                self._logs[key] = text
-                self._logs.move_to_end(key)
-            while len(self._logs) > self._max_logs:
-                self._logs.popitem(last=False)
-            return self._logs.get(key, text)
+                _keep(self._logs, key, text, self._max_logs)
+            return self._longest(key) or text
+
+    def stream_log(self, key: tuple[str, str]) -> StreamedLog:
+        """A new record of the key's log streamed from its start (a stream that broke is
+        tailed again from the top: what the last one gathered stays, as a read)."""
+        with self._lock:
+            old = self._streams.get(key)
+            if old is not None and old.size > len(self._logs.get(key, "")):
+                _keep(self._logs, key, old.text(), self._max_logs)
+            stream = StreamedLog()
+            _keep(self._streams, key, stream, self._max_logs)
+            return stream
 
     def last_log(self, key: tuple[str, str]) -> str | None:
-        """The longest log read so far, or None."""
+        """The longest log read or streamed so far, or None."""
         with self._lock:
-            return self._logs.get(key)
+            return self._longest(key)
+
+    def _longest(self, key: tuple[str, str]) -> str | None:
+        text, stream = self._logs.get(key), self._streams.get(key)
+        if stream is not None and stream.size > len(text or ""):
+            return stream.text()
+        return text
+
+
+def _keep(memory: OrderedDict[tuple[str, str], Any], key: tuple[str, str], value: Any,
+          most: int) -> None:  # fmt: skip
+    """Set the newest entry of a bounded memory, dropping the oldest past `most`."""
+    memory[key] = value
+    memory.move_to_end(key)
+    while len(memory) > most:
+        memory.popitem(last=False)

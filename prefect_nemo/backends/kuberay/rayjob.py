@@ -391,10 +391,9 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
                 if target is not None:
                     break
             await asyncio.sleep(0.5)
-        key, seen = (self.cluster, job_id), ""
+        streamed = self.memory.stream_log((self.cluster, job_id))
         async for chunk in self._ray(target[0]).tail_logs(target[1]):
-            seen += chunk
-            self.memory.remember_log(key, seen)
+            streamed.add(chunk)
             yield chunk
 
     # -- helpers ----------------------------------------------------------------------------------
