@@ -92,31 +92,38 @@ def test_a_close_does_not_wait_out_the_bound() -> None:
 
 def test_ray_asks_each_watched_job_only_where_that_costs_less_than_one_list() -> None:
     """The way a Ray poll asks (backends/ray_jobs._AskingCost): the first poll lists; the next
-    asks each watched job where they are at most a quarter of the cluster's jobs (to price a
+    3 ask each watched job where they are at most a quarter of the cluster's jobs (to price a
     get); from then on, whichever way cost less per poll, the way in use left only for one
-    twice as cheap (a slow answer on a loaded machine must not flip it: seen in CI, one get
-    slower than a list of 20 jobs sent the next poll back to listing)."""
+    twice as cheap, each way priced by the least of its last 3 polls (a slow answer on a loaded
+    machine must not flip it: seen in CI twice, one get slower than twice a list of 20 jobs
+    sent the next poll back to listing)."""
     from prefect_nemo.backends.ray_jobs import _AskingCost
 
     cost = _AskingCost()
     assert not cost.each(1), "nothing priced yet: list"
     cost.listed(cluster_jobs=300, took_s=0.070)
     assert cost.each(2) and cost.each(75) and not cost.each(76)
-    cost.asked_each(watched=2, took_s=0.008)  # 4 ms a job; asking each now
+    for took_s in (0.008, 0.030, 0.009):  # 4 ms a job at best; asking each now
+        assert cost.each(75) and not cost.each(76), "pricing a get: a quarter of the jobs"
+        cost.asked_each(watched=2, took_s=took_s)
     assert cost.each(34) and not cost.each(35), "34 x 4 ms < 2 x 70 ms <= 35 x 4 ms"
     assert not cost.each(0), "nothing watched: nothing to ask"
 
     young = _AskingCost()  # a young cluster: its list of 80 jobs takes 10 ms
     young.listed(cluster_jobs=80, took_s=0.010)
+    for took_s in (0.004, 0.012, 0.025):  # slower than the list, over twice it once: kept
+        assert young.each(1)
+        young.asked_each(watched=1, took_s=took_s)
     assert young.each(1)
-    young.asked_each(watched=1, took_s=0.004)
-    young.asked_each(watched=1, took_s=0.012)  # one slow get, slower than the list: kept
-    assert young.each(1)
-    young.asked_each(watched=1, took_s=0.025)  # over twice the list: back to listing
+    young.asked_each(watched=1, took_s=0.030)
+    young.asked_each(watched=1, took_s=0.022)  # the last 3 all over twice the list: list
     assert not young.each(1)
     young.listed(cluster_jobs=80, took_s=0.010)
     assert not young.each(1), "listing now: a get must be twice as cheap to ask each again"
-    young.listed(cluster_jobs=300, took_s=0.070)  # the history grew: 2 x 25 ms < 70 ms
+    young.listed(cluster_jobs=300, took_s=0.070)  # the history grew: one list says little
+    assert not young.each(1)
+    young.listed(cluster_jobs=300, took_s=0.080)
+    young.listed(cluster_jobs=300, took_s=0.070)  # 3 lists of 70 ms or more: 2 x 22 ms < 70
     assert young.each(1) and not young.each(2)
 
 

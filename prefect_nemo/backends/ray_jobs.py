@@ -11,6 +11,7 @@ import re
 import ssl
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Callable, Collection
 from datetime import UTC, datetime
 from typing import Any, ClassVar, TypeVar
@@ -158,43 +159,48 @@ def unmet(ask: dict[str, float], nodes: list[dict[str, float]]) -> dict[str, flo
 
 
 class _AskingCost:
-    """Which way statuses() asks Ray, by what each way last cost. list_jobs answers for every
+    """Which way statuses() asks Ray, by what each way costs. list_jobs answers for every
     watched job at once, but returns every job the cluster ever ran (Ray keeps them all:
     ray-project/ray#55010), so on a cluster with a long history it costs far more than asking
     for the few jobs a flow watches (measured on a local head holding 300 jobs: one list took
     70 ms and 90 ms of the head's CPU, one get_job_info 4 ms). The first poll lists, which also
     tells how many jobs the cluster holds; where the watched jobs are a small share of those,
-    the next poll asks each; from then on, the way that costs less per poll is taken, and the
-    way in use is left only for one SWITCH_MARGIN times cheaper (one slow answer on a loaded
-    machine must not flip it back and forth)."""
+    the next WINDOW polls ask each (to price a get); from then on, the way that costs less per
+    poll is taken, and the way in use is left only for one SWITCH_MARGIN times cheaper. A way's
+    cost is the least of its last WINDOW polls: a loaded machine only ever adds time to an
+    answer, so one slow answer must not flip the way (seen in CI under 4 test workers: one get
+    slower than twice a list of 20 jobs sent the next poll back to listing)."""
 
     EXPLORE_SHARE = 0.25  # ask each (to price it) when watching at most this share of the jobs
     SWITCH_MARGIN = 2.0
+    WINDOW = 3
 
     def __init__(self) -> None:
-        self.list_s: float | None = None  # what the last list_jobs took
-        self.cluster_jobs = 0  # how many jobs it returned
-        self.get_s: float | None = None  # one get_job_info, on the last poll that asked each
+        self._lists: deque[float] = deque(maxlen=self.WINDOW)  # what the last lists took
+        self._gets: deque[float] = deque(maxlen=self.WINDOW)  # one get, on the last asks
+        self.cluster_jobs = 0  # how many jobs the last list returned
         self.asking_each = False  # the way the last poll took
 
     def each(self, watched: int) -> bool:
         """Ask each watched job this poll (else list them all)."""
-        if self.list_s is None or watched == 0:
+        if not self._lists or watched == 0:
             return False
-        if self.get_s is None:
+        if len(self._gets) < self.WINDOW:  # a get is priced by WINDOW polls of asking each
             return watched <= self.EXPLORE_SHARE * self.cluster_jobs
-        each_s = watched * self.get_s
+        each_s, list_s = watched * min(self._gets), min(self._lists)
         if self.asking_each:
-            return each_s < self.SWITCH_MARGIN * self.list_s
-        return self.SWITCH_MARGIN * each_s < self.list_s
+            return each_s < self.SWITCH_MARGIN * list_s
+        return self.SWITCH_MARGIN * each_s < list_s
 
     def listed(self, cluster_jobs: int, took_s: float) -> None:
         """A poll listed the cluster's `cluster_jobs` jobs in `took_s`."""
-        self.list_s, self.cluster_jobs, self.asking_each = took_s, cluster_jobs, False
+        self._lists.append(took_s)
+        self.cluster_jobs, self.asking_each = cluster_jobs, False
 
     def asked_each(self, watched: int, took_s: float) -> None:
         """A poll asked each of `watched` jobs in `took_s`."""
-        self.get_s, self.asking_each = took_s / watched, True
+        self._gets.append(took_s / watched)
+        self.asking_each = True
 
 
 _clients: dict[tuple[object, ...], TimedJobClient] = {}
