@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -128,8 +129,15 @@ def test_kill_9_then_rerun_attaches_to_the_same_jobs(ray_head, prefect_api, ray_
     assert {j.status.value for j in jobs} == {"SUCCEEDED"}
 
 
-def _outage(proxy: TcpProxy, down_at: float, up_at: float) -> threading.Thread:
+def _outage(
+    proxy: TcpProxy, down_at: float, up_at: float, after: Callable[[], object] | None = None
+) -> threading.Thread:
+    """The proxy down from `down_at` to `up_at` seconds, counted from now or from when `after()`
+    first holds (polled every 0.2 s, for at most 120 s)."""
+
     def run():
+        if after is not None:
+            wait_until(after, 120, "the outage's start", every=0.2)
         time.sleep(down_at)
         proxy.go_down()
         time.sleep(up_at - down_at)
@@ -167,8 +175,13 @@ def test_dashboard_outage_past_budget_stops_the_job(ray_head, prefect_api, ray_c
         def gives_up():
             return run_job(JobSpec(entrypoint="sleep 120", name=name), block)
 
-        # Down for longer than the budget, back in time for the stop to get through.
-        outage = _outage(proxy, down_at=4, up_at=12)
+        # Down for longer than the budget once the job runs (a loaded machine can take 4 s to
+        # submit it: seen in CI), back in time for the stop to get through.
+        def running() -> bool:
+            return any((j.metadata or {}).get(META_KEY, "").endswith(f"/{name}")
+                       and j.status.value == "RUNNING" for j in ray_client.list_jobs())  # fmt: skip
+
+        outage = _outage(proxy, down_at=1, up_at=9, after=running)
         with pytest.raises(BackendUnavailable, match="unreachable for"):
             gives_up()
         outage.join()
