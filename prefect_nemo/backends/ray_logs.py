@@ -22,6 +22,11 @@ def marker(job_id: str) -> str:
     return f"Running entrypoint for job {job_id}: "
 
 
+def ray_line(job_id: str, entrypoint: str) -> str:
+    """Ray's whole line, as its supervisor writes it."""
+    return f"{marker(job_id)}{entrypoint}\n"
+
+
 def cut_at(text: str, job_id: str) -> int | None:
     """Where Ray's line starts inside one of the job's lines, or None (absent, or at a line's
     start, where it cuts nothing)."""
@@ -32,12 +37,11 @@ def cut_at(text: str, job_id: str) -> int | None:
 def mended(text: str, job_id: str, entrypoint: str) -> str:
     """`text` with Ray's line moved to the start of the line it cut (unchanged when it cut
     none, or when what follows the marker is not Ray's whole line)."""
-    at = cut_at(text, job_id)
-    ray_line = marker(job_id) + entrypoint + "\n"
-    if at is None or not text.startswith(ray_line, at):
+    at, line = cut_at(text, job_id), ray_line(job_id, entrypoint)
+    if at is None or not text.startswith(line, at):
         return text
     start = text.rfind("\n", 0, at) + 1
-    return text[:start] + ray_line + text[start:at] + text[at + len(ray_line) :]
+    return text[:start] + line + text[start:at] + text[at + len(line) :]
 
 
 class LineMender:
@@ -79,11 +83,11 @@ class LineMender:
             self._held = text[end:]
             return text[:end]
         if at > 0 and text[at - 1] != "\n":  # Ray's line cut one of the job's
-            ray_line_end = at + len(self._marker) + len(self.entrypoint or "") + 1
-            if self.entrypoint is None or len(text) < ray_line_end:
+            entrypoint = self.entrypoint
+            if entrypoint is None or len(text) < at + len(ray_line(self.job_id, entrypoint)):
                 self._held = text  # until the entrypoint is known and Ray's line is all here
                 return ""
-            text = mended(text, self.job_id, self.entrypoint)
+            text = mended(text, self.job_id, entrypoint)
         self._done, self._held = True, ""
         return text
 
