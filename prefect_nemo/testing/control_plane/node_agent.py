@@ -65,7 +65,7 @@ from typing import Any
 
 from kubernetes import client, config
 
-from prefect_nemo.testing.control_plane.pod_network import PodNetwork, service_names
+from prefect_nemo.testing.control_plane.pod_network import PodNetwork, PoolExhausted, service_names
 from prefect_nemo.testing.operators._node import SimNode
 from prefect_nemo.testing.operators._pod_files import PathMapper, mounted_volumes
 
@@ -277,7 +277,10 @@ class NodeAgent:
                 self._load[bound] += 1
         for obj in listed:
             seen.add(obj["metadata"]["uid"])
-            self._reconcile(obj)
+            try:
+                self._reconcile(obj)
+            except Exception:  # one pod's trouble must not stop the others being watched
+                log.exception("pod %s/%s", obj["metadata"]["namespace"], obj["metadata"]["name"])
         for uid in [uid for uid in self.pods if uid not in seen]:  # deleted at once (grace 0)
             self._forget(self.pods[uid])
         for pod in list(self.pods.values()):
@@ -332,7 +335,11 @@ class NodeAgent:
             # as the kubelet: the pod stays Pending (ContainerCreating) and is tried again
             log.warning("pod %s/%s volumes: %s", meta["namespace"], meta["name"], exc)
             return
-        ip = self.network.allocate()
+        try:
+            ip = self.network.allocate()
+        except PoolExhausted as exc:  # as a CNI out of addresses: Pending, tried again
+            log.warning("pod %s/%s network: %s", meta["namespace"], meta["name"], exc)
+            return
         pod = _Pod(meta["namespace"], meta["name"], meta["uid"], ip, folder,
                    meta.get("labels") or {}, spec.get("restartPolicy", "Always"), mapper,
                    spec["nodeName"], [_Container(c) for c in containers],

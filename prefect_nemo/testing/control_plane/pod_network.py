@@ -41,6 +41,10 @@ def service_names(name: str, namespace: str) -> list[str]:
             f"{name}.{namespace}"]  # fmt: skip
 
 
+class PoolExhausted(RuntimeError):
+    """Every address of the network's /24 is held by a pod."""
+
+
 class PodNetwork:
     """One /24 of pod addresses on `lo` and one block of /etc/hosts entries; `close()` removes
     what it added (also what a killed predecessor with the same subnet left)."""
@@ -50,25 +54,32 @@ class PodNetwork:
             raise RuntimeError(reason)
         self.subnet = self._free_subnet()
         self._marker = f"prefect-nemo pod network {self.subnet}"
-        self._free = list(self.subnet.hosts())[1:]  # .1 left out: a gateway in a real cluster
+        # .1 left out: a gateway in a real cluster
+        self._free: list[ipaddress.IPv4Address] = list(self.subnet.hosts())[1:]
         self._used: set[str] = set()
         self._lock = threading.Lock()
 
     def allocate(self) -> str:
-        """A new pod address, up on `lo`."""
+        """A pod address, up on `lo`: the one free longest (a released address goes to the back
+        of the pool, so a new pod is not at once reachable under its predecessor's address).
+        Raises PoolExhausted when every address is in use."""
         with self._lock:
+            if not self._free:
+                raise PoolExhausted(f"every pod address of {self.subnet} is in use")
             ip = str(self._free.pop(0))
             self._used.add(ip)
         _ip("addr", "add", f"{ip}/32", "dev", "lo")
         return ip
 
     def release(self, ip: str) -> None:
-        """Take a pod address off `lo` (its pod ended)."""
+        """Take a pod address off `lo` (its pod ended) and back into the pool."""
         with self._lock:
             if ip not in self._used:
                 return
             self._used.discard(ip)
         _ip("addr", "del", f"{ip}/32", "dev", "lo", check=False)
+        with self._lock:
+            self._free.append(ipaddress.IPv4Address(ip))
 
     def set_hosts(self, names: Mapping[str, str]) -> None:
         """Make /etc/hosts resolve exactly `names` (name -> address) for this network."""
