@@ -61,6 +61,17 @@ def test_job_through_ssh_completes_with_its_output(slurm: LocalSlurm, tmp_path: 
     assert (tmp_path / "o").read_text() == f"hello from {job_id} on {slurm.node}\n"
 
 
+def test_a_command_over_ssh_runs_in_the_clusters_home_not_the_machine_users(
+    slurm: LocalSlurm,
+) -> None:
+    """bash sources ~/.bashrc for a command sent over ssh (Debian's SSH_SOURCE_BASHRC): the
+    session's home is the cluster's own, so what the machine's user keeps there (here: `pyenv
+    init`, ~100 processes per command) is not run for every command our backend sends."""
+    done = ssh(slurm, "sh", "-c", 'echo "$HOME"; test -e "$HOME/.bashrc" || echo none')
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(slurm.state_dir / "home"), "none"]
+
+
 def test_failing_job_is_failed_with_its_exit_code(slurm: LocalSlurm, tmp_path: Path) -> None:
     job_id = sbatch(slurm, "echo about to fail\nexit 3\n", tmp_path / "o")
 

@@ -211,7 +211,9 @@ def test_a_high_priority_job_preempts_and_requeues_the_low_one_which_then_comple
         for seen, now in ((queue_seen, q), (acct_seen, a)):
             if not seen or seen[-1] != now:
                 seen.append(now)
-        return q.startswith("COMPLETED")
+        # sacct lags squeue (below): the job has ended for both once sacct says so too (CI run
+        # 51 stopped at squeue's COMPLETED and found sacct still at the requeued run's RUNNING)
+        return q.startswith("COMPLETED") and a.startswith("COMPLETED")
 
     _wait_for(low_ran_again, 90, interval=0.2)
     print("low job: squeue", queue_seen, "sacct", acct_seen)
