@@ -401,7 +401,10 @@ def test_a_job_without_a_queue_label_is_left_alone(plane: Any, objects: Any, run
 # -- prefect-nemo's run_job on Kueue ----------------------------------------------------------
 
 
-@flow
+# a short flow-run name of its own: a job's id puts the run's name before the job's within the
+# TrainJob name limit, and a long generated one ("prehistoric-wolverine", CI run 52) cut the job's
+# name that a test looks its TrainJob up by
+@flow(flow_run_name="one-job")
 def one_job(block: Any, spec: JobSpec) -> JobResult:
     return run_job(spec, cluster=block, stream_logs=False)
 

@@ -157,6 +157,9 @@ class NodeAgent:
         names = [NODE_NAME, *(f"{NODE_NAME}-{i}" for i in range(2, nodes + 1))]
         self.nodes = {name: SimNode(self.core, name, self.network) for name in names}
         self.lost: set[str] = set()  # nodes whose power lose_node cut
+        # node -> the addresses of the pods that died with it: held, as a CNI would, until the
+        # node is back (the pod objects still name them; a new pod must not answer at one)
+        self._held: dict[str, list[str]] = {}
         self._load: dict[str, int] = {}  # unfinished pods per node, counted each tick
         self.pods: dict[str, _Pod] = {}  # by uid
         self._stop = threading.Event()
@@ -241,8 +244,8 @@ class NodeAgent:
         self.lost.add(name)
         gone = [pod for pod in self.pods.values() if pod.node == name]
         _kill(gone, signals=(signal.SIGKILL,))
+        self._held.setdefault(name, []).extend(pod.ip for pod in gone)
         for pod in gone:
-            self.network.release(pod.ip)
             self.nodes[name].forget(pod.namespace, pod.name)
             self.pods.pop(pod.uid, None)
         # node_lifecycle_controller.go (tryUpdateNodeHealth): every condition Unknown,
@@ -261,6 +264,8 @@ class NodeAgent:
         self.core.patch_node_status(name, {"status": {"conditions": [
             _ready("True", "KubeletReady", "prefect-nemo node agent")]}})  # fmt: skip
         self.lost.discard(name)
+        for ip in self._held.pop(name, []):
+            self.network.release(ip)
         log.info("node %s back", name)
 
     # -- one pass over the served namespaces -----------------------------------------------------
