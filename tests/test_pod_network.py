@@ -1,7 +1,7 @@
 """The real control plane's pod addresses (`PodNetwork`): real addresses on `lo`, as the node
-agent uses them. CI's run 49 started its 254th pod of the session when every address of the /24
-had been released once but none had gone back to the pool: from then on every new pod stayed
-Pending and the agent's tick failed before it watched the running ones."""
+agent uses them. In CI's run 49 the /24 ran out after 249 pods, most of them long gone: a released
+address never went back to the pool, so from then on no new pod could start and the agent's tick
+failed before it watched the running ones."""
 
 from __future__ import annotations
 
