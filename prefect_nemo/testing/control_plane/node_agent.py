@@ -120,6 +120,7 @@ class _Pod:
     containers: list[_Container] = field(default_factory=list)
     init: list[_Container] = field(default_factory=list)  # run in order before `containers`
     reported: tuple[Any, ...] = ()
+    released: bool = False  # its address is back in the pool (a later pod may hold it now)
 
     def initialized(self) -> bool:
         return all(c.exit_code == 0 for c in self.init)
@@ -159,7 +160,7 @@ class NodeAgent:
         self.lost: set[str] = set()  # nodes whose power lose_node cut
         # node -> the addresses of the pods that died with it: held, as a CNI would, until the
         # node is back (the pod objects still name them; a new pod must not answer at one)
-        self._held: dict[str, list[str]] = {}
+        self._held: dict[str, list[_Pod]] = {}
         self._load: dict[str, int] = {}  # unfinished pods per node, counted each tick
         self.pods: dict[str, _Pod] = {}  # by uid
         self._stop = threading.Event()
@@ -244,7 +245,7 @@ class NodeAgent:
         self.lost.add(name)
         gone = [pod for pod in self.pods.values() if pod.node == name]
         _kill(gone, signals=(signal.SIGKILL,))
-        self._held.setdefault(name, []).extend(pod.ip for pod in gone)
+        self._held.setdefault(name, []).extend(gone)
         for pod in gone:
             self.nodes[name].forget(pod.namespace, pod.name)
             self.pods.pop(pod.uid, None)
@@ -264,8 +265,8 @@ class NodeAgent:
         self.core.patch_node_status(name, {"status": {"conditions": [
             _ready("True", "KubeletReady", "prefect-nemo node agent")]}})  # fmt: skip
         self.lost.discard(name)
-        for ip in self._held.pop(name, []):
-            self.network.release(ip)
+        for pod in self._held.pop(name, []):
+            self._release(pod)
         log.info("node %s back", name)
 
     # -- one pass over the served namespaces -----------------------------------------------------
@@ -506,14 +507,21 @@ class NodeAgent:
                 raise
         pod.reported = key
         if phase != "Running":  # a finished pod's sandbox is gone: so is its address
-            self.network.release(pod.ip)
+            self._release(pod)
 
     def _forget(self, pod: _Pod) -> None:
         _kill([pod])
-        self.network.release(pod.ip)
+        self._release(pod)
         self.nodes[pod.node].forget(pod.namespace, pod.name)  # its log
         self.pods.pop(pod.uid, None)
         log.info("pod %s/%s gone", pod.namespace, pod.name)
+
+    def _release(self, pod: _Pod) -> None:
+        """Give the pod's address back, once: released at its end, it may be a newer pod's by
+        the time the finished pod is deleted."""
+        if not pod.released:
+            pod.released = True
+            self.network.release(pod.ip)
 
     # -- Service names ---------------------------------------------------------------------------
 
