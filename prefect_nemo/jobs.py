@@ -570,6 +570,12 @@ class JobStatus(BaseModel):
     end_time: datetime | None = None
     exit_code: int | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
+    requeues: int | None = Field(
+        None,
+        description="Times the engine says it put the job back in its queue after it ran, "
+        "where it says (Slurm: squeue's RestartCnt, which a PreemptMode=REQUEUE preemption "
+        "raises): a preemption between two polls is counted all the same.",
+    )
     shape: JobShape | None = Field(
         None,
         description="Nodes x GPUs the engine says the job holds, where it says (Kubeflow "

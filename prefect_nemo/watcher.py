@@ -351,7 +351,8 @@ class JobClock:
         self._closed_active_s = 0.0
         self._closed_queued_s = 0.0
         self._closed_running_s = 0.0
-        self.preemptions = 0  # RUNNING -> QUEUED transitions seen
+        # RUNNING -> QUEUED transitions seen, or the engine's count of requeues if higher
+        self.preemptions = 0
         self.last_wait_s: float | None = None  # the last wait in the queue that ended
 
     @property
@@ -361,6 +362,10 @@ class JobClock:
 
     def observe(self, status: JobStatus, now: datetime | None = None) -> None:
         """Take a status: a new state closes the phase before it."""
+        # a step back into the queue is a preemption; the engine's count of requeues, where it
+        # keeps one, also tells of those that happened between two polls
+        stepped_back = status.state is JobState.QUEUED and self._state is JobState.RUNNING
+        self.preemptions = max(self.preemptions + stepped_back, status.requeues or 0)
         if status.state is self._state:
             return
         now = now or datetime.now(UTC)
@@ -376,8 +381,6 @@ class JobClock:
             self._closed_active_s += spent
             if self._state is JobState.RUNNING:
                 self._closed_running_s += spent
-        if status.state is JobState.QUEUED and self._state is JobState.RUNNING:
-            self.preemptions += 1
         self._state, self._since = status.state, now
 
     def _current(self, now: datetime | None) -> float:

@@ -7,6 +7,7 @@ and really runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -106,10 +107,11 @@ def prefect_haystacks(prefect_api: str, flow_run_id: Any, since: str, until: str
 def files_text(*roots: Path) -> str:
     """All files under `roots`, as text (zlib/base64 records included, decoded as found)."""
     texts = []
-    for root in roots:
-        for path in root.rglob("*") if root.exists() else []:
-            if path.is_file():
-                texts.append(path.read_bytes().decode(errors="ignore"))
+    for root in roots:  # os.walk, and a file that vanished skipped: other workers share homes
+        for top, _, names in os.walk(root):
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):
+                    texts.append(Path(top, name).read_bytes().decode(errors="ignore"))
     return "\n".join(texts)
 
 

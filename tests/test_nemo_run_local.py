@@ -13,7 +13,7 @@ from prefect import flow
 from pydantic import SecretStr
 
 from prefect_nemo import DependencyFailed, InvalidJobSpec, JobFailed, JobSpec, JobState, run_job
-from prefect_nemo.backends.nemo_run.isolation import home_files, nemo_run, root_logger_kept
+from prefect_nemo.backends.nemo_run.isolation import home_texts, nemo_run, root_logger_kept
 from prefect_nemo.backends.nemo_run.local import NemoRunLocalBackend
 from prefect_nemo.blocks.base import ClusterBlock
 from prefect_nemo.lifecycle import stop_and_confirm, submit_or_attach
@@ -62,8 +62,8 @@ def test_protocol_success_failure_logs_and_secret_env():
     assert backend.find(job_id).metadata["prefect_nemo.key"] == "x"
     log = backend.logs(job_id)
     assert "greeting=hello world" in log and f"len={len(CANARY)}" in log
-    for path in home_files():
-        assert CANARY not in path.read_text(errors="ignore"), f"secret written to {path}"
+    for path, text in home_texts().items():
+        assert CANARY not in text, f"secret written to {path}"
 
     failing = unique("bad")
     backend.submit(JobSpec(entrypoint="echo boom; exit 4"), failing, {})

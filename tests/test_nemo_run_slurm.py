@@ -393,7 +393,7 @@ def _some_other_host_key(tmp_path: Path) -> str:
 
 
 def test_secrets_appear_nowhere(block, slurm, job_root, prefect_api, caplog, capfd):
-    from prefect_nemo.backends.nemo_run.isolation import home_files
+    from prefect_nemo.backends.nemo_run.isolation import home_texts
 
     caplog.set_level(logging.DEBUG)
     since = datetime.now(UTC).isoformat()
@@ -432,8 +432,8 @@ def test_secrets_appear_nowhere(block, slurm, job_root, prefect_api, caplog, cap
         haystacks["artifacts"] = json.dumps([a.model_dump(mode="json") for a in artifacts])
         haystacks["flow run"] = client.read_flow_run(flow_run_id).model_dump_json()
     haystacks["events"] = _events_of_flow_run(prefect_api, since, flow_run_id)
-    for path in home_files():
-        haystacks[f"NEMORUN_HOME {path}"] = path.read_text(errors="ignore")
+    for path, text in home_texts().items():
+        haystacks[f"NEMORUN_HOME {path}"] = text
     job_output = [p for p in job_root.rglob(f"log-{job_id}_*.out")]
     assert ENV_CANARY in job_output[0].read_text(), "the job got the secret (and printed it)"
     for path in job_root.rglob("*"):

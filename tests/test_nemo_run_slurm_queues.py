@@ -181,6 +181,26 @@ def test_slurm_state_table_follows_squeue_while_it_lists_the_job() -> None:
         assert poll(squeue, sacct) == want, (squeue, sacct)
 
 
+def test_a_slurm_poll_carries_the_jobs_requeue_count_while_squeue_lists_it() -> None:
+    """slurm.conf(5) PreemptMode REQUEUE: "Restarted jobs will have the environment variable
+    SLURM_RESTART_COUNT set to the number of times the job has been restarted"; squeue's
+    RestartCnt is that count. A job preempted within a second of starting runs again before
+    the next poll (CI: polls saw PENDING, QUEUED, RUNNING): its count is what tells of the
+    preemption. sacct's row has no count: once squeue no longer lists the job, none is said."""
+
+    def requeues(squeue: str, sacct: str) -> int | None:
+        out = (f"7|{squeue}|\n" if squeue else "") + "@@\n" + (f"7|{sacct}\n" if sacct else "")
+        return row_status("job", "7", parse_rows(out, {"7"})["7"]).requeues
+
+    preempted_run = "PREEMPTED|0:0|1795873464|1795873465|None|vm-4"
+    done = "COMPLETED|0:0|1795873487|1795873489|BeginTime|vm-4"
+    assert requeues("RUNNING|None|1795873464|low|0", "") == 0
+    assert requeues("RUNNING|None|1795873487|low|1", preempted_run) == 1
+    assert requeues("RUNNING|None|1795873487|low|2", done) == 2, "sacct said the end first"
+    assert requeues("", done) is None
+
+
+# -- a queue where one job fits --------------------------------------------------------------------
 # -- a queue where one job fits --------------------------------------------------------------------
 
 

@@ -16,7 +16,7 @@ import pytest
 
 import prefect_nemo.report as report_module
 from prefect_nemo import InvalidJobSpec, JobSpec, JobStalled
-from prefect_nemo.jobs import JobState
+from prefect_nemo.jobs import JobState, QueueInfo
 from prefect_nemo.progress import MAX_METRICS, MAX_POINTS, JobProgress, Series, svg_line
 from prefect_nemo.report import PREFIX, ProgressCallback, Report, format_line, parse, progress
 from prefect_nemo.watcher import Silence
@@ -307,3 +307,31 @@ def test_a_stall_watch_needs_the_log_streamed():
     spec = JobSpec(entrypoint="true", stall_after_s=60)
     with pytest.raises(InvalidJobSpec, match="stream_logs=True"):
         wait_policy(None, timeout_s=None, queue_timeout_s=None, stream_logs=False, spec=spec)
+
+
+def test_a_preemption_the_polls_missed_is_told_as_the_engine_counts_it(monkeypatch):
+    """A Slurm job preempted within a second of starting is requeued and runs again between
+    two polls: the polls see PENDING, QUEUED (preempted), RUNNING, and later RUNNING again with
+    one more requeue. Each preemption the engine counts (squeue's RestartCnt) gets its
+    `preempted` event, as many as the result's `preemptions` (CI saw 0 events and 0)."""
+    from prefect_nemo.jobs import JobHandle, JobStatus
+    from prefect_nemo.watcher import JobClock
+
+    reporter, events, _ = _reporter(monkeypatch)
+    handle = JobHandle(job_id="j-1", backend="nemo-run-slurm", cluster="c")
+    clock = JobClock()
+    preempted = QueueInfo(queue="low", reason="BeginTime", preempted=True)
+    for state, requeues, queue in [
+        ("PENDING", 0, None), ("QUEUED", 1, preempted), ("RUNNING", 1, None),
+        ("RUNNING", 2, None), ("SUCCEEDED", None, None),
+    ]:  # fmt: skip
+        status = JobStatus(
+            job_id="j-1", state=JobState(state), requeues=requeues, queue=queue,
+            message=f"{state} {requeues}", exit_code=0 if requeues is None else None,
+        )  # fmt: skip
+        clock.observe(status)
+        reporter.changed(handle, status, clock)
+    names = [name.rsplit(".", 1)[1] for name, _ in events]
+    assert names == ["pending", "queued", "preempted", "running", "admitted", "preempted",
+                     "succeeded"], names  # fmt: skip
+    assert clock.preemptions == names.count("preempted") == 2

@@ -83,6 +83,22 @@ def test_a_running_run_that_stopped_renewing_its_lease_is_dead() -> None:
     assert v.stop and "stopped saying it is alive" in v.why
 
 
+def test_a_dead_runs_jobs_are_judged_together_however_far_apart_they_were_submitted() -> None:
+    """ "0 jobs of the killed run still running": with no heartbeat readable yet, a run's newest
+    submission is its last sign of life for all its jobs, so one sweep stops all of them (each
+    job's own submission time had the first-submitted stopped sweeps before the last; CI saw 4
+    of 6 in one sweep on a loaded machine)."""
+    first, last = _job(age_s=LEASE + GRACE + 20), _job(age_s=LEASE + GRACE - 20)
+    assert first.submitted_at is not None and last.submitted_at is not None
+    evidence = Evidence(NOW, {}, {}, {}, {"run-a": _run("RUNNING")}, {"run-a": last.submitted_at})
+    assert not verdict(first, evidence).stop and not verdict(last, evidence).stop
+    later = Evidence(
+        NOW + timedelta(seconds=40), {}, {}, {}, {"run-a": _run("RUNNING")},
+        {"run-a": last.submitted_at},
+    )  # fmt: skip
+    assert verdict(first, later).stop and verdict(last, later).stop
+
+
 def test_a_gone_run_is_dead_and_a_job_without_an_owner_is_left_alone() -> None:
     assert verdict(_job(age_s=LEASE + GRACE + 60), _evidence()).stop
     assert not verdict(_job(owner=None), _evidence()).stop

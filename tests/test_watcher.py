@@ -157,6 +157,22 @@ def test_the_clock_counts_queue_time_apart_from_active_time() -> None:
     assert clock.active_s(t0 + timedelta(seconds=999)) == 16
 
 
+def test_the_clock_counts_a_preemption_between_two_polls_from_the_engines_requeues() -> None:
+    """A job preempted and requeued between two polls is never seen stepping back from RUNNING
+    into the queue; the engine's count of requeues (Slurm's RestartCnt) counts it, and a step
+    the clock saw is not counted twice when the engine's count says the same."""
+    from prefect_nemo.watcher import JobClock
+
+    clock = JobClock()
+    for state, requeues in [("PENDING", 0), ("QUEUED", 1), ("RUNNING", 1), ("RUNNING", 2)]:
+        clock.observe(JobStatus(job_id="j", state=JobState(state), requeues=requeues))
+    assert clock.preemptions == 2
+    seen = JobClock()
+    for state, requeues in [("RUNNING", 0), ("QUEUED", 1), ("RUNNING", 1), ("QUEUED", None)]:
+        seen.observe(JobStatus(job_id="j", state=JobState(state), requeues=requeues))
+    assert seen.preemptions == 2, "one step seen with the count, one without"
+
+
 def test_a_clock_that_attaches_to_a_running_job_counts_from_its_start() -> None:
     """Re-attaching after a crash never extends the timeout: a job first seen RUNNING counts
     from the start its cluster recorded."""

@@ -134,6 +134,7 @@ class JobReporter:
         self.log_storage = log_storage  # the storage block saved logs are copied into, if any
         self._log_links: dict[str, str] = {}  # job -> where its saved log is
         self._last_state: dict[str, JobState] = {}
+        self._preemptions: dict[str, int] = {}  # job -> preemptions its events have told
         self._announced: set[str] = set()  # jobs whose "submitted" line was logged
         # reports arrive on the log pump's thread: events made there carry this run's related
         # resources (flow run, task run, deployment) from the context the task made us in
@@ -185,9 +186,13 @@ class JobReporter:
         run's GPU-hours artifact."""
         previous = self._last_state.get(handle.job_id)
         queue = status.queue
+        preempted = self._new_preemptions(handle, status, previous, clock)
         if previous is status.state:
             if status.state is JobState.QUEUED and queue is not None:
                 self._row(handle, _queue_fields(queue, clock))
+            for _ in range(preempted):  # preempted and running again between two polls
+                self._emit(handle, "preempted", {"state": status.state.value,
+                                                 "message": self.redact(status.message)})
             return
         if previous is not None and previous.is_waiting() and _it_ran(status):
             # seen waiting, then ended: it ran between two polls. Say RUNNING (and admitted)
@@ -229,9 +234,9 @@ class JobReporter:
             if usage.nodes * usage.gpus_per_node > 0:  # a CPU job gets no GPU-hours table
                 _usage.add(self.run.flow_run_id, experiment, job, state, usage)
         self._emit(handle, status.state.value.lower(), payload)
-        if status.state is JobState.QUEUED and previous is JobState.RUNNING:
+        for _ in range(preempted):
             self._emit(handle, "preempted", payload)
-        elif previous is JobState.QUEUED and not status.state.is_terminal():
+        if previous is JobState.QUEUED and not status.state.is_terminal():
             waited = clock.last_wait_s if clock is not None else None
             self._emit(handle, "admitted", {**payload, "this_wait_s": waited})
         fields: dict[str, Any] = {
@@ -253,6 +258,19 @@ class JobReporter:
                 gpu_hours=round(usage.gpu_hours, 4), cost=usage.cost,
             )  # fmt: skip
         self._row(handle, fields)
+
+    def _new_preemptions(
+        self, handle: JobHandle, status: JobStatus, previous: JobState | None,
+        clock: JobClock | None,
+    ) -> int:
+        """How many preemptions this status shows that no `preempted` event told yet: as the
+        clock counts them (it also takes the engine's count of requeues, which sees those
+        between two polls); without a clock, a step from RUNNING back into the queue."""
+        if clock is None:
+            return int(status.state is JobState.QUEUED and previous is JobState.RUNNING)
+        told = self._preemptions.get(handle.job_id, 0)
+        self._preemptions[handle.job_id] = max(told, clock.preemptions)
+        return max(0, clock.preemptions - told)
 
     def _queue_payload(self, queue: QueueInfo) -> dict[str, Any]:
         data = queue.model_dump(mode="json")

@@ -31,7 +31,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -105,6 +105,8 @@ class Evidence:
     run_beats: dict[str, Beat]  # flow run id -> newest heartbeat of the run
     pending: dict[tuple[str, str], datetime]  # (cluster, job id) -> newest stop-pending record
     runs: dict[str, Any]  # flow run id -> FlowRun (absent: no such run)
+    # flow run id -> the newest submission among its listed jobs: the run was alive then
+    run_submitted: dict[str, datetime] = field(default_factory=dict)
 
 
 def judge(
@@ -137,11 +139,13 @@ def judge(
         dead_since = run.state.timestamp
         why = f"its flow run is {state.value}"
     else:
-        # the job's submission stands in for its heartbeat until one names it (a later lease
-        # must not outlast the heartbeats of a run killed just after it submitted)
+        # the run's newest submission stands in for its heartbeat until one is readable (a
+        # later lease must not outlast the heartbeats of a run killed just after it submitted);
+        # the run's, not the job's: a dead run's jobs die together, whenever each was submitted
         signs = [beat, evidence.run_beats.get(owner)]
-        if job.submitted_at is not None and not any(signs):
-            signs.append(Beat(job.submitted_at, job.submitted_at + timedelta(seconds=lease_s)))
+        submitted = evidence.run_submitted.get(owner, job.submitted_at)
+        if submitted is not None and not any(signs):
+            signs.append(Beat(submitted, submitted + timedelta(seconds=lease_s)))
         dead_since = max((b.until for b in signs if b is not None), default=evidence.now)
         if dead_since > evidence.now:
             return verdict(False, f"its run is {state.value if state else 'unknown'} and alive")
@@ -152,12 +156,18 @@ def judge(
     return verdict(True, f"{why} ({dead_for:.0f}s, past the grace of {grace_s:g}s)")
 
 
-def gather_evidence(owners: Iterable[str], lease_s: float) -> Evidence:
+def gather_evidence(jobs: Sequence[OwnedJob], lease_s: float) -> Evidence:
     """Recent heartbeats (ours carry their lease; Prefect's own get `lease_s`; each vouches
     EVENTS_DELAY_S longer, as newer ones may not be readable yet), stop-pending
-    records, and the owner runs, from the Prefect API: three reads, whatever the number of
-    jobs."""
+    records, and the owner runs of `jobs`, from the Prefect API: three reads, whatever the
+    number of jobs."""
     now = datetime.now(UTC)
+    run_submitted: dict[str, datetime] = {}
+    for job in jobs:
+        if job.flow_run_id and job.submitted_at is not None:
+            newest = run_submitted.get(job.flow_run_id, job.submitted_at)
+            run_submitted[job.flow_run_id] = max(newest, job.submitted_at)
+    owners = run_submitted.keys() | {job.flow_run_id for job in jobs if job.flow_run_id}
     beats: dict[tuple[str, str], Beat] = {}
     run_beats: dict[str, Beat] = {}
     pending: dict[tuple[str, str], datetime] = {}
@@ -190,7 +200,7 @@ def gather_evidence(owners: Iterable[str], lease_s: float) -> Evidence:
             if ids
             else []
         )
-    return Evidence(now, beats, run_beats, pending, {str(r.id): r for r in runs})
+    return Evidence(now, beats, run_beats, pending, {str(r.id): r for r in runs}, run_submitted)
 
 
 def read_events(
@@ -254,8 +264,7 @@ def sweep(
             say(run, logging.ERROR, redact(
                 f"sweep: cannot list the jobs of {name}, so none of them was judged or stopped "
                 f"(the other clusters are swept): {exc}"))  # fmt: skip
-    owners = {job.flow_run_id for *_, jobs in found for job in jobs if job.flow_run_id}
-    evidence = gather_evidence(owners, lease_s)
+    evidence = gather_evidence([job for *_, jobs in found for job in jobs], lease_s)
     judged: list[tuple[Any, ClusterBlock, OwnedJob, Verdict]] = []
     for name, block, backend, jobs in found:
         for job in jobs:

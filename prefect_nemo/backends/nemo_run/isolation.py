@@ -81,6 +81,20 @@ def root_logger_kept() -> Iterator[None]:
 
 
 def home_files() -> list[Path]:
-    """Every file under the NEMORUN_HOME in use (for secret scans in tests and audits)."""
-    home = Path(nemo_run().config.get_nemorun_home())
-    return [p for p in home.rglob("*") if p.is_file()]
+    """Every file under the NEMORUN_HOME in use (for secret scans in tests and audits).
+
+    Other processes of the project share the home and drop experiment dirs as they go
+    (`after_schedule`): os.walk skips a dir that vanishes mid-walk, where Path.rglob raised
+    FileNotFoundError (seen in CI with four test workers)."""
+    home = nemo_run().config.get_nemorun_home()
+    return [Path(top, name) for top, _, names in os.walk(home) for name in names]
+
+
+def home_texts() -> dict[Path, str]:
+    """Each file under the NEMORUN_HOME in use and its text; a file another process removed
+    before it was read is left out."""
+    texts = {}
+    for path in home_files():
+        with contextlib.suppress(FileNotFoundError):
+            texts[path] = path.read_text(errors="ignore")
+    return texts

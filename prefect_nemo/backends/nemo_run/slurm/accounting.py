@@ -225,6 +225,8 @@ def row_status(job_id: str, sid: str, row: dict[str, str]) -> JobStatus:
         exit_code=exit_code,
         failure=failure,
         metadata={"slurm_job_id": sid},
+        # squeue's RestartCnt, while squeue lists the job (sacct's row has no count)
+        requeues=int(row["Restarts"]) if "Restarts" in row else None,
     )
 
 
@@ -294,9 +296,10 @@ def parse_rows(output: str, slurm_ids: Collection[str]) -> dict[str, dict[str, s
                 "End": end,
                 "Reason": reason if reason not in ("None", "") else (live or {}).get("Reason", ""),
                 "Partition": (live or {}).get("Partition", ""),
-                "Restarts": (live or {}).get("Restarts", "0"),
                 "NodeList": nodes,
             }
+            if live is not None:
+                rows[sid]["Restarts"] = live["Restarts"]
     return rows
 
 
