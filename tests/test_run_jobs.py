@@ -73,6 +73,9 @@ def block(kube_block: Any, sim: KubeRaySimulator) -> Any:
 
 
 def specs(n: int, entrypoint: str = "sleep 1", prefix: str = "") -> list[JobSpec]:
+    """n jobs named `<prefix>-<i>`. A test that finds its jobs by `-<prefix>-` gives its flow
+    run a short name: a job id begins with the run's name and is cut to the backend's limit,
+    and a long generated name could cut the prefix off."""
     prefix = prefix or uuid.uuid4().hex[:6]
     return [JobSpec(entrypoint=entrypoint, name=f"{prefix}-{i:04d}") for i in range(n)]
 
@@ -247,7 +250,7 @@ def test_after_and_the_cluster_cap_hold_for_every_job(
             peak[0] = max(peak[0], len([j for j in fake_ray.running() if f"-{prefix}-" in j]))
             done.wait(0.02)
 
-    @flow
+    @flow(flow_run_name="chain")  # short: job ids begin with it (see specs)
     def chain(upstream_fails: bool) -> list[Any]:
         try:
             first = run_job(JobSpec(entrypoint="sh -c 'exit 3'" if upstream_fails else "true"),
@@ -336,7 +339,7 @@ def test_cancelling_the_thousand_job_flow_run_midway_leaves_no_job_running(
     prefix = uuid.uuid4().hex[:6]
     out: dict[str, Any] = {}
 
-    @flow
+    @flow(flow_run_name="long-sweep")  # short: job ids begin with it (see specs)
     def long_sweep() -> None:
         out["run"] = str(FlowRunContext.get().flow_run.id)  # type: ignore[union-attr]
         run_jobs(specs(1000, "sleep 600", prefix), block, max_in_flight=300)
