@@ -13,9 +13,9 @@ nobody vouches for it:
   cluster was unreachable): stopped now, whatever its run says;
 - its run COMPLETED: kept (a job submitted and not waited for was left running on purpose);
 - its run FAILED, CRASHED or CANCELLED, or is gone, or has stopped renewing its lease (the
-  job's submission counts as its heartbeat until one names it): stopped once that has lasted
-  `sweep_grace_s` (the block's setting), so a retry of a crashed run that comes within the
-  grace attaches instead.
+  run's newest job submission counts as its heartbeat until one is readable, so a dead run's
+  jobs are stopped together): stopped once that has lasted `sweep_grace_s` (the block's
+  setting), so a retry of a crashed run that comes within the grace attaches instead.
 
 What was stopped is reported: a table artifact of the sweep's run and a `prefect-nemo.job.swept`
 event per job, with the time the job ran until the stop (`wasted_run_s`, where the cluster
