@@ -10,7 +10,12 @@ import pytest
 from pydantic import ValidationError
 
 from prefect_nemo import InvalidJobSpec, JobSpec, JobState
-from prefect_nemo.backends._kueue import PRIORITY_LABEL, QUEUE_LABEL, queue_reason
+from prefect_nemo.backends._kueue import (
+    PRIORITY_LABEL,
+    QUEUE_LABEL,
+    queue_reason,
+    queued_status,
+)
 from prefect_nemo.backends.kubeflow.trainjob import status_from_trainjob
 from prefect_nemo.backends.kuberay import RayJobConfig, rayjob_manifest, status_from_rayjob
 from prefect_nemo.blocks import KubeRayCluster
@@ -149,6 +154,28 @@ def test_kueues_reason_comes_from_the_workloads_conditions() -> None:
     reason, preempted = queue_reason(workload(evicted, pending))
     assert preempted and reason.startswith("Evicted: Preempted")
     assert queue_reason(None) == ("waiting for Kueue to create its Workload", False)
+
+
+def test_a_preempted_jobs_status_carries_kueues_own_count_of_its_preemptions() -> None:
+    """The Workload CRD (v0.17.0): "schedulingStats tracks scheduling statistics", "evictions
+    tracks eviction statistics by reason and underlyingCause", "count tracks the number of
+    evictions for this reason"; a preemption's reason is `Preempted` (Kueue docs,
+    "Preemption"). A job preempted before a poll saw it run is counted all the same."""
+    from prefect_nemo.jobs import JobStatus
+
+    obj = {"metadata": {"name": "j", "labels": {QUEUE_LABEL: "team"}}, "spec": {"suspend": True}}
+    evicted = {"type": "Evicted", "status": "True", "reason": "Preempted", "message": "m"}
+    stats = {"evictions": [
+        {"reason": "Preempted", "underlyingCause": "", "count": 2},
+        {"reason": "PodsReadyTimeout", "underlyingCause": "", "count": 1},
+    ]}  # fmt: skip
+    workload = {"status": {"conditions": [evicted], "schedulingStats": stats}}
+    status = queued_status(JobStatus(job_id="j", state=JobState.PENDING), obj, workload, None, None)
+    assert status.state is JobState.QUEUED and status.queue and status.queue.preempted
+    assert status.requeues == 2, "evictions of other reasons are no preemptions"
+    never = {"status": {"conditions": []}}
+    plain = queued_status(JobStatus(job_id="j", state=JobState.PENDING), obj, never, None, None)
+    assert plain.requeues is None
 
 
 def test_a_suspended_job_with_a_queue_label_is_queued_never_stopped(kube_server: Any) -> None:

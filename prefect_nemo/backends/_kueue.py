@@ -140,6 +140,18 @@ def queue_reason(workload: dict[str, Any] | None) -> tuple[str, bool]:
     return reason or "waiting for quota", preempted
 
 
+def preemptions(workload: dict[str, Any] | None) -> int | None:
+    """Times Kueue preempted the Workload, as it counts them: `status.schedulingStats.evictions`
+    keeps a count per eviction reason, `Preempted` being a preemption's (Kueue v0.17's
+    WorkloadEvictedByPreemption); None where the Workload or its count is not there (an older
+    Kueue, or never evicted)."""
+    stats = ((workload or {}).get("status") or {}).get("schedulingStats")
+    if not stats:
+        return None
+    evictions = stats.get("evictions") or []
+    return sum(int(e.get("count") or 0) for e in evictions if e.get("reason") == "Preempted")
+
+
 def queued_status(
     status: JobStatus,
     obj: dict[str, Any],
@@ -159,7 +171,7 @@ def queued_status(
     info = QueueInfo(queue=queue, reason=reason, position=position, preempted=preempted)
     return status.model_copy(update={
         "state": JobState.QUEUED, "queue": info, "message": f"queued {info.describe()}",
-        "end_time": None, "exit_code": None})  # fmt: skip
+        "end_time": None, "exit_code": None, "requeues": preemptions(workload)})  # fmt: skip
 
 
 def workload_owner(workload: dict[str, Any], kind: Kind) -> str | None:
