@@ -145,6 +145,29 @@ def test_success_streams_logs_and_honours_cpu_only(block, slurm, job_root, caplo
     print(f"run_job through the tunnel, submit to end: {took:.1f}s")
 
 
+def test_a_job_streamed_before_srun_starts_still_streams_its_own_output(
+    block, slurm, caplog
+):
+    """The batch script logs its setup to the batch log; the job's own output goes to the srun
+    log, which srun makes only once it starts. A stream that began in the batch log (here its
+    setup lines sleep 4 s) and then counted its offset into the srun log read nothing of a
+    short srun log, and the end's full read (the srun log, shorter than what was streamed)
+    added nothing: CI's preempted job lost "run 0" and "run 1" so."""
+    caplog.set_level(logging.INFO)
+    slow_setup = block.model_copy(update={"setup_lines": block.setup_lines + "\nsleep 4"})
+    name = unique("late")
+
+    @flow
+    def pipeline():
+        return run_job(JobSpec(entrypoint="echo own-output-line", name=name), cluster=slow_setup)
+
+    result = pipeline()
+    assert result.state is JobState.SUCCEEDED
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.endswith("] own-output-line") for line in lines), lines[-20:]
+    assert not any("+ sleep 4" in line for line in lines), "the batch log is not the job's log"
+
+
 def test_failure_raises_with_the_log_tail(block, slurm):
     name = unique("bad")
 

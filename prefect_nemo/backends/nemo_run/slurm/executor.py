@@ -560,11 +560,15 @@ class SlurmBackend(SlurmJobRegistry, NemoRunBackend):
             self.run(f"scancel {sid}; rm -f {secret}", warn=True)
 
     def logs(self, job_id: str) -> str:
-        """The job's output (its srun log; the batch log when srun never started)."""
-        return self._log_from(job_id, 0).decode(errors="replace")
+        """The job's output (its srun logs; the batch log when srun never started)."""
+        return self._log_from(job_id, 0, batch_log=True).decode(errors="replace")
 
-    def _log_from(self, job_id: str, offset: int) -> bytes:
-        """The job's output from byte `offset` on (only the new part crosses the network).
+    def _log_from(self, job_id: str, offset: int, *, batch_log: bool = False) -> bytes:
+        """The job's srun logs (one per run: a requeued job has one more) from byte `offset`
+        on (only the new part crosses the network); with `batch_log`, the batch script's log
+        when srun never started. A stream reads the srun logs alone: its offset must count
+        bytes of one text, and the batch log it would read until srun starts is another
+        (CI: a stream 1 kB into the batch log read nothing of a 108-byte srun log).
 
         It crosses in base64: the SSH library decodes a command's output in 1,000-byte pieces,
         so a character split between two pieces, or a byte that is no UTF-8, would come back
@@ -578,10 +582,10 @@ class SlurmBackend(SlurmJobRegistry, NemoRunBackend):
             return b""
         d = shlex.quote(f"{self.remote_dir(job_id)}/{job_id}")
         j = shlex.quote(job_id)
+        fallback = f"|| cat {d}/sbatch_{j}_{sid}.out 2>/dev/null" if batch_log else ""
         command = (
             f"{{ ls {d}/log-{j}_{sid}_*.out >/dev/null 2>&1 && cat {d}/log-{j}_{sid}_*.out "
-            f"|| cat {d}/sbatch_{j}_{sid}.out 2>/dev/null; }} | tail -c +{offset + 1} | base64; "
-            "true"
+            f"{fallback}; }} | tail -c +{offset + 1} | base64; true"
         )
         output: str = self.run(command, warn=True).stdout
         return base64.b64decode(output)  # its line breaks are skipped
