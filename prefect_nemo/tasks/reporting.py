@@ -191,8 +191,7 @@ class JobReporter:
             if status.state is JobState.QUEUED and queue is not None:
                 self._row(handle, _queue_fields(queue, clock))
             for _ in range(preempted):  # preempted and running again between two polls
-                self._emit(handle, "preempted", {"state": status.state.value,
-                                                 "message": self.redact(status.message)})
+                self._emit(handle, "preempted", self._state_payload(status))
             return
         if previous is not None and previous.is_waiting() and _it_ran(status):
             # seen waiting, then ended: it ran between two polls. Say RUNNING (and admitted)
@@ -206,7 +205,8 @@ class JobReporter:
         if status.state.is_terminal():
             self._last_progress(handle)  # its whole log was read: the last report goes first
             self.run.release(handle)
-        message = self.redact(status.message)[:MESSAGE_CHARS]
+        payload = self._state_payload(status)
+        message: str = payload["message"]
         line = f"job {handle.job_id} is {status.state.value}"
         if status.state is JobState.QUEUED and queue is not None:
             line += f" {self.redact(queue.describe())}"
@@ -216,11 +216,6 @@ class JobReporter:
         if not (previous is None and status.state is JobState.PENDING and handle.job_id in
                 self._announced):  # fmt: skip
             say(self.run, level, line)  # a new job's "submitted" line says it is pending
-        payload: dict[str, Any] = {
-            "state": status.state.value, "message": message, "exit_code": status.exit_code,
-        }  # fmt: skip
-        if queue is not None:
-            payload["queue"] = self._queue_payload(queue)
         if status.failure is not None:
             payload["failure"] = status.failure.model_dump(mode="json")
         if status.state.is_terminal() and handle.job_id in self._log_links:
@@ -258,6 +253,18 @@ class JobReporter:
                 gpu_hours=round(usage.gpu_hours, 4), cost=usage.cost,
             )  # fmt: skip
         self._row(handle, fields)
+
+    def _state_payload(self, status: JobStatus) -> dict[str, Any]:
+        """What every state event says: the state, its message (redacted, cut), the exit code
+        and, while queued, where and why."""
+        payload: dict[str, Any] = {
+            "state": status.state.value,
+            "message": self.redact(status.message)[:MESSAGE_CHARS],
+            "exit_code": status.exit_code,
+        }
+        if status.queue is not None:
+            payload["queue"] = self._queue_payload(status.queue)
+        return payload
 
     def _new_preemptions(
         self, handle: JobHandle, status: JobStatus, previous: JobState | None,

@@ -162,12 +162,12 @@ def gather_evidence(jobs: Sequence[OwnedJob], lease_s: float) -> Evidence:
     records, and the owner runs of `jobs`, from the Prefect API: three reads, whatever the
     number of jobs."""
     now = datetime.now(UTC)
+    owners = {job.flow_run_id for job in jobs if job.flow_run_id}
     run_submitted: dict[str, datetime] = {}
     for job in jobs:
         if job.flow_run_id and job.submitted_at is not None:
             newest = run_submitted.get(job.flow_run_id, job.submitted_at)
             run_submitted[job.flow_run_id] = max(newest, job.submitted_at)
-    owners = run_submitted.keys() | {job.flow_run_id for job in jobs if job.flow_run_id}
     beats: dict[tuple[str, str], Beat] = {}
     run_beats: dict[str, Beat] = {}
     pending: dict[tuple[str, str], datetime] = {}

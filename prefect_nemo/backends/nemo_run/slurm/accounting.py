@@ -226,7 +226,7 @@ def row_status(job_id: str, sid: str, row: dict[str, str]) -> JobStatus:
         failure=failure,
         metadata={"slurm_job_id": sid},
         # squeue's RestartCnt, while squeue lists the job (sacct's row has no count)
-        requeues=int(row["Restarts"]) if "Restarts" in row else None,
+        requeues=restarts if "Restarts" in row else None,
     )
 
 
