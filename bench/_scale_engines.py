@@ -17,8 +17,11 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+Pair = tuple[dict[str, Any], dict[str, Any]]  # one round's (ours, raw) figures
 
 RAY_JOB = "sleep 5"
 RAY_WINDOW = 50
@@ -128,19 +131,28 @@ def _raw_slurm(n: int, config: dict[str, Any]) -> dict[str, Any]:
 # The driver side (in bench.scale's process): the engines, one fresh process per measurement
 
 
-def measure_ray(n: int, api_url: str, run_child: Any) -> dict[str, Any]:
-    """Raw, then ours, on one fresh local Ray head."""
+def measure_ray(
+    n: int, api_url: str, run_child: Callable[..., dict[str, Any]], rounds: int = 1
+) -> list[Pair]:
+    """`rounds` interleaved rounds of raw and ours on one fresh local Ray head."""
     from prefect_nemo.local_ray import start_local_ray
 
     with start_local_ray(num_cpus=8) as cluster:
         config = {"address": cluster.dashboard_url, "token": cluster.token}
-        raw_out = run_child("raw", "ray", n, {**config, "tag": "r"}, None, sys.executable)
-        ours_out = run_child("ours", "ray", n, {**config, "tag": "o"}, api_url, sys.executable)
-    return {"raw": raw_out, "ours": ours_out}
+
+        def side(name: str, index: int) -> dict[str, Any]:
+            url = api_url if name == "ours" else None
+            tag = f"{name[0]}{index}"
+            return run_child(name, "ray", n, {**config, "tag": tag}, url, sys.executable)
+
+        return _rounds(side, rounds)
 
 
-def measure_slurm(n: int, api_url: str, run_child: Any, job_dir: str) -> dict[str, Any]:
-    """Raw, then ours, on the local Slurm (the running one, or one started and stopped)."""
+def measure_slurm(
+    n: int, api_url: str, run_child: Callable[..., dict[str, Any]], job_dir: str, rounds: int = 1
+) -> list[Pair]:
+    """`rounds` interleaved rounds of raw and ours on the local Slurm (the running one, or one
+    started and stopped)."""
     from prefect_nemo.testing.slurm import LocalSlurm
 
     if not NR_PYTHON.exists():
@@ -159,11 +171,27 @@ def measure_slurm(n: int, api_url: str, run_child: Any, job_dir: str) -> dict[st
             "job_dir": job_dir,
         }
         tag = f"{time.time_ns() % 10**8}"
-        raw_out = run_child("raw", "slurm", n, {**config, "tag": f"r{tag}"}, None, str(NR_PYTHON))
-        ours_out = run_child(
-            "ours", "slurm", n, {**config, "tag": f"o{tag}"}, api_url, str(NR_PYTHON)
-        )
-    return {"raw": raw_out, "ours": ours_out}
+
+        def side(name: str, index: int) -> dict[str, Any]:
+            url = api_url if name == "ours" else None
+            round_tag = f"{name[0]}{tag}-{index}"
+            return run_child(name, "slurm", n, {**config, "tag": round_tag}, url, str(NR_PYTHON))
+
+        return _rounds(side, rounds)
+
+
+def _rounds(side: Callable[[str, int], dict[str, Any]], rounds: int) -> list[Pair]:
+    """The (ours, raw) figures of `rounds` interleaved rounds (bench._rounds), each side a fresh
+    process on the same engine, its jobs tagged by side and round."""
+    from bench._rounds import interleaved
+
+    counter = {"ours": 0, "raw": 0}
+
+    def run(name: str) -> dict[str, Any]:
+        counter[name] += 1
+        return side(name, counter[name])
+
+    return interleaved(lambda: run("ours"), lambda: run("raw"), rounds)
 
 
 def child_main(side: str, kind: str, n: int, config_path: str) -> None:

@@ -39,6 +39,7 @@ The last results are kept in `bench/.last-scale.txt` for `make bench`.
     .venv/bin/python -m bench.scale            # everything
     .venv/bin/python -m bench.scale 100        # only N = 100 (Kubernetes path)
     .venv/bin/python -m bench.scale ray slurm  # only the real engines (bench/_scale_engines.py)
+    SCALE_ENGINE_ROUNDS=3 .venv/bin/python -m bench.scale slurm  # 3 interleaved rounds
     .venv/bin/python -m bench.scale db         # only SQLite vs PostgreSQL (bench/_scale_db.py)
     .venv/bin/python -m bench.scale quota      # only 1,000 RayJobs on a Kueue quota of 100
     .venv/bin/python -m bench.scale before 100 # the way before run_jobs: N run_job.submit
@@ -52,6 +53,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,8 @@ JOB_S = 5.0
 # real engines, ENGINE_N jobs each (bench._scale_engines); db: SQLite vs PostgreSQL (_scale_db)
 ENGINES = ("ray", "slurm", "db")
 ENGINE_N = int(os.environ.get("SCALE_ENGINE_N", "200"))  # a smaller N: a quick check
+# interleaved rounds of each real engine (bench._rounds): ratios as median [min, max]
+ENGINE_ROUNDS = int(os.environ.get("SCALE_ENGINE_ROUNDS", "1"))
 QUOTA_QUEUE, QUOTA = "bench-quota", 100  # the Kueue run: its LocalQueue and its room
 QUOTA_N = int(os.environ.get("SCALE_QUOTA_N", "1000"))  # a smaller N: a quick check
 
@@ -529,23 +533,32 @@ def _engine(engine: str, api_url: str, report: Any) -> None:
     import tempfile
 
     from bench import _scale_engines
+    from bench._rounds import Spread
 
-    n = ENGINE_N
-    log(f"{engine}: raw client, then run_jobs in one flow run, N={n}")
+    n, rounds = ENGINE_N, ENGINE_ROUNDS
+    log(f"{engine}: the raw client and run_jobs in one flow run, N={n}, {rounds} round(s)")
     if engine == "ray":
-        out = _scale_engines.measure_ray(n, api_url, engine_child)
+        pairs = _scale_engines.measure_ray(n, api_url, engine_child, rounds)
     else:
         with tempfile.TemporaryDirectory(prefix="prefect-nemo-scale-slurm-") as job_dir:
-            out = _scale_engines.measure_slurm(n, api_url, engine_child, job_dir)
-    ours, raw = out["ours"], out["raw"]
-    log(f"{engine}: raw {raw['wall_s']:.1f}s {raw['states']}; ours {ours['wall_s']:.1f}s "
-        f"{ours['states']}")  # fmt: skip
-    report(f"scale_{engine}_ratio_{n}", ours["wall_s"] / raw["wall_s"])
+            pairs = _scale_engines.measure_slurm(n, api_url, engine_child, job_dir, rounds)
+    for ours, raw in pairs:
+        log(f"{engine}: raw {raw['wall_s']:.1f}s {raw['states']}; ours {ours['wall_s']:.1f}s "
+            f"{ours['states']}")  # fmt: skip
+
+    def figure(values: list[float]) -> float | Spread:
+        """One round's figure as it is; over rounds, median [min, max]."""
+        return values[0] if len(values) == 1 else Spread.of(values)
+
+    report(f"scale_{engine}_ratio_{n}", figure([o["wall_s"] / r["wall_s"] for o, r in pairs]))
     figures = (("wall_s", "wall_s"), ("rss_mb", "peak_rss_mb"), ("threads", "peak_threads"))
-    for figure, key in figures:
-        report(f"scale_{engine}_{figure}_{n}", ours[key])
-        report(f"scale_{engine}_{figure}_raw_{n}", raw[key])
-    report(f"scale_{engine}_states_{n}", ",".join(f"{k}:{v}" for k, v in ours["states"].items()))
+    for name, key in figures:
+        report(f"scale_{engine}_{name}_{n}", figure([o[key] for o, _ in pairs]))
+        report(f"scale_{engine}_{name}_raw_{n}", figure([r[key] for _, r in pairs]))
+    states = Counter[str]()
+    for ours, _ in pairs:
+        states.update(ours["states"])
+    report(f"scale_{engine}_states_{n}", ",".join(f"{k}:{v}" for k, v in states.items()))
 
 
 def engine_child(

@@ -30,6 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from prefect import flow
 
@@ -396,7 +397,32 @@ def fast_head() -> Iterator[LocalRayCluster]:
 @contextlib.contextmanager
 def worker_node(head: LocalRayCluster, resources: dict[str, float]) -> Iterator[Any]:
     """A second Ray node of `head` on this machine (`ray start --address`, its own ports and
-    process session), killed with SIGKILL at the end if still alive."""
+    process session), alive in the head's view; killed with SIGKILL at the end if still alive.
+    A node whose raylet died starting is started again: the raylet waits a hard-coded 15 s for
+    its dashboard agent's port file, then aborts (ray#65983; CI's busy cores ran past it)."""
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=head.token or "")
+    env.pop("RAY_ADDRESS", None)
+    for _ in range(NODE_STARTS):
+        process = _start_node(head, resources, env)
+        if _joined(head, resources, process):
+            break
+        kill_session(process.pid)
+        process.wait(30)
+    else:
+        raise AssertionError(f"a Ray worker node with {resources} died starting, {NODE_STARTS}x")
+    try:
+        yield process
+    finally:
+        kill_session(process.pid)
+        process.wait(30)
+
+
+NODE_STARTS = 3
+
+
+def _start_node(
+    head: LocalRayCluster, resources: dict[str, float], env: dict[str, str]
+) -> subprocess.Popen[bytes]:
     names = (
         "node-manager-port",
         "object-manager-port",
@@ -406,20 +432,37 @@ def worker_node(head: LocalRayCluster, resources: dict[str, float]) -> Iterator[
         "runtime-env-agent-port",
     )
     ports = dict(zip(names, free_ports(len(names)), strict=True))
-    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=head.token or "")
-    env.pop("RAY_ADDRESS", None)
     cmd = [str(Path(sys.executable).parent / "ray"), "start", "--block", "--disable-usage-stats",
            f"--address={head.gcs_address}", "--node-ip-address=127.0.0.1", "--num-cpus=1",
            f"--resources={json.dumps(resources)}", "--object-store-memory=100000000",
            *(f"--{k}={v}" for k, v in ports.items())]  # fmt: skip
-    process = subprocess.Popen(
+    return subprocess.Popen(
         cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
-    try:
-        yield process
-    finally:
-        kill_session(process.pid)
-        process.wait(30)
+
+
+def _joined(
+    head: LocalRayCluster, resources: dict[str, float], process: subprocess.Popen[bytes]
+) -> bool:
+    """The node is ALIVE in the head's state API with `resources` (False once its `ray start
+    --block` exited: a process of the node died)."""
+    headers = {"Authorization": f"Bearer {head.token}"} if head.token else {}
+
+    def alive() -> bool:
+        url = f"{head.dashboard_url}/api/v0/nodes"
+        with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
+            answer = httpx.get(url, params={"detail": "1"}, headers=headers, timeout=10).json()
+            nodes = answer["data"]["result"]["result"]
+            return any(n["state"] == "ALIVE" and set(resources) <= set(n["resources_total"])
+                       for n in nodes)  # fmt: skip
+        return False
+
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and process.poll() is None:
+        if alive():
+            return True
+        time.sleep(1)
+    return False
 
 
 def kill_session(sid: int) -> None:
