@@ -14,6 +14,7 @@ local Slurm, each measured in a fresh process, ours beside a raw client in the s
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -138,14 +139,8 @@ def measure_ray(
     from prefect_nemo.local_ray import start_local_ray
 
     with start_local_ray(num_cpus=8) as cluster:
-        config = {"address": cluster.dashboard_url, "token": cluster.token}
-
-        def side(name: str, index: int) -> dict[str, Any]:
-            url = api_url if name == "ours" else None
-            tag = f"{name[0]}{index}"
-            return run_child(name, "ray", n, {**config, "tag": tag}, url, sys.executable)
-
-        return _rounds(side, rounds)
+        config = {"address": cluster.dashboard_url, "token": cluster.token, "tag": ""}
+        return _rounds(run_child, "ray", n, config, api_url, sys.executable, rounds)
 
 
 def measure_slurm(
@@ -169,29 +164,32 @@ def measure_slurm(
             "account": slurm.account,
             "partition": slurm.partition,
             "job_dir": job_dir,
+            "tag": f"{time.time_ns() % 10**8}",
         }
-        tag = f"{time.time_ns() % 10**8}"
-
-        def side(name: str, index: int) -> dict[str, Any]:
-            url = api_url if name == "ours" else None
-            round_tag = f"{name[0]}{tag}-{index}"
-            return run_child(name, "slurm", n, {**config, "tag": round_tag}, url, str(NR_PYTHON))
-
-        return _rounds(side, rounds)
+        return _rounds(run_child, "slurm", n, config, api_url, str(NR_PYTHON), rounds)
 
 
-def _rounds(side: Callable[[str, int], dict[str, Any]], rounds: int) -> list[Pair]:
+def _rounds(
+    run_child: Callable[..., dict[str, Any]],
+    kind: str,
+    n: int,
+    config: dict[str, Any],
+    api_url: str,
+    python: str,
+    rounds: int,
+) -> list[Pair]:
     """The (ours, raw) figures of `rounds` interleaved rounds (bench._rounds), each side a fresh
-    process on the same engine, its jobs tagged by side and round."""
+    process on the same engine; every run's jobs get a tag of their own (side and run number
+    after the engine's `tag`), so no run attaches to another's jobs."""
     from bench._rounds import interleaved
 
-    counter = {"ours": 0, "raw": 0}
+    runs = itertools.count(1)
 
-    def run(name: str) -> dict[str, Any]:
-        counter[name] += 1
-        return side(name, counter[name])
+    def side(name: str, url: str | None) -> dict[str, Any]:
+        tag = f"{name[0]}{config['tag']}-{next(runs)}"
+        return run_child(name, kind, n, {**config, "tag": tag}, url, python)
 
-    return interleaved(lambda: run("ours"), lambda: run("raw"), rounds)
+    return interleaved(lambda: side("ours", api_url), lambda: side("raw", None), rounds)
 
 
 def child_main(side: str, kind: str, n: int, config_path: str) -> None:

@@ -30,12 +30,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from prefect import flow
 
 from prefect_nemo import JobSpec, JobState
-from prefect_nemo.errors import InvalidJobSpec, JobFailed
+from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec, JobFailed
 from prefect_nemo.jobs import (
     Failure,
     FailureClass,
@@ -444,17 +443,14 @@ def _start_node(
 def _joined(
     head: LocalRayCluster, resources: dict[str, float], process: subprocess.Popen[bytes]
 ) -> bool:
-    """The node is ALIVE in the head's state API with `resources` (False once its `ray start
-    --block` exited: a process of the node died)."""
-    headers = {"Authorization": f"Bearer {head.token}"} if head.token else {}
+    """The node is ALIVE with `resources` as the head's dashboard lists its nodes (through the
+    Ray Jobs backend's own reader); False once its `ray start --block` exited (a process of the
+    node died)."""
+    backend = head.block().backend()
 
     def alive() -> bool:
-        url = f"{head.dashboard_url}/api/v0/nodes"
-        with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
-            answer = httpx.get(url, params={"detail": "1"}, headers=headers, timeout=10).json()
-            nodes = answer["data"]["result"]["result"]
-            return any(n["state"] == "ALIVE" and set(resources) <= set(n["resources_total"])
-                       for n in nodes)  # fmt: skip
+        with contextlib.suppress(BackendUnavailable):
+            return any(set(resources) <= set(node) for node in backend._node_resources())
         return False
 
     deadline = time.monotonic() + 180
