@@ -42,7 +42,7 @@ COMPAT = {
 
 
 # The longest files, longest first (per-file times of a CI run; both phases' files in one list):
-# `make test` runs each phase on two workers that take whole files (`--dist loadfile`), and they
+# `make test` runs each phase on WORKERS workers that take whole files (`--dist loadfile`), and they
 # end together only when these start first.
 LONGEST_FIRST = (
     "tests/test_run_jobs.py",
@@ -117,18 +117,25 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return SharedEnginesWhole(config, log)
 
 
-# `PREFECT_NEMO_TEST_CPU=<file>`: one JSON line per test, its wall and CPU seconds (this worker,
-# the processes under it, the children it reaped), to see what fills the cores under `make test`
-# (a shared engine's own processes, the Ray head, Slurm, the control plane, are not counted).
+# `PREFECT_NEMO_TEST_CPU=<file>`: one JSON line per test, its worker, start, wall and CPU seconds
+# (this worker, the processes under it, the children it reaped), to see what fills the cores and
+# the workers under `make test` (a shared engine's own processes, the Ray head, Slurm, the control
+# plane, are not counted).
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     ledger = os.environ.get("PREFECT_NEMO_TEST_CPU")
     if not ledger:
         yield
         return
-    wall, cpu = time.monotonic(), _cpu_s()
+    started, wall, cpu = time.time(), time.monotonic(), _cpu_s()
     yield
-    line = {"test": item.nodeid, "wall_s": time.monotonic() - wall, "cpu_s": _cpu_s() - cpu}
+    line = {
+        "test": item.nodeid,
+        "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+        "started": started,
+        "wall_s": time.monotonic() - wall,
+        "cpu_s": _cpu_s() - cpu,
+    }
     with open(ledger, "a") as out:
         out.write(json.dumps(line) + "\n")
 
