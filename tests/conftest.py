@@ -50,7 +50,7 @@ LONGEST_FIRST = (
     "tests/test_deployments.py",
     "tests/test_outages.py",
     "tests/test_sweeper_backends.py",
-    "tests/test_real_kuberay.py",  # with the other ONE_CONTROL_PLANE files: one unit
+    "tests/test_real_kuberay.py",  # with the other CONTROL_PLANE_B files: one unit
     "tests/test_nemo_run_slurm.py",
     "tests/test_sweeper.py",
     "tests/test_one_flow_any_backend.py",
@@ -68,11 +68,19 @@ LONGEST_FIRST = (
 )
 
 
-# The files that use the real control plane: one work unit for `--dist loadfile`, so one worker
-# starts one control plane (each takes ~15 s to start and ~6% of a core while it runs).
-ONE_CONTROL_PLANE = (
+# The files that use the real control plane, in two work units for `--dist loadfile`: each
+# worker that takes one starts one control plane for its files (~15 s to start, ~6 % of a core
+# while it runs). As one unit they were 861 s of core's 900 on 2 cores, on one worker that ran
+# alone at the end (the other three done 70-150 s before it). Split, each holds about half, and
+# enough tests that xdist (which hands out the units with the most tests first) starts both at
+# once: the Kueue and node-loss files, which wait most, go with test_kube_api's quick tests.
+CONTROL_PLANE_A = (
     "tests/test_kube_api.py",
     "tests/test_real_control_plane.py",
+    "tests/test_real_kueue.py",
+    "tests/test_real_node_loss.py",
+)
+CONTROL_PLANE_B = (
     "tests/test_real_kuberay.py",
     "tests/test_real_kuberay_progress.py",
     "tests/test_real_dynamo_trainer.py",
@@ -80,11 +88,10 @@ ONE_CONTROL_PLANE = (
     "tests/test_real_rl_dynamo_flow.py",
     "tests/test_real_sft_kubeflow_flow.py",
     "tests/test_real_doctor.py",
-    "tests/test_real_kueue.py",
-    "tests/test_real_node_loss.py",
     "tests/test_real_trainer_logs.py",
     "tests/test_real_progress.py",
 )
+ONE_CONTROL_PLANE = CONTROL_PLANE_A + CONTROL_PLANE_B
 
 
 # The files that fill the local Slurm's small partitions (the one-job queue partition, the
@@ -95,7 +102,11 @@ ONE_SLURM_QUEUE = (
     "tests/test_nemo_run_slurm_queues.py",
 )
 #: work unit -> its files, each unit run whole by one worker
-ONE_WORKER = {"real-control-plane": ONE_CONTROL_PLANE, "slurm-queues": ONE_SLURM_QUEUE}
+ONE_WORKER = {
+    "real-control-plane-a": CONTROL_PLANE_A,
+    "real-control-plane-b": CONTROL_PLANE_B,
+    "slurm-queues": ONE_SLURM_QUEUE,
+}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which would return its plain loadfile
