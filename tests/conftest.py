@@ -41,30 +41,51 @@ COMPAT = {
 }
 
 
-# The longest files, longest first (per-file times of a CI run; both phases' files in one list):
-# `make test` runs each phase on WORKERS workers that take whole files (`--dist loadfile`), and they
-# end together only when these start first.
+# The work units (files, or the ONE_WORKER groups named by one of their files), longest first:
+# both phases' files in one list, from the per-file times of a CI-like run on 2 cores (the
+# ledger of PREFECT_NEMO_TEST_CPU; seconds in the comments). xdist hands the units out in this
+# order (longest processing time first; a unit not listed goes after, in file order), each to
+# the first worker with at most two tests left, so the workers end together: handed out by
+# their number of tests (xdist's default), the longest files with few tests went last, and
+# test-core ran 869 s where this order simulates to 820.
 LONGEST_FIRST = (
-    "tests/test_run_jobs.py",
-    "tests/test_nemo_run_tasks.py",
-    "tests/test_deployments.py",
-    "tests/test_outages.py",
-    "tests/test_sweeper_backends.py",
-    "tests/test_real_kuberay.py",  # with the other CONTROL_PLANE_B files: one unit
-    "tests/test_nemo_run_slurm.py",
-    "tests/test_sweeper.py",
-    "tests/test_one_flow_any_backend.py",
-    "tests/test_kube_job_backends.py",
-    "tests/test_crash_safety.py",
-    "tests/test_block_documents.py",
-    "tests/test_rl_dynamo_flow.py",
-    "tests/test_nemo_run_lepton.py",
-    "tests/test_slurm_ray.py",
-    "tests/test_run_job.py",
-    "tests/test_ui.py",
-    "tests/test_kuberay.py",
-    "tests/test_serving.py",
-    "tests/test_wheel.py",
+    "tests/test_real_kueue.py",  # CONTROL_PLANE_A 593
+    "tests/test_real_kuberay.py",  # CONTROL_PLANE_B 464
+    "tests/test_outages.py",  # 228
+    "tests/test_run_jobs.py",  # 208
+    "tests/test_nemo_run_tasks.py",  # 173 (extras)
+    "tests/test_deployments.py",  # 123
+    "tests/test_ui.py",  # 116
+    "tests/test_crash_safety.py",  # 109
+    "tests/test_kube_job_backends.py",  # 103
+    "tests/test_nemo_run_slurm.py",  # 103 (extras)
+    "tests/test_nemo_run_slurm_queues.py",  # ONE_SLURM_QUEUE 97 (extras), 44 (core)
+    "tests/test_local_slurm_queues.py",
+    "tests/test_kuberay.py",  # 95
+    "tests/test_sweeper.py",  # 87
+    "tests/test_nemo_run_lepton.py",  # 87 (extras)
+    "tests/test_sweeper_backends.py",  # 85
+    "tests/test_slurm_ray.py",  # 83 (extras)
+    "tests/test_run_job.py",  # 82
+    "tests/test_recovery.py",  # 76
+    "tests/test_run_jobs_quota.py",  # 72
+    "tests/test_rl_dynamo_flow.py",  # 69
+    "tests/test_one_flow_any_backend.py",  # 63 (extras)
+    "tests/test_wheel.py",  # 58
+    "tests/test_serving.py",  # 51
+    "tests/test_block_documents.py",  # 50
+    "tests/test_nemo_run_dgx_cloud.py",  # 48 (extras)
+    "tests/test_bad_input.py",  # 47
+    "tests/test_ray_jobs_queue.py",  # 45
+    "tests/test_saved_logs.py",  # 44
+    "tests/test_progress_reports.py",  # 42
+    "tests/test_operators.py",  # 40
+    "tests/test_doctor.py",  # 39
+    "tests/test_pushback.py",  # 36 (extras), 17 (core)
+    "tests/test_kube_failures.py",  # 28
+    "tests/test_nemo_run_progress.py",  # 28 (extras)
+    "tests/test_nemo_run_owned_jobs.py",  # 27 (extras)
+    "tests/test_blocks.py",  # 26
 )
 
 
@@ -111,11 +132,12 @@ ONE_WORKER = {
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which would return its plain loadfile
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """`--dist loadfile`, with each ONE_WORKER group of files as one unit. (xdist hands out the
-    units with the most tests first, LONGEST_FIRST only among equals; handing them out in our
-    order made the Lepton real-Ray test fail after some earlier file on its worker, not found.)"""
+    """`--dist loadfile`, with each ONE_WORKER group of files as one unit, handed out in the
+    order of the collection (LONGEST_FIRST, see pytest_collection_modifyitems) rather than by
+    their number of tests."""
     if config.getvalue("dist") != "loadfile":
         return None
+    config.option.loadscopereorder = False
     from xdist.scheduler import LoadFileScheduling
 
     unit_of = {file: unit for unit, files in ONE_WORKER.items() for file in files}

@@ -71,12 +71,15 @@ def test_a_silent_job_is_reported_stalled_and_stopped(ray_head, prefect_api, tmp
     stalled = [e for e in found if e["event"] == "prefect-nemo.job.stalled"]
     assert len(stalled) == 1
     assert STALL_S <= stalled[0]["payload"]["silent_s"] < STALL_S + 5
-    # from the job's last line: reported stalled within stall_after_s + 5 s, and the task
-    # failed once the cluster confirmed the stop
+    # Issue 31: "A job that stops printing is reported stalled within `stall_after_s` + 5 s
+    # and, when asked, stopped." From the job's last line: the report within that bound; the
+    # task's failure after it, once the cluster confirmed the stop, long before the job's own
+    # end (it sleeps 120 s). The stop takes Ray's own time (SIGTERM, SIGKILL after
+    # RAY_JOB_STOP_WAIT_TIME_S): 7.6 s on CI's busy cores, so no bound of ours is put on it.
     reported = datetime.fromisoformat(stalled[0]["occurred"]).timestamp() - quiet_from
     failed = failed_at[0] - quiet_from
     assert reported < STALL_S + 5, reported
-    assert failed < STALL_S + 5 + 5, failed
+    assert reported <= failed < 60, (reported, failed)
     assert stalled[0]["payload"]["last_report"] == {
         "step": 5, "total": 100, "metrics": {"loss": 0.5},
     }  # fmt: skip
