@@ -41,13 +41,13 @@ COMPAT = {
 }
 
 
-# The work units (files, or the ONE_WORKER groups named by one of their files), longest first:
-# both phases' files in one list, from the per-file times of a CI-like run on 2 cores (the
-# ledger of PREFECT_NEMO_TEST_CPU; seconds in the comments). xdist hands the units out in this
-# order (longest processing time first; a unit not listed goes after, in file order), each to
-# the first worker with at most two tests left, so the workers end together: handed out by
-# their number of tests (xdist's default), the longest files with few tests went last, and
-# test-core ran 869 s where this order simulates to 820.
+# The longest files, longest first, from the per-file times of a CI-like run on 2 cores (the
+# ledger of PREFECT_NEMO_TEST_CPU; seconds in the comments; both phases' files in one list):
+# the order of the collection. xdist hands out the work units with the most tests first, and
+# this order only among equals: handed out in this order instead (longest processing time
+# first), the workers ended together, yet test-core took 940 s and test-extras 338 s against
+# 900 s and 296 s by number of tests: on 2 busy cores the longest files, run at once, slowed
+# each other more than the idle end they saved.
 LONGEST_FIRST = (
     "tests/test_real_kueue.py",  # CONTROL_PLANE_A 593
     "tests/test_real_kuberay.py",  # CONTROL_PLANE_B 464
@@ -132,12 +132,9 @@ ONE_WORKER = {
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which would return its plain loadfile
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """`--dist loadfile`, with each ONE_WORKER group of files as one unit, handed out in the
-    order of the collection (LONGEST_FIRST, see pytest_collection_modifyitems) rather than by
-    their number of tests."""
+    """`--dist loadfile`, with each ONE_WORKER group of files as one unit."""
     if config.getvalue("dist") != "loadfile":
         return None
-    config.option.loadscopereorder = False
     from xdist.scheduler import LoadFileScheduling
 
     unit_of = {file: unit for unit, files in ONE_WORKER.items() for file in files}
