@@ -49,8 +49,7 @@ COMPAT = {
 # 900 s and 296 s by number of tests: on 2 busy cores the longest files, run at once, slowed
 # each other more than the idle end they saved.
 LONGEST_FIRST = (
-    "tests/test_real_kueue.py",  # CONTROL_PLANE_A 593
-    "tests/test_real_kuberay.py",  # CONTROL_PLANE_B 464
+    "tests/test_real_kuberay.py",  # with the other ONE_CONTROL_PLANE files: one unit, 861
     "tests/test_outages.py",  # 228
     "tests/test_run_jobs.py",  # 208
     "tests/test_nemo_run_tasks.py",  # 173 (extras)
@@ -89,19 +88,14 @@ LONGEST_FIRST = (
 )
 
 
-# The files that use the real control plane, in two work units for `--dist loadfile`: each
-# worker that takes one starts one control plane for its files (~15 s to start, ~6 % of a core
-# while it runs). As one unit they were 861 s of core's 900 on 2 cores, on one worker that ran
-# alone at the end (the other three done 70-150 s before it). Split, each holds about half, and
-# enough tests that xdist (which hands out the units with the most tests first) starts both at
-# once: the Kueue and node-loss files, which wait most, go with test_kube_api's quick tests.
-CONTROL_PLANE_A = (
+# The files that use the real control plane: one work unit for `--dist loadfile`, so one worker
+# starts one control plane (each takes ~15 s to start and ~6% of a core while it runs). Split in
+# two units (two workers, a control plane each, at once), test-core was no faster on 2 cores
+# (906 and 982 s against 900) and one run of three failed: a KubeRay submitter's `ray job
+# submit` reached its backoff limit while the other plane ran its Ray pods (cause not found).
+ONE_CONTROL_PLANE = (
     "tests/test_kube_api.py",
     "tests/test_real_control_plane.py",
-    "tests/test_real_kueue.py",
-    "tests/test_real_node_loss.py",
-)
-CONTROL_PLANE_B = (
     "tests/test_real_kuberay.py",
     "tests/test_real_kuberay_progress.py",
     "tests/test_real_dynamo_trainer.py",
@@ -109,10 +103,11 @@ CONTROL_PLANE_B = (
     "tests/test_real_rl_dynamo_flow.py",
     "tests/test_real_sft_kubeflow_flow.py",
     "tests/test_real_doctor.py",
+    "tests/test_real_kueue.py",
+    "tests/test_real_node_loss.py",
     "tests/test_real_trainer_logs.py",
     "tests/test_real_progress.py",
 )
-ONE_CONTROL_PLANE = CONTROL_PLANE_A + CONTROL_PLANE_B
 
 
 # The files that fill the local Slurm's small partitions (the one-job queue partition, the
@@ -123,11 +118,7 @@ ONE_SLURM_QUEUE = (
     "tests/test_nemo_run_slurm_queues.py",
 )
 #: work unit -> its files, each unit run whole by one worker
-ONE_WORKER = {
-    "real-control-plane-a": CONTROL_PLANE_A,
-    "real-control-plane-b": CONTROL_PLANE_B,
-    "slurm-queues": ONE_SLURM_QUEUE,
-}
+ONE_WORKER = {"real-control-plane": ONE_CONTROL_PLANE, "slurm-queues": ONE_SLURM_QUEUE}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which would return its plain loadfile
