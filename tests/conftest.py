@@ -41,13 +41,12 @@ COMPAT = {
 }
 
 
-# The longest files, longest first, from the per-file times of a CI-like run on 2 cores (the
-# ledger of PREFECT_NEMO_TEST_CPU; seconds in the comments; both phases' files in one list):
-# the order of the collection. xdist hands out the work units with the most tests first, and
-# this order only among equals: handed out in this order instead (longest processing time
-# first), the workers ended together, yet test-core took 940 s and test-extras 338 s against
-# 900 s and 296 s by number of tests: on 2 busy cores the longest files, run at once, slowed
-# each other more than the idle end they saved.
+# The longest files, longest first: seconds of a CI-like run on 2 cores in the comments (from
+# PREFECT_NEMO_TEST_CPU's ledger; both phases' files in one list). Collection follows this order;
+# xdist hands out the units with the most tests first, so it decides only among equals. Handed
+# out strictly longest first, the workers ended together, yet test-core took 940 s and
+# test-extras 338 s against 900 s and 296 s: on 2 busy cores the longest files, run at once,
+# slowed each other more than the idle end saved.
 LONGEST_FIRST = (
     "tests/test_real_kuberay.py",  # with the other ONE_CONTROL_PLANE files: one unit, 861
     "tests/test_outages.py",  # 228
@@ -58,7 +57,8 @@ LONGEST_FIRST = (
     "tests/test_crash_safety.py",  # 109
     "tests/test_kube_job_backends.py",  # 103
     "tests/test_nemo_run_slurm.py",  # 103 (extras)
-    "tests/test_nemo_run_slurm_queues.py",  # ONE_SLURM_QUEUE 97 (extras), 44 (core)
+    # ONE_SLURM_QUEUE, by its first file in each phase: 97 s (extras), 44 s (core)
+    "tests/test_nemo_run_slurm_queues.py",
     "tests/test_local_slurm_queues.py",
     "tests/test_kuberay.py",  # 95
     "tests/test_sweeper.py",  # 87
