@@ -253,12 +253,16 @@ class QueueSet:
             raise
 
     def delete(self, timeout_s: float = 30.0) -> None:
-        """Delete what make_queues created and wait (up to `timeout_s`) until it is gone: Kueue
-        holds a ClusterQueue (and its flavor) while workloads still use it."""
+        """Delete what make_queues created and wait (up to `timeout_s`) until it is gone. Kueue
+        holds a ClusterQueue (its `resource-in-use` finalizer), and so its flavor, while
+        workloads still reserve quota in it: those go with their jobs, which a test deletes
+        after its queues, so while they are there the wait stops (it could only time out; the
+        queues' names are unique, so the next test is not affected)."""
         base, ns = f"/apis/{GROUP}/{VERSION}", f"/namespaces/{self.namespace}"
+        cluster_queue = f"{base}/clusterqueues/{self.cluster_queue}"
         paths = [
             f"{base}{ns}/localqueues/{self.local_queue}",
-            f"{base}/clusterqueues/{self.cluster_queue}",
+            cluster_queue,
             f"{base}/resourceflavors/{self.flavor}",
             *(f"{base}/workloadpriorityclasses/{n}" for n in self.priorities.values()),
         ]
@@ -268,7 +272,19 @@ class QueueSet:
         deadline = time.monotonic() + timeout_s
         for path in paths:
             while _exists(self.plane, path) and time.monotonic() < deadline:
+                if self._reserving(cluster_queue):
+                    return
                 time.sleep(0.2)
+
+    def _reserving(self, cluster_queue: str) -> bool:
+        """True while workloads reserve quota in the ClusterQueue (its status counts them)."""
+        try:
+            status = json.loads(self.plane.request("GET", cluster_queue)).get("status") or {}
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return False
+            raise
+        return bool(status.get("reservingWorkloads") or status.get("admittedWorkloads"))
 
     def __enter__(self) -> QueueSet:
         return self
