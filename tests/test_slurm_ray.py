@@ -176,11 +176,17 @@ def test_a_cluster_whose_ray_fails_to_start_fails_with_the_logs_last_lines(slurm
     """Ray's start fails on the head node: the allocation ends FAILED, and the error carries the
     last lines of its logs (the head's says why), not only where they are."""
     name = f"ray-{uuid.uuid4().hex[:6]}"
+    # NeMo-Run's ray.sub probes the head with `ray status` until the head's srun is seen dead;
+    # against a GCS that never started, that probe waits out Ray's reconnect timeout (60 s by
+    # default, ~40 s of the test): 3 s here, the test is about the error, not that wait. In
+    # setup_lines, not env: ray.sub upper-cases env names, and Ray reads this one as written.
+    timeout = "export RAY_gcs_rpc_server_reconnect_timeout_s=3"
+    quick = multi_block.model_copy(update={"setup_lines": f"{multi_block.setup_lines}\n{timeout}"})
 
     @flow
     def rl():
         broken = ["echo 'head-start-broke: no such venv' >&2; exit 7"]
-        with slurm_ray_cluster(multi_block, name=name, pre_ray_start_commands=broken):
+        with slurm_ray_cluster(quick, name=name, pre_ray_start_commands=broken):
             raise AssertionError("never reached")
 
     with pytest.raises(BackendUnavailable, match=f"'{name}'.*before Ray was ready") as raised:
