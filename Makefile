@@ -54,12 +54,10 @@ demo: $(STAMP)
 	$(BIN)/prefect-nemo demo
 
 ## Install, lint and test, printing each phase's time: the whole suite in the core environment
-## (newest Prefect) and, at the same time, in the extras environment (Prefect 3.5) what needs the
-## extras plus the Prefect 3.5 smoke of the core (tests marked `compat`, chosen in
-## tests/conftest.py). At once, because one after the other each left the cores half idle at
-## its end (the control-plane unit alone for ~2 min, then the extras' start and end).
+## (newest Prefect), then in the extras environment (Prefect 3.5) what needs the extras plus
+## the Prefect 3.5 smoke of the core (tests marked `compat`, chosen in tests/conftest.py).
 test:
-	@MAKE="$(MAKE)" scripts/timed-phases install system lint docs control-plane test-core+test-extras
+	@MAKE="$(MAKE)" scripts/timed-phases install system lint docs control-plane test-core test-extras
 
 # --durations: CI's log names the slowest tests of each phase (the budget is 20 minutes in all).
 # WORKERS workers, each taking whole files: most real-engine tests wait on a cluster, not on a

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
 
@@ -349,42 +348,17 @@ def _stop_control_plane() -> None:
         _planes.pop().stop()  # a plane attached to (`make control-plane up`) is left running
 
 
-# `make test` runs the two phases' sessions at once, and both use the machine's one local Slurm:
-# its queue and preemption partitions take one session's ONE_SLURM_QUEUE unit at a time, under
-# an exclusive lock beside the cluster's state (held from the unit's first test to its last).
-_slurm_queues: list[IO[str]] = []
-
-
-def _release_slurm_queues() -> None:
-    while _slurm_queues:
-        _slurm_queues.pop().close()  # closing drops the flock
-
-
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    if not _slurm_queues and item.nodeid.split("::")[0] in ONE_SLURM_QUEUE:
-        from prefect_nemo.testing.slurm import DEFAULT_STATE_DIR
-
-        DEFAULT_STATE_DIR.mkdir(parents=True, exist_ok=True)
-        lock = open(DEFAULT_STATE_DIR / "queue-partitions.lock", "a")  # held until released
-        fcntl.flock(lock, fcntl.LOCK_EX)  # the other session's unit may hold it for ~100 s
-        _slurm_queues.append(lock)
-
-
 @pytest.hookimpl(trylast=True)  # after pytest's own: the module fixtures using it are gone
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """Stop the control plane once the next test is not one of the ONE_CONTROL_PLANE files
-    (under xdist they come to a worker as one unit; alone, a later file may start it again);
-    let the Slurm queues go once the next test is not one of the ONE_SLURM_QUEUE files."""
-    file, next_file = item.nodeid.split("::")[0], nextitem and nextitem.nodeid.split("::")[0]
-    if _planes and file in ONE_CONTROL_PLANE and next_file not in ONE_CONTROL_PLANE:
-        _stop_control_plane()
-    if _slurm_queues and next_file not in ONE_SLURM_QUEUE:
-        _release_slurm_queues()
+    (under xdist they come to a worker as one unit; alone, a later file may start it again)."""
+    if _planes and (nextitem is None or nextitem.nodeid.split("::")[0] not in ONE_CONTROL_PLANE):
+        if item.nodeid.split("::")[0] in ONE_CONTROL_PLANE:
+            _stop_control_plane()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     _stop_control_plane()
-    _release_slurm_queues()
 
 
 @pytest.fixture(scope="module")
