@@ -43,6 +43,7 @@ The last results are kept in `bench/.last-scale.txt` for `make bench`.
     .venv/bin/python -m bench.scale 100        # only N = 100 (Kubernetes path)
     .venv/bin/python -m bench.scale ray slurm  # only the real engines (bench/_scale_engines.py)
     SCALE_ENGINE_ROUNDS=3 .venv/bin/python -m bench.scale slurm  # 3 interleaved rounds
+    SCALE_KUBE_ROUNDS=3 .venv/bin/python -m bench.scale 1000     # raw, ours, floor: 3 rounds
     .venv/bin/python -m bench.scale db         # only SQLite vs PostgreSQL (bench/_scale_db.py)
     .venv/bin/python -m bench.scale quota      # only 1,000 RayJobs on a Kueue quota of 100
     .venv/bin/python -m bench.scale before 100 # the way before run_jobs: N run_job.submit
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -68,6 +70,8 @@ ENGINES = ("ray", "slurm", "db")
 ENGINE_N = int(os.environ.get("SCALE_ENGINE_N", "200"))  # a smaller N: a quick check
 # interleaved rounds of each real engine (bench._rounds): ratios as median [min, max]
 ENGINE_ROUNDS = int(os.environ.get("SCALE_ENGINE_ROUNDS", "1"))
+# interleaved rounds of the Kubernetes path's raw, ours and floor: figures as median [min, max]
+KUBE_ROUNDS = int(os.environ.get("SCALE_KUBE_ROUNDS", "1"))
 QUOTA_QUEUE, QUOTA = "bench-quota", 100  # the Kueue run: its LocalQueue and its room
 QUOTA_N = int(os.environ.get("SCALE_QUOTA_N", "1000"))  # a smaller N: a quick check
 
@@ -457,63 +461,94 @@ def main(
 
 
 def _kube(sizes: tuple[int, ...], api_url: str, report: Any) -> None:
-    """The Kubernetes path at each size, each next to the raw kubernetes client."""
+    """The Kubernetes path at each size: raw, ours and the floor in KUBE_ROUNDS interleaved
+    rounds (the order reversed every other round); at 1,000 the UI page's run, once."""
+    from bench._rounds import Spread
+
+    def figure(values: list[float]) -> float | Spread:
+        """One round's figure as it is; over rounds, median [min, max]."""
+        return values[0] if len(values) == 1 else Spread.of(values)
+
     overhead: dict[int, float] = {}
     for n in sizes:
-        log(f"raw kubernetes client, N={n}")
-        raw = measure("raw", n, None, None)
-        log(f"raw: {raw['wall_s']:.1f}s")
-        log(f"run_jobs in one flow run, N={n}")
-        ours = measure("ours", n, api_url, None)
-        log(f"ours: {ours['wall_s']:.1f}s (jobs {ours['jobs_wall_s']:.1f}s) {ours['states']}")
-        log(f"ours: Prefect API requests by path {ours['prefect_by_path']}")
-        ui: list[float] = []
-        if n >= 1000:  # apart: the page's load on the server is neither raw's nor the floor's
-            log(f"run_jobs again, N={n}, the UI's flow-run page loaded every second")
-            paged = measure("ours", n, api_url, ui)
-            log(f"ours with the page: {paged['wall_s']:.1f}s")
-            log("UI page seconds, one a second: " + " ".join(f"{s:.2f}" for s in ui))
-        log(f"Prefect's floor: {n} async task runs waiting {JOB_S:g}s each, no backend")
-        floor = measure("floor", n, api_url, None)
-        log(f"floor: {floor['wall_s']:.1f}s, flow CPU {floor['flow_cpu_s']:.1f}s")
-        report(f"scale_kube_wall_s_{n}", ours["wall_s"])
-        report(f"scale_kube_wall_s_raw_{n}", raw["wall_s"])
-        report(f"scale_kube_wall_ratio_{n}", ours["wall_s"] / raw["wall_s"])
-        report(f"scale_kube_jobs_wall_s_{n}", ours["jobs_wall_s"])
-        report(f"scale_kube_cpu_s_{n}", ours["cpu_s"])
-        report(f"scale_kube_cpu_s_raw_{n}", raw["cpu_s"])
-        report(f"scale_prefect_server_cpu_s_{n}", ours["server_cpu_s"])
-        # the flow's own CPU, from its call to its return (imports and start-up left out)
-        report(f"scale_kube_cpu_ms_per_job_{n}", ours["flow_cpu_s"] * 1000 / n)
-        report(f"scale_prefect_floor_s_{n}", floor["wall_s"])
-        report(f"scale_prefect_floor_cpu_ms_per_job_{n}", floor["flow_cpu_s"] * 1000 / n)
-        report(f"scale_prefect_floor_server_cpu_s_{n}", floor["server_cpu_s"])
-        # over the slower of what the cluster needs (raw) and what Prefect needs (the floor)
-        over = ours["wall_s"] / max(raw["wall_s"], floor["wall_s"])
-        report(f"scale_kube_over_floor_{n}", over)
-        report(f"scale_kube_rss_mb_{n}", ours["peak_rss_mb"])
-        report(f"scale_kube_rss_mb_raw_{n}", raw["peak_rss_mb"])
-        report(f"scale_kube_threads_{n}", ours["peak_threads"])
-        report(f"scale_kube_threads_raw_{n}", raw["peak_threads"])
-        report(f"scale_kube_detect_p50_s_{n}", ours["detect_p50_s"])
-        report(f"scale_kube_detect_p50_s_raw_{n}", raw["detect_p50_s"])
-        report(f"scale_kube_api_requests_per_job_{n}", ours["kube"]["requests"] / n)
-        report(f"scale_kube_api_requests_per_job_raw_{n}", raw["kube"]["requests"] / n)
-        report(f"scale_prefect_api_requests_per_job_{n}", ours["prefect_requests"] / n)
-        report(f"scale_prefect_events_per_job_{n}", ours["prefect_events"] / n)
+        rounds = [_kube_round(n, api_url, reverse=bool(i % 2)) for i in range(KUBE_ROUNDS)]
+        figures = [_kube_figures(n, r) for r in rounds]
+        for key in figures[0]:
+            report(key, figure([f[key] for f in figures]))
+        ours = rounds[-1]["ours"]
         leaks = (
             f"threads:{ours['threads_left']},ours:{len(ours['ours_left'])},fds:{ours['fds_left']}"
         )
         report(f"scale_kube_leaks_{n}", leaks)
-        if ui:
+        if n >= 1000:  # apart: the page's load on the server is neither raw's nor the floor's
+            log(f"run_jobs again, N={n}, the UI's flow-run page loaded every second")
+            ui: list[float] = []
+            paged = measure("ours", n, api_url, ui)
+            log(f"ours with the page: {paged['wall_s']:.1f}s")
+            log("UI page seconds, one a second: " + " ".join(f"{s:.2f}" for s in ui))
             report(f"scale_prefect_ui_page_s_max_{n}", max(ui))
             report(f"scale_prefect_ui_page_s_p50_{n}", _percentile(ui, 50))
             report(f"scale_kube_wall_s_paged_{n}", paged["wall_s"])
             report(f"scale_prefect_server_cpu_s_paged_{n}", paged["server_cpu_s"])
-        overhead[n] = (ours["wall_s"] - raw["wall_s"]) / n
+        overhead[n] = statistics.median(
+            (r["ours"]["wall_s"] - r["raw"]["wall_s"]) / n for r in rounds
+        )
         report(f"scale_kube_per_job_overhead_s_{n}", overhead[n])
     if 100 in overhead and 1000 in overhead and overhead[100] > 0:
         report("scale_kube_per_job_cost_growth", overhead[1000] / overhead[100])
+
+
+def _kube_figures(n: int, sides: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """One round's figures at size n, by the keys they are reported under."""
+    ours, raw, floor = sides["ours"], sides["raw"], sides["floor"]
+    return {
+        f"scale_kube_wall_s_{n}": ours["wall_s"],
+        f"scale_kube_wall_s_raw_{n}": raw["wall_s"],
+        f"scale_kube_wall_ratio_{n}": ours["wall_s"] / raw["wall_s"],
+        f"scale_kube_jobs_wall_s_{n}": ours["jobs_wall_s"],
+        f"scale_kube_cpu_s_{n}": ours["cpu_s"],
+        f"scale_kube_cpu_s_raw_{n}": raw["cpu_s"],
+        f"scale_prefect_server_cpu_s_{n}": ours["server_cpu_s"],
+        # the flow's own CPU, from its call to its return (imports and start-up left out)
+        f"scale_kube_cpu_ms_per_job_{n}": ours["flow_cpu_s"] * 1000 / n,
+        f"scale_prefect_floor_s_{n}": floor["wall_s"],
+        f"scale_prefect_floor_cpu_ms_per_job_{n}": floor["flow_cpu_s"] * 1000 / n,
+        f"scale_prefect_floor_server_cpu_s_{n}": floor["server_cpu_s"],
+        # over the slower of what the cluster needs (raw) and what Prefect needs (the floor)
+        f"scale_kube_over_floor_{n}": ours["wall_s"] / max(raw["wall_s"], floor["wall_s"]),
+        f"scale_kube_rss_mb_{n}": ours["peak_rss_mb"],
+        f"scale_kube_rss_mb_raw_{n}": raw["peak_rss_mb"],
+        f"scale_kube_threads_{n}": ours["peak_threads"],
+        f"scale_kube_threads_raw_{n}": raw["peak_threads"],
+        f"scale_kube_detect_p50_s_{n}": ours["detect_p50_s"],
+        f"scale_kube_detect_p50_s_raw_{n}": raw["detect_p50_s"],
+        f"scale_kube_api_requests_per_job_{n}": ours["kube"]["requests"] / n,
+        f"scale_kube_api_requests_per_job_raw_{n}": raw["kube"]["requests"] / n,
+        f"scale_prefect_api_requests_per_job_{n}": ours["prefect_requests"] / n,
+        f"scale_prefect_events_per_job_{n}": ours["prefect_events"] / n,
+    }
+
+
+def _kube_round(n: int, api_url: str, *, reverse: bool) -> dict[str, dict[str, Any]]:
+    """One round at size n: raw, ours and the floor, each in a fresh process (reversed: the
+    floor first), so a load that drifts over the rounds hits raw and the floor alike."""
+    sides = ("raw", "ours", "floor")
+    got: dict[str, dict[str, Any]] = {}
+    for side in reversed(sides) if reverse else sides:
+        if side == "raw":
+            log(f"raw kubernetes client, N={n}")
+            got[side] = out = measure("raw", n, None, None)
+            log(f"raw: {out['wall_s']:.1f}s")
+        elif side == "ours":
+            log(f"run_jobs in one flow run, N={n}")
+            got[side] = out = measure("ours", n, api_url, None)
+            log(f"ours: {out['wall_s']:.1f}s (jobs {out['jobs_wall_s']:.1f}s) {out['states']}")
+            log(f"ours: Prefect API requests by path {out['prefect_by_path']}")
+        else:
+            log(f"Prefect's floor: {n} async task runs waiting {JOB_S:g}s each, no backend")
+            got[side] = out = measure("floor", n, api_url, None)
+            log(f"floor: {out['wall_s']:.1f}s, flow CPU {out['flow_cpu_s']:.1f}s")
+    return got
 
 
 def _quota(api_url: str, report: Any) -> None:
