@@ -42,6 +42,12 @@ class Spread:
         return f"{self.median:.3f} [{self.low:.3f}, {self.high:.3f}]"
 
 
+def figure(values: Iterable[float]) -> float | Spread:
+    """One round's value as it is; over more rounds, their spread."""
+    data = list(values)
+    return data[0] if len(data) == 1 else Spread.of(data)
+
+
 def interleaved(
     ours: Callable[[], Ours],
     raw: Callable[[], Raw],

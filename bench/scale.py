@@ -70,7 +70,7 @@ ENGINES = ("ray", "slurm", "db")
 ENGINE_N = int(os.environ.get("SCALE_ENGINE_N", "200"))  # a smaller N: a quick check
 # interleaved rounds of each real engine (bench._rounds): ratios as median [min, max]
 ENGINE_ROUNDS = int(os.environ.get("SCALE_ENGINE_ROUNDS", "1"))
-# interleaved rounds of the Kubernetes path's raw, ours and floor: figures as median [min, max]
+# rounds of the Kubernetes path's raw, ours and floor (rotated): figures as median [min, max]
 KUBE_ROUNDS = int(os.environ.get("SCALE_KUBE_ROUNDS", "1"))
 QUOTA_QUEUE, QUOTA = "bench-quota", 100  # the Kueue run: its LocalQueue and its room
 QUOTA_N = int(os.environ.get("SCALE_QUOTA_N", "1000"))  # a smaller N: a quick check
@@ -461,17 +461,16 @@ def main(
 
 
 def _kube(sizes: tuple[int, ...], api_url: str, report: Any) -> None:
-    """The Kubernetes path at each size: raw, ours and the floor in KUBE_ROUNDS interleaved
-    rounds (the order reversed every other round); at 1,000 the UI page's run, once."""
-    from bench._rounds import Spread
+    """The Kubernetes path at each size: raw, ours and the floor in KUBE_ROUNDS rounds, the
+    order rotated each round (bench._rounds.rotated); at 1,000 the UI page's run, once."""
+    from functools import partial
 
-    def figure(values: list[float]) -> float | Spread:
-        """One round's figure as it is; over rounds, median [min, max]."""
-        return values[0] if len(values) == 1 else Spread.of(values)
+    from bench._rounds import figure, rotated
 
     overhead: dict[int, float] = {}
     for n in sizes:
-        rounds = [_kube_round(n, api_url, reverse=bool(i % 2)) for i in range(KUBE_ROUNDS)]
+        sides = {side: partial(_kube_side, side, n, api_url) for side in ("raw", "ours", "floor")}
+        rounds = rotated(sides, KUBE_ROUNDS)
         figures = [_kube_figures(n, r) for r in rounds]
         for key in figures[0]:
             report(key, figure([f[key] for f in figures]))
@@ -529,26 +528,22 @@ def _kube_figures(n: int, sides: dict[str, dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def _kube_round(n: int, api_url: str, *, reverse: bool) -> dict[str, dict[str, Any]]:
-    """One round at size n: raw, ours and the floor, each in a fresh process (reversed: the
-    floor first), so a load that drifts over the rounds hits raw and the floor alike."""
-    sides = ("raw", "ours", "floor")
-    got: dict[str, dict[str, Any]] = {}
-    for side in reversed(sides) if reverse else sides:
-        if side == "raw":
-            log(f"raw kubernetes client, N={n}")
-            got[side] = out = measure("raw", n, None, None)
-            log(f"raw: {out['wall_s']:.1f}s")
-        elif side == "ours":
-            log(f"run_jobs in one flow run, N={n}")
-            got[side] = out = measure("ours", n, api_url, None)
-            log(f"ours: {out['wall_s']:.1f}s (jobs {out['jobs_wall_s']:.1f}s) {out['states']}")
-            log(f"ours: Prefect API requests by path {out['prefect_by_path']}")
-        else:
-            log(f"Prefect's floor: {n} async task runs waiting {JOB_S:g}s each, no backend")
-            got[side] = out = measure("floor", n, api_url, None)
-            log(f"floor: {out['wall_s']:.1f}s, flow CPU {out['flow_cpu_s']:.1f}s")
-    return got
+def _kube_side(side: str, n: int, api_url: str) -> dict[str, Any]:
+    """One side of a round at size n (raw, ours or the floor), in a fresh process."""
+    if side == "raw":
+        log(f"raw kubernetes client, N={n}")
+        out = measure("raw", n, None, None)
+        log(f"raw: {out['wall_s']:.1f}s")
+    elif side == "ours":
+        log(f"run_jobs in one flow run, N={n}")
+        out = measure("ours", n, api_url, None)
+        log(f"ours: {out['wall_s']:.1f}s (jobs {out['jobs_wall_s']:.1f}s) {out['states']}")
+        log(f"ours: Prefect API requests by path {out['prefect_by_path']}")
+    else:
+        log(f"Prefect's floor: {n} async task runs waiting {JOB_S:g}s each, no backend")
+        out = measure("floor", n, api_url, None)
+        log(f"floor: {out['wall_s']:.1f}s, flow CPU {out['flow_cpu_s']:.1f}s")
+    return out
 
 
 def _quota(api_url: str, report: Any) -> None:
@@ -576,7 +571,7 @@ def _engine(engine: str, api_url: str, report: Any) -> None:
     import tempfile
 
     from bench import _scale_engines
-    from bench._rounds import Spread
+    from bench._rounds import figure
 
     n, rounds = ENGINE_N, ENGINE_ROUNDS
     log(f"{engine}: the raw client and run_jobs in one flow run, N={n}, {rounds} round(s)")
@@ -588,10 +583,6 @@ def _engine(engine: str, api_url: str, report: Any) -> None:
     for ours, raw in pairs:
         log(f"{engine}: raw {raw['wall_s']:.1f}s {raw['states']}; ours {ours['wall_s']:.1f}s "
             f"{ours['states']}")  # fmt: skip
-
-    def figure(values: list[float]) -> float | Spread:
-        """One round's figure as it is; over rounds, median [min, max]."""
-        return values[0] if len(values) == 1 else Spread.of(values)
 
     report(f"scale_{engine}_ratio_{n}", figure([o["wall_s"] / r["wall_s"] for o, r in pairs]))
     figures = (("wall_s", "wall_s"), ("rss_mb", "peak_rss_mb"), ("threads", "peak_threads"))
