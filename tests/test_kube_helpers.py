@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -155,6 +156,38 @@ def test_owner_reference_cascades_and_is_idempotent(api: kube.KubeApi) -> None:
     assert len(refs) == 1 and refs[0]["controller"] is False
     api.delete(kube.CONFIGMAP, "owner")
     assert kube.wait_for(api, kube.RAY_JOB, "owned", lambda o: o is None, timeout_s=10) is None
+
+
+def test_owner_reference_survives_a_concurrent_change_of_the_object(
+    server: LoopbackKubeServer,
+) -> None:
+    """An operator writing the object between our read and our patch makes the patch a
+    409 Conflict (its resourceVersion is stale); we read again and retry, as client-go's
+    `retry.RetryOnConflict` does, so the ref is added and the other writer's change kept."""
+
+    class RacedApi(kube.KubeApi):
+        races = 1  # how many of our reads another writer follows with a change of its own
+
+        def get(self, kind: kube.Kind, name: str, namespace: str | None = None) -> Any:
+            obj = super().get(kind, name, namespace)
+            if kind is kube.RAY_JOB and self.races > 0:
+                self.races -= 1
+                label = {"metadata": {"labels": {"raced": str(self.races)}}}
+                other.patch(kube.RAY_JOB, name, label)
+            return obj
+
+    other = KubernetesCluster(kubeconfig=server.kubeconfig()).api()
+    raced = RacedApi(other.api_client)
+    owner = raced.create(kube.CONFIGMAP, configmap("racing-owner"))
+    raced.create(kube.RAY_JOB, rayjob("raced"))
+    got = kube.add_owner_reference(raced, kube.RAY_JOB, "raced", owner)
+    assert [r["uid"] for r in got["metadata"]["ownerReferences"]] == [owner["metadata"]["uid"]]
+    assert got["metadata"]["labels"]["raced"] == "0"  # the other writer's change is kept
+
+    raced.races = kube.apply.OWNER_PATCH_ATTEMPTS  # an object that changes on every read
+    second = raced.create(kube.CONFIGMAP, configmap("racing-owner-2"))
+    with pytest.raises(kube.Conflict):
+        kube.add_owner_reference(raced, kube.RAY_JOB, "raced", second)
 
 
 # -- waiting by watch -----------------------------------------------------------------------------

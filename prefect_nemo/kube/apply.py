@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from prefect_nemo.errors import InvalidJobSpec
-from prefect_nemo.kube.api import AlreadyExists, KubeApi, NotFound
+from prefect_nemo.kube.api import AlreadyExists, Conflict, KubeApi, NotFound
 from prefect_nemo.kube.kinds import Kind, kind_for
 from prefect_nemo.names import stable_hash
 
@@ -19,6 +20,8 @@ FLOW_RUN_LABEL = "prefect.io/flow-run-id"
 SPEC_HASH = "prefect-nemo.io/spec-hash"
 LAST_USED = "prefect-nemo.io/last-used"  # when a shared object was last taken for a job
 GONE_TIMEOUT_S = 300.0  # how long we wait for an object being deleted to go (nrl-k8s: 300 s)
+OWNER_PATCH_ATTEMPTS = 5  # client-go's retry.DefaultRetry: 5 tries, 10 ms apart
+OWNER_PATCH_PAUSE_S = 0.01
 
 Outcome = Literal["created", "attached", "drifted", "recreated"]
 
@@ -174,14 +177,23 @@ def add_owner_reference(
     A namespaced owner must be in the object's namespace: Kubernetes treats an owner in
     another namespace as absent and deletes the object (InvalidJobSpec, nothing patched)."""
     check_same_namespace(kind, name, api._ns(kind, namespace), owner)
-    current = api.get(kind, name, namespace)
-    if current is None:
-        raise NotFound(404, "NotFound", f"{kind.describe(name)} not found")
-    refs = current.get("metadata", {}).get("ownerReferences") or []
-    if any(ref.get("uid") == owner["metadata"]["uid"] for ref in refs):
-        return current
     ref = owner_reference(owner, controller=controller)
-    # the resourceVersion makes a concurrent change of the list a Conflict, not a lost ref
-    rv = current["metadata"]["resourceVersion"]
-    patch = {"metadata": {"ownerReferences": [*refs, ref], "resourceVersion": rv}}
-    return api.patch(kind, name, patch, namespace)
+    for attempt in range(OWNER_PATCH_ATTEMPTS):
+        current = api.get(kind, name, namespace)
+        if current is None:
+            raise NotFound(404, "NotFound", f"{kind.describe(name)} not found")
+        refs = current.get("metadata", {}).get("ownerReferences") or []
+        if any(r.get("uid") == owner["metadata"]["uid"] for r in refs):
+            return current
+        # the resourceVersion makes a concurrent change a Conflict, not a lost ref; an operator
+        # writing the object's status in between is normal, so read again and retry
+        rv = current["metadata"]["resourceVersion"]
+        patch = {"metadata": {"ownerReferences": [*refs, ref], "resourceVersion": rv}}
+        try:
+            return api.patch(kind, name, patch, namespace)
+        except Conflict:
+            if attempt == OWNER_PATCH_ATTEMPTS - 1:
+                raise
+            log.debug("%s changed while adding an owner; reading it again", kind.describe(name))
+            time.sleep(OWNER_PATCH_PAUSE_S)
+    raise AssertionError("unreachable")
