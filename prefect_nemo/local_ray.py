@@ -177,6 +177,7 @@ def _start_head(
         "--dashboard-host=127.0.0.1",
         "--node-ip-address=127.0.0.1",
         f"--object-store-memory={object_store_bytes}",
+        "--no-monitor",  # nothing autoscales a local head: its monitor only costs CPU
     ]
     cmd += [f"--{name}={port}" for name, port in ports.items()]
     if num_cpus is not None:

@@ -212,6 +212,10 @@ def prefect_api() -> Iterator[str]:
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
+    # the harness's server inherits this environment: its telemetry service would only try a
+    # network this machine may not have, and its write at start races the server's own
+    # (a "database is locked" traceback in the log)
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     with prefect_test_harness(server_startup_timeout=180):
         yield str(PREFECT_API_URL.value())
 
