@@ -10,59 +10,22 @@ message JobInfo carries while PENDING whenever entrypoint resources were asked).
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 from prefect import flow
 
 from prefect_nemo.jobs import JobResult, JobSpec, JobState, Resources
-from prefect_nemo.local_ray import LocalRayCluster, free_ports
+from prefect_nemo.local_ray import LocalRayCluster
 from prefect_nemo.tasks import run_job, submit_job, wait_for_job
 from tests.conftest import job_events, wait_until
+from tests.ray_nodes import worker_node
 
 pytestmark = pytest.mark.slow
 
 RAY_WAITING = "It may be waiting for resources (CPUs, GPUs, memory, custom resources)"
-
-
-@contextlib.contextmanager
-def worker_node(head: LocalRayCluster, resources: dict[str, float]) -> Iterator[None]:
-    """A real Ray worker node joining `head` (`ray start --address`), with `resources` and no
-    CPU (nothing else is scheduled there), on free ports; stopped by its own pid."""
-    ports = ("node-manager", "object-manager", "dashboard-agent-listen", "dashboard-agent-grpc",
-             "metrics-export", "runtime-env-agent")  # fmt: skip
-    bin_dir = Path(sys.executable).parent
-    cmd = [str(bin_dir / "ray"), "start", "--block", "--disable-usage-stats",
-           f"--address={head.gcs_address}", "--node-ip-address=127.0.0.1", "--num-cpus=0",
-           f"--resources={json.dumps(resources)}", "--object-store-memory=100000000",
-           f"--temp-dir={head.temp_dir}",
-           *(f"--{p}-port={n}" for p, n in zip(ports, free_ports(6), strict=True))]  # fmt: skip
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    env.pop("RAY_ADDRESS", None)
-    env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": head.token or ""})
-    process = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        yield
-    finally:
-        process.send_signal(signal.SIGTERM)  # `ray start --block` stops its node
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 def test_ray_job_waiting_for_resources_is_queued_then_runs(
@@ -94,8 +57,12 @@ def test_ray_job_waiting_for_resources_is_queued_then_runs(
         running = pool.submit(waits)
         wait_until(queued, timeout_s=60)
         time.sleep(16)  # longer than timeout_s
-        with worker_node(ray_head, {resource: 1}):
-            result = running.result(timeout=120)
+        with worker_node(ray_head, {resource: 1}, num_cpus=0):  # nothing else lands there
+            try:
+                result = running.result(timeout=120)
+            except TimeoutError:  # stop the job, or leaving the pool waits on its flow forever
+                backend.request_stop(submitted[0])
+                raise
     assert result.state is JobState.SUCCEEDED
     assert result.queue_wait_s is not None and result.queue_wait_s > 15.5
 

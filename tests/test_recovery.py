@@ -16,7 +16,6 @@ The rules these tests hold, as issue 29 states them:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -34,7 +33,7 @@ import pytest
 from prefect import flow
 
 from prefect_nemo import JobSpec, JobState
-from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec, JobFailed
+from prefect_nemo.errors import InvalidJobSpec, JobFailed
 from prefect_nemo.jobs import (
     Failure,
     FailureClass,
@@ -44,10 +43,11 @@ from prefect_nemo.jobs import (
     RecoveryPolicy,
 )
 from prefect_nemo.lifecycle import META_KEY
-from prefect_nemo.local_ray import LocalRayCluster, free_ports, session_members, start_local_ray
+from prefect_nemo.local_ray import LocalRayCluster, start_local_ray
 from prefect_nemo.recovery import Recovery, classify
 from tests.conftest import jobs_of_run, wait_until
 from tests.progress_checks import events as flow_run_events
+from tests.ray_nodes import kill_session, worker_node
 
 APP, INFRA = FailureClass.APPLICATION, FailureClass.INFRASTRUCTURE
 PATTERNS = RecoveryPolicy().infrastructure_logs
@@ -391,81 +391,6 @@ def fast_head() -> Iterator[LocalRayCluster]:
                 os.environ[key] = value
     with head:
         yield head
-
-
-@contextlib.contextmanager
-def worker_node(head: LocalRayCluster, resources: dict[str, float]) -> Iterator[Any]:
-    """A second Ray node of `head` on this machine (`ray start --address`, its own ports and
-    process session), alive in the head's view; killed with SIGKILL at the end if still alive.
-    A node whose raylet died starting is started again: the raylet waits a hard-coded 15 s for
-    its dashboard agent's port file, then aborts (ray#65983; CI's busy cores ran past it)."""
-    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=head.token or "")
-    env.pop("RAY_ADDRESS", None)
-    for _ in range(NODE_STARTS):
-        process = _start_node(head, resources, env)
-        if _joined(head, resources, process):
-            break
-        kill_session(process.pid)
-        process.wait(30)
-    else:
-        raise AssertionError(f"a Ray worker node with {resources} died starting, {NODE_STARTS}x")
-    try:
-        yield process
-    finally:
-        kill_session(process.pid)
-        process.wait(30)
-
-
-NODE_STARTS = 3
-
-
-def _start_node(
-    head: LocalRayCluster, resources: dict[str, float], env: dict[str, str]
-) -> subprocess.Popen[bytes]:
-    names = (
-        "node-manager-port",
-        "object-manager-port",
-        "dashboard-agent-listen-port",
-        "dashboard-agent-grpc-port",
-        "metrics-export-port",
-        "runtime-env-agent-port",
-    )
-    ports = dict(zip(names, free_ports(len(names)), strict=True))
-    cmd = [str(Path(sys.executable).parent / "ray"), "start", "--block", "--disable-usage-stats",
-           f"--address={head.gcs_address}", "--node-ip-address=127.0.0.1", "--num-cpus=1",
-           f"--resources={json.dumps(resources)}", "--object-store-memory=100000000",
-           *(f"--{k}={v}" for k, v in ports.items())]  # fmt: skip
-    return subprocess.Popen(
-        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-
-
-def _joined(
-    head: LocalRayCluster, resources: dict[str, float], process: subprocess.Popen[bytes]
-) -> bool:
-    """The node is ALIVE with `resources` as the head's dashboard lists its nodes (through the
-    Ray Jobs backend's own reader); False once its `ray start --block` exited (a process of the
-    node died)."""
-    backend = head.block().backend()
-
-    def alive() -> bool:
-        with contextlib.suppress(BackendUnavailable):
-            return any(set(resources) <= set(node) for node in backend._node_resources())
-        return False
-
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and process.poll() is None:
-        if alive():
-            return True
-        time.sleep(1)
-    return False
-
-
-def kill_session(sid: int) -> None:
-    """SIGKILL every process of a node's session: the node is lost, not shut down."""
-    for pid in session_members(sid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.slow
