@@ -82,28 +82,37 @@ class LocalRayCluster:
         """Stop the head we started: SIGTERM to `ray start --block` (it shuts Ray down), then
         SIGKILL to whatever is left of its session (Ray workers lead their own process groups,
         so killing the head's group alone would miss them)."""
-        if self.process is None:
-            return
-        sid = self.process.pid  # start_new_session made the head a session leader
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-        for pid in session_members(sid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while session_members(sid) and time.monotonic() < deadline:
-            time.sleep(0.1)  # SIGKILL is not instant: return once they are really gone
+        if self.process is not None:
+            stop_session(self.process, timeout_s)
 
     def __enter__(self) -> LocalRayCluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def stop_session(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    """Stop a `ray start --block` we started as a session leader (start_new_session): SIGTERM
+    (it shuts its node down), then SIGKILL to whatever is left of its session."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+    kill_session(process.pid)
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of session `sid`, returning once they are gone (10 s at most)."""
+    for pid in session_members(sid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while session_members(sid) and time.monotonic() < deadline:
+        time.sleep(0.1)  # SIGKILL is not instant
 
 
 def session_members(sid: int) -> list[int]:

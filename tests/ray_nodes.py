@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from prefect_nemo.errors import BackendUnavailable
-from prefect_nemo.local_ray import LocalRayCluster, free_ports, session_members
+from prefect_nemo.local_ray import LocalRayCluster, free_ports, kill_session, stop_session
 
 NODE_STARTS = 3
 JOIN_TIMEOUT_S = 180
@@ -27,7 +26,7 @@ def worker_node(
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A node of `head` on this machine (`ray start --address`, its own ports and process
     session, its logs in the head's temp dir), alive in the head's view when this yields; at
-    the end SIGTERM (`ray start --block` stops its node), then SIGKILL to what is left."""
+    the end stopped as a head we start is (`stop_session`)."""
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=head.token or "")
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     env.pop("RAY_ADDRESS", None)
@@ -42,19 +41,7 @@ def worker_node(
     try:
         yield process
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(30)
-        kill_session(process.pid)
-        process.wait(30)
-
-
-def kill_session(sid: int) -> None:
-    """SIGKILL every process of a node's session: the node is lost, not shut down."""
-    for pid in session_members(sid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        stop_session(process)
 
 
 def _start_node(

@@ -43,11 +43,11 @@ from prefect_nemo.jobs import (
     RecoveryPolicy,
 )
 from prefect_nemo.lifecycle import META_KEY
-from prefect_nemo.local_ray import LocalRayCluster, start_local_ray
+from prefect_nemo.local_ray import LocalRayCluster, kill_session, start_local_ray
 from prefect_nemo.recovery import Recovery, classify
 from tests.conftest import jobs_of_run, wait_until
 from tests.progress_checks import events as flow_run_events
-from tests.ray_nodes import kill_session, worker_node
+from tests.ray_nodes import worker_node
 
 APP, INFRA = FailureClass.APPLICATION, FailureClass.INFRASTRUCTURE
 PATTERNS = RecoveryPolicy().infrastructure_logs
