@@ -33,6 +33,12 @@ log = logging.getLogger(__name__)
 DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
 #: How long find_local_ray waits for a Jobs API: at an address it was given, at the default port.
 CONFIGURED_PROBE_S, DEFAULT_PROBE_S = 15.0, 2.0
+#: Ray settings of the nodes we start, which share this machine's cores with their jobs and
+#: with Prefect (an environment that sets one wins): no workers started ahead of a job's first
+#: task (each stays idle for the node's life at ~0.4 CPU-s a minute, and a shell entrypoint
+#: never needs one), no metrics collection (nothing reads them here). Measured on an idle head:
+#: 3.0 CPU-s a minute against 4.3, and half the CPU for a job that only prints.
+LEAN_NODE_ENV = {"RAY_prestart_worker_first_driver": "0", "RAY_enable_metrics_collection": "0"}
 
 
 def free_port() -> int:
@@ -199,7 +205,7 @@ def _start_head(
         cmd.append("--labels=" + ",".join(f"{k}={v}" for k, v in labels.items()))
 
     token = secrets.token_hex(32) if token_auth else None
-    env = dict(os.environ)
+    env = {**LEAN_NODE_ENV, **os.environ}
     for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN_PATH"):
         env.pop(var, None)
     # Jobs' entrypoint shells inherit this PATH: our interpreter must come first.

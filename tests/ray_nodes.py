@@ -14,7 +14,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from prefect_nemo.errors import BackendUnavailable
-from prefect_nemo.local_ray import LocalRayCluster, free_ports, kill_session, stop_session
+from prefect_nemo.local_ray import (
+    LEAN_NODE_ENV,
+    LocalRayCluster,
+    free_ports,
+    kill_session,
+    stop_session,
+)
 
 NODE_STARTS = 3
 JOIN_TIMEOUT_S = 180
@@ -27,7 +33,8 @@ def worker_node(
     """A node of `head` on this machine (`ray start --address`, its own ports and process
     session, its logs in the head's temp dir), alive in the head's view when this yields; at
     the end stopped as a head we start is (`stop_session`)."""
-    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=head.token or "")
+    env = {**LEAN_NODE_ENV, **os.environ, "RAY_AUTH_MODE": "token"}
+    env["RAY_AUTH_TOKEN"] = head.token or ""
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     env.pop("RAY_ADDRESS", None)
     for _ in range(NODE_STARTS):

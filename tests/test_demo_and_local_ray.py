@@ -77,10 +77,24 @@ def test_started_cluster_is_stopped_by_process_group(prefect_api, ray_head, ray_
         assert ray_client.get_job_status(job).value == "SUCCEEDED", logs
         port = ray_head.gcs_address.rsplit(":", 1)[1]
         assert re.search(rf"^gcs \S+:{port}$", logs, re.MULTILINE), logs  # its own head's GCS
+        # the lean head (local_ray.LEAN_NODE_ENV): a shell job leaves no idle worker behind,
+        # where Ray's default prestarts one per CPU for the first driver and keeps it
+        own = cluster.block().backend().client
+        shell_job = own.submit_job(entrypoint="true")
+        wait_until(lambda: own.get_job_status(shell_job).is_terminal(), 120)
+        assert not [p for p in local_ray.session_members(cluster.process.pid)
+                    if "ray::IDLE" in _command_line(p)], "an idle Ray worker was prestarted"
     finally:
         cluster.stop()  # a failed check must not leave the head running
     assert _live_processes_in_group(pgid) == [], "a process of the stopped head survived"
     # ps -g selects by session: Ray workers (own process groups, same session) count too.
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
+    except OSError:
+        return ""
 
 
 def _live_processes_in_group(pgid: int) -> list[str]:
