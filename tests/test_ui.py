@@ -205,6 +205,11 @@ def page(browser: Any, shots: Path) -> Iterator[Any]:
     """A fresh page with generous timeouts."""
     context = browser.new_context(viewport={"width": 1800, "height": 1000})
     context.set_default_timeout(UI_TIMEOUT_MS)
+    # what `expect` waits for is its own setting, 5 s unless set: a cold page on busy cores
+    # rendered the run's name later than that (CI)
+    from playwright.sync_api import expect
+
+    expect.set_options(timeout=UI_TIMEOUT_MS)
     # Prefect 3.5's UI opens a "Join the community" modal on a first visit, over every click.
     context.add_init_script("localStorage.setItem('join-the-community-modal-dismissed', 'true')")
     yield context.new_page()
