@@ -212,8 +212,38 @@ def page(browser: Any, shots: Path) -> Iterator[Any]:
     expect.set_options(timeout=UI_TIMEOUT_MS)
     # Prefect 3.5's UI opens a "Join the community" modal on a first visit, over every click.
     context.add_init_script("localStorage.setItem('join-the-community-modal-dismissed', 'true')")
-    yield context.new_page()
+    page = context.new_page()
+    # what the browser said: printed when a page stays blank (_open), kept for a failure
+    page.on("console", lambda m: m.type == "error" and BROWSER_ERRORS.append(f"console: {m.text}"))
+    page.on("pageerror", lambda e: BROWSER_ERRORS.append(f"page error: {e}"))
+    page.on("requestfailed", lambda r: BROWSER_ERRORS.append(f"failed: {r.method} {r.url}"))
+    BROWSER_ERRORS.clear()
+    yield page
     context.close()
+
+
+BROWSER_ERRORS: list[str] = []
+APP_DRAWN_MS = 30_000  # the SPA drew something by then, or the load is tried again
+PAGE_LOADS = 3
+
+
+def _open(page: Any, url: str) -> None:
+    """Go to `url` and wait until the UI's app drew something. On busy cores CI twice saw the
+    SPA stay blank after `networkidle` (an empty dark page, 60 s later still empty), cause not
+    yet known: what the browser reported is printed, and the page is loaded again."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    for load in range(1, PAGE_LOADS + 1):
+        page.goto(url, wait_until="networkidle")
+        try:
+            page.wait_for_function(
+                "document.body && document.body.innerText.trim().length > 0", timeout=APP_DRAWN_MS
+            )
+            return
+        except PlaywrightTimeout:
+            print(f"UI page blank after load {load} of {url}; the browser said: {BROWSER_ERRORS}")
+            if load == PAGE_LOADS:
+                raise
 
 
 @contextmanager
@@ -221,9 +251,10 @@ def _shot_on_failure(page: Any, name: str) -> Iterator[None]:
     """Keep the page's last view when an assertion fails, to see what the browser saw."""
     try:
         yield
-    except BaseException:
+    except BaseException as exc:
         with suppress(Exception):
             page.screenshot(path=SHOTS / f"FAILED-{name}.png", full_page=True)
+        exc.add_note(f"the browser said: {BROWSER_ERRORS}")
         raise
 
 
@@ -261,7 +292,7 @@ def _check_demo_run_in_ui(page: Any, demo_run: DemoRun, ray_head: Any, ui_server
     from playwright.sync_api import expect
 
     # 1. The link `prefect-nemo demo` printed: the pipeline run, with one subflow per experiment.
-    page.goto(demo_run.pipeline_url, wait_until="networkidle")
+    _open(page, demo_run.pipeline_url)
     expect(page.get_by_text("demo-pipeline", exact=True).first).to_be_visible()
     expect(page.get_by_text("Completed", exact=True).first).to_be_visible()
     _tab(page, "Subflow Runs")
@@ -297,10 +328,7 @@ def _check_demo_run_in_ui(page: Any, demo_run: DemoRun, ray_head: Any, ui_server
     # 4. The event feed for the pipeline's experiments: started and completed, each of the three.
     prefix = eval_name.removesuffix("-eval")
     _wait_for_stored_events(ui_server, f"prefect-nemo.experiment.{prefix}-", count=6)
-    page.goto(
-        f"{ui_server.ui_url}/events?resource=prefect-nemo.experiment.{prefix}",
-        wait_until="networkidle",
-    )
+    _open(page, f"{ui_server.ui_url}/events?resource=prefect-nemo.experiment.{prefix}")
     for experiment in demo_run.jobs:
         resource = page.get_by_text(f"prefect-nemo.experiment.{experiment}", exact=True)
         expect(resource).to_have_count(2)
@@ -309,10 +337,7 @@ def _check_demo_run_in_ui(page: Any, demo_run: DemoRun, ray_head: Any, ui_server
     _shot(page, "04-experiment-events.png")
 
     # 5. The eval experiment's completed event carries its outputs (what a trigger passes on).
-    page.goto(
-        f"{ui_server.ui_url}/events?resource=prefect-nemo.experiment.{eval_name}",
-        wait_until="networkidle",
-    )
+    _open(page, f"{ui_server.ui_url}/events?resource=prefect-nemo.experiment.{eval_name}")
     page.get_by_role("link", name=re.compile("experiment completed", re.I)).click()
     page.wait_for_url(re.compile(r"/events/event/"))
     _tab(page, "Raw")
@@ -379,7 +404,7 @@ def _check_charts_in_ui(page: Any, ui_server: UiServer, flow_run_id: str, job_id
     from playwright.sync_api import expect
 
     # 1. The flow run's Artifacts tab lists the job's chart artifact (by its description).
-    page.goto(f"{ui_server.ui_url}/runs/flow-run/{flow_run_id}", wait_until="networkidle")
+    _open(page, f"{ui_server.ui_url}/runs/flow-run/{flow_run_id}")
     _tab(page, "Artifacts")
     card = page.get_by_text(f"Metrics of job {job_id} over steps (prefect-nemo)")
     expect(card).to_be_visible()
