@@ -228,9 +228,9 @@ PAGE_LOADS = 3
 
 
 def _open(page: Any, url: str) -> None:
-    """Go to `url` and wait until the UI's app drew something. On busy cores CI twice saw the
-    SPA stay blank after `networkidle` (an empty dark page, 60 s later still empty), cause not
-    yet known: what the browser reported is printed, and the page is loaded again."""
+    """Go to `url` and wait until the UI's app drew something. On busy cores a fresh-clone run
+    saw the SPA stay blank after `networkidle` (an empty dark page, still empty 60 s later),
+    cause not yet known: what the browser reported is printed, and the page is loaded again."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     for load in range(1, PAGE_LOADS + 1):
