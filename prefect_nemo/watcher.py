@@ -353,6 +353,7 @@ class JobClock:
         self._closed_running_s = 0.0
         # RUNNING -> QUEUED transitions seen, or the engine's count of requeues if higher
         self.preemptions = 0
+        self._steps_back = 0  # RUNNING -> QUEUED transitions seen
         self.last_wait_s: float | None = None  # the last wait in the queue that ended
 
     @property
@@ -362,10 +363,13 @@ class JobClock:
 
     def observe(self, status: JobStatus, now: datetime | None = None) -> None:
         """Take a status: a new state closes the phase before it."""
-        # a step back into the queue is a preemption; the engine's count of requeues, where it
-        # keeps one, also tells of those that happened between two polls
-        stepped_back = status.state is JobState.QUEUED and self._state is JobState.RUNNING
-        self.preemptions = max(self.preemptions + stepped_back, status.requeues or 0)
+        # A step back into the queue is a preemption; the engine's count of requeues, where it
+        # keeps one, also tells of those that happened between two polls. Both count the same
+        # preemptions, so the higher one is the count, never their sum: a count can come a poll
+        # before the step it counts (CI: RUNNING with 1 requeue, then QUEUED with 1) or after.
+        if status.state is JobState.QUEUED and self._state is JobState.RUNNING:
+            self._steps_back += 1
+        self.preemptions = max(self.preemptions, self._steps_back, status.requeues or 0)
         if status.state is self._state:
             return
         now = now or datetime.now(UTC)

@@ -173,6 +173,25 @@ def test_the_clock_counts_a_preemption_between_two_polls_from_the_engines_requeu
     assert seen.preemptions == 2, "one step seen with the count, one without"
 
 
+def test_a_requeue_counted_a_poll_before_its_step_back_is_one_preemption() -> None:
+    """A fresh-clone run of tests/test_nemo_run_slurm_queues.py counted 2 preemptions of a job
+    preempted once (sacct: PREEMPTED, then COMPLETED). A count that comes a poll before its step
+    gives that: squeue lists a job being requeued COMPLETING (RUNNING to us) until its steps
+    end, and its RestartCnt can already count the requeue. The step and the count tell of the
+    same preemption: one, either way round."""
+    from prefect_nemo.watcher import JobClock
+
+    clock = JobClock()
+    polls = [("RUNNING", 0), ("RUNNING", 1), ("QUEUED", 1), ("RUNNING", 1), ("SUCCEEDED", 1)]
+    for state, requeues in polls:
+        clock.observe(JobStatus(job_id="j", state=JobState(state), requeues=requeues))
+    assert clock.preemptions == 1
+    late = JobClock()  # the step first, its count a poll later
+    for state, requeues in [("RUNNING", 0), ("QUEUED", 0), ("QUEUED", 1), ("RUNNING", 1)]:
+        late.observe(JobStatus(job_id="j", state=JobState(state), requeues=requeues))
+    assert late.preemptions == 1
+
+
 def test_a_clock_that_attaches_to_a_running_job_counts_from_its_start() -> None:
     """Re-attaching after a crash never extends the timeout: a job first seen RUNNING counts
     from the start its cluster recorded."""
