@@ -18,7 +18,7 @@ from prefect_nemo.backends._kube_objects import pod_failure
 from prefect_nemo.backends.kubeflow import KubeflowTrainerBackend
 from prefect_nemo.backends.kubeflow.runtimes import TrainerConfig
 from prefect_nemo.backends.kuberay.manifests import RayJobConfig
-from prefect_nemo.backends.kuberay.rayjob import KubeRayBackend
+from prefect_nemo.backends.kuberay.rayjob import JOB_NAME_LABEL, KubeRayBackend
 from prefect_nemo.jobs import Failure, FailureClass, JobState
 from prefect_nemo.kube import MANAGED_BY, NODE, POD, RAY_JOB, TRAIN_JOB, KubeApi
 
@@ -262,6 +262,63 @@ def test_a_rayjob_reason_says_the_class_where_its_pods_say_nothing(
     assert status.state is JobState.FAILED
     expected = None if kind is None else Failure(kind=kind, reason=reason)
     assert status.failure == expected
+
+
+INLINE = {"rayVersion": "2.60.0", "headGroupSpec": {"rayStartParams": {}, "template": {"spec": {
+    "containers": [{"name": "ray-head", "image": "rayproject/ray:2.60.0"}]}}}}  # fmt: skip
+BACKOFF = ("Job submission has failed. Reason: BackoffLimitExceeded. Message: Job has reached "
+           "the specified backoff limit")  # fmt: skip
+APPLICATION = FailureClass.APPLICATION
+# what Ray's job CLI prints when the head's dashboard does not answer (dashboard_sdk.py)
+NO_HEAD = "ConnectionError: Failed to connect to Ray at address: http://rj-head-svc:8265."
+
+
+def failed_submitter(api: KubeApi, kube_server: Any, job: str, log: str) -> None:
+    """The K8sJobMode submitter pod of `job` (Job controller's label), exited 1, with `log`."""
+    name, ready = f"{job}-submitter", f"ready-{job}"
+    node(api, ready, "True", "KubeletReady")
+    container = {"name": "ray-job-submitter", "image": "rayproject/ray:2.60.0"}
+    api.create(POD, {"apiVersion": "v1", "kind": "Pod",
+                     "metadata": {"name": name, "labels": {**MANAGED, JOB_NAME_LABEL: job}},
+                     "spec": {"nodeName": ready, "containers": [container]}})  # fmt: skip
+    api.patch(POD, name, {"status": {"phase": "Failed", "containerStatuses": [terminated(1)]}},
+              subresource="status")  # fmt: skip
+    kube_server.set_pod_log("default", name, log, container="ray-job-submitter")
+
+
+@pytest.mark.parametrize(
+    ("job_status", "config", "kind"),
+    [
+        # Ray had the job: the submitter died following it, and the job's own cluster goes
+        ("RUNNING", RayJobConfig(ray_cluster_spec=INLINE), FailureClass.INFRASTRUCTURE),
+        ("PENDING", RayJobConfig(ray_cluster_spec=INLINE), FailureClass.INFRASTRUCTURE),
+        # on a cluster that stays, its Ray job may run on: a resubmission would run it twice
+        ("RUNNING", RayJobConfig(ray_cluster_name="c"), FailureClass.APPLICATION),
+        ("RUNNING", RayJobConfig(ray_cluster_spec=INLINE, keep_failed_head_s=60), APPLICATION),
+        # Ray never had it: the submit itself failed
+        ("", RayJobConfig(ray_cluster_spec=INLINE), FailureClass.APPLICATION),
+    ],
+)
+def test_a_failed_submission_is_the_clusters_once_ray_had_the_job_and_names_the_submitters_line(
+    api: KubeApi, kube_server: Any, job_status: str, config: RayJobConfig, kind: FailureClass
+) -> None:
+    """KubeRay v1.6.1 rayjob_controller.go: "The submitter Job needs to wait for the user code
+    to finish and retrieve its logs. Therefore, a failed Submitter Job indicates that the
+    submission itself has failed or the user code has thrown an error. If the failure is due to
+    user code, the JobStatus and Job message will be updated accordingly" (reason AppFailed;
+    else "rayJob.Status.Reason = rayv1.SubmissionFailed"). So a SubmissionFailed RayJob whose
+    Ray job had started (jobStatus PENDING or RUNNING) failed for the cluster, not its code,
+    where nothing of it outlives the RayJob (shutdownAfterJobFinishes, no kept head); the
+    reason names the submitter pod's last log line, and with no Ray log its log is the job's."""
+    job = f"rj-{uid()}"
+    status = {"jobDeploymentStatus": "Failed", "reason": "SubmissionFailed", "message": BACKOFF}
+    rayjob(api, job, {**status, "jobStatus": job_status} if job_status else status)
+    failed_submitter(api, kube_server, job, f"Traceback (most recent call last):\n{NO_HEAD}\n")
+    backend = KubeRayBackend(api, config)
+    seen = backend.statuses([job])[job]
+    assert seen.state is JobState.FAILED
+    assert seen.failure == Failure(kind=kind, reason=f"SubmissionFailed: {NO_HEAD}")
+    assert NO_HEAD in (backend.read_log(job) or ""), "no Ray log: the submitter's is the job's"
 
 
 def _pod(status: dict[str, Any], node_name: str = "n1") -> dict[str, Any]:

@@ -40,7 +40,10 @@ Initializing, Waiting  any                             PENDING
 A FAILED RayJob says why (JobStatus.failure): its cluster's and submitter's pods, listed once,
 and their Nodes (a lost node: infrastructure, naming it; a bad image: spec; OOMKilled:
 application), else its reason (ValidationFailed: spec, DeadlineExceeded: application,
-PreRunningDeadlineExceeded: infrastructure), else nothing (AppFailed: the log tail tells).
+PreRunningDeadlineExceeded: infrastructure; SubmissionFailed after Ray took the job, on a
+cluster that goes with the RayJob: infrastructure, naming the submitter pod's last log line),
+else nothing (AppFailed: the log tail tells). A failed submission that left Ray no log reads
+its submitter pod's.
 
 Logs and stop go to the Ray Jobs API of the job's cluster through the API server's service
 proxy (`raycluster.ray_jobs_backend`). Secret env values (SecretStr in JobSpec.env) never go into
@@ -76,7 +79,7 @@ from prefect_nemo.backends.kuberay.manifests import (
 )
 from prefect_nemo.backends.kuberay.raycluster import DASHBOARD_PORT, head_service, ray_jobs_backend
 from prefect_nemo.backends.ray_jobs import RayJobsBackend
-from prefect_nemo.errors import BackendUnavailable, InvalidJobSpec
+from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable, InvalidJobSpec
 from prefect_nemo.jobs import (
     Failure,
     FailureClass,
@@ -95,8 +98,10 @@ from prefect_nemo.kube import (
     SERVICE,
     Access,
     KubeApi,
+    KubeError,
 )
 from prefect_nemo.packaging import TransportPlan, collect_source, stage_source
+from prefect_nemo.recovery import REASON_CHARS
 
 STOP_ESCALATE_S = 10.0  # a Ray stop not confirmed by then is escalated to deleting the RayJob
 
@@ -105,7 +110,8 @@ _EXIT_CODE = re.compile(r"exit code (-?\d+)")
 # RayJob: common.RayJobK8sJobNamespacedName)
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 # RayJob status.reason (KubeRay v1.6 rayjob_types.go JobFailedReason) that alone say the class;
-# AppFailed and SubmissionFailed do not: its pods, then the log tail, tell
+# AppFailed does not (the log tail tells), SubmissionFailed only with Ray's jobStatus
+# (rayjob_failure)
 _REASON_CLASS = {
     "ValidationFailed": FailureClass.SPEC,  # the RayJob's spec was refused
     "DeadlineExceeded": FailureClass.APPLICATION,  # ran past activeDeadlineSeconds
@@ -177,11 +183,42 @@ def status_from_rayjob(obj: dict[str, Any]) -> JobStatus:
     )
 
 
-def rayjob_failure(obj: dict[str, Any]) -> Failure | None:
-    """The class a FAILED RayJob's status.reason alone says (_REASON_CLASS), else None."""
-    reason = (obj.get("status") or {}).get("reason") or ""
+def rayjob_failure(
+    obj: dict[str, Any], *, submitter_said: str = "", ends_with_it: bool = True
+) -> Failure | None:
+    """The class a FAILED RayJob's status.reason says (_REASON_CLASS), else None.
+
+    SubmissionFailed: KubeRay v1.6.1 (rayjob_controller.go) sets it when the submitter Job
+    failed and Ray's job had not: "a failed Submitter Job indicates that the submission itself
+    has failed or the user code has thrown an error. If the failure is due to user code, the
+    JobStatus ... will be updated accordingly" (then the reason is AppFailed). Where Ray had
+    the job (jobStatus PENDING or RUNNING) the submitter died following it, not the code: the
+    cluster's failure, resubmitted on its budget, if nothing of the attempt outlives its RayJob
+    (`ends_with_it`: its own cluster, torn down with it); on a cluster that stays its Ray job
+    may still run, and a resubmission would run it twice. Where Ray never had it, the submit
+    itself failed (an unreachable head, a bad runtime_env): the job's. Either way the reason
+    carries the submitter's last log line (`submitter_said`)."""
+    status = obj.get("status") or {}
+    reason = status.get("reason") or ""
+    if reason == "SubmissionFailed":
+        taken = status.get("jobStatus") in ("PENDING", "RUNNING")
+        ours = taken and ends_with_it
+        said = f"{reason}: {submitter_said}" if submitter_said else reason
+        return Failure(
+            kind=FailureClass.INFRASTRUCTURE if ours else FailureClass.APPLICATION,
+            reason=said[:REASON_CHARS],
+        )
     kind = _REASON_CLASS.get(reason)
     return None if kind is None else Failure(kind=kind, reason=reason)
+
+
+def _ray_target(obj: dict[str, Any] | None) -> tuple[str, str] | None:
+    """A RayJob's (RayCluster name, Ray submission id) once KubeRay has submitted it."""
+    status = (obj or {}).get("status") or {}
+    cluster, ray_job_id = status.get("rayClusterName"), status.get("jobId")
+    if not cluster or not ray_job_id:
+        return None
+    return str(cluster), str(ray_job_id)
 
 
 # -------------------------------------------------------------------------------------------
@@ -249,8 +286,35 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
         return found
 
     def object_failure(self, obj: dict[str, Any]) -> Failure | None:
-        """The class its status.reason says (ValidationFailed, the deadlines), else None."""
-        return rayjob_failure(obj)
+        """The class its status.reason says (ValidationFailed, the deadlines, SubmissionFailed
+        with its submitter's last log line), else None."""
+        said = ""
+        if (obj.get("status") or {}).get("reason") == "SubmissionFailed":
+            lines = self.submitter_log((obj.get("metadata") or {}).get("name", "")).splitlines()
+            said = next((line.strip() for line in reversed(lines) if line.strip()), "")
+        config = self.config
+        ends = config.inline and config.shutdown_after_job_finishes
+        return rayjob_failure(
+            obj, submitter_said=said, ends_with_it=ends and config.keep_failed_head_s is None
+        )
+
+    def submitter_log(self, job_id: str) -> str:
+        """The log of the RayJob's newest K8sJobMode submitter pod ("" if none can be read):
+        `ray job submit`, then `ray job logs --follow` (KubeRay's quick start reads a job's
+        output there: `kubectl logs -l=job-name=<rayjob>`)."""
+        try:
+            pods, _ = self.api.list(
+                POD, self.namespace, label_selector=f"{JOB_NAME_LABEL}={job_id}"
+            )
+            if not pods:
+                return ""
+            pod = max(pods, key=lambda p: p["metadata"].get("creationTimestamp") or "")
+            containers = (pod.get("spec") or {}).get("containers") or [{}]
+            return self.api.pod_log(
+                pod["metadata"]["name"], self.namespace, container=containers[0].get("name")
+            )
+        except (KubeError, AuthenticationFailed, BackendUnavailable):
+            return ""
 
     def access(self) -> tuple[Access, ...]:
         """In the RayJobs' namespace: the RayJobs, their RayClusters (read), the Secret of
@@ -376,9 +440,14 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
         self.delete_to_stop(job_id)
 
     def read_log(self, job_id: str) -> str | None:
-        """The job's whole log from Ray (through the proxy); None before KubeRay submitted it."""
-        target = self._ray_target(job_id)
-        return None if target is None else self._ray(target[0]).logs(target[1])
+        """The job's whole log from Ray (through the proxy); None before KubeRay submitted it.
+        A failed submission that left Ray nothing to tell: its submitter pod's log."""
+        obj = self.api.get(RAY_JOB, job_id, self.namespace)
+        target = _ray_target(obj)
+        log = None if target is None else self._ray(target[0]).logs(target[1])
+        if not log and ((obj or {}).get("status") or {}).get("reason") == "SubmissionFailed":
+            return self.submitter_log(job_id) or log
+        return log
 
     async def tail_logs(self, job_id: str) -> AsyncGenerator[str, None]:
         """Stream the log through the proxy once the job runs; ends when the job ends."""
@@ -400,12 +469,7 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
 
     def _ray_target(self, job_id: str) -> tuple[str, str] | None:
         """(RayCluster name, Ray submission id) once KubeRay has submitted the job."""
-        obj = self.api.get(RAY_JOB, job_id, self.namespace)
-        status = (obj or {}).get("status") or {}
-        cluster, ray_job_id = status.get("rayClusterName"), status.get("jobId")
-        if not cluster or not ray_job_id:
-            return None
-        return str(cluster), str(ray_job_id)
+        return _ray_target(self.api.get(RAY_JOB, job_id, self.namespace))
 
     def _ray(self, cluster_name: str) -> RayJobsBackend:
         """The Ray Jobs API of a RayCluster, through the API server's service proxy."""
