@@ -268,7 +268,6 @@ INLINE = {"rayVersion": "2.60.0", "headGroupSpec": {"rayStartParams": {}, "templ
     "containers": [{"name": "ray-head", "image": "rayproject/ray:2.60.0"}]}}}}  # fmt: skip
 BACKOFF = ("Job submission has failed. Reason: BackoffLimitExceeded. Message: Job has reached "
            "the specified backoff limit")  # fmt: skip
-APPLICATION = FailureClass.APPLICATION
 # what Ray's job CLI prints when the head's dashboard does not answer (dashboard_sdk.py)
 NO_HEAD = "ConnectionError: Failed to connect to Ray at address: http://rj-head-svc:8265."
 
@@ -294,7 +293,8 @@ def failed_submitter(api: KubeApi, kube_server: Any, job: str, log: str) -> None
         ("PENDING", RayJobConfig(ray_cluster_spec=INLINE), FailureClass.INFRASTRUCTURE),
         # on a cluster that stays, its Ray job may run on: a resubmission would run it twice
         ("RUNNING", RayJobConfig(ray_cluster_name="c"), FailureClass.APPLICATION),
-        ("RUNNING", RayJobConfig(ray_cluster_spec=INLINE, keep_failed_head_s=60), APPLICATION),
+        ("RUNNING", RayJobConfig(ray_cluster_spec=INLINE, keep_failed_head_s=60),
+         FailureClass.APPLICATION),
         # Ray never had it: the submit itself failed
         ("", RayJobConfig(ray_cluster_spec=INLINE), FailureClass.APPLICATION),
     ],

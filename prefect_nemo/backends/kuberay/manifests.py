@@ -90,6 +90,12 @@ class RayJobConfig:
         """True when each RayJob brings its own cluster (rayClusterSpec)."""
         return self.ray_cluster_spec is not None
 
+    @property
+    def cluster_ends_with_each_job(self) -> bool:
+        """True when KubeRay tears a job's cluster down once its RayJob ends, failed or not
+        (its own cluster, shutdownAfterJobFinishes, no failed head kept)."""
+        return self.inline and self.shutdown_after_job_finishes and self.keep_failed_head_s is None
+
 
 def check_config(config: RayJobConfig) -> None:
     """Raise InvalidJobSpec naming the field and the fix for a config KubeRay would reject."""

@@ -109,6 +109,8 @@ _EXIT_CODE = re.compile(r"exit code (-?\d+)")
 # the Job controller's label on its pods (KubeRay names the K8sJobMode submitter Job after the
 # RayJob: common.RayJobK8sJobNamespacedName)
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+# the RayJob status.reason of a failed K8sJobMode submitter Job (rayjob_failure)
+SUBMISSION_FAILED = "SubmissionFailed"
 # RayJob status.reason (KubeRay v1.6 rayjob_types.go JobFailedReason) that alone say the class;
 # AppFailed does not (the log tail tells), SubmissionFailed only with Ray's jobStatus
 # (rayjob_failure)
@@ -184,7 +186,7 @@ def status_from_rayjob(obj: dict[str, Any]) -> JobStatus:
 
 
 def rayjob_failure(
-    obj: dict[str, Any], *, submitter_said: str = "", ends_with_it: bool = True
+    obj: dict[str, Any], *, submitter_said: str = "", ends_with_it: bool = False
 ) -> Failure | None:
     """The class a FAILED RayJob's status.reason says (_REASON_CLASS), else None.
 
@@ -200,7 +202,7 @@ def rayjob_failure(
     carries the submitter's last log line (`submitter_said`)."""
     status = obj.get("status") or {}
     reason = status.get("reason") or ""
-    if reason == "SubmissionFailed":
+    if reason == SUBMISSION_FAILED:
         taken = status.get("jobStatus") in ("PENDING", "RUNNING")
         ours = taken and ends_with_it
         said = f"{reason}: {submitter_said}" if submitter_said else reason
@@ -289,13 +291,11 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
         """The class its status.reason says (ValidationFailed, the deadlines, SubmissionFailed
         with its submitter's last log line), else None."""
         said = ""
-        if (obj.get("status") or {}).get("reason") == "SubmissionFailed":
+        if (obj.get("status") or {}).get("reason") == SUBMISSION_FAILED:
             lines = self.submitter_log((obj.get("metadata") or {}).get("name", "")).splitlines()
             said = next((line.strip() for line in reversed(lines) if line.strip()), "")
-        config = self.config
-        ends = config.inline and config.shutdown_after_job_finishes
         return rayjob_failure(
-            obj, submitter_said=said, ends_with_it=ends and config.keep_failed_head_s is None
+            obj, submitter_said=said, ends_with_it=self.config.cluster_ends_with_each_job
         )
 
     def submitter_log(self, job_id: str) -> str:
@@ -445,7 +445,7 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
         obj = self.api.get(RAY_JOB, job_id, self.namespace)
         target = _ray_target(obj)
         log = None if target is None else self._ray(target[0]).logs(target[1])
-        if not log and ((obj or {}).get("status") or {}).get("reason") == "SubmissionFailed":
+        if not log and ((obj or {}).get("status") or {}).get("reason") == SUBMISSION_FAILED:
             return self.submitter_log(job_id) or log
         return log
 
