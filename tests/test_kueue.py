@@ -206,6 +206,55 @@ def test_a_suspended_job_with_a_queue_label_is_queued_never_stopped(kube_server:
         backend.api.delete(RAY_JOB, "held-1", "default")
 
 
+def test_jobs_subscribing_after_the_workload_informer_died_list_no_workloads(
+    kube_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 28: "they wait in the scheduler's queue (QUEUED, no request of ours while they
+    wait)". Here no Kueue serves Workloads, so the Workload informer dies on its first list.
+    The jobs of a flow subscribe one by one; those that come after it died do not each list
+    Workloads again (CI counted 110 lists for 120 jobs on a loaded machine), and a held job's
+    status asks for none. A dead one is retried once a while (WORKLOAD_RETRY_S), so a Kueue
+    installed later is found."""
+    from prefect_nemo.backends import _kube_job
+    from prefect_nemo.backends._kueue import WORKLOAD
+    from tests.conftest import wait_until
+
+    def workload_lists() -> int:
+        return sum(1 for e in kube_server.requests.entries
+                   if e.path.endswith("/workloads") and not e.is_watch)  # fmt: skip
+
+    kube = KubernetesCluster(kubeconfig=kube_server.kubeconfig())
+    backend = KubeRayCluster(kubernetes=kube, ray_cluster_spec=cluster_spec(),
+                             queue_name="team-a").backend()  # fmt: skip
+    manifest = rayjob_manifest(JobSpec(entrypoint="true"), "held-2", META, backend.config,
+                               namespace="default")  # fmt: skip
+    backend.api.create(RAY_JOB, manifest, "default")
+    unsubscribes = [backend.subscribe(lambda: None)]
+    try:
+        backend.api.patch(RAY_JOB, "held-2", {"status": {"jobDeploymentStatus": "Suspended"}},
+                          "default", subresource="status")  # fmt: skip
+
+        def workload_informer_dead() -> bool:
+            informer = next(i for i in backend.informers if i.kind is WORKLOAD)
+            return informer.dead
+
+        assert wait_until(workload_informer_dead, 10), "the Workload informer did not die"
+        before = workload_lists()
+        for _ in range(20):  # 20 more jobs of the flow, each polled while it waits
+            unsubscribes.append(backend.subscribe(lambda: None))
+            assert backend.statuses(["held-2"])["held-2"].state is JobState.QUEUED
+            status = backend.current_status("held-2")
+            assert status is not None and status.state is JobState.QUEUED
+        assert workload_lists() == before, f"{workload_lists() - before} Workload lists"
+        monkeypatch.setattr(_kube_job, "WORKLOAD_RETRY_S", 0.0)  # a while later
+        unsubscribes.append(backend.subscribe(lambda: None))
+        assert wait_until(lambda: workload_lists() > before, 10), "a dead one is never retried"
+    finally:
+        for unsubscribe in unsubscribes:
+            unsubscribe()
+        backend.api.delete(RAY_JOB, "held-2", "default")
+
+
 @pytest.mark.parametrize("ending", ["failure", "timeout"])
 def test_a_flow_run_that_fails_or_times_out_removes_its_queued_job(
     kube_server: Any, prefect_api: str, ending: str

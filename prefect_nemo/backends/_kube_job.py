@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Collection
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
@@ -100,6 +101,7 @@ class QueueConfig(Protocol):
 
 ConfigT = TypeVar("ConfigT", bound=QueueConfig)
 INFORMER_STOP_WAIT_S = 5.0  # how long stopping waits for each informer thread to end
+WORKLOAD_RETRY_S = 60.0  # a dead Workload informer (Kueue not served?) is retried this seldom
 CHANGE_LOG = 8192  # job changes kept for changed_since(); an older version gets "ask all"
 
 
@@ -266,12 +268,6 @@ class KubeJobBackend(Generic[ConfigT]):
         cached = self._cached(job_ids) if self._checked_informers() else None
         objects, pods = cached or self._listed()
         workloads = self._cached_workloads()
-        if workloads is None and cached is not None:
-            # the Workload informer still lists (or was just replaced): a held job reads QUEUED
-            # by its label meanwhile, and the informer's first list wakes every job it finds a
-            # Workload for; asking per job here cost a request per status while it listed (101
-            # for 120 queued jobs on a loaded machine)
-            workloads = {}
         out: dict[str, JobStatus] = {}
         parsed = self._parsed
         if len(parsed) > CHANGE_LOG:  # forget jobs nobody asks about any more
@@ -504,10 +500,7 @@ class KubeJobBackend(Generic[ConfigT]):
         current = {informer.kind: informer for informer in self._informers}
         for kind, selector, on_change in wanted:
             old = current.get(kind)
-            rejected = old is not None and isinstance(old.error, AuthenticationFailed)
-            if kind is WORKLOAD:  # a dead one (Kueue not served?) is retried on subscribe only
-                rejected = True
-            if old is None or (old.dead and (replace_failed or not rejected)):
+            if old is None or (old.dead and _retry_dead(old, replace_failed)):
                 if old is not None:
                     old.stop()
                 current[kind] = Informer(
@@ -536,15 +529,17 @@ class KubeJobBackend(Generic[ConfigT]):
         return {j: o for j, o in found if o is not None}, self._pods_by_job(pods)
 
     def _cached_workloads(self) -> dict[str, dict[str, Any]] | None:
-        """Kueue's Workloads of our jobs by job name from the Workload informer once it has
-        listed; None while it lists or without one (then a held job's Workload is asked for);
-        none at all once it has died (Kueue not served, no RBAC): asking per job would cost a
-        request per status for nothing, and the queue label tells QUEUED alone."""
+        """Kueue's Workloads of our jobs by job name from the Workload informer; None without
+        one (no watcher: then a held job's Workload is asked for). None at all while it lists
+        or once it has died (Kueue not served, no RBAC): a held job reads QUEUED by its queue
+        label meanwhile, and the informer's first list wakes every job it finds a Workload for.
+        Asking per job instead cost a request per status (101 for 120 queued jobs on a loaded
+        machine)."""
         informer = self._informer(WORKLOAD)
-        if informer is not None and informer.dead:
-            return {}
-        if informer is None or not informer.synced.is_set():
+        if informer is None:
             return None
+        if informer.dead or not informer.synced.is_set():
+            return {}
         by_job: dict[str, dict[str, Any]] = {}
         for workload in informer.items():
             if (owner := workload_owner(workload, self.job_kind)) is not None:
@@ -734,3 +729,14 @@ class KubeJobBackend(Generic[ConfigT]):
         if not self.memory.was_deleted((self.cluster, job_id)):
             return None
         return JobStatus(job_id=job_id, state=JobState.STOPPED, message=self.deleted_message)
+
+
+def _retry_dead(informer: Informer, on_subscribe: bool) -> bool:
+    """Whether a dead informer is replaced now: one that credentials rejected only on a new
+    subscriber (they may have been fixed); a dead Workload informer (Kueue not served, no RBAC)
+    only on a new subscriber and once a while, as every job subscribes and each retry is a list
+    (110 lists for 120 jobs on a loaded machine, when each subscriber retried)."""
+    if informer.kind is WORKLOAD:
+        died = informer.died_at
+        return on_subscribe and died is not None and time.monotonic() - died >= WORKLOAD_RETRY_S
+    return on_subscribe or not isinstance(informer.error, AuthenticationFailed)

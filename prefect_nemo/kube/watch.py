@@ -181,6 +181,7 @@ class Informer:
         self._lock = threading.Lock()
         self._stopper = _Stopper()
         self._failed = False  # the thread ended on an error, not by stop()
+        self.died_at: float | None = None  # time.monotonic() when it did
         self._thread = threading.Thread(
             target=self._run, name=f"prefect-nemo-informer {kind.plural}", daemon=True
         )
@@ -242,6 +243,7 @@ class Informer:
             log.warning(
                 "informer for %s stopped: %s: %s", self.kind.describe(), type(exc).__name__, exc
             )
+            self.died_at = time.monotonic()
             self._failed = True
             self._set_error(exc)
 
