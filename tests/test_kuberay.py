@@ -865,6 +865,51 @@ def test_existing_cluster_with_working_dir(
     assert "gcs://" in rj["spec"]["runtimeEnvYAML"]
 
 
+def test_a_failed_submission_on_an_existing_cluster_stops_the_ray_job_left_running(
+    kube_server, kuberay, kube_block, shared_cluster, ray_head
+):
+    """KubeRay v1.6.1 rayjob_controller.go: a K8sJobMode submitter Job that failed while Ray's
+    job had not makes the RayJob Failed with `rayJob.Status.Reason = rayv1.SubmissionFailed`
+    ("Job submission has failed. Reason: %s. Message: %s"), its jobStatus as it was; and for a
+    RayJob that is Complete or Failed: "If the RayJob uses an existing RayCluster, we must not
+    delete it" ("skipping resource deletion"). So on an existing RayCluster its Ray job runs on
+    with nobody to stop it. We report the job FAILED (an application error: not resubmitted, as
+    it may still run) and stop that Ray job through Ray."""
+    from prefect_nemo.blocks import KubeRayCluster
+    from prefect_nemo.jobs import FailureClass
+
+    block = KubeRayCluster(kubernetes=kube_block, ray_cluster_name=shared_cluster,
+                           ray_token=ray_head.token)  # fmt: skip
+    backend = block.backend()
+    job_id = f"left-{uuid.uuid4().hex[:8]}"
+    backend.submit(JobSpec(entrypoint="sleep 300"), job_id, META)
+
+    def ray_job_running() -> str | None:
+        status = (kube_server.get("rayjobs", "default", job_id, group="ray.io") or {}).get(
+            "status") or {}  # fmt: skip
+        return status.get("jobId") if status.get("jobStatus") == "RUNNING" else None
+
+    assert wait_until(ray_job_running, 60), "the Ray job never ran"
+    ray_job_id = ray_job_running()
+    # KubeRay's verdict once the submitter reached its backoff limit (the simulator submits
+    # from its own process, so it has no submitter pod to fail)
+    verdict = {
+        "jobDeploymentStatus": "Failed",
+        "reason": "SubmissionFailed",
+        "message": "Job submission has failed. Reason: BackoffLimitExceeded. Message: Job has "
+        "reached the specified backoff limit",
+    }
+    backend.api.patch(RAY_JOB, job_id, {"status": verdict}, "default", subresource="status")
+    status = backend.find(job_id)
+    assert status is not None and status.state is JobState.FAILED, status
+    assert status.failure is not None and status.failure.kind is FailureClass.APPLICATION
+    client = ray_head.block().backend().client
+    assert wait_until(lambda: client.get_job_status(ray_job_id).value == "STOPPED", 30), (
+        f"the Ray job is {client.get_job_status(ray_job_id).value}"
+    )
+    backend.api.delete(RAY_JOB, job_id, "default")
+
+
 def owned_by_rayjob(api: Any, job_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The RayJob and the Secret and ConfigMaps it owns (by its owned-objects annotation), each
     checked to name it as owner (so the garbage collector takes them with it)."""

@@ -183,6 +183,10 @@ class KubeJobBackend(Generic[ConfigT]):
         """What the job's object alone says of its failure when its pods say nothing."""
         return None
 
+    def stop_left_running(self, obj: dict[str, Any]) -> None:
+        """Stop what a FAILED job object left running that its operator will not stop; asked
+        once per failed object, before its failure is classified. Nothing for most kinds."""
+
     def access(self) -> tuple[Access, ...]:
         """The verbs this backend uses on each resource, for RBAC (the one list: the README's
         permissions and `prefect-nemo doctor` read it)."""
@@ -593,6 +597,7 @@ class KubeJobBackend(Generic[ConfigT]):
         known = self._failures.get(name)
         if known is not None and known[0] == uid:
             return known[1]
+        self.stop_left_running(obj)
         try:
             evidence = self.failure_pods(obj, pods)
         except (KubeError, AuthenticationFailed):  # no RBAC for them: the object tells

@@ -60,6 +60,7 @@ init container of the K8sJobMode submitter pod, whose `ray job submit` uploads i
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import threading
@@ -103,6 +104,8 @@ from prefect_nemo.kube import (
 from prefect_nemo.packaging import TransportPlan, collect_source, stage_source
 from prefect_nemo.recovery import REASON_CHARS
 
+log = logging.getLogger(__name__)
+
 STOP_ESCALATE_S = 10.0  # a Ray stop not confirmed by then is escalated to deleting the RayJob
 
 _EXIT_CODE = re.compile(r"exit code (-?\d+)")
@@ -111,6 +114,7 @@ _EXIT_CODE = re.compile(r"exit code (-?\d+)")
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 # the RayJob status.reason of a failed K8sJobMode submitter Job (rayjob_failure)
 SUBMISSION_FAILED = "SubmissionFailed"
+RAY_HAD_IT = ("PENDING", "RUNNING")  # a failed submission's jobStatus once Ray had the job
 # RayJob status.reason (KubeRay v1.6 rayjob_types.go JobFailedReason) that alone say the class;
 # AppFailed does not (the log tail tells), SubmissionFailed only with Ray's jobStatus
 # (rayjob_failure)
@@ -197,13 +201,14 @@ def rayjob_failure(
     the job (jobStatus PENDING or RUNNING) the submitter died following it, not the code: the
     cluster's failure, resubmitted on its budget, if nothing of the attempt outlives its RayJob
     (`ends_with_it`: its own cluster, torn down with it); on a cluster that stays its Ray job
-    may still run, and a resubmission would run it twice. Where Ray never had it, the submit
+    may still run (the backend stops it: `stop_left_running`), and a resubmission could run
+    it twice. Where Ray never had it, the submit
     itself failed (an unreachable head, a bad runtime_env): the job's. Either way the reason
     carries the submitter's last log line (`submitter_said`)."""
     status = obj.get("status") or {}
     reason = status.get("reason") or ""
     if reason == SUBMISSION_FAILED:
-        taken = status.get("jobStatus") in ("PENDING", "RUNNING")
+        taken = status.get("jobStatus") in RAY_HAD_IT
         ours = taken and ends_with_it
         said = f"{reason}: {submitter_said}" if submitter_said else reason
         return Failure(
@@ -297,6 +302,26 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
         return rayjob_failure(
             obj, submitter_said=said, ends_with_it=self.config.cluster_ends_with_each_job
         )
+
+    def stop_left_running(self, obj: dict[str, Any]) -> None:
+        """Stop the Ray job of a submission that failed while Ray ran it, on a cluster that
+        stays (an existing RayCluster, a kept failed head): KubeRay leaves it running, with
+        nobody to stop it ("RayJob is using an existing RayCluster via clusterSelector;
+        skipping resource deletion", rayjob_controller.go), and we report the job FAILED.
+        Best effort, once: an unreachable head is logged, not raised (the status stands)."""
+        status = obj.get("status") or {}
+        target = _ray_target(obj)
+        ran = status.get("reason") == SUBMISSION_FAILED and status.get("jobStatus") in RAY_HAD_IT
+        if target is None or not ran or self.config.cluster_ends_with_each_job:
+            return
+        try:
+            self._ray(target[0]).request_stop(target[1])
+        except (BackendUnavailable, AuthenticationFailed, RuntimeError) as exc:
+            log.warning(
+                "the RayJob %s failed its submission while Ray ran its job %s on %s; stopping "
+                "that job failed (%s): stop it with `ray job stop %s`",
+                obj["metadata"].get("name"), target[1], target[0], type(exc).__name__, target[1],
+            )  # fmt: skip
 
     def submitter_log(self, job_id: str) -> str:
         """The log of the RayJob's newest K8sJobMode submitter pod ("" if none can be read):
