@@ -883,31 +883,33 @@ def test_a_failed_submission_on_an_existing_cluster_stops_the_ray_job_left_runni
     backend = block.backend()
     job_id = f"left-{uuid.uuid4().hex[:8]}"
     backend.submit(JobSpec(entrypoint="sleep 300"), job_id, META)
+    try:
 
-    def ray_job_running() -> str | None:
-        status = (kube_server.get("rayjobs", "default", job_id, group="ray.io") or {}).get(
-            "status") or {}  # fmt: skip
-        return status.get("jobId") if status.get("jobStatus") == "RUNNING" else None
+        def ray_job_running() -> str | None:
+            status = (kube_server.get("rayjobs", "default", job_id, group="ray.io") or {}).get(
+                "status") or {}  # fmt: skip
+            return status.get("jobId") if status.get("jobStatus") == "RUNNING" else None
 
-    assert wait_until(ray_job_running, 60), "the Ray job never ran"
-    ray_job_id = ray_job_running()
-    # KubeRay's verdict once the submitter reached its backoff limit (the simulator submits
-    # from its own process, so it has no submitter pod to fail)
-    verdict = {
-        "jobDeploymentStatus": "Failed",
-        "reason": "SubmissionFailed",
-        "message": "Job submission has failed. Reason: BackoffLimitExceeded. Message: Job has "
-        "reached the specified backoff limit",
-    }
-    backend.api.patch(RAY_JOB, job_id, {"status": verdict}, "default", subresource="status")
-    status = backend.find(job_id)
-    assert status is not None and status.state is JobState.FAILED, status
-    assert status.failure is not None and status.failure.kind is FailureClass.APPLICATION
-    client = ray_head.block().backend().client
-    assert wait_until(lambda: client.get_job_status(ray_job_id).value == "STOPPED", 30), (
-        f"the Ray job is {client.get_job_status(ray_job_id).value}"
-    )
-    backend.api.delete(RAY_JOB, job_id, "default")
+        assert wait_until(ray_job_running, 60), "the Ray job never ran"
+        ray_job_id = ray_job_running()
+        # KubeRay's verdict once the submitter reached its backoff limit (the simulator submits
+        # from its own process, so it has no submitter pod to fail)
+        verdict = {
+            "jobDeploymentStatus": "Failed",
+            "reason": "SubmissionFailed",
+            "message": "Job submission has failed. Reason: BackoffLimitExceeded. Message: Job has "
+            "reached the specified backoff limit",
+        }
+        backend.api.patch(RAY_JOB, job_id, {"status": verdict}, "default", subresource="status")
+        status = backend.find(job_id)
+        assert status is not None and status.state is JobState.FAILED, status
+        assert status.failure is not None and status.failure.kind is FailureClass.APPLICATION
+        client = ray_head.block().backend().client
+        assert wait_until(lambda: client.get_job_status(ray_job_id).value == "STOPPED", 30), (
+            f"the Ray job is {client.get_job_status(ray_job_id).value}"
+        )
+    finally:  # the Ray job is stopped when the RayJob goes (the simulator, as KubeRay's finalizer)
+        backend.api.delete(RAY_JOB, job_id, "default")
 
 
 def owned_by_rayjob(api: Any, job_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -4,6 +4,8 @@ never STOPPED), on the loopback API server. The real Kueue is in test_real_kueue
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -178,18 +180,28 @@ def test_a_preempted_jobs_status_carries_kueues_own_count_of_its_preemptions() -
     assert plain.requeues is None
 
 
-def test_a_suspended_job_with_a_queue_label_is_queued_never_stopped(kube_server: Any) -> None:
-    """A RayJob Kueue holds (suspended, queue-name label) reads QUEUED with its LocalQueue, from
-    find() and from the informers alike; here no Kueue serves Workloads, so the label tells."""
+@contextlib.contextmanager
+def held_rayjob(kube_server: Any, name: str) -> Iterator[Any]:
+    """A KubeRay backend with a queue and its RayJob `name` as Kueue holds it (created
+    suspended, KubeRay's Suspended status); the RayJob is deleted after."""
     kube = KubernetesCluster(kubeconfig=kube_server.kubeconfig())
     backend = KubeRayCluster(kubernetes=kube, ray_cluster_spec=cluster_spec(),
                              queue_name="team-a").backend()  # fmt: skip
-    manifest = rayjob_manifest(JobSpec(entrypoint="true"), "held-1", META, backend.config,
+    manifest = rayjob_manifest(JobSpec(entrypoint="true"), name, META, backend.config,
                                namespace="default")  # fmt: skip
     backend.api.create(RAY_JOB, manifest, "default")
     try:
-        backend.api.patch(RAY_JOB, "held-1", {"status": {"jobDeploymentStatus": "Suspended"}},
+        backend.api.patch(RAY_JOB, name, {"status": {"jobDeploymentStatus": "Suspended"}},
                           "default", subresource="status")  # fmt: skip
+        yield backend
+    finally:
+        backend.api.delete(RAY_JOB, name, "default")
+
+
+def test_a_suspended_job_with_a_queue_label_is_queued_never_stopped(kube_server: Any) -> None:
+    """A RayJob Kueue holds (suspended, queue-name label) reads QUEUED with its LocalQueue, from
+    find() and from the informers alike; here no Kueue serves Workloads, so the label tells."""
+    with held_rayjob(kube_server, "held-1") as backend:
         status = backend.find("held-1")
         assert status is not None and status.state is JobState.QUEUED, status
         assert status.queue is not None and status.queue.queue == "team-a"
@@ -202,8 +214,6 @@ def test_a_suspended_job_with_a_queue_label_is_queued_never_stopped(kube_server:
             assert backend.statuses(["held-1"])["held-1"].state is JobState.QUEUED
         finally:
             unsubscribe()
-    finally:
-        backend.api.delete(RAY_JOB, "held-1", "default")
 
 
 def test_jobs_subscribing_after_the_workload_informer_died_list_no_workloads(
@@ -223,36 +233,28 @@ def test_jobs_subscribing_after_the_workload_informer_died_list_no_workloads(
         return sum(1 for e in kube_server.requests.entries
                    if e.path.endswith("/workloads") and not e.is_watch)  # fmt: skip
 
-    kube = KubernetesCluster(kubeconfig=kube_server.kubeconfig())
-    backend = KubeRayCluster(kubernetes=kube, ray_cluster_spec=cluster_spec(),
-                             queue_name="team-a").backend()  # fmt: skip
-    manifest = rayjob_manifest(JobSpec(entrypoint="true"), "held-2", META, backend.config,
-                               namespace="default")  # fmt: skip
-    backend.api.create(RAY_JOB, manifest, "default")
-    unsubscribes = [backend.subscribe(lambda: None)]
-    try:
-        backend.api.patch(RAY_JOB, "held-2", {"status": {"jobDeploymentStatus": "Suspended"}},
-                          "default", subresource="status")  # fmt: skip
+    with held_rayjob(kube_server, "held-2") as backend:
+        unsubscribes = [backend.subscribe(lambda: None)]
+        try:
 
-        def workload_informer_dead() -> bool:
-            informer = next(i for i in backend.informers if i.kind is WORKLOAD)
-            return informer.dead
+            def workload_informer_dead() -> bool:
+                informer = next(i for i in backend.informers if i.kind is WORKLOAD)
+                return informer.dead
 
-        assert wait_until(workload_informer_dead, 10), "the Workload informer did not die"
-        before = workload_lists()
-        for _ in range(20):  # 20 more jobs of the flow, each polled while it waits
+            assert wait_until(workload_informer_dead, 10), "the Workload informer did not die"
+            before = workload_lists()
+            for _ in range(20):  # 20 more jobs of the flow, each polled while it waits
+                unsubscribes.append(backend.subscribe(lambda: None))
+                assert backend.statuses(["held-2"])["held-2"].state is JobState.QUEUED
+                status = backend.current_status("held-2")
+                assert status is not None and status.state is JobState.QUEUED
+            assert workload_lists() == before, f"{workload_lists() - before} Workload lists"
+            monkeypatch.setattr(_kube_job, "WORKLOAD_RETRY_S", 0.0)  # a while later
             unsubscribes.append(backend.subscribe(lambda: None))
-            assert backend.statuses(["held-2"])["held-2"].state is JobState.QUEUED
-            status = backend.current_status("held-2")
-            assert status is not None and status.state is JobState.QUEUED
-        assert workload_lists() == before, f"{workload_lists() - before} Workload lists"
-        monkeypatch.setattr(_kube_job, "WORKLOAD_RETRY_S", 0.0)  # a while later
-        unsubscribes.append(backend.subscribe(lambda: None))
-        assert wait_until(lambda: workload_lists() > before, 10), "a dead one is never retried"
-    finally:
-        for unsubscribe in unsubscribes:
-            unsubscribe()
-        backend.api.delete(RAY_JOB, "held-2", "default")
+            assert wait_until(lambda: workload_lists() > before, 10), "a dead one is never retried"
+        finally:
+            for unsubscribe in unsubscribes:
+                unsubscribe()
 
 
 @pytest.mark.parametrize("ending", ["failure", "timeout"])

@@ -534,9 +534,9 @@ class KubeJobBackend(Generic[ConfigT]):
 
     def _cached_workloads(self) -> dict[str, dict[str, Any]] | None:
         """Kueue's Workloads of our jobs by job name from the Workload informer; None without
-        one (no watcher: then a held job's Workload is asked for). None at all while it lists
-        or once it has died (Kueue not served, no RBAC): a held job reads QUEUED by its queue
-        label meanwhile, and the informer's first list wakes every job it finds a Workload for.
+        one (no watcher: then a held job's Workload is asked for). Empty while it lists or once
+        it has died (Kueue not served, no RBAC): a held job reads QUEUED by its queue label
+        meanwhile, and the informer's first list wakes every job it finds a Workload for.
         Asking per job instead cost a request per status (101 for 120 queued jobs on a loaded
         machine)."""
         informer = self._informer(WORKLOAD)
@@ -742,6 +742,6 @@ def _retry_dead(informer: Informer, on_subscribe: bool) -> bool:
     only on a new subscriber and once a while, as every job subscribes and each retry is a list
     (110 lists for 120 jobs on a loaded machine, when each subscriber retried)."""
     if informer.kind is WORKLOAD:
-        died = informer.died_at
-        return on_subscribe and died is not None and time.monotonic() - died >= WORKLOAD_RETRY_S
+        died = informer.died_at or time.monotonic()
+        return on_subscribe and time.monotonic() - died >= WORKLOAD_RETRY_S
     return on_subscribe or not isinstance(informer.error, AuthenticationFailed)

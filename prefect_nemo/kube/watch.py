@@ -180,8 +180,8 @@ class Informer:
         self._objects: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
         self._stopper = _Stopper()
-        self._failed = False  # the thread ended on an error, not by stop()
-        self.died_at: float | None = None  # time.monotonic() when it did
+        # time.monotonic() when the thread ended on an error (not by stop()); None while alive
+        self.died_at: float | None = None
         self._thread = threading.Thread(
             target=self._run, name=f"prefect-nemo-informer {kind.plural}", daemon=True
         )
@@ -207,7 +207,7 @@ class Informer:
     @property
     def dead(self) -> bool:
         """True once the thread has given up on an error (see .error), not ended by stop()."""
-        return self._failed and not self._stopper.stopped.is_set()
+        return self.died_at is not None and not self._stopper.stopped.is_set()
 
     def raise_rejected(self) -> None:
         """Raise the AuthenticationFailed (401/403) that ended this informer, if one did:
@@ -244,7 +244,6 @@ class Informer:
                 "informer for %s stopped: %s: %s", self.kind.describe(), type(exc).__name__, exc
             )
             self.died_at = time.monotonic()
-            self._failed = True
             self._set_error(exc)
 
     def _apply(self, event: str, payload: dict[str, Any] | list[dict[str, Any]]) -> None:

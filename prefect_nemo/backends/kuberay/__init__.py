@@ -1,5 +1,5 @@
-"""The KubeRay backend: jobs as RayJobs (`rayjob`), and RayClusters with the Ray Jobs API behind
-their head Service (`raycluster`). No Prefect import."""
+"""The KubeRay backend: jobs as RayJobs (`rayjob`, their status read by `status`), and
+RayClusters with the Ray Jobs API behind their head Service (`raycluster`). No Prefect import."""
 
 from prefect_nemo.backends._kube_objects import secret_manifest
 from prefect_nemo.backends.kuberay.manifests import (
@@ -24,11 +24,8 @@ from prefect_nemo.backends.kuberay.raycluster import (
     tls_verify,
     wait_ray_cluster_ready,
 )
-from prefect_nemo.backends.kuberay.rayjob import (
-    STOP_ESCALATE_S,
-    KubeRayBackend,
-    status_from_rayjob,
-)
+from prefect_nemo.backends.kuberay.rayjob import STOP_ESCALATE_S, KubeRayBackend
+from prefect_nemo.backends.kuberay.status import status_from_rayjob
 from prefect_nemo.names import label_value
 
 __all__ = [

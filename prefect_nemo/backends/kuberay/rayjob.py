@@ -11,39 +11,7 @@ on many jobs costs no request per job. Logs and stop go to the Ray Jobs API of t
 cluster through the API server's service proxy (`<cluster>-head-svc:8265`); the proxy strips
 ``Authorization``, so Ray's token travels in ``X-Ray-Authorization``.
 
-State mapping (``jobDeploymentStatus`` first, then ``jobStatus``):
-
-=====================  ==============================  ===========================================
-jobDeploymentStatus    jobStatus                       JobState (message)
-=====================  ==============================  ===========================================
-ValidationFailed       any                             FAILED ("KubeRay rejected RayJob <name>:
-                                                       <message>")
-Failed                 STOPPED                         STOPPED ("<reason>: <message>")
-Failed                 anything else                   FAILED ("<reason>: <message>", e.g.
-                                                       DeadlineExceeded, AppFailed)
-Complete               SUCCEEDED / FAILED / STOPPED    the same
-Complete               not terminal                    FAILED (KubeRay ended it unfinished)
-Suspended, Suspending  any, spec.suspend true          STOPPED; QUEUED while Kueue holds it
-                                                       (a queue-name label or its Workload)
-Suspended, Suspending  any, spec.suspend false         PENDING (unsuspended: KubeRay resumes it)
-Running                SUCCEEDED / FAILED / STOPPED    the same (the Ray job ended; KubeRay will
-                                                       say Complete next, maybe after the logs
-                                                       are gone)
-Running                RUNNING                         RUNNING
-Running                "", PENDING                     PENDING
-Retrying               any                             PENDING (a new attempt is coming)
-Initializing, Waiting  any                             PENDING
-"" (not yet seen)      any                             PENDING
-(RayJob gone)          -                               STOPPED if we deleted it, else absent
-=====================  ==============================  ===========================================
-
-A FAILED RayJob says why (JobStatus.failure): its cluster's and submitter's pods, listed once,
-and their Nodes (a lost node: infrastructure, naming it; a bad image: spec; OOMKilled:
-application), else its reason (ValidationFailed: spec, DeadlineExceeded: application,
-PreRunningDeadlineExceeded: infrastructure; SubmissionFailed after Ray took the job, on a
-cluster that goes with the RayJob: infrastructure, naming the submitter pod's last log line),
-else nothing (AppFailed: the log tail tells). A failed submission that left Ray no log reads
-its submitter pod's.
+The state mapping and a failed RayJob's class are `status.py`'s (pure).
 
 Logs and stop go to the Ray Jobs API of the job's cluster through the API server's service
 proxy (`raycluster.ray_jobs_backend`). Secret env values (SecretStr in JobSpec.env) never go into
@@ -62,14 +30,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import AsyncGenerator
 from typing import Any, ClassVar
 
 from prefect_nemo.backends._kube_job import KubeJobBackend
-from prefect_nemo.backends._kube_objects import code_plan, parse_time, reserved_metadata
+from prefect_nemo.backends._kube_objects import code_plan
 from prefect_nemo.backends.kuberay.manifests import (
     MAX_RAYJOB_NAME,
     RayJobConfig,
@@ -79,11 +46,17 @@ from prefect_nemo.backends.kuberay.manifests import (
     rayjob_manifest,
 )
 from prefect_nemo.backends.kuberay.raycluster import DASHBOARD_PORT, head_service, ray_jobs_backend
+from prefect_nemo.backends.kuberay.status import (
+    SUBMISSION_FAILED,
+    ray_target,
+    rayjob_failure,
+    status_from_rayjob,
+    submission_failed_after_ray_took_it,
+)
 from prefect_nemo.backends.ray_jobs import RayJobsBackend
 from prefect_nemo.errors import AuthenticationFailed, BackendUnavailable, InvalidJobSpec
 from prefect_nemo.jobs import (
     Failure,
-    FailureClass,
     JobHandle,
     JobSpec,
     JobState,
@@ -102,130 +75,14 @@ from prefect_nemo.kube import (
     KubeError,
 )
 from prefect_nemo.packaging import TransportPlan, collect_source, stage_source
-from prefect_nemo.recovery import REASON_CHARS
 
 log = logging.getLogger(__name__)
 
 STOP_ESCALATE_S = 10.0  # a Ray stop not confirmed by then is escalated to deleting the RayJob
 
-_EXIT_CODE = re.compile(r"exit code (-?\d+)")
 # the Job controller's label on its pods (KubeRay names the K8sJobMode submitter Job after the
 # RayJob: common.RayJobK8sJobNamespacedName)
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
-# the RayJob status.reason of a failed K8sJobMode submitter Job (rayjob_failure)
-SUBMISSION_FAILED = "SubmissionFailed"
-RAY_HAD_IT = ("PENDING", "RUNNING")  # a failed submission's jobStatus once Ray had the job
-# RayJob status.reason (KubeRay v1.6 rayjob_types.go JobFailedReason) that alone say the class;
-# AppFailed does not (the log tail tells), SubmissionFailed only with Ray's jobStatus
-# (rayjob_failure)
-_REASON_CLASS = {
-    "ValidationFailed": FailureClass.SPEC,  # the RayJob's spec was refused
-    "DeadlineExceeded": FailureClass.APPLICATION,  # ran past activeDeadlineSeconds
-    # never running within preRunningDeadlineSeconds: the cluster did not come up (a bad
-    # image shows in its pods first)
-    "PreRunningDeadlineExceeded": FailureClass.INFRASTRUCTURE,
-}
-
-
-# -------------------------------------------------------------------------------------------
-# Status mapping (pure)
-
-
-def _terminal(job_status: str) -> JobState | None:
-    try:
-        state = JobState(job_status)
-    except ValueError:
-        return None
-    return state if state.is_terminal() else None
-
-
-def status_from_rayjob(obj: dict[str, Any]) -> JobStatus:
-    """Our JobStatus from a RayJob object (the table in the module docstring)."""
-    meta = obj.get("metadata") or {}
-    status = obj.get("status") or {}
-    name = meta.get("name", "")
-    deployment = status.get("jobDeploymentStatus") or ""
-    job_status = status.get("jobStatus") or ""
-    message = status.get("message") or ""
-    reason = status.get("reason") or ""
-    if deployment == "ValidationFailed":
-        state = JobState.FAILED
-        message = f"KubeRay rejected RayJob {name}: {message or reason or 'invalid spec'}"
-    elif deployment == "Failed":
-        state = JobState.STOPPED if job_status == "STOPPED" else JobState.FAILED
-        message = ": ".join(p for p in (reason, message) if p) or "KubeRay marked it Failed"
-    elif deployment == "Complete":
-        state = _terminal(job_status) or JobState.FAILED
-        if state is JobState.FAILED and not message:
-            message = f"KubeRay completed the RayJob with Ray job status '{job_status}'"
-    elif deployment in ("Suspended", "Suspending"):
-        # Kueue unsuspends an admitted job: until KubeRay moves on it is starting, not stopped
-        resuming = (obj.get("spec") or {}).get("suspend") is not True
-        state = JobState.PENDING if resuming else JobState.STOPPED
-        message = "" if resuming else message or f"RayJob {name} is {deployment.lower()}"
-    elif deployment == "Running":
-        state = _terminal(job_status) or (
-            JobState.RUNNING if job_status == "RUNNING" else JobState.PENDING
-        )
-    else:  # "", Initializing, Waiting, Retrying
-        state = JobState.PENDING
-    exit_code, failure = None, None
-    if state is JobState.FAILED and (match := _EXIT_CODE.search(message)):
-        exit_code = int(match.group(1))
-    if state is JobState.FAILED and deployment == "ValidationFailed":
-        failure = Failure(kind=FailureClass.SPEC, reason="ValidationFailed")
-    spec_meta = (obj.get("spec") or {}).get("metadata") or {}
-    metadata = reserved_metadata(meta.get("annotations") or {})
-    metadata.update({str(k): str(v) for k, v in spec_meta.items()})
-    return JobStatus(
-        job_id=name,
-        state=state,
-        message=message,
-        start_time=parse_time(status.get("startTime")),
-        end_time=parse_time(status.get("endTime")),
-        exit_code=exit_code,
-        metadata=metadata,
-        failure=failure,
-    )
-
-
-def rayjob_failure(
-    obj: dict[str, Any], *, submitter_said: str = "", ends_with_it: bool = False
-) -> Failure | None:
-    """The class a FAILED RayJob's status.reason says (_REASON_CLASS), else None.
-
-    SubmissionFailed: KubeRay v1.6.1 (rayjob_controller.go) sets it when the submitter Job
-    failed and Ray's job had not: "a failed Submitter Job indicates that the submission itself
-    has failed or the user code has thrown an error. If the failure is due to user code, the
-    JobStatus ... will be updated accordingly" (then the reason is AppFailed). Where Ray had
-    the job (jobStatus PENDING or RUNNING) the submitter died following it, not the code: the
-    cluster's failure, resubmitted on its budget, if nothing of the attempt outlives its RayJob
-    (`ends_with_it`: its own cluster, torn down with it); on a cluster that stays its Ray job
-    may still run (the backend stops it: `stop_left_running`), and a resubmission could run
-    it twice. Where Ray never had it, the submit
-    itself failed (an unreachable head, a bad runtime_env): the job's. Either way the reason
-    carries the submitter's last log line (`submitter_said`)."""
-    status = obj.get("status") or {}
-    reason = status.get("reason") or ""
-    if reason == SUBMISSION_FAILED:
-        taken = status.get("jobStatus") in RAY_HAD_IT
-        ours = taken and ends_with_it
-        said = f"{reason}: {submitter_said}" if submitter_said else reason
-        return Failure(
-            kind=FailureClass.INFRASTRUCTURE if ours else FailureClass.APPLICATION,
-            reason=said[:REASON_CHARS],
-        )
-    kind = _REASON_CLASS.get(reason)
-    return None if kind is None else Failure(kind=kind, reason=reason)
-
-
-def _ray_target(obj: dict[str, Any] | None) -> tuple[str, str] | None:
-    """A RayJob's (RayCluster name, Ray submission id) once KubeRay has submitted it."""
-    status = (obj or {}).get("status") or {}
-    cluster, ray_job_id = status.get("rayClusterName"), status.get("jobId")
-    if not cluster or not ray_job_id:
-        return None
-    return str(cluster), str(ray_job_id)
 
 
 # -------------------------------------------------------------------------------------------
@@ -277,7 +134,7 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
         return links
 
     def job_status(self, obj: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
-        """The RayJob's status (the table in the module docstring); pods are not read."""
+        """The RayJob's status (`status.status_from_rayjob`); pods are not read."""
         return status_from_rayjob(obj)
 
     def failure_pods(self, obj: dict[str, Any], pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -309,10 +166,9 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
         nobody to stop it ("RayJob is using an existing RayCluster via clusterSelector;
         skipping resource deletion", rayjob_controller.go), and we report the job FAILED.
         Best effort, once: an unreachable head is logged, not raised (the status stands)."""
-        status = obj.get("status") or {}
-        target = _ray_target(obj)
-        ran = status.get("reason") == SUBMISSION_FAILED and status.get("jobStatus") in RAY_HAD_IT
-        if target is None or not ran or self.config.cluster_ends_with_each_job:
+        target = ray_target(obj)
+        stays = not self.config.cluster_ends_with_each_job
+        if target is None or not (stays and submission_failed_after_ray_took_it(obj)):
             return
         try:
             self._ray(target[0]).request_stop(target[1])
@@ -468,7 +324,7 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
         """The job's whole log from Ray (through the proxy); None before KubeRay submitted it.
         A failed submission that left Ray nothing to tell: its submitter pod's log."""
         obj = self.api.get(RAY_JOB, job_id, self.namespace)
-        target = _ray_target(obj)
+        target = ray_target(obj)
         log = None if target is None else self._ray(target[0]).logs(target[1])
         if not log and ((obj or {}).get("status") or {}).get("reason") == SUBMISSION_FAILED:
             return self.submitter_log(job_id) or log
@@ -494,7 +350,7 @@ class KubeRayBackend(KubeJobBackend[RayJobConfig]):
 
     def _ray_target(self, job_id: str) -> tuple[str, str] | None:
         """(RayCluster name, Ray submission id) once KubeRay has submitted the job."""
-        return _ray_target(self.api.get(RAY_JOB, job_id, self.namespace))
+        return ray_target(self.api.get(RAY_JOB, job_id, self.namespace))
 
     def _ray(self, cluster_name: str) -> RayJobsBackend:
         """The Ray Jobs API of a RayCluster, through the API server's service proxy."""
