@@ -716,6 +716,12 @@ class Backend(Protocol):
         ...
 
     @property
+    def credentials_key(self) -> str:
+        """A hash of the credentials this backend's calls carry (never the values themselves),
+        stable while the backend lives: one watcher serves each cluster and credentials."""
+        ...
+
+    @property
     def secrets(self) -> list[str]:
         """Secret values of this backend's credentials, for redaction."""
         ...

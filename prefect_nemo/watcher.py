@@ -1,4 +1,4 @@
-"""One poller per cluster serves every job waited on in this process.
+"""One poller per cluster (and credentials) serves every job waited on in this process.
 
 A waiting task registers its job with the cluster's watcher and blocks on a condition (or, on an
 event loop, awaits an asyncio event that the watcher sets only when that job changed: a thousand
@@ -100,6 +100,12 @@ class ClusterWatcher:
                     self._latest.pop(job_id, None)
                     self._missing.pop(job_id, None)
                     self._phase_since.pop(job_id, None)
+
+    @property
+    def idle(self) -> bool:
+        """No poll running: never started, every wait ended, or failed."""
+        with self._cond:
+            return self._thread is None
 
     def latest(self, job_id: str) -> JobStatus | None:
         """The last status seen for job_id (None before the first poll)."""
@@ -299,8 +305,8 @@ class ClusterWatcher:
             self._wake_async(list(self._async_waiters))
         if isinstance(error, BackendClosed):  # the next waiter gets a watcher of a live backend
             with _watchers_lock:
-                if _watchers.get(self.backend.cluster) is self:
-                    del _watchers[self.backend.cluster]
+                for key in [k for k, w in _watchers.items() if w is self]:
+                    del _watchers[key]
 
     def _interval(self, statuses: Iterable[JobStatus]) -> float:
         """Poll every AGE_FACTOR of the youngest live phase: a job that just started RUNNING
@@ -566,7 +572,10 @@ async def wait_until_terminal_async(
                 return final
 
 
-_watchers: dict[str, ClusterWatcher] = {}
+# one watcher per cluster and credentials: a block saved with a new token (after a 401, or a
+# test server on a reused port) is watched with it, never with an earlier backend's; and two
+# blocks with their own rights on one cluster never poll with each other's
+_watchers: dict[tuple[str, str], ClusterWatcher] = {}
 _watchers_lock = threading.Lock()
 
 
@@ -584,12 +593,16 @@ atexit.register(close_watchers)
 def watcher_for(
     backend: Backend, *, max_interval_s: float = 2.0, unreachable_budget_s: float = 120.0
 ) -> ClusterWatcher:
-    """The process-wide watcher of backend's cluster (created on first use)."""
+    """The process-wide watcher of backend's cluster and credentials (created on first use)."""
+    key = (backend.cluster, backend.credentials_key)
     with _watchers_lock:
-        watcher = _watchers.get(backend.cluster)
+        watcher = _watchers.get(key)
         if watcher is None:
-            watcher = ClusterWatcher(
+            # an idle watcher of other credentials on this cluster (a token since replaced)
+            # serves nobody now: forgotten, not kept for the life of the process
+            for stale in [k for k, w in _watchers.items() if k[0] == key[0] and w.idle]:
+                del _watchers[stale]
+            watcher = _watchers[key] = ClusterWatcher(
                 backend, max_interval_s=max_interval_s, unreachable_budget_s=unreachable_budget_s
             )
-            _watchers[backend.cluster] = watcher
         return watcher

@@ -193,6 +193,26 @@ def test_revoked_token_ends_watches_and_answers_401() -> None:
         assert new_token == fresh.token and client.CoreV1Api(fresh.api_client()).list_namespace()
 
 
+def test_an_issued_token_works_until_revoked_and_the_others_go_on() -> None:
+    """issue_token() adds a user (a line of a static token file); revoke_token(that one)
+    answers it 401 from then on, ends the open watches (the restart that loads the new file),
+    and leaves the server's own token working. A token it never issued is refused loudly."""
+    with LoopbackKubeServer() as fresh:
+        issued = fresh.issue_token()
+        users = client.CoreV1Api(fresh.api_client(token=issued))
+        assert users.list_namespace().items
+        stream = watch.Watch().stream(users.list_namespace, timeout_seconds=30)
+        assert next(stream)["type"] == "ADDED"
+        own = fresh.token
+        assert fresh.revoke_token(issued) == own
+        assert list(stream) == []
+        exc, _ = error_of(users.list_namespace)
+        assert exc.status == 401
+        assert client.CoreV1Api(fresh.api_client()).list_namespace().items
+        with pytest.raises(ValueError, match="not a token this server issued"):
+            fresh.revoke_token("made-up")
+
+
 def test_discovery(server: LoopbackKubeServer, core: client.CoreV1Api) -> None:
     api = server.api_client()
     groups = {g.name for g in client.ApisApi(api).get_api_versions().groups}

@@ -3,9 +3,10 @@ backends: RayJob (the KubeRay simulator, jobs on the session's real local Ray) a
 Trainer simulator, pods as local processes), on a loopback API server driven by the real
 `kubernetes` client, through `run_job` in a Prefect flow where the issue speaks of the task.
 
-Each test gets its own API server (so its own watcher: the registry is keyed by the server's
-address) and reaches it through a TcpProxy, which can take the API away; the simulators talk to
-the server directly, as a cluster's operators keep running while the flow loses the API.
+Each test gets its own API server, with its own token (so its own watcher: the registry is keyed
+by the server's address and the credentials, and a later server may get an earlier one's port),
+and reaches it through a TcpProxy, which can take the API away; the simulators talk to the
+server directly, as a cluster's operators keep running while the flow loses the API.
 """
 
 from __future__ import annotations
@@ -88,16 +89,28 @@ class Env:
     logs: list[logging.LogRecord] = field(default_factory=list)
 
     def block(self, **kw: Any) -> Any:
-        """The job kind's cluster block on `kube`."""
+        """The job kind's cluster block on `kube` (or the `kubernetes` block given)."""
         from prefect_nemo.blocks import KubeflowTrainerCluster, KubeRayCluster
 
         kw.setdefault("max_poll_interval_s", 0.5)
+        kw.setdefault("kubernetes", self.kube)
         if self.job.name == "rayjob":
             return KubeRayCluster(
-                kubernetes=self.kube, ray_cluster_spec=LOOPBACK_RAY_CLUSTER,
-                ray_token=self.ray_head.token, ttl_seconds_after_finished=30, **kw,
+                ray_cluster_spec=LOOPBACK_RAY_CLUSTER, ray_token=self.ray_head.token,
+                ttl_seconds_after_finished=30, **kw,
             )  # fmt: skip
-        return KubeflowTrainerCluster(kubernetes=self.kube, image="python:3.11-slim", **kw)
+        return KubeflowTrainerCluster(image="python:3.11-slim", **kw)
+
+    def kube_block(self, token: str | None = None, name: str | None = None) -> Any:
+        """A KubernetesCluster block on the server through the proxy, saved (its name goes into
+        auth errors) under `name` (overwritten) or a new one; the server's token by default."""
+        from prefect_nemo.blocks.kubernetes import KubernetesCluster
+
+        config = self.server.kubeconfig(token=token)
+        config["clusters"][0]["cluster"]["server"] = self.proxy.url
+        kube = KubernetesCluster(kubeconfig=config)
+        kube.save(name or f"kube-{self.job.name}-{uuid.uuid4().hex[:8]}", overwrite=True)
+        return kube
 
     def api(self) -> KubeApi:
         """A client straight to the server (with its current token), to look behind our back."""
@@ -123,7 +136,6 @@ class Env:
 
 @pytest.fixture(params=sorted(KINDS))
 def env(request: pytest.FixtureRequest, prefect_api: str) -> Iterator[Env]:
-    from prefect_nemo.blocks.kubernetes import KubernetesCluster
     from prefect_nemo.testing.kube_api import LoopbackKubeServer, crd_dir
     from prefect_nemo.testing.operators import KubeRaySimulator, TrainJobSimulator
     from prefect_nemo.testing.proxy import TcpProxy
@@ -139,11 +151,8 @@ def env(request: pytest.FixtureRequest, prefect_api: str) -> Iterator[Env]:
         else TrainJobSimulator(server)
     )
     sim.start()
-    config = server.kubeconfig()
-    config["clusters"][0]["cluster"]["server"] = proxy.url
-    kube = KubernetesCluster(kubeconfig=config)
-    kube.save(f"kube-{job.name}-{uuid.uuid4().hex[:8]}")  # its name goes into auth errors
-    out = Env(job, server, proxy, ray_head, kube)
+    out = Env(job, server, proxy, ray_head)
+    out.kube = out.kube_block()
     handler = _Collect(out.logs)
     logging.getLogger("prefect_nemo").addHandler(handler)
     try:
@@ -210,14 +219,18 @@ class FlowInThread:
         assert not self.thread.is_alive(), f"the flow is still running after {timeout_s:g}s"
 
 
-def running_job(env: Env, timeout_s: float = 60.0) -> str:
-    """The job id once the job runs (each test's server holds that one job)."""
+def running_job(env: Env, timeout_s: float = 60.0, count: int = 1) -> str:
+    """The job id once the job runs (each test's server holds that one job), or once `count`
+    jobs run (the first one's id)."""
     api = env.api()
-    found = wait_until(
-        lambda: next((o for o in env.objects() if env.job.running(api, o)), None), timeout_s
-    )
-    assert found, f"the {env.job.kind.kind} never ran"
-    return str(found["metadata"]["name"])
+
+    def running() -> list[dict[str, Any]] | None:
+        jobs = [o for o in env.objects() if env.job.running(api, o)]
+        return jobs if len(jobs) >= count else None
+
+    found = wait_until(running, timeout_s)
+    assert found, f"{count} {env.job.kind.kind}(s) never ran"
+    return str(found[0]["metadata"]["name"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,6 +255,34 @@ def test_a_revoked_token_fails_the_task_at_once_naming_the_block(env: Env) -> No
     assert f"KubernetesCluster '{env.kube._block_document_name}'" in message
     assert "kubeconfig field" in message
     assert env.server.token not in message and "Bearer" not in message
+
+
+@pytest.mark.slow
+def test_each_blocks_jobs_are_watched_with_that_blocks_own_token(env: Env) -> None:
+    """Two blocks of two users (tokens) on one cluster, and a token fixed after a 401: each
+    block's jobs are watched with its own credentials. Found in CI (ci41): the process-wide
+    watcher was keyed by the cluster alone and polled with the backend that made it, so a
+    later block (here: a new server on the port of an earlier test's, whose token was revoked)
+    was watched with the earlier token, and its job failed with that 401 at once. Asserted:
+    revoking one user's token fails that user's job only, the other's job succeeds, and the
+    first block saved again with a good token runs its next job to the end."""
+    revoked, kept = env.server.issue_token(), env.server.issue_token()
+    first, second = env.kube_block(revoked), env.kube_block(kept)
+    doomed = FlowInThread(JobSpec(entrypoint="sleep 60", name="a"), env.block(kubernetes=first))
+    others = FlowInThread(JobSpec(entrypoint="sleep 6", name="b"), env.block(kubernetes=second))
+    running_job(env, count=2)
+    env.server.revoke_token(revoked)
+    doomed.join(60)
+    assert isinstance(doomed.error, AuthenticationFailed), doomed.error
+    assert f"KubernetesCluster '{first._block_document_name}'" in str(doomed.error)
+    others.join(60)
+    assert others.error is None, f"the other user's job failed: {others.error!r}"
+    assert others.result.state is JobState.SUCCEEDED
+    fixed = env.kube_block(env.server.issue_token(), name=first._block_document_name)
+    rerun = FlowInThread(JobSpec(entrypoint="sleep 1", name="rerun"), env.block(kubernetes=fixed))
+    rerun.join(60)
+    assert rerun.error is None, f"the fixed block's job failed: {rerun.error!r}"
+    assert rerun.result.state is JobState.SUCCEEDED
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from prefect_nemo.watcher import (
     POLL_COST_FACTOR,
     ClusterWatcher,
 )
+from tests.conftest import wait_until
 
 
 class SlowList:
@@ -88,6 +89,39 @@ def test_a_close_does_not_wait_out_the_bound() -> None:
         thread.join(5.0)
         assert not thread.is_alive(), "the close waited out the poll bound"
     assert len(backend.polls) == 1
+
+
+class Keyed(SlowList):
+    """A polled backend of one cluster whose calls carry credentials hashed to `key`."""
+
+    cluster = "keyed-cluster"
+
+    def __init__(self, key: str) -> None:
+        super().__init__(cost_s=0.0)
+        self.credentials_key = key
+
+
+def test_one_watcher_per_cluster_and_credentials_and_a_replaced_ones_idle_watcher_goes() -> None:
+    """Backends of one cluster share a watcher only when their credentials are the same: a busy
+    watcher of other credentials is left to its waiters; an idle one (its token since
+    replaced) is dropped from the registry when a watcher of new credentials comes."""
+    from prefect_nemo import watcher as watchers
+
+    first, same, other, newest = Keyed("a"), Keyed("a"), Keyed("b"), Keyed("c")
+    try:
+        assert watchers.watcher_for(first) is watchers.watcher_for(same)  # type: ignore[arg-type]
+        busy = watchers.watcher_for(first)  # type: ignore[arg-type]
+        with busy.watching("job-1"):
+            apart = watchers.watcher_for(other)  # type: ignore[arg-type]
+            assert apart is not busy and apart.backend is other
+            assert watchers.watcher_for(first) is busy  # type: ignore[arg-type]  # kept: busy
+        assert wait_until(lambda: busy.idle, 10)
+        watchers.watcher_for(newest)  # type: ignore[arg-type]
+        kept = {k for k in watchers._watchers if k[0] == Keyed.cluster}
+        assert kept == {(Keyed.cluster, "c")}, kept
+    finally:
+        for key in [k for k in watchers._watchers if k[0] == Keyed.cluster]:
+            watchers._watchers.pop(key).close()
 
 
 def test_ray_asks_each_watched_job_only_where_that_costs_less_than_one_list() -> None:

@@ -217,6 +217,11 @@ class KubeJobBackend(Generic[ConfigT]):
         return f"{self.api.host}/namespaces/{self.namespace}/{self.job_kind.plural}"
 
     @property
+    def credentials_key(self) -> str:
+        """The API credentials, hashed."""
+        return self.api.credentials_key
+
+    @property
     def secrets(self) -> list[str]:
         """The API credentials, for redaction."""
         return list(self.api.secrets)

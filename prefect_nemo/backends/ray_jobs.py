@@ -261,6 +261,11 @@ class RayJobsBackend:
         return self.address
 
     @property
+    def credentials_key(self) -> str:
+        """The headers every request carries (the token's among them), hashed."""
+        return names.stable_hash(*(f"{k}={v}" for k, v in sorted(self._headers.items())))
+
+    @property
     def secrets(self) -> list[str]:
         """The token, every extra header value and the secret cluster env values, to redact."""
         return [v for v in [self._token, *self._headers.values(), *self._secret_env.values()] if v]

@@ -28,7 +28,7 @@ from prefect_nemo.errors import (
     Throttled,
 )
 from prefect_nemo.kube.kinds import POD, Kind
-from prefect_nemo.names import check_namespace
+from prefect_nemo.names import check_namespace, stable_hash
 
 _TRANSPORT_ERRORS = (urllib3.exceptions.HTTPError, OSError)
 # kube-apiserver's default is Warn: an unknown field (a typo in a RayCluster spec) would be
@@ -146,6 +146,14 @@ class KubeApi:
             "authorization"
         )
         return {"Authorization": token} if token else {}
+
+    @property
+    def credentials_key(self) -> str:
+        """The Authorization header and the client certificate's files, hashed (the client
+        writes a kubeconfig's certificate data to one file per content)."""
+        config = self.api_client.configuration
+        parts = [*self.auth_headers().values(), config.cert_file or "", config.key_file or ""]
+        return stable_hash(*parts)
 
     @property
     def secrets(self) -> list[str]:

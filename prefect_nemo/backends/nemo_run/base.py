@@ -126,6 +126,12 @@ class NemoRunBackend(ABC):
         """A stable identity of the cluster or service this backend submits to."""
 
     @property
+    def credentials_key(self) -> str:
+        """The secrets, hashed (a backend whose secrets change while it lives, a refreshed
+        token, says what stays instead)."""
+        return names.stable_hash(*self.secrets)
+
+    @property
     def secrets(self) -> list[str]:
         """Secret values of this backend's credentials, for redaction."""
         return []

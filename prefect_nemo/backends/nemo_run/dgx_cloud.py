@@ -53,6 +53,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from prefect_nemo import names
 from prefect_nemo.backends.nemo_run.base import EXPERIMENT_TITLE, OWNER_ENV, experiment_id
 from prefect_nemo.backends.nemo_run.dry_run import Answer, Sent
 from prefect_nemo.backends.nemo_run.isolation import nemo_run, root_logger_kept
@@ -137,6 +138,11 @@ class DGXCloudBackend(ServiceBackend):
     def cluster(self) -> str:
         """The API base and project: one watcher per project."""
         return f"{self.config.base_url}#{self.config.project_name}"
+
+    @property
+    def credentials_key(self) -> str:
+        """The application's id and secret, hashed (not the token: it changes on refresh)."""
+        return names.stable_hash(self.config.client_id, self.config.client_secret)
 
     @property
     def secrets(self) -> list[str]:

@@ -107,6 +107,11 @@ class LeptonRayBackend:
         return f"{self.lepton.cluster}/rayclusters/{self.cluster_name}"
 
     @property
+    def credentials_key(self) -> str:
+        """The workspace token, hashed."""
+        return names.stable_hash(self.config.token)
+
+    @property
     def secrets(self) -> list[str]:
         """The workspace token."""
         return [self.config.token]

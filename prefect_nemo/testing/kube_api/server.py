@@ -170,6 +170,7 @@ class LoopbackKubeServer(TokenClientConfig):
         watch_window: WatchWindow | None = None,
     ):
         self.token = token or secrets.token_urlsafe(24)
+        self._issued: set[str] = set()  # more tokens accepted (issue_token), as other users'
         self.tls = tls
         self.requests = RequestLog()
         self.ca_pem: bytes | None = None
@@ -311,16 +312,30 @@ class LoopbackKubeServer(TokenClientConfig):
             for watcher in list(self._store.watchers):
                 watcher.push(_DROP)
 
-    def revoke_token(self) -> str:
-        """Rotate the bearer token, as a real API server restarted with a new signing key (or
-        token file) behaves: every open watch ends, and every later request that still carries
-        the old token answers 401 with a `kind: Status` body. Returns the new token.
+    def issue_token(self) -> str:
+        """Another bearer token the server accepts, as one more line of a real API server's
+        static token file (another user of the same cluster)."""
+        token = secrets.token_urlsafe(24)
+        self._issued.add(token)
+        return token
+
+    def revoke_token(self, token: str | None = None) -> str:
+        """Revoke `token` (one from `issue_token`), or by default rotate the server's own, as a
+        real API server restarted with a new token file (or signing key) behaves: every open
+        watch ends, and every later request that still carries the revoked token answers 401
+        with a `kind: Status` body. Returns the server's token (new when it was rotated).
 
         Open watches end because a real apiserver checks credentials only when a request
         starts: it never re-authenticates an open stream, so a revocation alone would leave
-        them flowing; the restart that brings the new key in is what ends them.
+        them flowing; the restart that brings the new token list in is what ends them (the
+        clients whose tokens still hold list and watch again).
         """
-        self.token = secrets.token_urlsafe(24)
+        if token is None:
+            self.token = secrets.token_urlsafe(24)
+        elif token in self._issued:
+            self._issued.discard(token)
+        else:
+            raise ValueError("not a token this server issued: revoke_token() rotates its own")
         with self._store.lock:
             for watcher in list(self._store.watchers):
                 watcher.push(_STOP)
@@ -359,10 +374,17 @@ class LoopbackKubeServer(TokenClientConfig):
         return self._render(rt, obj, version) if obj is not None else None
 
     # HTTP ----------
+    def _accepts(self, auth: str) -> bool:
+        """Whether an Authorization header carries a token the server accepts (each compared
+        in constant time, all of them, so the answer's timing tells nothing)."""
+        presented = auth.encode()
+        tokens = [self.token, *self._issued]
+        return sum(hmac.compare_digest(presented, f"Bearer {t}".encode()) for t in tokens) > 0
+
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         try:
             auth = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(auth.encode(), f"Bearer {self.token}".encode()):
+            if not self._accepts(auth):
                 raise errors.unauthorized()
             raw_path = request.raw_path.split("?", 1)[0]
             parts = [unquote(p) for p in raw_path.strip("/").split("/") if p]

@@ -144,6 +144,11 @@ class SlurmBackend(SlurmJobRegistry, NemoRunBackend):
         return f"slurm://{self.address}{self.job_dir}"
 
     @property
+    def credentials_key(self) -> str:
+        """The SSH identity (a key file, or the key text the block holds), hashed."""
+        return names.stable_hash(self.config.identity or "", self.config.identity_key or "")
+
+    @property
     def secrets(self) -> list[str]:
         """The SSH key text, when the block holds it."""
         return self._ssh.secrets
