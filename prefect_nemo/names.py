@@ -98,6 +98,12 @@ def stable_hash(*parts: str, length: int = _HASH_LEN) -> str:
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:length]
 
 
+def secret_hash(*parts: str) -> str:
+    """A digest that tells secret values apart without revealing them, long enough that two
+    never collide (a registry keyed by credentials must not join two users)."""
+    return stable_hash(*parts, length=32)
+
+
 def job_id(
     scope: str, key: str, *, readable: str = "", attempt: int = 0, max_len: int = MAX_LABEL
 ) -> str:

@@ -263,7 +263,7 @@ class RayJobsBackend:
     @property
     def credentials_key(self) -> str:
         """The headers every request carries (the token's among them), hashed."""
-        return names.stable_hash(*(f"{k}={v}" for k, v in sorted(self._headers.items())))
+        return names.secret_hash(*(f"{k}={v}" for k, v in sorted(self._headers.items())))
 
     @property
     def secrets(self) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 import json
 from collections.abc import Iterator
+from functools import cached_property
 from typing import Any, cast
 
 import urllib3
@@ -28,7 +29,7 @@ from prefect_nemo.errors import (
     Throttled,
 )
 from prefect_nemo.kube.kinds import POD, Kind
-from prefect_nemo.names import check_namespace, stable_hash
+from prefect_nemo.names import check_namespace, secret_hash
 
 _TRANSPORT_ERRORS = (urllib3.exceptions.HTTPError, OSError)
 # kube-apiserver's default is Warn: an unknown field (a typo in a RayCluster spec) would be
@@ -147,13 +148,14 @@ class KubeApi:
         )
         return {"Authorization": token} if token else {}
 
-    @property
+    @cached_property
     def credentials_key(self) -> str:
-        """The Authorization header and the client certificate's files, hashed (the client
-        writes a kubeconfig's certificate data to one file per content)."""
+        """The Authorization header and the client certificate's files as the client was made,
+        hashed (the client writes a kubeconfig's certificate data to one file per content; a
+        token an exec plugin refreshes later keeps the key)."""
         config = self.api_client.configuration
         parts = [*self.auth_headers().values(), config.cert_file or "", config.key_file or ""]
-        return stable_hash(*parts)
+        return secret_hash(*parts)
 
     @property
     def secrets(self) -> list[str]:

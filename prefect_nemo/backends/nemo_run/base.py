@@ -129,7 +129,7 @@ class NemoRunBackend(ABC):
     def credentials_key(self) -> str:
         """The secrets, hashed (a backend whose secrets change while it lives, a refreshed
         token, says what stays instead)."""
-        return names.stable_hash(*self.secrets)
+        return names.secret_hash(*self.secrets)
 
     @property
     def secrets(self) -> list[str]:

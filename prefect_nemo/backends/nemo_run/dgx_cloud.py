@@ -142,7 +142,7 @@ class DGXCloudBackend(ServiceBackend):
     @property
     def credentials_key(self) -> str:
         """The application's id and secret, hashed (not the token: it changes on refresh)."""
-        return names.stable_hash(self.config.client_id, self.config.client_secret)
+        return names.secret_hash(self.config.client_id, self.config.client_secret)
 
     @property
     def secrets(self) -> list[str]:

@@ -109,7 +109,7 @@ class LeptonRayBackend:
     @property
     def credentials_key(self) -> str:
         """The workspace token, hashed."""
-        return names.stable_hash(self.config.token)
+        return names.secret_hash(self.config.token)
 
     @property
     def secrets(self) -> list[str]:

@@ -146,7 +146,7 @@ class SlurmBackend(SlurmJobRegistry, NemoRunBackend):
     @property
     def credentials_key(self) -> str:
         """The SSH identity (a key file, or the key text the block holds), hashed."""
-        return names.stable_hash(self.config.identity or "", self.config.identity_key or "")
+        return names.secret_hash(self.config.identity or "", self.config.identity_key or "")
 
     @property
     def secrets(self) -> list[str]:

@@ -77,10 +77,9 @@ class SafeSSH:
     def shared(cls, **kwargs: Any) -> SafeSSH:
         """The process-wide connection for these settings (a block builds a backend per task;
         they share one SSH connection). Keyed by a hash of the key, never the key itself."""
-        key = names.stable_hash(
+        key = names.secret_hash(
             *(f"{k}={kwargs[k]}" for k in sorted(kwargs) if k != "identity_key"),
             kwargs.get("identity_key") or "",
-            length=32,
         )
         with _ssh_lock:
             ssh = _ssh_pool.get(key)
