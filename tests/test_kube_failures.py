@@ -321,6 +321,36 @@ def test_a_failed_submission_is_the_clusters_once_ray_had_the_job_and_names_the_
     assert NO_HEAD in (backend.read_log(job) or ""), "no Ray log: the submitter's is the job's"
 
 
+# Ray's answer to a submit while its head has no job agent yet (job_head.py submit_job), as the
+# submitter pod of ci run ci2 printed it on the real control plane
+NO_AGENT = ("RuntimeError: Request failed with status code 500: No available agent to submit "
+            "job, please try again later..")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config", [RayJobConfig(ray_cluster_spec=INLINE), RayJobConfig(ray_cluster_name="c")]
+)
+def test_a_submission_ray_said_to_try_again_later_is_the_clusters_on_any_cluster(
+    api: KubeApi, kube_server: Any, config: RayJobConfig
+) -> None:
+    """Ray (ray/dashboard/modules/job/job_head.py, submit_job) answers a submit it cannot take
+    yet, its head having no job agent within WAIT_AVAILABLE_AGENT_TIMEOUT, with 500 "No
+    available agent to submit job, please try again later." Seen in a fresh-clone run on the
+    real KubeRay operator: a head still starting on a busy machine, the submitter's three tries
+    spent. Ray never had the job, so it failed for the cluster and a resubmission cannot run it
+    twice, on its own cluster or on one that stays (a NO_HEAD failure stays the job's:
+    test_a_failed_submission_is_the_clusters_once_ray_had_the_job_and_names_the_submitters_line)."""
+    job = f"rj-{uid()}"
+    rayjob(api, job, {"jobDeploymentStatus": "Failed", "reason": "SubmissionFailed",
+                      "message": BACKOFF})  # fmt: skip
+    failed_submitter(api, kube_server, job, f"Traceback (most recent call last):\n{NO_AGENT}\n")
+    seen = KubeRayBackend(api, config).statuses([job])[job]
+    assert seen.state is JobState.FAILED
+    assert seen.failure == Failure(
+        kind=FailureClass.INFRASTRUCTURE, reason=f"SubmissionFailed: {NO_AGENT}"
+    )
+
+
 def _pod(status: dict[str, Any], node_name: str = "n1") -> dict[str, Any]:
     return {"metadata": {"name": "p"}, "spec": {"nodeName": node_name}, "status": status}
 

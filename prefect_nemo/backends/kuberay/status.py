@@ -30,7 +30,8 @@ A FAILED RayJob says why (JobStatus.failure): its cluster's and submitter's pods
 and their Nodes (a lost node: infrastructure, naming it; a bad image: spec; OOMKilled:
 application), else its reason (ValidationFailed: spec, DeadlineExceeded: application,
 PreRunningDeadlineExceeded: infrastructure; SubmissionFailed after Ray took the job, on a
-cluster that goes with the RayJob: infrastructure, naming the submitter pod's last log line),
+cluster that goes with the RayJob, or before, Ray saying its head had no job agent yet:
+infrastructure, naming the submitter pod's last log line),
 else nothing (AppFailed: the log tail tells). A failed submission that left Ray no log reads
 its submitter pod's.
 """
@@ -47,6 +48,9 @@ from prefect_nemo.recovery import REASON_CHARS
 _EXIT_CODE = re.compile(r"exit code (-?\d+)")
 # the RayJob status.reason of a failed K8sJobMode submitter Job (rayjob_failure)
 SUBMISSION_FAILED = "SubmissionFailed"
+# Ray's answer (500) to a submit while its head has no job agent yet, within
+# WAIT_AVAILABLE_AGENT_TIMEOUT (ray/dashboard/modules/job/job_head.py): the cluster is not ready
+NO_AGENT_YET = "No available agent to submit job, please try again later"
 # RayJob status.reason (KubeRay v1.6 rayjob_types.go JobFailedReason) that alone say the class;
 # AppFailed does not (the log tail tells), SubmissionFailed only with Ray's jobStatus
 # (rayjob_failure)
@@ -131,12 +135,16 @@ def rayjob_failure(
     (`ends_with_it`: its own cluster, torn down with it); on a cluster that stays its Ray job
     may still run (the backend stops it: `stop_left_running`), and a resubmission could run
     it twice. Where Ray never had it, the submit itself failed (an unreachable head, a bad
-    runtime_env): the job's. Either way the reason carries the submitter's last log line
-    (`submitter_said`)."""
+    runtime_env): the job's, unless Ray answered that its head had no job agent yet and to try
+    again later (NO_AGENT_YET, a head still starting on a busy node): the cluster's, and safe
+    to resubmit anywhere, since Ray never had the job. Either way the reason carries the
+    submitter's last log line (`submitter_said`)."""
     status = obj.get("status") or {}
     reason = status.get("reason") or ""
     if reason == SUBMISSION_FAILED:
-        ours = submission_failed_after_ray_took_it(obj) and ends_with_it
+        ours = (submission_failed_after_ray_took_it(obj) and ends_with_it) or (
+            NO_AGENT_YET in submitter_said and not submission_failed_after_ray_took_it(obj)
+        )
         said = f"{reason}: {submitter_said}" if submitter_said else reason
         return Failure(
             kind=FailureClass.INFRASTRUCTURE if ours else FailureClass.APPLICATION,
