@@ -250,9 +250,7 @@ def _wait_for_a_quiet_network() -> float:
     NETWORK_QUIET_WAIT_S passed; the seconds waited. (Polled: a pod's address lives seconds.)"""
     start = since = time.monotonic()
     last = _addresses()
-    while time.monotonic() - since < NETWORK_QUIET_S and time.monotonic() - start < (
-        NETWORK_QUIET_WAIT_S
-    ):
+    while time.monotonic() < min(since + NETWORK_QUIET_S, start + NETWORK_QUIET_WAIT_S):
         time.sleep(0.05)
         if (current := _addresses()) != last:
             last, since = current, time.monotonic()

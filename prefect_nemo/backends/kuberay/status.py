@@ -142,9 +142,8 @@ def rayjob_failure(
     status = obj.get("status") or {}
     reason = status.get("reason") or ""
     if reason == SUBMISSION_FAILED:
-        ours = (submission_failed_after_ray_took_it(obj) and ends_with_it) or (
-            NO_AGENT_YET in submitter_said and not submission_failed_after_ray_took_it(obj)
-        )
+        ray_had_it = submission_failed_after_ray_took_it(obj)
+        ours = ends_with_it if ray_had_it else NO_AGENT_YET in submitter_said
         said = f"{reason}: {submitter_said}" if submitter_said else reason
         return Failure(
             kind=FailureClass.INFRASTRUCTURE if ours else FailureClass.APPLICATION,
